@@ -1,0 +1,208 @@
+"""Per-family adapter table: where each canonical piece of a Transformer layer lives.
+
+An adapter never copies modeling code. It names module paths (relative to one layer) and says how the
+block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm). `resolve(model)` turns the
+table entry into concrete modules and weight matrices in the canonical `x @ W` orientation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixlens.errors import MixlensError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    layers: str  # path from the base model to the layer ModuleList
+    pre_ln: bool  # True: x + Attn(LN(x)) (GPT-2, Llama); False: LN(x + Attn(x)) (BERT)
+    rms: bool  # RMSNorm instead of LayerNorm
+    attn: str  # the attention module whose eager attention call is captured
+    v_proj: str  # value projection (a fused qkv for GPT-2)
+    o_proj: str  # attention output projection
+    ln_mix: str  # norm fed by the attention residual sum (post-LN: LN1; pre-LN: LN before the FFN)
+    ffn_in: str  # first FFN projection (its output is the pre-activation)
+    ffn_out: str  # last FFN projection (its input is the post-activation)
+    ln_in: str | None = None  # pre-LN only: the norm applied to x before attention
+    ln_out: str | None = None  # post-LN only: the norm after the FFN residual sum (LN2)
+    ffn_gate: str | None = None  # gated FFN (Llama)
+    causal: bool = False
+    fused_qkv: bool = False
+
+
+_BERT_LIKE = dict(
+    layers="encoder.layer", pre_ln=False, rms=False, attn="attention.self", v_proj="attention.self.value",
+    o_proj="attention.output.dense", ln_mix="attention.output.LayerNorm", ffn_in="intermediate.dense",
+    ffn_out="output.dense", ln_out="output.LayerNorm",
+)
+
+FAMILIES: tuple[Family, ...] = (
+    Family("bert", ("bert",), **_BERT_LIKE),
+    Family("roberta", ("roberta", "xlm-roberta"), **_BERT_LIKE),
+    Family("electra", ("electra",), **_BERT_LIKE),
+    Family(
+        "distilbert", ("distilbert",), layers="transformer.layer", pre_ln=False, rms=False, attn="attention",
+        v_proj="attention.v_lin", o_proj="attention.out_lin", ln_mix="sa_layer_norm", ffn_in="ffn.lin1",
+        ffn_out="ffn.lin2", ln_out="output_layer_norm",
+    ),
+    Family(
+        "albert", ("albert",), layers="encoder.albert_layer_groups", pre_ln=False, rms=False, attn="attention",
+        v_proj="attention.value", o_proj="attention.dense", ln_mix="attention.LayerNorm", ffn_in="ffn",
+        ffn_out="ffn_output", ln_out="full_layer_layer_norm",
+    ),
+    Family(
+        "gpt2", ("gpt2",), layers="h", pre_ln=True, rms=False, attn="attn", v_proj="attn.c_attn",
+        o_proj="attn.c_proj", ln_mix="ln_2", ffn_in="mlp.c_fc", ffn_out="mlp.c_proj", ln_in="ln_1",
+        causal=True, fused_qkv=True,
+    ),
+    Family(
+        "llama", ("llama", "mistral", "qwen2"), layers="layers", pre_ln=True, rms=True, attn="self_attn",
+        v_proj="self_attn.v_proj", o_proj="self_attn.o_proj", ln_mix="post_attention_layernorm",
+        ffn_in="mlp.up_proj", ffn_out="mlp.down_proj", ln_in="input_layernorm", ffn_gate="mlp.gate_proj",
+        causal=True,
+    ),
+)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for f in FAMILIES for t in f.model_types)
+
+
+def family_for(model_type: str) -> Family:
+    for fam in FAMILIES:
+        if model_type in fam.model_types:
+            return fam
+    raise MixlensError(
+        f"unsupported architecture '{model_type}'; supported model types: {', '.join(supported_model_types())}"
+    )
+
+
+def _linear_xw(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W [in, out], b [out] | None) such that mod(x) = x @ W + b; handles nn.Linear and GPT-2 Conv1D."""
+    if isinstance(mod, nn.Linear):
+        return mod.weight.T, mod.bias
+    return mod.weight, mod.bias  # transformers Conv1D stores [in, out]
+
+
+@dataclass
+class Norm:
+    """A LayerNorm or RMSNorm as the per-target linear map of DESIGN §3.3: g_i(v) = γ ⊙ C(v) / s_i."""
+
+    module: nn.Module
+    rms: bool
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.module, "bias", None)
+
+    @property
+    def eps(self) -> float:
+        for name in ("eps", "variance_epsilon"):
+            if hasattr(self.module, name):
+                return float(getattr(self.module, name))
+        raise MixlensError(f"cannot find eps of {type(self.module).__name__}")
+
+    def center(self, v: torch.Tensor) -> torch.Tensor:
+        """C(v): subtract the mean over the hidden axis (identity for RMSNorm)."""
+        return v if self.rms else v - v.mean(-1, keepdim=True)
+
+    def project(self, v: torch.Tensor) -> torch.Tensor:
+        """P(v) = γ ⊙ C(v), the scale-free part of g."""
+        return self.center(v) * self.weight
+
+    def scale(self, y: torch.Tensor) -> torch.Tensor:
+        """s_i from the real pre-norm vectors y [..., d] → [...] (biased variance of the whole vector)."""
+        c = self.center(y)
+        return torch.sqrt(c.pow(2).mean(-1) + self.eps)
+
+    def shift(self) -> torch.Tensor:
+        return self.bias if self.bias is not None else torch.zeros_like(self.weight)
+
+
+@dataclass
+class Layer:
+    """Concrete modules of one layer (ALBERT repeats the same objects)."""
+
+    module: nn.Module
+    attn: nn.Module
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    w_o: torch.Tensor  # [H * d_head, d]
+    b_o: torch.Tensor | None  # [d]
+    w_v: torch.Tensor  # [d, H_kv * d_head]
+    b_v: torch.Tensor | None
+    ln_mix: Norm
+    ffn_in: nn.Module
+    ffn_out: nn.Module
+    ln_in: Norm | None
+    ln_out: Norm | None
+    ffn_gate: nn.Module | None
+
+
+@dataclass
+class Adapter:
+    family: Family
+    base: nn.Module  # the base encoder/decoder inside any AutoModel head
+    layers: list[Layer]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_heads(self) -> int:
+        return self.layers[0].n_heads
+
+
+def _get(root: nn.Module, path: str) -> nn.Module:
+    mod = root
+    for part in path.split("."):
+        mod = getattr(mod, part) if not part.isdigit() else mod[int(part)]
+    return mod
+
+
+def _layer_modules(fam: Family, base: nn.Module) -> list[nn.Module]:
+    if fam.name != "albert":
+        return list(_get(base, fam.layers))
+    cfg = base.config  # ALBERT: groups of shared layers, each called L/G times in order
+    groups = _get(base, fam.layers)
+    n, g = cfg.num_hidden_layers, cfg.num_hidden_groups
+    return [m for i in range(n) for m in groups[int(i / (n / g))].albert_layers]
+
+
+def resolve(model: nn.Module) -> Adapter:
+    """Find the family of an HF model (any AutoModel head) and its per-layer modules."""
+    cfg = model.config
+    fam = family_for(cfg.model_type)
+    base = model.base_model
+    n_heads = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    layers = []
+    for mod in _layer_modules(fam, base):
+        w_o, b_o = _linear_xw(_get(mod, fam.o_proj))
+        w_v, b_v = _linear_xw(_get(mod, fam.v_proj))
+        d = w_o.shape[1]
+        if fam.fused_qkv:  # GPT-2 c_attn: [q | k | v]
+            w_v, b_v = w_v[:, 2 * d :], (b_v[2 * d :] if b_v is not None else None)
+        layers.append(
+            Layer(
+                module=mod, attn=_get(mod, fam.attn), n_heads=n_heads, n_kv_heads=n_kv,
+                d_head=w_o.shape[0] // n_heads, w_o=w_o, b_o=b_o, w_v=w_v, b_v=b_v,
+                ln_mix=Norm(_get(mod, fam.ln_mix), fam.rms), ffn_in=_get(mod, fam.ffn_in),
+                ffn_out=_get(mod, fam.ffn_out),
+                ln_in=Norm(_get(mod, fam.ln_in), fam.rms) if fam.ln_in else None,
+                ln_out=Norm(_get(mod, fam.ln_out), fam.rms) if fam.ln_out else None,
+                ffn_gate=_get(mod, fam.ffn_gate) if fam.ffn_gate else None,
+            )
+        )
+    return Adapter(family=fam, base=base, layers=layers)

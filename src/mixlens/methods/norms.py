@@ -1,0 +1,145 @@
+"""Norm-based decomposition of the attention block (Kobayashi et al. 2020, 2021; DESIGN §3.2–3.4).
+
+Per layer, with f^h(x_j) = v^h_j W_O^h and u_ij = Σ_h α^h_ij f^h(x_j):
+
+- N       ‖α^h_ij f^h(x_j)‖ per head, ‖u_ij‖ head-summed
+- N-Res   ‖t_ij‖,        t_ij = u_ij + [i=j] x_i
+- N-ResLN ‖g_i(t_ij)‖,   g_i(v) = γ ⊙ C(v) / s_i, s_i from the real pre-norm vector
+
+Norms of linear images are taken through per-source Gram matrices (DESIGN §4), never through
+[head, target, source, d] tensors. Every call checks that the decomposition sums back to the real
+pre-norm vector and norm output of each layer, and raises `ReconstructionError` naming the layer if not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixlens.adapters import Layer
+from mixlens.errors import ReconstructionError
+from mixlens.methods.registry import LHTS, register
+from mixlens.trace import LayerTrace, Trace, _repeat_kv
+
+RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
+TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
+CHUNK = 64  # target rows per chunk of the Gram quadratic form (keeps the working set in cache)
+
+
+@dataclass
+class BlockNorms:
+    """All norm-based quantities of a trace. B=batch, L=layer, H=head, n=tokens, d=hidden."""
+
+    f_norm: torch.Tensor  # [B, L, H, n(source)]  ‖f^h(x_j)‖
+    n: torch.Tensor  # [B, L, n, n]  ‖u_ij‖
+    n_res: torch.Tensor  # [B, L, n, n]  ‖t_ij‖
+    n_resln: torch.Tensor  # [B, L, n, n]  ‖g_i(t_ij)‖
+    ratio: dict[str, torch.Tensor]  # variant → [B, L, n(target)] context-mixing ratio r_i
+    bias: torch.Tensor  # [B, L, n, d]  g_i(b_O) + β, the part of the norm output no token owns
+    error: torch.Tensor  # [B, L] max abs reconstruction error (pre-norm sum and norm output)
+
+
+def quad_norm(alpha: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """‖Σ_h α^h_ij F^h_j‖ from α [B, H, n, n] and per-source Gram G_j [B, n, H, H] → [B, n, n]."""
+    a = alpha.permute(0, 3, 2, 1)  # [B, j, i, H]
+    out = torch.empty(alpha.shape[0], alpha.shape[3], alpha.shape[2], dtype=alpha.dtype)
+    for s in range(0, a.shape[2], CHUNK):
+        ac = a[:, :, s : s + CHUNK]
+        out[:, :, s : s + CHUNK] = (torch.matmul(ac, gram) * ac).sum(-1)
+    return out.clamp_min_(0).sqrt_().transpose(1, 2)
+
+
+def head_vectors(lt: LayerTrace, lay: Layer) -> torch.Tensor:
+    """f^h(x_j) = v^h_j W_O^h for every head and source: [B, H, n, d]."""
+    v = _repeat_kv(lt.value, lay.n_heads).float()
+    w = lay.w_o.float().reshape(lay.n_heads, lay.d_head, -1)
+    return torch.einsum("bhjk,hkd->bhjd", v, w)
+
+
+def attn_sum(lt: LayerTrace, lay: Layer) -> torch.Tensor:
+    """Σ_j Σ_h α^h_ij f^h(x_j) (the attention output without b_O): [B, n, d]."""
+    z = torch.matmul(lt.alpha.float(), _repeat_kv(lt.value, lay.n_heads).float())  # [B, H, n, d_h]
+    return z.transpose(1, 2).flatten(2) @ lay.w_o.float()
+
+
+def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
+    alpha, x, norm = lt.alpha.float(), lt.x.float(), lay.ln_mix
+    f = head_vectors(lt, lay)
+    pf = norm.project(f)
+    gram = torch.einsum("bhjd,bgjd->bjhg", f, f)
+    gram_p = torch.einsum("bhjd,bgjd->bjhg", pf, pf)
+    a_ii = alpha.diagonal(dim1=2, dim2=3)  # [B, H, n]
+    u_ii = torch.einsum("bhi,bhid->bid", a_ii, f)
+    t_ii = u_ii + x
+    total = attn_sum(lt, lay)
+    off = total - u_ii  # Σ_{j≠i} u_ij = Σ_{j≠i} t_ij
+    s = norm.scale(lt.mix_in.float())  # [B, n]
+
+    n = quad_norm(alpha, gram)
+    n_res = n.clone()
+    n_res.diagonal(dim1=1, dim2=2).copy_(t_ii.norm(dim=-1))
+    n_resln = quad_norm(alpha, gram_p) / s[:, :, None]
+    n_resln.diagonal(dim1=1, dim2=2).copy_(norm.project(t_ii).norm(dim=-1) / s)
+
+    def r(o: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        on, dn = o.norm(dim=-1), d.norm(dim=-1)
+        return on / (on + dn).clamp_min(torch.finfo(on.dtype).tiny)
+
+    w_mix = 1 - a_ii.mean(1)
+    ratio = {"W": w_mix, "N": r(off, u_ii), "Res-W": w_mix / 2, "Res-N": r(off, t_ii),
+             "ResLN-N": r(norm.project(off), norm.project(t_ii))}
+
+    b_o = lay.b_o.float() if lay.b_o is not None else torch.zeros_like(x[0, 0])
+    bias = norm.project(b_o) / s[..., None] + norm.shift().float()
+    m = mask[..., None]
+    err_in = ((total + x + b_o - lt.mix_in.float()).abs() * m).amax((1, 2))
+    rebuilt = norm.project(total + x) / s[..., None] + bias
+    err_out = ((rebuilt - lt.mix_out.float()).abs() * m).amax((1, 2))
+    error = torch.maximum(err_in, err_out)
+    scale = torch.maximum(lt.mix_in.float().abs().amax(), lt.mix_out.float().abs().amax()).clamp_min(1.0)
+    if error.max() > TOLERANCE * scale:
+        raise ReconstructionError(
+            f"layer {index}: the decomposition differs from the real attention-block output by "
+            f"{error.max().item():.3g} (tolerance {TOLERANCE * scale.item():.3g}); the adapter for this "
+            "architecture does not match the model"
+        )
+    pair = mask[:, :, None] & mask[:, None, :]
+    return {"f_norm": f.norm(dim=-1) * mask[:, None, :], "n": n * pair, "n_res": n_res * pair,
+            "n_resln": n_resln * pair, "bias": bias * m, "error": error,
+            **{f"ratio:{k}": v * mask for k, v in ratio.items()}}
+
+
+def block_norms(trace: Trace) -> BlockNorms:
+    """Compute (once per trace, then cached) every norm-based quantity of every layer."""
+    if "block_norms" not in trace.cache:
+        per = [_layer(lt, lay, trace.mask, i) for i, (lt, lay) in
+               enumerate(zip(trace.layers, trace.adapter.layers, strict=True))]
+        st = {k: torch.stack([p[k] for p in per], dim=1) for k in per[0]}
+        trace.cache["block_norms"] = BlockNorms(
+            f_norm=st["f_norm"], n=st["n"], n_res=st["n_res"], n_resln=st["n_resln"], bias=st["bias"],
+            error=st["error"], ratio={v: st[f"ratio:{v}"] for v in RATIO_VARIANTS},
+        )
+    return trace.cache["block_norms"]
+
+
+@register("norm", head_dims=LHTS)
+def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
+    """‖α f(x)‖ (Kobayashi 2020): per head α^h_ij‖f^h(x_j)‖, or ‖Σ_h α^h_ij f^h(x_j)‖ head-summed."""
+    bn = block_norms(trace)
+    if not heads:
+        return bn.n
+    alpha = torch.stack([lt.alpha for lt in trace.layers], dim=1).float()
+    return alpha * bn.f_norm[:, :, :, None, :] * trace.mask[:, None, None, :, None]
+
+
+@register("norm_res")
+def norm_res(trace: Trace) -> torch.Tensor:
+    """‖t_ij‖: attention plus residual (Kobayashi 2021, N-Res)."""
+    return block_norms(trace).n_res
+
+
+@register("norm_resln")
+def norm_resln(trace: Trace) -> torch.Tensor:
+    """‖g_i(t_ij)‖: attention, residual and LayerNorm (Kobayashi 2021, N-ResLN)."""
+    return block_norms(trace).n_resln

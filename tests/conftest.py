@@ -1,0 +1,67 @@
+"""Shared fixtures: the real bundled model and small random models of every supported family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+
+import mixlens
+from mixlens.lens import default_model_path
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SENTENCES = ["The keys to the cabinet are on the table.", "A dog barked, and then it ran away quickly!",
+             "Short one."]
+
+_SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+CONFIGS = {
+    "bert": lambda: T.BertConfig(**_SMALL),
+    "roberta": lambda: T.RobertaConfig(**_SMALL),
+    "xlm-roberta": lambda: T.XLMRobertaConfig(**_SMALL),
+    "electra": lambda: T.ElectraConfig(embedding_size=32, **_SMALL),
+    "distilbert": lambda: T.DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128),
+    "albert": lambda: T.AlbertConfig(embedding_size=32, num_hidden_groups=1, **{**_SMALL, "num_hidden_layers": 3}),
+    "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=2, n_head=4),
+    "llama": lambda: T.LlamaConfig(num_key_value_heads=2, **_SMALL),
+}
+FAMILIES = list(CONFIGS)
+
+
+def data_file(*parts: str) -> Path:
+    """A file of ../shared/data, or skip the test when it is absent."""
+    p = DATA.joinpath(*parts)
+    if not p.is_file():
+        pytest.skip(f"shared data file {p} not present")
+    return p
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return T.AutoTokenizer.from_pretrained(default_model_path())
+
+
+def random_model(family: str, tokenizer, head: str = "AutoModel", seed: int = 0, **overrides):
+    """A small randomly initialised model of `family`, sized to the bundled tokenizer's vocabulary."""
+    torch.manual_seed(seed)
+    cfg = CONFIGS[family]()
+    cfg.vocab_size = tokenizer.vocab_size
+    cfg.pad_token_id = tokenizer.pad_token_id
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return getattr(T, head).from_config(cfg, attn_implementation="eager")
+
+
+def random_lens(family: str, tokenizer, head: str = "AutoModel", seed: int = 0, **overrides) -> mixlens.Lens:
+    return mixlens.Lens(random_model(family, tokenizer, head, seed, **overrides), tokenizer, name=f"random-{family}")
+
+
+@pytest.fixture(scope="session")
+def bundled() -> mixlens.Lens:
+    return mixlens.load()
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_lens(request, tokenizer) -> mixlens.Lens:
+    return random_lens(request.param, tokenizer)
