@@ -1,0 +1,1 @@
+"""Statistics over attribution maps (token-type mass, entropy, head types, syntax, agreement)."""
