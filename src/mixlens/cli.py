@@ -26,6 +26,23 @@ COMMAND_MODULES: list[str] = []
 class Format(str, Enum):
     table = "table"
     json = "json"
+    html = "html"
+
+
+def parse_options(items: list[str] | None) -> dict[str, dict[str, object]]:
+    """`--option METHOD.KEY=VALUE` (VALUE as JSON, else a string) → {method: {key: value}}."""
+    out: dict[str, dict[str, object]] = {}
+    for item in items or []:
+        name, eq, raw = item.partition("=")
+        method, dot, key = name.partition(".")
+        if not (eq and dot and method and key):
+            raise MixlensError(f"bad --option '{item}'; expected METHOD.KEY=VALUE, e.g. globenc_rollout.normalize=true")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.setdefault(method, {})[key] = value
+    return out
 
 
 def fail(message: str) -> None:
@@ -46,13 +63,18 @@ def analyze(
                                      "norm, norm_res, norm_resln. `mixlens methods` lists them all."),
     heads: bool = typer.Option(False, "--heads", help="Per-head matrices for methods that have them."),
     fmt: Format = typer.Option(Format.table, "--format", "-f", help="table: print mixing ratios and write "
-                               "JSON to --out; json: print the JSON to stdout (or --out)."),
+                               "JSON to --out; json: print the JSON to stdout (or --out); html: write a "
+                               "self-contained report to --out (default mixlens-report.html)."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Where to write the JSON "
                                     "(default for --format table: mixlens-analysis.json)."),
     max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit (default: the "
                                           "model's)."),
     no_truncate: bool = typer.Option(False, "--no-truncate", help="Refuse over-long inputs instead of "
                                      "truncating them."),
+    option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable); "
+                                     "`mixlens methods` lists each method's options."),
+    head: str | None = typer.Option(None, "--head", help="Model head to load: base, masked-lm, "
+                                    "sequence-classification, causal-lm (default: from the model config)."),
 ) -> None:
     """Decompose the attention blocks of TEXT and report the context-mixing ratio per layer."""
     from mixlens.lens import DEFAULT_METHODS, load
@@ -61,8 +83,19 @@ def analyze(
     methods = list(method) if method else list(DEFAULT_METHODS)
     for m in methods:
         get(m)  # unknown names fail before the model loads
-    lens = load(model)
-    res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate)
+    opts = parse_options(option)
+    lens = load(model, head=head)
+    res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate,
+                       options=opts)
+    if fmt is Format.html:
+        from mixlens.viz.html import render_report
+
+        dest = out or Path("mixlens-report.html")
+        from mixlens.result import atomic_write
+
+        atomic_write(dest, render_report(res).encode())
+        typer.echo(f"wrote report to {dest}", err=True)
+        return
     payload = json.dumps(res.to_json())
     if fmt is Format.json and out is None:
         sys.stdout.write(payload + "\n")
