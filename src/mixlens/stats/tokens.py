@@ -28,7 +28,9 @@ def token_kinds(lens, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
             "sep": torch.isin(ids, torch.tensor(sorted(sep_ids))) & m, "punct": punct & m}
 
 
-def token_type_masses(maps: torch.Tensor, kinds: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def token_type_masses(
+    maps: torch.Tensor, kinds: dict[str, torch.Tensor], mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Mean over real target rows i of Σ_{j∈S} A_ij, for each type S in TOKEN_TYPES.
 
     maps [B, ..., n, n] (rows should sum to 1), kinds from `token_kinds`, mask [B, n] → {type: [B, ...]}.
