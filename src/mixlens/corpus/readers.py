@@ -1,0 +1,344 @@
+"""Stream examples from TSV/CSV/JSONL/Parquet/plain-text files or a `datasets` name/split.
+
+Nothing here loads a file whole: text formats are read line by line, Parquet by record batches.
+Every reader yields `Example(index, text, fields)`; `index` is the 0-based record number in the source
+(records that were skipped still use up their number, so an index always names the same row).
+
+Bad records never stop a run unless `strict=True`: undecodable lines (not UTF-8) and malformed rows
+(wrong field count, broken JSON, missing/null text) are skipped and counted in `stats`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mixlens.errors import MixlensError
+
+Text = str | tuple[str, str]
+FORMATS = ("tsv", "csv", "jsonl", "parquet", "text")
+_SUFFIX = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
+           ".pq": "parquet", ".txt": "text", ".text": "text"}
+# Default columns, tried in order when --text-column is not given; the pairs win when both columns exist.
+TEXT_DEFAULTS = ("sentence", "text", "content", "document", "question", "premise")
+PAIR_DEFAULTS = (("sentence1", "sentence2"), ("premise", "hypothesis"), ("question1", "question2"))
+HF_PREFIX = "hf:"
+_PARQUET_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Example:
+    """One input record: `text` is what the model reads (a str, or a (str, str) pair); `fields` is the whole row."""
+
+    index: int
+    text: Text
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReadStats:
+    """Counters filled while reading (a plain dict with the same keys works too)."""
+
+    read: int = 0  # examples yielded
+    undecodable: int = 0  # lines that are not valid UTF-8, skipped
+    malformed: int = 0  # rows with a wrong field count, broken JSON or a missing text, skipped
+
+    def as_dict(self) -> dict[str, int]:
+        return {"read": self.read, "undecodable": self.undecodable, "malformed": self.malformed}
+
+
+Stats = ReadStats | MutableMapping[str, int] | None
+
+
+def _bump(stats: Stats, key: str) -> None:
+    if stats is None:
+        return
+    if isinstance(stats, MutableMapping):
+        stats[key] = stats.get(key, 0) + 1
+    else:
+        setattr(stats, key, getattr(stats, key) + 1)
+
+
+def detect_format(path: Path) -> str:
+    """The format from the file suffix; unknown suffixes are read as plain text (one example per line)."""
+    return _SUFFIX.get(path.suffix.lower(), "text")
+
+
+# ---------------------------------------------------------------- records: (index, row dict | None) per format
+# Readers never raise on bad records themselves: a `_Bad` carries the reason up to `iter_examples`,
+# which counts it or, with `strict`, raises.
+
+
+class _Bad(Exception):
+    def __init__(self, kind: str, where: str) -> None:
+        super().__init__(where)
+        self.kind, self.where = kind, where
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str | _Bad]]:
+    """(1-based line number, decoded line or _Bad) for each line, in binary chunks; never the file whole."""
+    with path.open("rb") as fh:
+        for no, raw in enumerate(fh, start=1):
+            if no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                yield no, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield no, _Bad("undecodable", f"line {no} is not valid UTF-8")
+
+
+def _delimited(path: Path, fmt: str) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+    """Header + rows of a TSV (no quoting, like GLUE files) or CSV (standard quoting)."""
+    kw: dict[str, Any] = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if fmt == "tsv" else {}
+    lines = _lines(path)
+    header: list[str] | None = None
+    for _, line in lines:
+        if isinstance(line, _Bad):
+            raise MixlensError(f"{path}: the header ({line.where}) cannot be read")
+        if line.strip():
+            header = next(csv.reader([line], **kw))
+            break
+    if header is None:
+        raise MixlensError(f"{path} is empty (no header and no rows)")
+    header = [h.strip() for h in header]
+
+    def rows() -> Iterator[dict[str, Any] | _Bad]:
+        bad: list[_Bad] = []
+
+        def good_lines() -> Iterator[str]:
+            for _, line in lines:
+                if isinstance(line, _Bad):
+                    bad.append(line)
+                    continue
+                yield line
+
+        reader = csv.reader(good_lines(), **kw)
+        while True:
+            try:
+                values = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as e:
+                yield _Bad("malformed", f"row near line {reader.line_num}: {e}")
+                continue
+            while bad:  # undecodable lines met while reading this row keep their place in the numbering
+                yield bad.pop(0)
+            if not values or values == [""]:
+                continue  # blank line
+            if len(values) != len(header):
+                yield _Bad("malformed", f"line near {reader.line_num} has {len(values)} fields, the header "
+                           f"{len(header)}")
+                continue
+            yield dict(zip(header, values, strict=True))
+        yield from bad
+
+    return header, rows()
+
+
+def _jsonl(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+    """One JSON object per line; the columns are the keys of the first object."""
+    lines = _lines(path)
+
+    def parse(no: int, line: str | _Bad) -> dict[str, Any] | _Bad | None:
+        if isinstance(line, _Bad):
+            return line
+        if not line.strip():
+            return None
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            return _Bad("malformed", f"line {no} is not valid JSON ({e.msg})")
+        return obj if isinstance(obj, dict) else _Bad("malformed", f"line {no} is not a JSON object")
+
+    first: list[dict[str, Any] | _Bad] = []
+    for no, line in lines:
+        rec = parse(no, line)
+        if rec is None:
+            continue
+        first.append(rec)
+        if isinstance(rec, dict):
+            break
+    if not any(isinstance(r, dict) for r in first):
+        if first:
+            raise MixlensError(f"{path} has no readable JSON object ({first[0].where})")
+        raise MixlensError(f"{path} is empty (no rows)")
+
+    def rows() -> Iterator[dict[str, Any] | _Bad]:
+        yield from first
+        for no, line in lines:
+            rec = parse(no, line)
+            if rec is not None:
+                yield rec
+
+    return list(first[-1]), rows()
+
+
+def _parquet(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+    """Parquet by record batches (bounded memory); values stay native Python objects."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for non-Parquet bytes
+        raise MixlensError(f"{path} is not a readable Parquet file ({e})") from None
+    if pf.metadata.num_rows == 0:
+        raise MixlensError(f"{path} is empty (no rows)")
+
+    def rows() -> Iterator[dict[str, Any] | _Bad]:
+        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH):
+            yield from batch.to_pylist()
+
+    return list(pf.schema_arrow.names), rows()
+
+
+def _text(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+    """One example per non-blank line, in the column 'text'."""
+    if path.stat().st_size == 0:
+        raise MixlensError(f"{path} is empty (no lines)")
+
+    def rows() -> Iterator[dict[str, Any] | _Bad]:
+        for _, line in _lines(path):
+            if isinstance(line, _Bad):
+                yield line
+            elif line.strip():
+                yield {"text": line.rstrip("\r\n")}
+
+    return ["text"], rows()
+
+
+def _hf(src: str) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+    """`hf:NAME[:CONFIG][:SPLIT]` (split defaults to 'train'), streamed with `datasets`."""
+    parts = src[len(HF_PREFIX):].split(":")
+    if not parts[0] or len(parts) > 3:
+        raise MixlensError(f"bad dataset '{src}'; expected hf:NAME[:CONFIG]:SPLIT, "
+                           "e.g. hf:nyu-mll/glue:sst2:validation")
+    name, config = parts[0], (parts[1] if len(parts) == 3 else None)
+    split = parts[-1] if len(parts) > 1 else "train"
+    try:
+        import datasets
+    except ImportError:
+        raise MixlensError("reading a Hugging Face dataset needs the 'datasets' package (pip install datasets)") \
+            from None
+    try:
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+        it = iter(ds)
+        first = next(it)
+    except StopIteration:
+        raise MixlensError(f"dataset {name} split '{split}' is empty") from None
+    except Exception as e:  # network, unknown name/config/split: all user-facing
+        raise MixlensError(f"cannot load dataset {name} (config {config}, split {split}): "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+    def rows() -> Iterator[dict[str, Any] | _Bad]:
+        yield first
+        yield from it
+
+    return list(first), rows()
+
+
+def open_records(src: str | Path, fmt: str | None = None) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+    """(column names, record iterator) for SRC; raises MixlensError for a missing/empty/unreadable source."""
+    if isinstance(src, str) and src.startswith(HF_PREFIX):
+        return _hf(src)
+    path = Path(src).expanduser()
+    if not path.exists():
+        raise MixlensError(f"data file '{src}' does not exist")
+    if not path.is_file():
+        raise MixlensError(f"data source '{src}' is not a file")
+    fmt = fmt or detect_format(path)
+    if fmt not in FORMATS:
+        raise MixlensError(f"unknown data format '{fmt}'; valid: {', '.join(FORMATS)}")
+    if path.stat().st_size == 0:
+        raise MixlensError(f"{src} is empty")
+    return {"tsv": _delimited, "csv": _delimited, "jsonl": _jsonl, "parquet": _parquet,
+            "text": _text}[fmt](path, *((fmt,) if fmt in ("tsv", "csv") else ()))
+
+
+def resolve_columns(columns: list[str], text_column: str | None, pair_column: str | None,
+                    where: str) -> tuple[str, str | None]:
+    """(text column, pair column or None) from the user's choice or the defaults; clear errors otherwise."""
+    avail = ", ".join(columns) or "none"
+    for name, flag in ((text_column, "--text-column"), (pair_column, "--pair-column")):
+        if name is not None and name not in columns:
+            raise MixlensError(f"{where} has no column '{name}' ({flag}); available columns: {avail}")
+    if text_column is not None:
+        return text_column, pair_column
+    if pair_column is None:
+        for a, b in PAIR_DEFAULTS:
+            if a in columns and b in columns:
+                return a, b
+    for name in TEXT_DEFAULTS:
+        if name in columns and name != pair_column:
+            return name, pair_column
+    if len(columns) == 1 and columns[0] != pair_column:
+        return columns[0], pair_column
+    raise MixlensError(f"{where}: cannot tell which column holds the text; pass --text-column "
+                       f"(available columns: {avail})")
+
+
+def _as_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return (value if isinstance(value, str) else str(value)).strip()
+
+
+def iter_examples(src: str | Path, text_column: str | None = None, pair_column: str | None = None,
+                  strict: bool = False, stats: Stats = None, *, fmt: str | None = None) -> Iterator[Example]:
+    """Stream the examples of SRC (a file path, or `hf:NAME[:CONFIG]:SPLIT` for a `datasets` dataset).
+
+    Errors about the source itself (missing file, unknown column, empty file) are raised right away, before
+    the first example is asked for. Bad records are skipped and counted in `stats` (`undecodable`,
+    `malformed`), or raise MixlensError with `strict=True`. `fmt` overrides the suffix-based format.
+    """
+    columns, records = open_records(src, fmt)
+    where = str(src)
+    tcol, pcol = resolve_columns(columns, text_column, pair_column, where)
+    return _examples(records, tcol, pcol, strict, stats, where)
+
+
+def _examples(records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str | None, strict: bool, stats: Stats,
+              where: str) -> Iterator[Example]:
+    any_row, index = False, -1
+    for index, rec in enumerate(records):
+        if isinstance(rec, dict):
+            a = _as_text(rec.get(tcol))
+            b = _as_text(rec.get(pcol)) if pcol is not None else ""
+            if a is None or b is None:
+                rec = _Bad("malformed", f"record {index} has no value in column "
+                           f"'{tcol if a is None else pcol}'")
+        if isinstance(rec, _Bad):
+            if strict:
+                raise MixlensError(f"{where}: {rec.where} (run without --strict to skip such records)")
+            _bump(stats, rec.kind)
+            continue
+        any_row = True
+        _bump(stats, "read")
+        yield Example(index, (a, b) if pcol is not None else a, rec)
+    if not any_row:
+        raise MixlensError(f"{where} has no rows" if index < 0 else f"{where} has no readable rows "
+                           f"({index + 1} skipped)")
+
+
+def count_records(src: str | Path, fmt: str | None = None) -> int | None:
+    """A cheap upper bound on the number of records (for progress bars): data lines, or Parquet row count."""
+    if isinstance(src, str) and src.startswith(HF_PREFIX):
+        return None
+    path = Path(src).expanduser()
+    if not path.is_file():
+        return None
+    fmt = fmt or detect_format(path)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    n, last = 0, b"\n"
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    n += last != b"\n"
+    return max(n - (fmt in ("tsv", "csv")), 0)
