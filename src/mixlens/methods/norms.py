@@ -110,6 +110,7 @@ def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> dict[s
             **{f"ratio:{k}": v * mask for k, v in ratio.items()}}
 
 
+@torch.no_grad()
 def block_norms(trace: Trace) -> BlockNorms:
     """Compute (once per trace, then cached) every norm-based quantity of every layer."""
     if "block_norms" not in trace.cache:

@@ -1,0 +1,3 @@
+from mixlens.cli import main
+
+main()

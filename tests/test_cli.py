@@ -1,0 +1,103 @@
+"""`mixlens analyze` through the real CLI: JSON contract, table, and every error case."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mixlens.cli import main
+
+SENTENCE = "The keys to the cabinet are on the table."
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def test_real_entry_point_table_and_json_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mixlens", "analyze", SENTENCE], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for variant in ("W", "N", "Res-W", "Res-N", "ResLN-N"):
+        assert variant in proc.stdout
+    data = json.loads((tmp_path / "mixlens-analysis.json").read_text())
+    assert set(data["inputs"][0]["methods"]) == {"attention", "norm", "norm_res", "norm_resln"}
+
+
+def test_json_contract(capsys):
+    code, out, _ = run(["analyze", SENTENCE, "a second, longer text with some more words", "--format", "json"],
+                       capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == {"model", "version", "inputs"}
+    assert len(data["inputs"]) == 2
+    for item in data["inputs"]:
+        assert set(item) == {"text", "tokens", "methods", "mixing_ratio", "reconstruction_error"}
+        n = len(item["tokens"])
+        assert item["tokens"][0] == "[CLS]" and item["tokens"][-1] == "[SEP]"
+        for m in item["methods"].values():
+            assert m["dims"] == ["layer", "target", "source"]
+            assert np.asarray(m["values"]).shape == (6, n, n)
+        assert np.allclose(np.asarray(item["methods"]["attention"]["values"]).sum(-1), 1, atol=1e-5)
+        assert set(item["mixing_ratio"]) == {"W", "N", "Res-W", "Res-N", "ResLN-N"}
+        assert all(len(v) == 6 for v in item["mixing_ratio"].values())
+        assert item["reconstruction_error"] <= 1e-4
+
+
+def test_heads_and_out_file(capsys, tmp_path):
+    dest = tmp_path / "sub" / "res.json"
+    code, _, err = run(["analyze", SENTENCE, "--heads", "--method", "attention", "--method", "norm",
+                        "--format", "json", "--out", str(dest)], capsys)
+    assert code == 0
+    item = json.loads(dest.read_text())["inputs"][0]
+    assert item["methods"]["norm"]["dims"] == ["layer", "head", "target", "source"]
+    assert np.asarray(item["methods"]["attention"]["values"]).shape[:2] == (6, 12)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["analyze", ""], "empty"),
+        (["analyze", "   "], "empty"),
+        (["analyze", "x", "--model", "/definitely/not/here"], "does not exist"),
+        (["analyze", "x", "--method", "nonsense"], "valid methods: attention"),
+        (["analyze", "x", "--option", "norm.heads"], "METHOD.KEY=VALUE"),
+        (["analyze", "x", "--frobnicate"], "No such option"),
+        (["analyze", "x", "--format", "xml"], "xml"),
+        (["analyze", "x", "--head", "tail"], "unknown head"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args, message, capsys):
+    code, out, err = run(args, capsys)
+    assert code == 2
+    lines = [ln for ln in err.strip().splitlines() if ln]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in err
+
+
+def test_directory_that_is_not_a_model(tmp_path, capsys):
+    code, _, err = run(["analyze", "x", "--model", str(tmp_path)], capsys)
+    assert code == 2 and "not a Hugging Face model directory" in err
+
+
+def test_too_long_with_and_without_truncation(capsys):
+    long_text = "word " * 600
+    code, _, err = run(["analyze", long_text, "--no-truncate"], capsys)
+    assert code == 2 and "more than the limit of 512" in err
+    code, out, err = run(["analyze", long_text, "--max-length", "40", "--format", "json", "--method", "norm"],
+                         capsys)
+    assert code == 0 and "truncated from 602 to 40 tokens" in err
+    assert len(json.loads(out)["inputs"][0]["tokens"]) == 40
+
+
+def test_subprocess_error_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "mixlens", "analyze", "x", "--method", "bogus"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "unknown method 'bogus'" in proc.stderr

@@ -1,0 +1,210 @@
+"""Core engine: exactness on every family, batching, known answers on hand-built models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+import mixlens
+import mixlens.stats.mixing
+from mixlens.errors import ReconstructionError
+from mixlens.methods.norms import head_vectors
+from tests.conftest import SENTENCES, random_lens
+
+METHODS = ["attention", "norm", "norm_res", "norm_resln"]
+
+
+def explicit_vectors(tr: mixlens.trace.Trace, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Brute force: t_ij [B, n, n, d], g_i(t_ij) [B, n, n, d] and the bias term [B, n, d]."""
+    lt, lay = tr.layers[layer], tr.adapter.layers[layer]
+    f = head_vectors(lt, lay)  # [B, H, n, d]
+    t = torch.einsum("bhij,bhjd->bijd", lt.alpha.float(), f)
+    n = t.shape[1]
+    t = t + torch.eye(n)[None, :, :, None] * lt.x.float()[:, :, None, :]
+    norm = lay.ln_mix
+    s = norm.scale(lt.mix_in.float())
+    g = norm.project(t) / s[:, :, None, None]
+    b_o = lay.b_o.float() if lay.b_o is not None else torch.zeros(t.shape[-1])
+    bias = norm.project(b_o) / s[..., None] + norm.shift()
+    return t, g, bias
+
+
+def test_bundled_reconstruction_and_explicit_norms(bundled):
+    tr = bundled.trace(SENTENCES)
+    bn = mixlens.methods.norms.block_norms(tr)
+    assert bn.error.max() <= 1e-4
+    m = tr.mask
+    for layer in range(bundled.adapter.n_layers):
+        t, g, bias = explicit_vectors(tr, layer)
+        real = tr.layers[layer].mix_out
+        rebuilt = g.sum(2) + bias  # Σ_j g_i(t_ij) + g_i(b_O) + β
+        assert (rebuilt - real)[m].abs().max() <= 1e-4
+        pair = (m[:, :, None] & m[:, None, :]).float()
+        assert torch.allclose(bn.n_res[:, layer], t.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(bn.n_resln[:, layer], g.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
+
+
+def test_bundled_matches_hf_hidden_states(bundled):
+    enc = bundled.encode(SENTENCES)
+    tr = bundled.trace(enc)
+    with torch.no_grad():
+        hs = bundled.model(**enc.inputs, output_hidden_states=True).hidden_states
+    for layer, lt in enumerate(tr.layers):
+        assert torch.equal(lt.x, hs[layer]) and torch.equal(lt.out, hs[layer + 1])
+
+
+def test_every_family_reconstructs(family_lens):
+    tr = family_lens.trace(SENTENCES)
+    bn = mixlens.methods.norms.block_norms(tr)
+    assert bn.error.max() <= 1e-4
+    m = tr.mask
+    for layer in range(family_lens.adapter.n_layers):
+        t, g, bias = explicit_vectors(tr, layer)
+        assert (g.sum(2) + bias - tr.layers[layer].mix_out)[m].abs().max() <= 1e-4
+        pair = (m[:, :, None] & m[:, None, :]).float()
+        assert torch.allclose(bn.n[:, layer], (t - torch.eye(t.shape[1])[None, :, :, None] * tr.layers[layer].x[:, :, None])
+                              .norm(dim=-1) * pair, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(bn.n_resln[:, layer], g.norm(dim=-1) * pair, atol=1e-5, rtol=1e-4)
+
+
+def test_causal_families_attend_backwards(tokenizer):
+    for fam in ("gpt2", "llama"):
+        res = random_lens(fam, tokenizer).analyze(SENTENCES[:1], ["norm_resln"])
+        v = res["norm_resln"].input(0)
+        assert np.all(np.triu(v, k=1) == 0) and np.all(np.diagonal(v, axis1=-2, axis2=-1) > 0)
+
+
+@pytest.mark.parametrize("heads", [False, True])
+def test_batched_equals_unbatched(family_lens, heads):
+    batched = family_lens.analyze(SENTENCES, METHODS, heads=heads)
+    for b, text in enumerate(SENTENCES):
+        single = family_lens.analyze([text], METHODS, heads=heads)
+        for name in METHODS:
+            np.testing.assert_allclose(batched[name].input(b), single[name].input(0), atol=1e-5)
+        for v in batched.ratios:
+            np.testing.assert_allclose(batched.mixing_ratio(v)[b], single.mixing_ratio(v)[0], atol=1e-5)
+
+
+def test_padding_is_zero_and_shapes(bundled):
+    res = bundled.analyze(SENTENCES, METHODS, heads=True)
+    n = max(len(t) for t in res.tokens)
+    assert res["attention"].values.shape == (3, 6, 12, n, n)
+    assert res["norm_res"].values.shape == (3, 6, n, n)
+    short = len(res.tokens[2])
+    assert np.all(res["norm_resln"].values[2, :, short:, :] == 0)
+    assert np.all(res["norm_resln"].values[2, :, :, short:] == 0)
+    np.testing.assert_allclose(res["attention"].input(0).sum(-1), 1.0, atol=1e-5)
+
+
+def _uniform_bert(n_heads: int = 2, d: int = 4) -> T.BertModel:
+    """One layer, Q = K = 0 (uniform attention), W_V = W_O = I, no biases in V/O, identity LN affine."""
+    cfg = T.BertConfig(vocab_size=20, hidden_size=d, num_hidden_layers=1, num_attention_heads=n_heads,
+                       intermediate_size=8, max_position_embeddings=16, type_vocab_size=1)
+    torch.manual_seed(0)
+    model = T.BertModel(cfg, add_pooling_layer=False).eval()
+    layer = model.encoder.layer[0]
+    with torch.no_grad():
+        for lin in (layer.attention.self.query, layer.attention.self.key):
+            lin.weight.zero_()
+            lin.bias.zero_()
+        for lin in (layer.attention.self.value, layer.attention.output.dense):
+            lin.weight.copy_(torch.eye(d))
+            lin.bias.zero_()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def test_known_answer_uniform_identity_model():
+    model = _uniform_bert()
+    lens = mixlens.Lens(model, T.AutoTokenizer.from_pretrained(mixlens.lens.default_model_path()))
+    ids = torch.tensor([[3, 7, 11, 5, 2]])
+    enc = mixlens.lens.Encoded({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [["a"] * 5],
+                               [[0, 1, 2, 3, 4]], [0])
+    tr = lens.trace(enc)
+    x = tr.layers[0].x[0].numpy().astype(np.float64)  # [n, d]
+    n, d = x.shape
+    bn = mixlens.methods.norms.block_norms(tr)
+    # α = 1/n everywhere, f^h(x_j) = x_j restricted to head h's two coordinates.
+    np.testing.assert_allclose(tr.layers[0].alpha[0].numpy(), 1 / n, atol=1e-7)
+    expect_n = np.tile(np.linalg.norm(x, axis=1) / n, (n, 1))
+    np.testing.assert_allclose(bn.n[0, 0].numpy(), expect_n, rtol=1e-5)
+    per_head = mixlens.methods.get("norm")(tr, heads=True)[0, 0].numpy()
+    np.testing.assert_allclose(per_head[1], np.tile(np.linalg.norm(x[:, 2:], axis=1) / n, (n, 1)), rtol=1e-5)
+    expect_res = expect_n.copy()
+    np.fill_diagonal(expect_res, (1 + 1 / n) * np.linalg.norm(x, axis=1))
+    np.testing.assert_allclose(bn.n_res[0, 0].numpy(), expect_res, rtol=1e-5)
+    # LayerNorm with γ = 1: g_i(v) = (v − mean v) / s_i, s_i = std of y_i = mean_j x_j + x_i.
+    y = x.mean(0) + x
+    s = np.sqrt(y.var(axis=1) + 1e-12)
+    c = x - x.mean(1, keepdims=True)
+    expect_ln = np.linalg.norm(c, axis=1)[None, :] / n / s[:, None]
+    np.fill_diagonal(expect_ln, (1 + 1 / n) * np.linalg.norm(c, axis=1) / s)
+    np.testing.assert_allclose(bn.n_resln[0, 0].numpy(), expect_ln, rtol=1e-4)
+    # Mixing ratios: W = 1 − 1/n; N compares ‖Σ_{j≠i} x_j‖/n with ‖x_i‖/n.
+    others = x.sum(0) - x
+    on, self_n = np.linalg.norm(others, axis=1), np.linalg.norm(x, axis=1)
+    np.testing.assert_allclose(bn.ratio["W"][0, 0].numpy(), 1 - 1 / n, rtol=1e-6)
+    np.testing.assert_allclose(bn.ratio["Res-W"][0, 0].numpy(), (1 - 1 / n) / 2, rtol=1e-6)
+    np.testing.assert_allclose(bn.ratio["N"][0, 0].numpy(), on / (on + self_n), rtol=1e-5)
+    np.testing.assert_allclose(bn.ratio["Res-N"][0, 0].numpy(), on / (on + (n + 1) * self_n), rtol=1e-5)
+    oc = np.linalg.norm(others - others.mean(1, keepdims=True), axis=1)
+    sc = np.linalg.norm(c, axis=1)
+    np.testing.assert_allclose(bn.ratio["ResLN-N"][0, 0].numpy(), oc / (oc + (n + 1) * sc), rtol=1e-5)
+
+
+def test_mixing_ratio_is_norm_of_sum_not_sum_of_norms():
+    """Two opposite contexts cancel: r_N must be 0 although each ‖α f‖ is large."""
+    model = _uniform_bert(n_heads=1, d=4)
+    lens = mixlens.Lens(model, T.AutoTokenizer.from_pretrained(mixlens.lens.default_model_path()))
+    ids = torch.tensor([[3, 7, 7]])
+    with torch.no_grad():  # make embeddings of tokens 3 and 7 (+positions) so that x_1 = −x_2
+        emb = model.embeddings
+        emb.LayerNorm.weight.fill_(1)
+        emb.LayerNorm.bias.zero_()
+        emb.position_embeddings.weight.zero_()
+        emb.token_type_embeddings.weight.zero_()
+        emb.word_embeddings.weight[3] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        emb.word_embeddings.weight[7] = torch.tensor([4.0, -1.0, 0.5, 2.0])
+        emb.position_embeddings.weight[2] = -2 * emb.word_embeddings.weight[7]  # x_2 = LN(−w7) = −x_1
+    enc = mixlens.lens.Encoded({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [["a"] * 3],
+                               [[0, 1, 2]], [0])
+    tr = lens.trace(enc)
+    x = tr.layers[0].x[0]
+    assert torch.allclose(x[1], -x[2], atol=1e-5)
+    bn = mixlens.methods.norms.block_norms(tr)
+    assert bn.ratio["N"][0, 0, 0].item() == pytest.approx(0.0, abs=1e-5)
+    assert bn.n[0, 0, 0, 1] > 0.1 and bn.n[0, 0, 0, 2] > 0.1
+
+
+def test_wrong_adapter_fails_loudly_naming_the_layer(bundled, monkeypatch):
+    tr = bundled.trace(SENTENCES[:1])
+    lay = bundled.adapter.layers[3]
+    monkeypatch.setattr(lay, "w_o", lay.w_o * 1.01)
+    with pytest.raises(ReconstructionError, match="layer 3"):
+        mixlens.methods.norms.block_norms(tr)
+
+
+def test_expansion_rate(bundled):
+    rate = mixlens.stats.mixing.expansion_rate(bundled.adapter)
+    assert rate.shape == (6, 12)
+    lay = bundled.adapter.layers[2]
+    h, dh = 5, lay.d_head
+    wv = lay.w_v[:, h * dh:(h + 1) * dh]
+    wo = lay.w_o[h * dh:(h + 1) * dh]
+    d = wo.shape[1]
+    m = torch.zeros(d + 1, d + 1)
+    m[:d, :d] = wv @ wo
+    m[d, :d] = lay.b_v[h * dh:(h + 1) * dh] @ wo
+    m[d, d] = 1
+    assert rate[2, 5].item() == pytest.approx((m.norm() / (d + 1) ** 0.5).item(), rel=1e-5)
+
+
+def test_upcast_and_special_roles(tokenizer):
+    model = mixlens.lens.load().model.to(torch.float64)
+    with pytest.warns(UserWarning, match="fp32"):
+        lens = mixlens.Lens(model, tokenizer)
+    assert next(lens.model.parameters()).dtype == torch.float32
+    ids = tokenizer("hello world")["input_ids"]
+    assert lens.special_roles(ids) == ["cls", None, None, "sep"]
