@@ -1,0 +1,215 @@
+"""DecompX (Modarressi et al. 2023; DESIGN §3.5): per-source vectors carried through the whole model.
+
+Every hidden state is kept as a sum over source tokens k, x_i = Σ_k x_{i⇐k}, starting from x⁰_{i⇐k} = [i=k] x⁰_i
+(the embedding output). Each operation is applied to every part:
+
+- attention + residual: y_{i⇐k} = x_{i⇐k} + Σ_h Σ_j α^h_ij x_{j⇐k} W_V^h W_O^h (pre-LN: of the LN(x) parts);
+- LayerNorm / RMSNorm: g_i(v) = γ ⊙ C(v) / s_i with s_i from the real input (linear per example);
+- FFN: activation linearised per example, θ_i = act(z_i) / z_i from the real pre-activation z_i, applied
+  elementwise to each part (gated FFNs: θ_i = act(gate_i), the up-projection parts are carried);
+- pooler / classification head: the same linearisation (tanh, gelu, relu);
+- every bias b (b_V W_O + b_O, β, FFN and head biases) is shared among the sources by AbsDot:
+  part k receives |b·z_{i⇐k}| / Σ_k' |b·z_{i⇐k'}| of b (evenly when all dot products are 0).
+
+So each class's token scores sum exactly to that class's logit; the relative error is checked on every input.
+Position-wise steps run in chunks of target rows, so one 256-token input needs well under 1 GB (bundled model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixlens.adapters import Layer, Norm, _linear_xw
+from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.methods.registry import register
+from mixlens.trace import LayerTrace, Trace
+
+TOLERANCE = 1e-3  # max |Σ_k score − logit| / max |logit|
+CHUNK_ELEMENTS = 1 << 24  # floats per position-wise working tensor (64 MB)
+
+Act = Callable[[torch.Tensor], torch.Tensor] | None
+
+
+@dataclass
+class Decomposition:
+    """DecompX of one input (n real tokens, C classes, L layers, d hidden)."""
+
+    classes: torch.Tensor  # [C, n(source)] signed token scores; Σ over sources = logits
+    layers: torch.Tensor  # [L, n(target), n(source)] ‖x^l_{i⇐k}‖ of every layer output
+    sums: torch.Tensor  # [L, n, d] Σ_k x^l_{i⇐k} (equals the real layer outputs)
+    error: float  # max |Σ_k scores − logits| / max |logits| (relative)
+
+
+def share(parts: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """parts [..., k, D] plus bias [D] shared over the k axis by AbsDot (see module docstring)."""
+    if bias is None:
+        return parts
+    dots = (parts @ bias.float()).abs()  # [..., k]
+    tot = dots.sum(-1, keepdim=True)
+    w = torch.where(tot > 0, dots / torch.where(tot > 0, tot, torch.ones_like(tot)), 1.0 / parts.shape[-2])
+    return parts + w[..., None] * bias.float()
+
+
+def _apply_norm(parts: torch.Tensor, norm: Norm, real_in: torch.Tensor) -> torch.Tensor:
+    """g_i on every part: parts [r, k, d], real_in [r, d] (the real norm input rows)."""
+    s = norm.scale(real_in.float())[:, None, None]
+    return share(norm.project(parts) / s, norm.bias)
+
+
+def _linearised(parts: torch.Tensor, lin: nn.Module, act: Act) -> torch.Tensor:
+    """A linear layer (bias shared) then, optionally, an activation linearised at the real pre-activation."""
+    w, b = _linear_xw(lin)
+    out = share(parts @ w.float(), b)
+    if act is None:
+        return out
+    z = out.sum(-2)  # [r, D] the real pre-activation
+    theta = torch.where(z != 0, act(z) / torch.where(z != 0, z, torch.ones_like(z)), torch.zeros_like(z))
+    return out * theta[:, None, :]
+
+
+def _attention(parts: torch.Tensor, alpha: torch.Tensor, lay: Layer) -> torch.Tensor:
+    """Σ_h Σ_j α^h_ij (parts_{j⇐k} W_V^h) W_O^h: parts [n, k, d], alpha [H, n, n] → [n, k, d] (no biases)."""
+    n, k, _ = parts.shape
+    v = (parts @ lay.w_v.float()).view(n, k, lay.n_kv_heads, lay.d_head)
+    v = v.repeat_interleave(lay.n_heads // lay.n_kv_heads, dim=2)
+    z = torch.einsum("hij,jkhe->ikhe", alpha, v).reshape(n, k, -1)
+    return z @ lay.w_o.float()
+
+
+def _attn_bias(lay: Layer) -> torch.Tensor | None:
+    """b_V W_O + b_O: the attention output's constant part (rows of α sum to 1)."""
+    b = lay.b_o.float() if lay.b_o is not None else None
+    if lay.b_v is not None:
+        bv = lay.b_v.float().view(lay.n_kv_heads, lay.d_head).repeat_interleave(lay.n_heads // lay.n_kv_heads, 0)
+        bvo = bv.reshape(-1) @ lay.w_o.float()
+        b = bvo if b is None else b + bvo
+    return b
+
+
+def _rows(n: int, width: int) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, n * width))
+    return [slice(s, min(n, s + step)) for s in range(0, n, step)]
+
+
+def _ffn(parts: torch.Tensor, lt: LayerTrace, lay: Layer, b: int, n: int, rows: slice) -> torch.Tensor:
+    """FFN output parts [r, k, d] for the target rows `rows` (parts = the FFN input parts of those rows)."""
+    w_in, b_in = _linear_xw(lay.ffn_in)
+    pre, act = lt.ffn_pre[b, :n][rows].float(), lt.ffn_act[b, :n][rows].float()
+    theta = torch.where(pre != 0, act / torch.where(pre != 0, pre, torch.ones_like(pre)), torch.zeros_like(pre))
+    h = share(parts @ w_in.float(), b_in) * theta[:, None, :]
+    w_out, b_out = _linear_xw(lay.ffn_out)
+    return share(h @ w_out.float(), b_out)
+
+
+def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int) -> torch.Tensor:
+    """One layer on the parts x [n(target), n(source), d] of input b → the parts of the layer output."""
+    n, _, d = x.shape
+    alpha = lt.alpha[b, :, :n, :n].float()
+    if pre_ln:
+        ln_x = torch.cat([_apply_norm(x[r], lay.ln_in, lt.x[b, :n][r]) for r in _rows(n, d)])
+        y = x + _attention(ln_x, alpha, lay)
+        del ln_x
+    else:
+        y = x + _attention(x, alpha, lay)
+    b_att = _attn_bias(lay)
+    d_ff = lt.ffn_pre.shape[-1]
+    out = torch.empty_like(y)
+    for r in _rows(n, max(d, d_ff)):
+        yr = share(y[r], b_att)  # Σ_k = the real norm input (mix_in)
+        zr = _apply_norm(yr, lay.ln_mix, lt.mix_in[b, :n][r])  # Σ_k = mix_out
+        fr = _ffn(zr, lt, lay, b, n, r)
+        out[r] = yr + fr if pre_ln else _apply_norm(zr + fr, lay.ln_out, lt.ln_out_in[b, :n][r])
+    return out
+
+
+def _head(model: nn.Module, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | None, bool]:
+    """(linear steps with their activations, the final norm before the head, whether the last token is read)."""
+    name = type(model).__name__
+    if not name.endswith("ForSequenceClassification"):
+        raise MixlensError(f"decompx needs a sequence-classification model, got {name}; load it with "
+                           "head='sequence-classification' (CLI: --head sequence-classification)")
+    if family == "bert":
+        pooler = model.bert.pooler
+        return [(pooler.dense, torch.tanh), (model.classifier, None)], None, False
+    if family == "albert":
+        return [(model.albert.pooler, torch.tanh), (model.classifier, None)], None, False
+    if family == "roberta":
+        return [(model.classifier.dense, torch.tanh), (model.classifier.out_proj, None)], None, False
+    if family == "electra":
+        head = model.classifier
+        return [(head.dense, head.activation), (head.out_proj, None)], None, False
+    if family == "distilbert":
+        return [(model.pre_classifier, torch.relu), (model.classifier, None)], None, False
+    base = model.base_model
+    final = base.ln_f if family == "gpt2" else base.norm
+    return [(model.score, None)], Norm(final, family == "llama"), True
+
+
+@torch.no_grad()
+def decompose(trace: Trace, b: int) -> Decomposition:
+    """DecompX of input b of a traced sequence-classification model (trace captured with ffn=True)."""
+    adapter = trace.adapter
+    steps, final, last = _head(trace.model, adapter.family.name)
+    if trace.layers[0].ffn_pre is None:
+        raise RuntimeError("decompx needs a trace captured with ffn=True")
+    n = int(trace.mask[b].sum())
+    x0 = trace.layers[0].x[b, :n].float()
+    d = x0.shape[-1]
+    x = torch.zeros(n, n, d)
+    x[torch.arange(n), torch.arange(n)] = x0
+    norms, sums = [], []
+    for lt, lay in zip(trace.layers, adapter.layers, strict=True):
+        x = _layer(x, lt, lay, adapter.family.pre_ln, b)
+        norms.append(x.norm(dim=-1))
+        sums.append(x.sum(1))
+    pos = n - 1 if last else 0
+    h = x[pos : pos + 1]  # [1, k, d]
+    del x
+    if final is not None:
+        h = _apply_norm(h, final, trace.layers[-1].out[b, pos : pos + 1])
+    for lin, act in steps:
+        h = _linearised(h, lin, act)
+    scores = h[0].T  # [C, n]
+    logits = trace.logits[b].float()
+    top = logits.abs().max().clamp_min(torch.finfo(logits.dtype).tiny)
+    err = ((scores.sum(-1) - logits).abs().max() / top).item()
+    return Decomposition(classes=scores, layers=torch.stack(norms), sums=torch.stack(sums), error=err)
+
+
+def decompositions(trace: Trace) -> list[Decomposition]:
+    """DecompX of every input of the trace (cached); raises ReconstructionError past the tolerance."""
+    if "decompx" not in trace.cache:
+        out = [decompose(trace, b) for b in range(trace.mask.shape[0])]
+        for b, dec in enumerate(out):
+            if dec.error > TOLERANCE:
+                raise ReconstructionError(f"input {b + 1}: DecompX class scores differ from the logits by "
+                                          f"{dec.error:.3g} (relative; tolerance {TOLERANCE})")
+        trace.cache["decompx"] = out
+    return trace.cache["decompx"]
+
+
+@register("decompx", needs_ffn=True)
+def decompx(trace: Trace) -> torch.Tensor:
+    """DecompX per layer (Modarressi 2023): ‖x_{i⇐k}‖, the part of layer-l output i from input token k."""
+    decs = decompositions(trace)
+    b, n = trace.mask.shape
+    out = torch.zeros(b, decs[0].layers.shape[0], n, n)
+    for k, dec in enumerate(decs):
+        m = dec.layers.shape[-1]
+        out[k, :, :m, :m] = dec.layers
+    return out
+
+
+@register("decompx_classes", dims=("class", "source"), needs_ffn=True)
+def decompx_classes(trace: Trace) -> torch.Tensor:
+    """DecompX class scores: signed contribution of each input token to each logit (rows sum to the logits)."""
+    decs = decompositions(trace)
+    b, n = trace.mask.shape
+    out = torch.zeros(b, decs[0].classes.shape[0], n)
+    for k, dec in enumerate(decs):
+        out[k, :, : dec.classes.shape[-1]] = dec.classes
+    return out

@@ -1,0 +1,102 @@
+"""GlobEnc (Modarressi et al. 2022; DESIGN §3.5): whole-encoder-layer norms and their rollout.
+
+Post-LN layer: with t_ij = Σ_h α^h_ij f^h(x_j) + [i=j] x_i, LN1 as g1_i(v) = P1(v)/s1_i and LN2 as
+g2_i(v) = P2(v)/s2_i (s2 from the real LN2 input, so the FFN enters only through that scale):
+
+    out_i = Σ_j g2_i(g1_i(t_ij)) + g2_i(g1_i(b_O) + β1) + g2_i(FFN_i) + β2      (exact)
+
+N-Enc_ij = ‖g2_i(g1_i(t_ij))‖, taken through per-source Gram matrices of P2∘P1 f^h_j (DESIGN §4).
+Pre-LN layers (GPT-2, Llama) have no norm on the residual path, so N-Enc_ij = ‖t_ij‖ there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixlens.adapters import Layer
+from mixlens.errors import ReconstructionError
+from mixlens.methods.norms import TOLERANCE, attn_sum, block_norms, head_vectors, quad_norm
+from mixlens.methods.registry import register
+from mixlens.methods.rollout import check_bool, pair_mask, rollout
+from mixlens.trace import LayerTrace, Trace
+
+
+def _maps(lt: LayerTrace, lay: Layer):
+    """(P = P2∘P1 as a function on [..., d], 1/(s1_i s2_i) [B, n])."""
+    ln1, ln2 = lay.ln_mix, lay.ln_out
+    if lt.ln_out_in is None:
+        raise RuntimeError("globenc needs a trace captured with ffn=True")
+
+    def p(v: torch.Tensor) -> torch.Tensor:
+        return ln2.project(ln1.project(v))
+
+    return p, 1.0 / (ln1.scale(lt.mix_in.float()) * ln2.scale(lt.ln_out_in.float()))
+
+
+@torch.no_grad()
+def globenc_vectors(trace: Trace, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decomposed LN2 outputs of a post-LN layer: (v [B, n(target), n(source), d], rest [B, n, d]) with
+    Σ_j v_ij + rest_i = real layer output; `rest` = g2(g1(b_O) + β1) + g2(FFN) + β2. Materialises n² vectors:
+    for checks and small inputs."""
+    lt, lay = trace.layers[index], trace.adapter.layers[index]
+    p, inv = _maps(lt, lay)
+    pf = p(head_vectors(lt, lay))  # [B, H, n, d]
+    v = torch.einsum("bhij,bhjd->bijd", lt.alpha.float(), pf)
+    v.diagonal(dim1=1, dim2=2).add_(p(lt.x.float()).transpose(1, 2))
+    v = v * inv[:, :, None, None]
+    rest = _rest(lt, lay, inv)
+    return v, rest
+
+
+def _rest(lt: LayerTrace, lay: Layer, inv: torch.Tensor) -> torch.Tensor:
+    """g2(g1(b_O) + β1) + g2(FFN output) + β2: [B, n, d]."""
+    ln1, ln2 = lay.ln_mix, lay.ln_out
+    s2 = ln2.scale(lt.ln_out_in.float())[..., None]
+    b_o = lay.b_o.float() if lay.b_o is not None else torch.zeros(lt.x.shape[-1])
+    bias1 = ln2.project(ln1.project(b_o)) * inv[..., None] + ln2.project(ln1.shift().float()) / s2
+    ffn = lt.ln_out_in.float() - lt.mix_out.float()
+    return bias1 + ln2.project(ffn) / s2 + ln2.shift().float()
+
+
+def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> torch.Tensor:
+    p, inv = _maps(lt, lay)
+    alpha, x = lt.alpha.float(), lt.x.float()
+    pf = p(head_vectors(lt, lay))  # [B, H, n, d]
+    gram = torch.einsum("bhjd,bgjd->bjhg", pf, pf)
+    out = quad_norm(alpha, gram)
+    t_ii = torch.einsum("bhi,bhid->bid", alpha.diagonal(dim1=2, dim2=3), pf) + p(x)
+    out.diagonal(dim1=1, dim2=2).copy_(t_ii.norm(dim=-1))
+    out = out * inv[:, :, None]
+    # self-check: the decomposition plus the unattributed terms must rebuild the real layer output
+    rebuilt = p(attn_sum(lt, lay) + x) * inv[..., None] + _rest(lt, lay, inv)
+    err = ((rebuilt - lt.out.float()).abs() * mask[..., None]).amax()
+    scale = lt.out.float().abs().amax().clamp_min(1.0)
+    if err > TOLERANCE * scale:
+        raise ReconstructionError(f"layer {index}: GlobEnc's decomposition differs from the real layer output by "
+                                  f"{err.item():.3g}")
+    return out
+
+
+@torch.no_grad()
+def n_enc(trace: Trace) -> torch.Tensor:
+    """Per-layer N-Enc matrices [B, L, n, n] (cached on the trace)."""
+    if "globenc" not in trace.cache:
+        if trace.adapter.family.pre_ln:
+            mats = block_norms(trace).n_res
+        else:
+            mats = torch.stack([_layer(lt, lay, trace.mask, i) for i, (lt, lay) in
+                                enumerate(zip(trace.layers, trace.adapter.layers, strict=True))], dim=1)
+        trace.cache["globenc"] = mats * pair_mask(trace.mask)
+    return trace.cache["globenc"]
+
+
+@register("globenc", needs_ffn=True)
+def globenc(trace: Trace) -> torch.Tensor:
+    """GlobEnc N-Enc per layer: ‖LN2∘LN1 (attention + residual)‖ (Modarressi 2022); pre-LN models: ‖t_ij‖."""
+    return n_enc(trace)
+
+
+@register("globenc_rollout", needs_ffn=True)
+def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:
+    """GlobEnc global attribution: rollout of N-Enc over layers 1..l (normalize=true: rows to 1 first)."""
+    return rollout(n_enc(trace), normalize=check_bool("globenc_rollout", "normalize", normalize))

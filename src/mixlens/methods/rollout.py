@@ -1,0 +1,104 @@
+"""Attention rollout and attention flow (Abnar & Zuidema 2020; DESIGN §3.5), and the shared rollout product.
+
+Per layer l, Â_l = 0.5 ᾱ_l + 0.5 I with rows renormalised (ᾱ = head-mean attention). Rollout: R_l = Â_l R_{l−1};
+layer l of the result explains the output of layer l in terms of the input tokens. Flow: the maximum flow from
+input token j to token i of layer l in the layered graph whose edges (l−1, j) → (l, i) have capacity Â_l[i, j].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_flow
+
+from mixlens.errors import MixlensError
+from mixlens.methods.attention import stacked_alpha
+from mixlens.methods.registry import register
+from mixlens.trace import Trace
+
+FLOW_MAX_TOKENS = 32  # n² max-flows per layer on graphs of up to L·n² edges
+FLOW_SCALE = 1 << 24  # integer capacity of an edge of weight 1
+
+
+def pair_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[B, n] real-token mask → [B, 1, n, n] mask of (real target, real source) pairs."""
+    return (mask[:, :, None] & mask[:, None, :])[:, None]
+
+
+def row_normalize(m: torch.Tensor) -> torch.Tensor:
+    """Rows (last axis) scaled to sum to 1; all-zero rows (padding) stay 0."""
+    s = m.sum(-1, keepdim=True)
+    return m / torch.where(s > 0, s, torch.ones_like(s))
+
+
+def rollout(mats: torch.Tensor, *, normalize: bool = False) -> torch.Tensor:
+    """Cumulative product R_l = M_l R_{l−1} (R_0 = M_0) of per-layer matrices mats [B, L, n, n] → [B, L, n, n].
+
+    With `normalize`, the rows of every M_l are scaled to sum to 1 first (then every row of R_l does too)."""
+    mats = row_normalize(mats) if normalize else mats
+    out = torch.empty_like(mats)
+    acc = mats[:, 0]
+    out[:, 0] = acc
+    for layer in range(1, mats.shape[1]):
+        acc = mats[:, layer] @ acc
+        out[:, layer] = acc
+    return out
+
+
+def check_bool(method: str, option: str, value: object) -> bool:
+    """Option values arrive from the CLI as JSON; refuse anything but true/false."""
+    if not isinstance(value, bool):
+        raise MixlensError(f"option {method}.{option} must be true or false, got {value!r}")
+    return value
+
+
+@torch.no_grad()
+def residual_attention(trace: Trace) -> torch.Tensor:
+    """Â_l = 0.5 ᾱ_l + 0.5 I on real tokens, rows renormalised: [B, L, n, n], padding 0."""
+    pm = pair_mask(trace.mask)
+    a = stacked_alpha(trace).mean(2) * pm
+    eye = torch.eye(a.shape[-1], dtype=a.dtype) * pm
+    return row_normalize(0.5 * a + 0.5 * eye)
+
+
+@register("attention_rollout")
+def attention_rollout(trace: Trace) -> torch.Tensor:
+    """Attention rollout (Abnar & Zuidema 2020): product of 0.5·mean attention + 0.5·I over layers 1..l."""
+    return rollout(residual_attention(trace))
+
+
+def _flow_one(a_hat: torch.Tensor) -> torch.Tensor:
+    """Max-flow matrix for one input: a_hat [L, n, n] → [L, n(target), n(source)], rows normalised.
+
+    Node (l, j) is index l·n + j; scipy's max-flow needs integer capacities, so they are scaled by 2^24
+    (flow values are exact to ~n·2^-24)."""
+    n_layers, n, _ = a_hat.shape
+    cap = np.rint(a_hat.double().numpy() * FLOW_SCALE).astype(np.int32)  # [L, i, j]
+    out = np.zeros((n_layers, n, n))
+    rows, cols, vals = [], [], []
+    j_idx, i_idx = np.meshgrid(np.arange(n), np.arange(n))
+    for layer in range(n_layers):
+        rows.append((layer * n + j_idx).ravel())
+        cols.append(((layer + 1) * n + i_idx).ravel())
+        vals.append(cap[layer].ravel())
+        size = (layer + 2) * n
+        graph = csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(size, size))
+        for i in range(n):
+            for j in range(n):
+                out[layer, i, j] = maximum_flow(graph, j, (layer + 1) * n + i, method="dinic").flow_value
+    return row_normalize(torch.from_numpy(out / FLOW_SCALE).to(a_hat.dtype))
+
+
+@register("attention_flow")
+def attention_flow(trace: Trace) -> torch.Tensor:
+    """Attention flow (Abnar & Zuidema 2020): max-flow over 0.5·A+0.5·I layers, rows normalised; inputs ≤ 32 tokens."""
+    lengths = trace.lengths
+    if max(lengths) > FLOW_MAX_TOKENS:
+        raise MixlensError(f"attention_flow is limited to {FLOW_MAX_TOKENS} tokens (it runs n² max-flows per "
+                           f"layer); an input has {max(lengths)}: shorten it or use attention_rollout")
+    a_hat = residual_attention(trace)
+    out = torch.zeros_like(a_hat)
+    for b, n in enumerate(lengths):
+        out[b, :, :n, :n] = _flow_one(a_hat[b, :, :n, :n])
+    return out

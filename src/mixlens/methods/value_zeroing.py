@@ -1,0 +1,117 @@
+"""Value zeroing (Mohebbi et al. 2023; DESIGN §3.5): re-run one layer with the value vector of token j zeroed.
+
+For layer l and source j, the layer module is called again on its captured input x (so FFN, both norms and the
+residuals act exactly as in the model) with v_j = 0 in every (key/value) head. α does not depend on the values,
+so it is the original one. C_ij = cosine distance between the new and the real output of token i, rows
+normalised to 1; global = rollout. The n zeroed copies of a batch are stacked along the batch axis and run in as
+few calls as the memory bound allows. Causal models need no special case: zeroing v_j cannot reach i < j.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixlens.methods.registry import register
+from mixlens.methods.rollout import pair_mask, rollout, row_normalize
+from mixlens.trace import Trace, hooked
+
+MAX_TOKENS_PER_CALL = 1 << 15  # batch·copies·n tokens in one layer call (bounds activation memory)
+
+
+def _layer_calls(trace: Trace) -> list[tuple[tuple, dict[str, Any]]]:
+    """(args, kwargs) each layer module was called with, recorded in one plain forward pass (cached)."""
+    if "layer_calls" not in trace.cache:
+        calls: list[tuple[tuple, dict[str, Any]]] = []
+        modules = list({id(lay.module): lay.module for lay in trace.adapter.layers}.values())  # ALBERT shares
+
+        def pre(_m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            calls.append((args, dict(kwargs)))
+
+        handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in modules]
+        try:
+            with torch.no_grad():
+                trace.model(**trace.inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        if len(calls) != trace.adapter.n_layers:
+            raise RuntimeError(f"layer modules were called {len(calls)} times for {trace.adapter.n_layers} layers")
+        trace.cache["layer_calls"] = calls
+    return trace.cache["layer_calls"]
+
+
+def _expand(obj: Any, batch: int, copies: int) -> Any:
+    """Repeat every per-example tensor (leading axis = batch) `copies` times, example-major; caches dropped."""
+    if isinstance(obj, torch.Tensor):
+        return obj.repeat_interleave(copies, dim=0) if obj.dim() and obj.shape[0] == batch else obj
+    if isinstance(obj, tuple):
+        return tuple(_expand(o, batch, copies) for o in obj)
+    if type(obj).__name__.endswith("Cache"):
+        return None
+    return obj
+
+
+def _zeroed_outputs(trace: Trace, index: int, sources: range) -> torch.Tensor:
+    """Output of layer `index` with v_j = 0 for each j in `sources`: [B, len(sources), n, d]."""
+    args, kwargs = _layer_calls(trace)[index]
+    x = trace.layers[index].x
+    b, n, d = x.shape
+    m = len(sources)
+    keep = torch.ones(m, n, dtype=x.dtype, device=x.device)
+    keep[torch.arange(m), torch.arange(sources.start, sources.stop)] = 0
+    keep = keep.repeat(b, 1)[:, None, :, None]  # [B·m, 1, n, 1], example-major like _expand
+
+    args = (x.repeat_interleave(m, dim=0), *(_expand(a, b, m) for a in args[1:]))
+    kwargs = {k: _expand(v, b, m) for k, v in kwargs.items() if k != "hidden_states"}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    # a direct call of one layer module makes exactly one attention call, named blocks.0 by the engine
+    with hooked(trace.adapter, {"blocks.0.attn.v": lambda v: v * keep}):
+        out = trace.adapter.layers[index].module(*args, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.reshape(b, m, n, d)
+
+
+def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """1 − cos(a, b) over the last axis as ½‖â − b̂‖², in float64: no cancellation when a ≈ b."""
+    a, b = a.double(), b.double()
+    eps = torch.finfo(torch.float64).tiny
+    diff = a / a.norm(dim=-1, keepdim=True).clamp_min(eps) - b / b.norm(dim=-1, keepdim=True).clamp_min(eps)
+    return (0.5 * diff.pow(2).sum(-1)).float()
+
+
+def _layer(trace: Trace, index: int) -> torch.Tensor:
+    """C [B, n(target), n(source)]: cosine distance of each token's output when source j's value is zeroed."""
+    real = trace.layers[index].out  # [B, n, d]
+    b, n, _ = real.shape
+    out = torch.empty(b, n, n)
+    step = max(1, MAX_TOKENS_PER_CALL // (b * n))
+    for s in range(0, n, step):
+        src = range(s, min(n, s + step))
+        zeroed = _zeroed_outputs(trace, index, src)  # [B, m, n(target), d]
+        out[:, :, s : src.stop] = cosine_distance(zeroed, real[:, None]).transpose(1, 2)
+    return out
+
+
+def value_zeroing_matrices(trace: Trace) -> torch.Tensor:
+    """Per-layer value-zeroing matrices, rows normalised: [B, L, n, n] (cached on the trace)."""
+    if "value_zeroing" not in trace.cache:
+        with torch.no_grad():
+            mats = torch.stack([_layer(trace, i) for i in range(trace.adapter.n_layers)], dim=1)
+        trace.cache["value_zeroing"] = row_normalize(mats.clamp_min(0) * pair_mask(trace.mask))
+    return trace.cache["value_zeroing"]
+
+
+@register("value_zeroing", extra_passes=True)
+def value_zeroing(trace: Trace) -> torch.Tensor:
+    """Value zeroing (Mohebbi 2023): cosine distance of layer outputs when value j is zeroed, rows normalised."""
+    return value_zeroing_matrices(trace)
+
+
+@register("value_zeroing_rollout", extra_passes=True)
+def value_zeroing_rollout(trace: Trace) -> torch.Tensor:
+    """Value-zeroing global attribution: rollout of the per-layer matrices over layers 1..l."""
+    return rollout(value_zeroing_matrices(trace))

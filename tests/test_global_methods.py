@@ -1,0 +1,213 @@
+"""Whole-layer and global methods: rollout, attention flow, GlobEnc, ALTI, value zeroing.
+
+Exactness (decomposed vectors + bias terms rebuild the real norm outputs) on every family, row sums,
+batched == unbatched, known answers on a hand-built model, and bad input through the real CLI.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import mixlens
+from mixlens.cli import main
+from mixlens.methods import alti as alti_mod
+from mixlens.methods.alti import alti_vectors
+from mixlens.methods.globenc import globenc_vectors
+from mixlens.methods.norms import block_norms
+from mixlens.methods.rollout import FLOW_MAX_TOKENS, rollout
+from tests.conftest import SENTENCES, random_lens
+
+ROW_STOCHASTIC = ["attention_rollout", "alti", "alti_rollout", "value_zeroing", "value_zeroing_rollout",
+                  "globenc_rollout"]
+ALL = ROW_STOCHASTIC + ["globenc"]
+OPTIONS = {"globenc_rollout": {"normalize": True}}
+
+
+def real_mask(lengths: list[int], n: int) -> np.ndarray:
+    return np.arange(n)[None, :] < np.array(lengths)[:, None]  # [B, n]
+
+
+def test_rows_sum_to_one_padding_zero_and_batched_equals_unbatched(family_lens):
+    batched = family_lens.analyze(SENTENCES, ALL, batch_size=3, options=OPTIONS)
+    single = family_lens.analyze(SENTENCES, ALL, batch_size=1, options=OPTIONS)
+    lengths = [len(t) for t in batched.tokens]
+    assert len(set(lengths)) > 1  # the batch really is padded
+    m = real_mask(lengths, max(lengths))
+    for name in ALL:
+        v = batched[name].values  # [B, L, n, n]
+        assert v.shape == (3, family_lens.adapter.n_layers, max(lengths), max(lengths))
+        pad = ~(m[:, None, :, None] & m[:, None, None, :])
+        assert np.abs(v * pad).max() == 0, name
+        assert np.isfinite(v).all() and (v >= 0).all(), name
+        np.testing.assert_allclose(v, single[name].values, atol=1e-5, rtol=1e-4, err_msg=name)
+        if name in ROW_STOCHASTIC:
+            rows = v.sum(-1)  # [B, L, n]
+            np.testing.assert_allclose(rows, np.broadcast_to(m[:, None, :], rows.shape).astype(float), atol=1e-5,
+                                       err_msg=name)
+    if family_lens.adapter.family.causal:  # nothing flows from later tokens
+        for name in ALL:
+            assert np.abs(np.triu(batched[name].values, k=1)).max() < 1e-6, name
+
+
+def test_alti_and_globenc_vectors_rebuild_the_real_outputs(family_lens):
+    tr = family_lens.trace(SENTENCES, ffn=True)
+    mask = tr.mask[:, :, None].float()
+    bias = block_norms(tr).bias  # [B, L, n, d] g_i(b_O) + β (post-LN)
+    res = family_lens.analyze(SENTENCES, ["alti", "globenc"])
+    pre_ln = family_lens.adapter.family.pre_ln
+    for layer, (lt, lay) in enumerate(zip(tr.layers, tr.adapter.layers, strict=True)):
+        t, y = alti_vectors(tr, layer)  # [B, n, n, d], [B, n, d]
+        if pre_ln:  # no norm on the residual path: y = real x + attention output, bias = b_O
+            b_o = lay.b_o.float() if lay.b_o is not None else 0.0
+            rebuilt, real = t.sum(2) + b_o, lt.mix_in.float()
+        else:
+            rebuilt, real = t.sum(2) + bias[:, layer], lt.mix_out.float()
+        assert torch.equal(y, real)
+        assert ((rebuilt - real).abs() * mask).max() < 1e-4, layer
+        # ALTI from the full vectors by the L1 rule == the chunked method
+        c = (y.abs().sum(-1)[:, :, None] - (y[:, :, None] - t).abs().sum(-1)).clamp_min(0)
+        c = c * (tr.mask[:, :, None] & tr.mask[:, None, :])
+        c = c / c.sum(-1, keepdim=True).clamp_min(1e-30)
+        np.testing.assert_allclose(res["alti"].values[:, layer], c.numpy(), atol=1e-5)
+        if pre_ln:  # GlobEnc on a pre-LN layer is ‖t_ij‖
+            np.testing.assert_allclose(res["globenc"].values[:, layer],
+                                       (t.norm(dim=-1) * (tr.mask[:, :, None] & tr.mask[:, None, :])).numpy(),
+                                       atol=1e-4, rtol=1e-4)
+            continue
+        v, rest = globenc_vectors(tr, layer)
+        assert ((v.sum(2) + rest - lt.out.float()).abs() * mask).max() < 1e-4, layer
+        pair = tr.mask[:, :, None] & tr.mask[:, None, :]
+        np.testing.assert_allclose(res["globenc"].values[:, layer], (v.norm(dim=-1) * pair).numpy(), atol=1e-4,
+                                   rtol=1e-4)
+
+
+def test_alti_chunking_matches_one_chunk(bundled, monkeypatch):
+    tr = bundled.trace(SENTENCES)
+    whole = alti_mod.alti(tr)
+    monkeypatch.setattr(alti_mod, "ROW_CHUNK_ELEMENTS", 1)  # one target row per chunk
+    tr.cache.clear()
+    torch.testing.assert_close(alti_mod.alti(tr), whole, atol=1e-6, rtol=1e-5)
+
+
+# ---- known answers on a hand-built BERT: uniform attention, W_V = W_O = I, no FFN, plain LayerNorms ----
+
+def uniform_lens(tokenizer, n_layers: int) -> mixlens.Lens:
+    """Every layer: y_i = x_i + mean_j x_j (real tokens j), then LN1, FFN = 0, LN2 (γ = 1, β = 0)."""
+    lens = random_lens("bert", tokenizer, hidden_size=8, num_attention_heads=2, intermediate_size=16,
+                       num_hidden_layers=n_layers)
+    with torch.no_grad():
+        for layer in lens.model.encoder.layer:
+            att = layer.attention
+            for lin in (att.self.query, att.self.key, layer.intermediate.dense, layer.output.dense):
+                lin.weight.zero_()
+                lin.bias.zero_()
+            for lin in (att.self.value, att.output.dense):
+                lin.weight.copy_(torch.eye(8))
+                lin.bias.zero_()
+            for ln in (att.output.LayerNorm, layer.output.LayerNorm):
+                ln.weight.fill_(1.0)
+                ln.bias.zero_()
+    return lens
+
+
+def centred(v: np.ndarray) -> np.ndarray:
+    return v - v.mean(-1, keepdims=True)
+
+
+def test_value_zeroing_known_answer(tokenizer):
+    lens = uniform_lens(tokenizer, 1)
+    texts = SENTENCES[:2]
+    tr = lens.trace(texts)
+    got = lens.analyze(texts, ["value_zeroing"])["value_zeroing"].values[:, 0]
+    for b, n in enumerate(tr.lengths):
+        x = tr.layers[0].x[b, :n].double().numpy()
+        y = x + x.mean(0)
+        # LN2(LN1(v)) ∝ C(v), so the cosine distance is that of the centred pre-norm sums
+        yz = y[:, None, :] - x[None, :, :] / n  # [i, j, d]: value of j zeroed
+        a, c = centred(yz), centred(y)[:, None, :]
+        dist = 1 - (a * c).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(c, axis=-1))
+        expect = dist / dist.sum(-1, keepdims=True)
+        np.testing.assert_allclose(got[b, :n, :n], expect, atol=1e-4)
+        assert np.abs(got[b, n:]).max(initial=0) == 0
+
+
+def test_globenc_and_alti_known_answer(tokenizer):
+    lens = uniform_lens(tokenizer, 1)
+    tr = lens.trace(SENTENCES[:1])
+    res = lens.analyze(SENTENCES[:1], ["globenc", "alti"])
+    n, eps = tr.lengths[0], 1e-12
+    x = tr.layers[0].x[0, :n].double().numpy()
+    y = x + x.mean(0)
+    t = np.eye(n)[:, :, None] * x[:, None, :] + x[None, :, :] / n  # t_ij
+    s1 = np.sqrt(centred(y).var(-1) + eps)
+    s2 = np.sqrt((centred(y) / s1[:, None]).var(-1) + eps)
+    glob = np.linalg.norm(centred(t), axis=-1) / (s1 * s2)[:, None]
+    np.testing.assert_allclose(res["globenc"].values[0, 0, :n, :n], glob, rtol=1e-4)
+    ln1 = centred(y) / s1[:, None]
+    tv = centred(t) / s1[:, None, None]
+    c = np.maximum(0, np.abs(ln1).sum(-1)[:, None] - np.abs(ln1[:, None] - tv).sum(-1))
+    np.testing.assert_allclose(res["alti"].values[0, 0, :n, :n], c / c.sum(-1, keepdims=True), atol=1e-5)
+
+
+def test_rollout_and_flow_known_answer(tokenizer):
+    """Uniform attention: Â = ½I + ½J/n, so Â^l = 2^-l I + (1 − 2^-l) J/n; one layer of flow is Â itself."""
+    lens = uniform_lens(tokenizer, 2)
+    res = lens.analyze(["Short one."], ["attention_rollout", "attention_flow"])
+    n = len(res.tokens[0])
+    eye, j = np.eye(n), np.full((n, n), 1 / n)
+    for layer in range(2):
+        q = 0.5 ** (layer + 1)
+        np.testing.assert_allclose(res["attention_rollout"].values[0, layer], q * eye + (1 - q) * j, atol=1e-6)
+    np.testing.assert_allclose(res["attention_flow"].values[0, 0], 0.5 * eye + 0.5 * j, atol=1e-5)
+    np.testing.assert_allclose(res["attention_flow"].values[0, 1].sum(-1), 1, atol=1e-6)
+
+
+def test_rollout_product_by_hand():
+    a = torch.tensor([[[1.0, 0.0], [0.5, 0.5]], [[0.0, 1.0], [1.0, 0.0]]])[None]  # [1, L=2, 2, 2]
+    out = rollout(a)
+    torch.testing.assert_close(out[0, 1], torch.tensor([[0.5, 0.5], [1.0, 0.0]]))
+    raw = rollout(2 * a)  # no normalisation by default: scale compounds
+    torch.testing.assert_close(raw[0, 1], 4 * out[0, 1])
+    torch.testing.assert_close(rollout(2 * a, normalize=True), out)
+
+
+def test_attention_flow_matches_rollout_shape_and_rows(bundled):
+    res = bundled.analyze(["Short one.", "The cat sat."], ["attention_flow"])
+    v = res["attention_flow"].values
+    m = real_mask([len(t) for t in res.tokens], v.shape[-1])
+    np.testing.assert_allclose(v.sum(-1), np.broadcast_to(m[:, None], v.shape[:3]).astype(float), atol=1e-5)
+
+
+# ---- bad input through the real CLI: one line, exit code 2 ----
+
+def cli(args: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    return exc.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["analyze", " ".join(["word"] * FLOW_MAX_TOKENS), "--method", "attention_flow"], "limited to 32 tokens"),
+    (["analyze", "A text.", "--method", "globenc_rollout", "--option", "globenc_rollout.normalize=maybe"],
+     "must be true or false"),
+    (["analyze", "A text.", "--method", "alti", "--option", "alti.normalize=true"], "has no option"),
+])
+def test_cli_errors(args, message, capsys):
+    code, err = cli(args, capsys)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_runs_global_methods(tmp_path, capsys):
+    out = tmp_path / "a.json"
+    code, err = cli(["analyze", "Short one.", "--method", "globenc_rollout", "--method", "value_zeroing",
+                     "--option", "globenc_rollout.normalize=true", "--out", str(out)], capsys)
+    assert code == 0, err
+    import json
+
+    data = json.loads(out.read_text())
+    m = data["inputs"][0]["methods"]
+    np.testing.assert_allclose(np.array(m["globenc_rollout"]["values"]).sum(-1), 1, atol=1e-5)
+    assert m["value_zeroing"]["dims"] == ["layer", "target", "source"]
