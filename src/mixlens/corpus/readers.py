@@ -4,8 +4,8 @@ Nothing here loads a file whole: text formats are read line by line, Parquet by 
 Every reader yields `Example(index, text, fields)`; `index` is the 0-based record number in the source
 (records that were skipped still use up their number, so an index always names the same row).
 
-Bad records never stop a run unless `strict=True`: undecodable lines (not UTF-8) and malformed rows
-(wrong field count, broken JSON, missing/null text) are skipped and counted in `stats`.
+Bad records never stop a run unless `strict=True`: undecodable lines (not UTF-8), malformed rows
+(wrong field count, broken JSON, missing/null text) and empty texts are skipped and counted in `stats`.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ class ReadStats:
     read: int = 0  # examples yielded
     undecodable: int = 0  # lines that are not valid UTF-8, skipped
     malformed: int = 0  # rows with a wrong field count, broken JSON or a missing text, skipped
+    empty: int = 0  # rows whose text is empty or whitespace only, skipped
 
     def as_dict(self) -> dict[str, int]:
-        return {"read": self.read, "undecodable": self.undecodable, "malformed": self.malformed}
+        return {"read": self.read, "undecodable": self.undecodable, "malformed": self.malformed, "empty": self.empty}
 
 
 Stats = ReadStats | MutableMapping[str, int] | None
@@ -297,10 +298,10 @@ def iter_examples(src: str | Path, text_column: str | None = None, pair_column: 
     columns, records = open_records(src, fmt)
     where = str(src)
     tcol, pcol = resolve_columns(columns, text_column, pair_column, where)
-    return _examples(records, tcol, pcol, strict, stats, where)
+    return examples_from(records, tcol, pcol, strict, stats, where)
 
 
-def _examples(records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str | None, strict: bool, stats: Stats,
+def examples_from(records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str | None, strict: bool, stats: Stats,
               where: str) -> Iterator[Example]:
     any_row, index = False, -1
     for index, rec in enumerate(records):
@@ -310,6 +311,8 @@ def _examples(records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str | N
             if a is None or b is None:
                 rec = _Bad("malformed", f"record {index} has no value in column "
                            f"'{tcol if a is None else pcol}'")
+            elif not a or (pcol is not None and not b):
+                rec = _Bad("empty", f"record {index} has an empty text")
         if isinstance(rec, _Bad):
             if strict:
                 raise MixlensError(f"{where}: {rec.where} (run without --strict to skip such records)")

@@ -1,0 +1,181 @@
+"""Shard files, mergeable partial sums and the run manifest of a corpus directory.
+
+Layout of DIR:
+    manifest.json              job identity, parameters, finished shards, counts (rewritten atomically)
+    shards/shard-00000.parquet one row per example; its Parquet metadata holds the shard's partial sums
+    aggregate.parquet          per (stat, method, layer, head): count, mean, std, min, max (when complete)
+
+Partial sums (count, Σx, Σx², min, max in float64) are kept per key (stat, method, layer, head) so that
+any set of shards merges in any order; the final merge runs in shard order, so a resumed run gives the
+same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mixlens.errors import MixlensError
+from mixlens.result import atomic_write
+
+FORMAT = "mixlens-corpus/1"
+MANIFEST = "manifest.json"
+AGGREGATE = "aggregate.parquet"
+SHARD_DIR = "shards"
+SUMS_KEY = b"mixlens.sums"
+INFO_KEY = b"mixlens.shard"
+Key = tuple[str, str, int, int]  # (stat, method, layer, head); head = -1: all heads / not per head
+
+
+def shard_path(out: Path, shard_id: int) -> Path:
+    return out / SHARD_DIR / f"shard-{shard_id:05d}.parquet"
+
+
+@dataclass
+class Sums:
+    """Mergeable moments per key: count, sum, sum of squares, min, max (float64)."""
+
+    data: dict[Key, np.ndarray] = field(default_factory=dict)  # key → [count, sum, sumsq, min, max]
+
+    def add(self, stat: str, method: str, values: np.ndarray) -> None:
+        """values [samples, layer] or [samples, layer, head]: one sample per row, per (layer, head) key."""
+        v = np.asarray(values, dtype=np.float64)
+        if v.shape[0] == 0:
+            return
+        v = v.reshape(v.shape[0], v.shape[1], -1) if v.ndim == 3 else v[:, :, None]
+        per_head = values.ndim == 3
+        part = np.stack([np.full(v.shape[1:], v.shape[0], dtype=np.float64), v.sum(0), (v * v).sum(0),
+                         v.min(0), v.max(0)], axis=-1)  # [layer, head, 5]
+        for layer in range(v.shape[1]):
+            for h in range(v.shape[2]):
+                self._merge_one((stat, method, layer, h if per_head else -1), part[layer, h])
+
+    def add_scalar(self, stat: str, method: str, values: np.ndarray) -> None:
+        """values [samples]: one key (stat, method, -1, -1), e.g. tokens per example."""
+        v = np.asarray(values, dtype=np.float64).reshape(-1)
+        if v.size:
+            self._merge_one((stat, method, -1, -1), np.array([v.size, v.sum(), (v * v).sum(), v.min(), v.max()]))
+
+    def _merge_one(self, key: Key, p: np.ndarray) -> None:
+        q = self.data.get(key)
+        if q is None:
+            self.data[key] = p.copy()
+            return
+        q[0] += p[0]
+        q[1] += p[1]
+        q[2] += p[2]
+        q[3] = min(q[3], p[3])
+        q[4] = max(q[4], p[4])
+
+    def merge(self, other: Sums) -> Sums:
+        for k, p in other.data.items():
+            self._merge_one(k, p)
+        return self
+
+    def to_json(self) -> str:
+        keys = sorted(self.data)
+        return json.dumps({"keys": [list(k) for k in keys], "values": [self.data[k].tolist() for k in keys]})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Sums:
+        d = json.loads(text)
+        return cls({tuple(k): np.asarray(v, dtype=np.float64) for k, v in zip(d["keys"], d["values"],
+                                                                           strict=True)})
+
+    def table(self) -> pa.Table:
+        """The aggregate table: one row per key with count, mean, std (population), min, max."""
+        keys = sorted(self.data)
+        v = np.array([self.data[k] for k in keys]).reshape(-1, 5)
+        count = v[:, 0]
+        mean = v[:, 1] / np.maximum(count, 1)
+        var = np.maximum(v[:, 2] / np.maximum(count, 1) - mean**2, 0)
+        return pa.table({
+            "stat": [k[0] for k in keys], "method": [k[1] for k in keys],
+            "layer": pa.array([k[2] for k in keys], pa.int32()), "head": pa.array([k[3] for k in keys], pa.int32()),
+            "count": pa.array(count.astype(np.int64)), "mean": mean, "std": np.sqrt(var), "min": v[:, 3],
+            "max": v[:, 4],
+        })
+
+
+def shard_bytes(table: pa.Table, sums: Sums, info: dict) -> bytes:
+    """Serialise a shard: the per-example table with its partial sums and info in the Parquet metadata."""
+    meta = dict(table.schema.metadata or {})
+    meta[SUMS_KEY] = sums.to_json().encode()
+    meta[INFO_KEY] = json.dumps(info, sort_keys=True).encode()
+    buf = io.BytesIO()
+    pq.write_table(table.replace_schema_metadata(meta), buf, compression="zstd")
+    return buf.getvalue()
+
+
+def read_shard_meta(path: Path) -> tuple[Sums, dict]:
+    """(partial sums, info) from a shard file's metadata, without reading its rows."""
+    meta = pq.read_schema(path).metadata or {}
+    if SUMS_KEY not in meta or INFO_KEY not in meta:
+        raise MixlensError(f"{path} is not a mixlens corpus shard")
+    return Sums.from_json(meta[SUMS_KEY]), json.loads(meta[INFO_KEY])
+
+
+def finished_shards(out: Path, job_id: str) -> dict[int, dict]:
+    """{shard id: info} of complete shard files of this job in DIR (a shard is complete once renamed)."""
+    done: dict[int, dict] = {}
+    for p in sorted((out / SHARD_DIR).glob("shard-*.parquet")):
+        try:
+            _, info = read_shard_meta(p)
+        except (MixlensError, OSError, pa.ArrowException):
+            continue  # unreadable: recompute it
+        if info.get("job_id") == job_id:
+            done[int(info["shard"])] = info
+    return done
+
+
+def remove_stale_temps(out: Path) -> None:
+    """Temp files of writes interrupted by a kill (atomic_write names them .NAME.*.tmp)."""
+    for d in (out, out / SHARD_DIR):
+        for p in d.glob(".*.tmp"):
+            p.unlink(missing_ok=True)
+
+
+def read_manifest(out: Path) -> dict | None:
+    p = out / MANIFEST
+    if not p.is_file():
+        return None
+    try:
+        m = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise MixlensError(f"{p} is not a readable mixlens manifest; use --overwrite to start again") from None
+    if m.get("format") != FORMAT:
+        raise MixlensError(f"{p} is not a mixlens corpus manifest; use another --out or --overwrite")
+    return m
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    atomic_write(out / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+
+
+def merge_shards(out: Path, shard_ids: list[int]) -> Sums:
+    """Merge the partial sums of the given shards (in shard order, for reproducible bytes)."""
+    total = Sums()
+    for s in sorted(shard_ids):
+        total.merge(read_shard_meta(shard_path(out, s))[0])
+    return total
+
+
+def write_aggregate(out: Path, sums: Sums) -> None:
+    buf = io.BytesIO()
+    pq.write_table(sums.table(), buf)
+    atomic_write(out / AGGREGATE, buf.getvalue())
+
+
+def clear_run(out: Path) -> None:
+    """Remove the files of a previous run (--overwrite); nothing else in DIR is touched."""
+    for p in (out / SHARD_DIR).glob("shard-*.parquet"):
+        p.unlink()
+    remove_stale_temps(out)
+    for name in (MANIFEST, AGGREGATE):
+        (out / name).unlink(missing_ok=True)
