@@ -1,0 +1,137 @@
+"""`mixlens report` (self-contained HTML), `mixlens plot` (static figures) and `mixlens serve` (local viewer)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+from mixlens.errors import MixlensError
+
+
+class View(str, Enum):
+    heatmap = "heatmap"
+    ratio = "ratio"
+    bipartite = "bipartite"
+
+
+MAX_PANELS = 4
+
+
+def register(app: typer.Typer) -> None:
+    from mixlens.cli import model_option, parse_options
+
+    @app.command()
+    def report(
+        text: list[str] = typer.Argument(..., help="One or more texts to analyse."),
+        out: Path = typer.Option(Path("mixlens-report.html"), "--out", "-o", help="The HTML file to write."),
+        model: str | None = model_option(),
+        method: list[str] = typer.Option(None, "--method", help="Method name (repeatable); default: attention, "
+                                         "norm, norm_res, norm_resln."),
+        heads: bool = typer.Option(True, "--heads/--no-heads", help="Also embed per-head maps (head selector)."),
+        option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
+        max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit (default: the "
+                                              "model's)."),
+        max_values: int = typer.Option(4_000_000, "--max-values", min=1, help="Most numbers embedded in the "
+                                       "file; per-head maps, then methods, are left out beyond it (said on the "
+                                       "page)."),
+        title: str | None = typer.Option(None, "--title", help="Page title."),
+    ) -> None:
+        """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios."""
+        from mixlens.lens import DEFAULT_METHODS, load
+        from mixlens.result import atomic_write
+        from mixlens.viz.html import analyze_for_view, render_report
+
+        methods = _methods(method, DEFAULT_METHODS)
+        opts = parse_options(option)
+        if out.suffix.lower() not in (".html", ".htm"):
+            raise MixlensError(f"--out must end in .html, not '{out.name}'")
+        lens = load(model)
+        res, head_maps = analyze_for_view(lens, text, methods, heads=heads, options=opts, max_length=max_length)
+        atomic_write(out, render_report(res, head_maps=head_maps, title=title, max_values=max_values).encode())
+        typer.echo(f"wrote report to {out}", err=True)
+
+    @app.command()
+    def plot(
+        text: list[str] = typer.Argument(..., help="One or more texts (one panel each; ratio: pooled)."),
+        out: Path = typer.Option(..., "--out", "-o", help="Figure file: .png, .svg or .pdf."),
+        model: str | None = model_option(),
+        view: View = typer.Option(View.heatmap, "--view", help="heatmap, bipartite or ratio."),
+        method: str = typer.Option("norm_resln", "--method", help="Method for heatmap/bipartite."),
+        layer: int = typer.Option(-1, "--layer", help="Layer (0-based; negative counts from the end)."),
+        head: int | None = typer.Option(None, "--head", min=0, help="One head (0-based) instead of the "
+                                        "method's own map."),
+        option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
+        max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit."),
+    ) -> None:
+        """Save a publication figure (matplotlib) of the heatmap, bipartite or mixing-ratio view."""
+        from mixlens.lens import load
+        from mixlens.methods import get
+        from mixlens.viz import static
+
+        suffix = out.suffix.lower().lstrip(".")
+        if suffix not in static.FORMATS:
+            raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
+        if view is not View.ratio and len(text) > MAX_PANELS:
+            raise MixlensError(f"{len(text)} texts: a {view.value} figure holds at most {MAX_PANELS} panels")
+        spec = get(method)
+        if head is not None and view is not View.ratio and not spec.head_dims:
+            raise MixlensError(f"'{method}' has no per-head values; drop --head")
+        opts = parse_options(option)
+        lens = load(model)
+        res = lens.analyze(text, ["attention"] if view is View.ratio else [method], heads=head is not None,
+                           options=opts, max_length=max_length)
+        inputs = list(range(len(text)))
+        if view is View.ratio:
+            fig = static.ratio_figure(res)
+        elif view is View.heatmap:
+            fig = static.heatmap_figure(res[method], inputs, layer, head)
+        else:
+            fig = static.bipartite_figure(res[method], inputs, layer, head)
+        static.save_figure(fig, out)
+        typer.echo(f"wrote {view.value} figure to {out}", err=True)
+
+    @app.command()
+    def serve(
+        files: list[Path] = typer.Argument(None, help="Report files the viewer may also serve (by name)."),
+        model: str | None = model_option(),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: loopback only)."),
+        port: int = typer.Option(8765, "--port", "-p", min=0, max=65535, help="Port (0: any free port)."),
+        method: list[str] = typer.Option(None, "--method", help="Method name (repeatable); default: attention, "
+                                         "norm, norm_res, norm_resln."),
+        heads: bool = typer.Option(True, "--heads/--no-heads", help="Per-head maps for the head selector."),
+        max_chars: int = typer.Option(1000, "--max-chars", min=1, help="Longest accepted input in characters."),
+        max_tokens: int = typer.Option(128, "--max-tokens", min=2, help="Longest accepted input in tokens."),
+    ) -> None:
+        """Local viewer: type a sentence in the browser and get the report view."""
+        from mixlens.lens import DEFAULT_METHODS, load
+        from mixlens.viz.server import ViewerConfig, make_server, report_files
+
+        methods = _methods(method, DEFAULT_METHODS)
+        given = report_files(files or [])
+        lens = load(model)
+        try:
+            server = make_server(ViewerConfig(lens, methods, heads, max_chars, max_tokens, given), host, port)
+        except OSError as e:
+            raise MixlensError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            typer.echo(f"warning: listening on {host}: other machines can reach this viewer", err=True)
+        addr, bound = server.server_address[:2]
+        typer.echo(f"mixlens viewer on http://{'[' + addr + ']' if ':' in addr else addr}:{bound}/ "
+                   "(Ctrl-C stops it)", err=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            typer.echo("stopped", err=True)
+        finally:
+            server.server_close()
+
+
+def _methods(given: list[str] | None, default: tuple[str, ...]) -> list[str]:
+    from mixlens.methods import get
+
+    methods = list(given) if given else list(default)
+    for m in methods:
+        get(m)  # unknown names fail before the model loads
+    return methods

@@ -1,0 +1,2 @@
+"""Views of results: self-contained HTML report (`html`), static matplotlib figures (`static`), local viewer
+(`server`)."""
