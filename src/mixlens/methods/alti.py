@@ -14,9 +14,9 @@ from mixlens.adapters import Layer
 from mixlens.methods.norms import head_vectors
 from mixlens.methods.registry import register
 from mixlens.methods.rollout import pair_mask, rollout, row_normalize
-from mixlens.trace import LayerTrace, Trace
+from mixlens.trace import LayerTrace, Trace, _repeat_kv
 
-ROW_CHUNK_ELEMENTS = 1 << 24  # floats of T vectors held at once (64 MB)
+ROW_CHUNK_ELEMENTS = 1 << 20  # floats of T vectors held at once (4 MB: the chunk stays in cache)
 
 
 def _maps(lt: LayerTrace, lay: Layer, pre_ln: bool):
@@ -28,46 +28,61 @@ def _maps(lt: LayerTrace, lay: Layer, pre_ln: bool):
 
 
 @torch.no_grad()
-def alti_vectors(trace: Trace, index: int, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T [B, r, n(source), d] for the target rows `rows`, y [B, n, d]) of one layer; Σ_j T_i(x_j) plus the
-    bias g_i(b_O) + β (post-LN) or b_O (pre-LN) equals y_i."""
+def alti_vectors(trace: Trace, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T [B, n(target), n(source), d], y [B, n, d]) of one layer, all n² vectors at once (for checks and
+    small inputs); Σ_j T_i(x_j) plus the bias g_i(b_O) + β (post-LN) or b_O (pre-LN) equals y_i."""
     lt, lay = trace.layers[index], trace.adapter.layers[index]
     p, inv, y = _maps(lt, lay, trace.adapter.family.pre_ln)
-    pf = p(head_vectors(lt, lay))  # [B, H, n, d]
-    return _rows(lt.alpha.float(), pf, p(lt.x.float()), inv, rows), y
+    t = torch.einsum("bhij,bhjd->bijd", lt.alpha.float(), p(head_vectors(lt, lay)))
+    t.diagonal(dim1=1, dim2=2).add_(p(lt.x.float()).transpose(1, 2))
+    return t * inv[:, :, None, None], y
 
 
-def _rows(alpha: torch.Tensor, pf: torch.Tensor, px: torch.Tensor, inv: torch.Tensor, rows: slice) -> torch.Tensor:
-    t = torch.einsum("bhij,bhjd->bijd", alpha[:, :, rows], pf)  # [B, r, n, d]
-    start = rows.start or 0
-    idx = torch.arange(start, start + t.shape[1])
-    t[:, torch.arange(t.shape[1]), idx] += px[:, idx]
-    return t * inv[:, rows, None, None]
+def projected_head_vectors(lt: LayerTrace, lay: Layer, p) -> torch.Tensor:
+    """P f^h(x_j) for a linear map P on the hidden axis: [B, H, n, d]. P is applied to the rows of W_O
+    (P(v W_O) = v P(W_O)) instead of to the B·H·n vectors."""
+    v = _repeat_kv(lt.value, lay.n_heads).float()
+    w = p(lay.w_o.float()).reshape(lay.n_heads, lay.d_head, -1)
+    return torch.einsum("bhjk,hkd->bhjd", v, w)
 
 
-def _layer(lt: LayerTrace, lay: Layer, pre_ln: bool) -> torch.Tensor:
-    p, inv, y = _maps(lt, lay, pre_ln)
-    pf = p(head_vectors(lt, lay))
-    px = p(lt.x.float())
-    alpha = lt.alpha.float()
-    b, n, d = y.shape
-    out = torch.empty(b, n, n)
-    step = max(1, ROW_CHUNK_ELEMENTS // max(1, b * n * d))
-    y1 = y.abs().sum(-1)  # [B, n]
+def _example(alpha: torch.Tensor, pf: torch.Tensor, px: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """ALTI matrix of one input (real tokens only). alpha [H, n, n] (already scaled by 1/s_i), pf [H, n, d],
+    px [n, d] (scaled), y [n, d] → c [n(target), n(source)]."""
+    h, n, _ = alpha.shape
+    d = y.shape[-1]
+    a = alpha.permute(2, 1, 0)  # [j, i, H]
+    pfj = pf.transpose(0, 1)  # [j, H, d]
+    out = torch.empty(n, n)
+    step = max(1, ROW_CHUNK_ELEMENTS // (n * d))
+    idx = torch.arange(n)
     for s in range(0, n, step):
-        rows = slice(s, min(n, s + step))
-        t = _rows(alpha, pf, px, inv, rows)
-        dist = (y[:, rows, None, :] - t).abs_().sum(-1)  # [B, r, n]
-        out[:, rows] = (y1[:, rows, None] - dist).clamp_min_(0)
+        r = slice(s, min(n, s + step))
+        t = torch.matmul(a[:, r], pfj)  # [j, r, d]: Σ_h α^h_ij P f^h_j / s_i for targets i in r
+        diag = idx[r]
+        t[diag, diag - s] += px[r]
+        dist = torch.linalg.vector_norm(t.sub_(y[r]), ord=1, dim=-1)  # ‖y_i − T_i(x_j)‖₁  [j, r]
+        out[r] = (y[r].abs().sum(-1)[None] - dist).clamp_min_(0).T
     return out
 
 
-@torch.no_grad()
+def _layer(lt: LayerTrace, lay: Layer, pre_ln: bool, lengths: list[int]) -> torch.Tensor:
+    p, inv, y = _maps(lt, lay, pre_ln)
+    pf = projected_head_vectors(lt, lay, p)  # [B, H, n, d]
+    px = p(lt.x.float()) * inv[..., None]
+    alpha = lt.alpha.float() * inv[:, None, :, None]
+    b, n, _ = y.shape
+    out = torch.zeros(b, n, n)
+    for k, m in enumerate(lengths):  # real tokens only: no work on padding
+        out[k, :m, :m] = _example(alpha[k, :, :m, :m], pf[k, :, :m], px[k, :m], y[k, :m])
+    return out
+
+
 def alti_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer ALTI contributions, rows normalised: [B, L, n, n] (cached on the trace)."""
     if "alti" not in trace.cache:
         pre_ln = trace.adapter.family.pre_ln
-        mats = torch.stack([_layer(lt, lay, pre_ln) for lt, lay in
+        mats = torch.stack([_layer(lt, lay, pre_ln, trace.lengths) for lt, lay in
                             zip(trace.layers, trace.adapter.layers, strict=True)], dim=1)
         trace.cache["alti"] = row_normalize(mats * pair_mask(trace.mask))
     return trace.cache["alti"]

@@ -15,6 +15,7 @@ import torch
 
 from mixlens.adapters import Layer
 from mixlens.errors import ReconstructionError
+from mixlens.methods.alti import projected_head_vectors
 from mixlens.methods.norms import TOLERANCE, attn_sum, block_norms, head_vectors, quad_norm
 from mixlens.methods.registry import register
 from mixlens.methods.rollout import check_bool, pair_mask, rollout
@@ -61,7 +62,7 @@ def _rest(lt: LayerTrace, lay: Layer, inv: torch.Tensor) -> torch.Tensor:
 def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> torch.Tensor:
     p, inv = _maps(lt, lay)
     alpha, x = lt.alpha.float(), lt.x.float()
-    pf = p(head_vectors(lt, lay))  # [B, H, n, d]
+    pf = projected_head_vectors(lt, lay, p)  # [B, H, n, d]
     gram = torch.einsum("bhjd,bgjd->bjhg", pf, pf)
     out = quad_norm(alpha, gram)
     t_ii = torch.einsum("bhi,bhid->bid", alpha.diagonal(dim1=2, dim2=3), pf) + p(x)

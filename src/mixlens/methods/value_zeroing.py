@@ -18,7 +18,7 @@ from mixlens.methods.registry import register
 from mixlens.methods.rollout import pair_mask, rollout, row_normalize
 from mixlens.trace import Trace, hooked
 
-MAX_TOKENS_PER_CALL = 1 << 15  # batch·copies·n tokens in one layer call (bounds activation memory)
+MAX_TOKENS_PER_CALL = 1 << 13  # examples·copies·n tokens in one layer call (activations stay near cache)
 
 
 def _layer_calls(trace: Trace) -> list[tuple[tuple, dict[str, Any]]]:
@@ -43,36 +43,38 @@ def _layer_calls(trace: Trace) -> list[tuple[tuple, dict[str, Any]]]:
     return trace.cache["layer_calls"]
 
 
-def _expand(obj: Any, batch: int, copies: int) -> Any:
-    """Repeat every per-example tensor (leading axis = batch) `copies` times, example-major; caches dropped."""
+def _expand(obj: Any, batch: int, rows: torch.Tensor, copies: int) -> Any:
+    """Keep the examples `rows` of every per-example tensor (leading axis = batch) and repeat each `copies`
+    times, example-major; caches are dropped."""
     if isinstance(obj, torch.Tensor):
-        return obj.repeat_interleave(copies, dim=0) if obj.dim() and obj.shape[0] == batch else obj
+        return obj[rows].repeat_interleave(copies, dim=0) if obj.dim() and obj.shape[0] == batch else obj
     if isinstance(obj, tuple):
-        return tuple(_expand(o, batch, copies) for o in obj)
+        return tuple(_expand(o, batch, rows, copies) for o in obj)
     if type(obj).__name__.endswith("Cache"):
         return None
     return obj
 
 
-def _zeroed_outputs(trace: Trace, index: int, sources: range) -> torch.Tensor:
-    """Output of layer `index` with v_j = 0 for each j in `sources`: [B, len(sources), n, d]."""
+def _zeroed_outputs(trace: Trace, index: int, rows: torch.Tensor, sources: range) -> torch.Tensor:
+    """Output of layer `index` for the examples `rows` with v_j = 0, for each j in `sources`:
+    [len(rows), len(sources), n, d]."""
     args, kwargs = _layer_calls(trace)[index]
     x = trace.layers[index].x
     b, n, d = x.shape
     m = len(sources)
     keep = torch.ones(m, n, dtype=x.dtype, device=x.device)
     keep[torch.arange(m), torch.arange(sources.start, sources.stop)] = 0
-    keep = keep.repeat(b, 1)[:, None, :, None]  # [B·m, 1, n, 1], example-major like _expand
+    keep = keep.repeat(len(rows), 1)[:, None, :, None]  # [R·m, 1, n, 1], example-major like _expand
 
-    args = (x.repeat_interleave(m, dim=0), *(_expand(a, b, m) for a in args[1:]))
-    kwargs = {k: _expand(v, b, m) for k, v in kwargs.items() if k != "hidden_states"}
+    args = tuple(_expand(a, b, rows, m) for a in (x, *args[1:]))
+    kwargs = {k: _expand(v, b, rows, m) for k, v in kwargs.items() if k != "hidden_states"}
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     # a direct call of one layer module makes exactly one attention call, named blocks.0 by the engine
     with hooked(trace.adapter, {"blocks.0.attn.v": lambda v: v * keep}):
         out = trace.adapter.layers[index].module(*args, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
-    return out.reshape(b, m, n, d)
+    return out.reshape(len(rows), m, n, d)
 
 
 def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -84,15 +86,20 @@ def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _layer(trace: Trace, index: int) -> torch.Tensor:
-    """C [B, n(target), n(source)]: cosine distance of each token's output when source j's value is zeroed."""
+    """C [B, n(target), n(source)]: cosine distance of each token's output when source j's value is zeroed.
+    Sources that are padding of an example are skipped for that example."""
     real = trace.layers[index].out  # [B, n, d]
     b, n, _ = real.shape
-    out = torch.empty(b, n, n)
-    step = max(1, MAX_TOKENS_PER_CALL // (b * n))
-    for s in range(0, n, step):
+    lengths = torch.tensor(trace.lengths)
+    out = torch.zeros(b, n, n)
+    s = 0
+    while s < n:
+        rows = torch.nonzero(lengths > s).flatten()  # examples for which source s is a real token
+        step = max(1, MAX_TOKENS_PER_CALL // (len(rows) * n))
         src = range(s, min(n, s + step))
-        zeroed = _zeroed_outputs(trace, index, src)  # [B, m, n(target), d]
-        out[:, :, s : src.stop] = cosine_distance(zeroed, real[:, None]).transpose(1, 2)
+        zeroed = _zeroed_outputs(trace, index, rows, src)  # [R, m, n(target), d]
+        out[rows, :, s : src.stop] = cosine_distance(zeroed, real[rows, None]).transpose(1, 2)
+        s = src.stop
     return out
 
 
