@@ -173,7 +173,7 @@ def test_rollout_product_by_hand():
     torch.testing.assert_close(rollout(2 * a, normalize=True), out)
 
 
-def test_attention_flow_matches_rollout_shape_and_rows(bundled):
+def test_attention_flow_rows_sum_to_one(bundled):
     res = bundled.analyze(["Short one.", "The cat sat."], ["attention_flow"])
     v = res["attention_flow"].values
     m = real_mask([len(t) for t in res.tokens], v.shape[-1])

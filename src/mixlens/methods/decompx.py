@@ -194,7 +194,7 @@ def decompositions(trace: Trace) -> list[Decomposition]:
 
 @register("decompx", needs_ffn=True)
 def decompx(trace: Trace) -> torch.Tensor:
-    """DecompX per layer (Modarressi 2023): ‖x_{i⇐k}‖, the part of layer-l output i from input token k."""
+    """DecompX per layer (Modarressi 2023; classification models): ‖x_{i⇐k}‖, part of layer-l output i from token k."""
     decs = decompositions(trace)
     b, n = trace.mask.shape
     out = torch.zeros(b, decs[0].layers.shape[0], n, n)
@@ -206,7 +206,7 @@ def decompx(trace: Trace) -> torch.Tensor:
 
 @register("decompx_classes", dims=("class", "source"), needs_ffn=True)
 def decompx_classes(trace: Trace) -> torch.Tensor:
-    """DecompX class scores: signed contribution of each input token to each logit (rows sum to the logits)."""
+    """DecompX class scores (classification models): signed contribution of each token to each logit; sums = logits."""
     decs = decompositions(trace)
     b, n = trace.mask.shape
     out = torch.zeros(b, decs[0].classes.shape[0], n)
