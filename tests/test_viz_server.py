@@ -107,3 +107,47 @@ def test_rejects_foreign_host_header(viewer):
     status, _, body = request(port, "GET", "/", headers={"Host": "evil.example:80"})
     assert status == 403 and b"unexpected Host" in body
     assert request(port, "GET", "/", headers={"Host": f"localhost:{port}"})[0] == 200
+
+
+def test_serve_command_binds_loopback(monkeypatch, capsys):
+    """`mixlens serve` end to end: the CLI builds the server on 127.0.0.1; shut down from the test."""
+    import mixlens.viz.server as server_mod
+    from mixlens.cli import main
+
+    made = []
+
+    def capture(*args, **kwargs):
+        made.append(make_server(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(server_mod, "make_server", capture)
+    codes = []
+
+    def run():
+        try:
+            main(["serve", "--port", "0", "--method", "attention", "--max-chars", "50"])
+        except SystemExit as e:
+            codes.append(e.code)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    for _ in range(600):  # bounded wait for the model to load (≤ 60 s)
+        if made:
+            break
+        t.join(0.1)
+    assert made, "server was not created"
+    srv = made[0]
+    assert srv.server_address[0] == "127.0.0.1"
+    port = srv.server_address[1]
+    for _ in range(100):  # bounded wait for serve_forever to start answering
+        try:
+            status, _, body = request(port, "GET", "/")
+            break
+        except OSError:
+            t.join(0.05)
+    assert status == 200 and b"Methods: attention." in body
+    assert post(port, {"text": "x" * 51})[0] == 413
+    srv.shutdown()
+    t.join(10)
+    assert codes == [0]
+    assert f"mixlens viewer on http://127.0.0.1:{port}/" in capsys.readouterr().err

@@ -85,6 +85,8 @@ function mlxMount(root, data) {
   rtCanvas.setAttribute("data-role", "ratio");
   var legend = el("div", "mlx-legend", null, rtCard);
   var tip = el("div", "mlx-tip", null, root);
+  [hmCanvas, bpCanvas, rtCanvas].forEach(function (c) { c.setAttribute("role", "img"); });
+  rtCanvas.setAttribute("aria-label", "context-mixing ratio per layer, one line per variant (values in the legend)");
 
   if (data.inputs.length < 2) cInput.label.style.display = "none";
   data.inputs.forEach(function (inp, b) { option(cInput.select, b, (b + 1) + ": " + short(inp.text, 40)); });
@@ -188,6 +190,8 @@ function mlxMount(root, data) {
     S.geo = { left: lab, top: lab, cell: cell, width: w, height: h };
     var m = method();
     hmTitle.textContent = "Token \u00d7 token map \u2014 " + m.name + describe();
+    hmCanvas.setAttribute("aria-label", hmTitle.textContent + "; " + n + " tokens");
+    bpCanvas.setAttribute("aria-label", "links between tokens for " + m.name + describe());
     hmNote.textContent = labels ? "" : n + " tokens: labels hidden at this size; hover a cell for its tokens.";
     var cc = setupCanvas(cbCanvas, 160, 10);
     for (var x = 0; x < 160; x++) { cc.fillStyle = color(S.vmin + (S.vmax - S.vmin) * x / 159); cc.fillRect(x, 0, 1, 10); }
@@ -203,7 +207,7 @@ function mlxMount(root, data) {
   /* ---- bipartite ---- */
   function drawBipartite() {
     var toks = data.inputs[S.input].tokens, n = S.n, map = S.map, maxLinks = data.max_links || 3000;
-    var rowH = Math.max(4, Math.min(18, Math.floor(640 / Math.max(n, 1))));
+    var rowH = Math.max(7, Math.min(18, Math.floor(640 / Math.max(n, 1))));  // labels stay legible
     var font = Math.min(12, rowH - 1), ctx = bpCanvas.getContext("2d"), lab = 0, labels = rowH >= 7;
     if (labels) {
       ctx.font = font + "px sans-serif";
