@@ -48,7 +48,12 @@ class RayBackend:
     def next_done(self) -> tuple[int, bytes, dict]:
         [ref], _ = self.ray.wait(list(self.refs), num_returns=1)
         self.load[self.refs.pop(ref)] -= 1
-        return self.ray.get(ref)
+        try:
+            return self.ray.get(ref)
+        except self.ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, MixlensError):  # e.g. a model path the actors cannot load
+                raise MixlensError(str(e.cause)) from None
+            raise
 
     def close(self) -> None:
         for a in self.actors:
@@ -67,9 +72,14 @@ class _ShardActor:
 
         torch.set_num_threads(1)
         self.job = job
-        self.lens = load(job.model, head=job.head, device=job.device)
+        try:
+            self.lens = load(job.model, head=job.head, device=job.device)
+        except MixlensError as e:  # raised again by each task, where the driver turns it into one line
+            self.lens = e
 
     def run(self, shard_id: int, examples: list[Example]) -> tuple[int, bytes, dict]:
         from mixlens.corpus.runner import compute_shard
 
+        if isinstance(self.lens, MixlensError):
+            raise self.lens
         return (shard_id, *compute_shard(self.lens, self.job, shard_id, examples))

@@ -9,6 +9,7 @@ the shards whose files already exist.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,8 +32,8 @@ from mixlens.stats.tokens import row_entropy, token_kinds, token_type_masses
 STORES = ("summary", "full")
 BACKENDS = ("local", "ray")
 # Keys of the job that change results: a rerun with other values is refused unless --overwrite.
-IDENTITY = ("model", "data", "text_column", "pair_column", "methods", "heads", "options", "store", "shard_size",
-            "max_length")
+IDENTITY = ("model", "head", "data", "fmt", "text_column", "pair_column", "methods", "heads", "options", "store",
+            "shard_size", "max_length")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Job:
     model: str | None
     model_name: str
     data: str
+    fmt: str | None
     text_column: str
     pair_column: str | None
     methods: tuple[str, ...]
@@ -216,7 +218,7 @@ class LocalBackend:
         pass
 
 
-_WORKER_LENS = None
+_WORKER_LENS = None  # the worker process's Lens, or the MixlensError that loading it raised
 
 
 def _init_worker(job: Job, threads: int) -> None:
@@ -224,10 +226,15 @@ def _init_worker(job: Job, threads: int) -> None:
     from mixlens.lens import load
 
     torch.set_num_threads(threads)
-    _WORKER_LENS = load(job.model, head=job.head, device=job.device)
+    try:
+        _WORKER_LENS = load(job.model, head=job.head, device=job.device)
+    except MixlensError as e:  # re-raised with each task, so the user sees the message, not a broken pool
+        _WORKER_LENS = e
 
 
 def _worker_compute(job: Job, shard_id: int, examples: list[Example]) -> tuple[int, bytes, dict]:
+    if isinstance(_WORKER_LENS, MixlensError):
+        raise _WORKER_LENS
     return (shard_id, *compute_shard(_WORKER_LENS, job, shard_id, examples))
 
 
@@ -381,15 +388,15 @@ def run_corpus(
     tcol, pcol = resolve_columns(columns, text_column, pair_column, str(data))
     is_file = not (isinstance(data, str) and data.startswith("hf:"))
     data_id = str(Path(data).expanduser().resolve()) if is_file else str(data)
+    model_name = lens.name if lens is not None else (str(model) if model else "all-MiniLM-L6-v2")  # as load()
+    job = Job(model, model_name, data_id, fmt, tcol, pcol, methods, heads, options, store, shard_size, max_length,
+              batch_size, max_tokens, head, device)
+    out = Path(out)
+    _check_out(out, job, overwrite)  # refuse a different run before the model loads
     if lens is None and backend == "local" and (workers or 1) == 1:
         from mixlens.lens import load
 
         lens = load(model, head=head, device=device)
-    model_name = lens.name if lens is not None else (model or "all-MiniLM-L6-v2")
-    job = Job(model, model_name, data_id, tcol, pcol, methods, heads, options, store, shard_size, max_length,
-              batch_size, max_tokens, head, device)
-    out = Path(out)
-    _check_out(out, job, overwrite)
     (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
     sh.remove_stale_temps(out)
     done = sh.finished_shards(out, job.job_id)
@@ -401,7 +408,7 @@ def run_corpus(
         infos = [done[k] for k in sorted(done)]
         return {
             "format": sh.FORMAT, "version": __version__, "job_id": job.job_id, "job": job.identity(),
-            "params": {"batch_size": batch_size, "max_tokens": max_tokens, "fmt": fmt, "strict": strict},
+            "params": {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict},
             "model": model_name, "methods": list(methods), "complete": complete, "resumed_shards": resumed,
             "shards": [{"shard": i["shard"], "file": str(sh.shard_path(out, i["shard"]).relative_to(out)),
                         "examples": i["examples"], "truncated": i["truncated"]} for i in infos],
@@ -431,7 +438,7 @@ def run_corpus(
             bar.advance(info["examples"])
 
     try:
-        with bar or _Null():
+        with bar or contextlib.nullcontext():
             for shard_id, chunk in enumerate(_chunks(examples_from(records, tcol, pcol, strict, stats, str(data)),
                                                      shard_size)):
                 if shard_id in done:
@@ -454,14 +461,6 @@ def run_corpus(
     final = manifest(True)
     sh.write_manifest(out, final)
     return CorpusResult(out, final)
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class _Progress:
