@@ -82,7 +82,7 @@ from bench_core import long_text, analysis
 if {model!r} == "bert-base-random":
     import transformers as T
     cfg = T.BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
-    lens = mixlens.Lens(T.BertModel(cfg, attn_implementation="eager"), mixlens.load().tokenizer)
+    lens = mixlens.Lens(T.AutoModel.from_config(cfg, attn_implementation="eager"), mixlens.load().tokenizer)
 else:
     lens = mixlens.load()
 enc = lens.encode([long_text(lens, {n_tokens})])

@@ -24,7 +24,7 @@ from mixlens.trace import LayerTrace, Trace, _repeat_kv
 
 RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
 TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
-CHUNK = 64  # target rows per chunk of the Gram quadratic form (keeps the working set in cache)
+CHUNK_ELEMENTS = 1 << 24  # floats per block of target rows in the Gram quadratic form (bounds memory)
 
 
 @dataclass
@@ -40,14 +40,27 @@ class BlockNorms:
     error: torch.Tensor  # [B, L] max abs reconstruction error (pre-norm sum and norm output)
 
 
+def quad_norms(alpha: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
+    """‖Σ_h α^h_ij F^h_j‖ for K linear images at once, from α [B, H, n, n] and the stacked per-source Gram
+    matrices G_j [B, n, H, K·H] (G_j[h, k·H + h'] = F_k^h_j · F_k^h'_j) → [K, B, n(target), n(source)].
+
+    α is laid out source-major ([B, j, i, H], one contiguous copy per block of target rows) so that each
+    source's Gram matrix is applied by one small matmul.
+    """
+    b, h, n_t, n_s = alpha.shape
+    k = grams.shape[-1] // h
+    out = torch.empty(k, b, n_s, n_t, dtype=alpha.dtype)
+    rows = max(1, CHUNK_ELEMENTS // max(1, b * n_s * h * (k + 1)))
+    for s in range(0, n_t, rows):
+        a = alpha[:, :, s : s + rows].permute(0, 3, 2, 1).contiguous()  # [B, j, i, H]
+        ag = torch.matmul(a, grams).unflatten(-1, (k, h))  # [B, j, i, K, H]
+        out[:, :, :, s : s + rows] = (ag * a.unsqueeze(3)).sum(-1).permute(3, 0, 1, 2)
+    return out.clamp_min_(0).sqrt_().transpose(2, 3)
+
+
 def quad_norm(alpha: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """‖Σ_h α^h_ij F^h_j‖ from α [B, H, n, n] and per-source Gram G_j [B, n, H, H] → [B, n, n]."""
-    a = alpha.permute(0, 3, 2, 1)  # [B, j, i, H]
-    out = torch.empty(alpha.shape[0], alpha.shape[3], alpha.shape[2], dtype=alpha.dtype)
-    for s in range(0, a.shape[2], CHUNK):
-        ac = a[:, :, s : s + CHUNK]
-        out[:, :, s : s + CHUNK] = (torch.matmul(ac, gram) * ac).sum(-1)
-    return out.clamp_min_(0).sqrt_().transpose(1, 2)
+    """‖Σ_h α^h_ij F^h_j‖ from α [B, H, n, n] and one per-source Gram G_j [B, n, H, H] → [B, n, n]."""
+    return quad_norms(alpha, gram)[0]
 
 
 def head_vectors(lt: LayerTrace, lay: Layer) -> torch.Tensor:
@@ -67,8 +80,7 @@ def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> dict[s
     alpha, x, norm = lt.alpha.float(), lt.x.float(), lay.ln_mix
     f = head_vectors(lt, lay)
     pf = norm.project(f)
-    gram = torch.einsum("bhjd,bgjd->bjhg", f, f)
-    gram_p = torch.einsum("bhjd,bgjd->bjhg", pf, pf)
+    grams = torch.cat([torch.einsum("bhjd,bgjd->bjhg", v, v) for v in (f, pf)], dim=-1)  # [B, n, H, 2H]
     a_ii = alpha.diagonal(dim1=2, dim2=3)  # [B, H, n]
     u_ii = torch.einsum("bhi,bhid->bid", a_ii, f)
     t_ii = u_ii + x
@@ -76,10 +88,10 @@ def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> dict[s
     off = total - u_ii  # Σ_{j≠i} u_ij = Σ_{j≠i} t_ij
     s = norm.scale(lt.mix_in.float())  # [B, n]
 
-    n = quad_norm(alpha, gram)
+    n, n_resln = quad_norms(alpha, grams)
     n_res = n.clone()
     n_res.diagonal(dim1=1, dim2=2).copy_(t_ii.norm(dim=-1))
-    n_resln = quad_norm(alpha, gram_p) / s[:, :, None]
+    n_resln = n_resln / s[:, :, None]
     n_resln.diagonal(dim1=1, dim2=2).copy_(norm.project(t_ii).norm(dim=-1) / s)
 
     def r(o: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
