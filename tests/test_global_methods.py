@@ -19,8 +19,8 @@ from mixlens.methods.norms import block_norms
 from mixlens.methods.rollout import FLOW_MAX_TOKENS, rollout
 from tests.conftest import SENTENCES, random_lens
 
-ROW_STOCHASTIC = ["attention_rollout", "alti", "alti_rollout", "value_zeroing", "value_zeroing_rollout",
-                  "globenc_rollout"]
+ROW_STOCHASTIC = ["attention_rollout", "attention_flow", "alti", "alti_rollout", "value_zeroing",
+                  "value_zeroing_rollout", "globenc_rollout"]
 ALL = ROW_STOCHASTIC + ["globenc"]
 OPTIONS = {"globenc_rollout": {"normalize": True}}
 
