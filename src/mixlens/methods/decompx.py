@@ -12,7 +12,7 @@ Every hidden state is kept as a sum over source tokens k, x_i = Σ_k x_{i⇐k}, 
   part k receives |b·z_{i⇐k}| / Σ_k' |b·z_{i⇐k'}| of b (evenly when all dot products are 0).
 
 So each class's token scores sum exactly to that class's logit; the relative error is checked on every input.
-Position-wise steps run in chunks of target rows, so one 256-token input needs well under 1 GB (bundled model).
+Position-wise steps run in chunks of target rows: one 256-token input peaks at ~1.1 GiB process RSS (bundled model).
 """
 
 from __future__ import annotations
