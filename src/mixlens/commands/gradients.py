@@ -1,0 +1,102 @@
+"""CLI: `mixlens compare-local-global` (attention vs head attribution over a dataset file) and `mixlens saliency`."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import typer
+
+from mixlens.errors import MixlensError
+
+
+def register(app: typer.Typer) -> None:
+    from mixlens.cli import model_option
+
+    @app.command("compare-local-global")
+    def compare_local_global_cmd(
+        data: Path = typer.Argument(..., help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record."),
+        model: str | None = model_option(),
+        text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
+        pair_column: str | None = typer.Option(None, "--pair-column", help="Column with the second text of a pair."),
+        limit: int = typer.Option(64, "--limit", min=0, help="Use the first N records (0 = all)."),
+        mode: str = typer.Option("estimate", "--mode", help="exact (n·d JVPs per input) or estimate (Hutchinson)."),
+        probes: int = typer.Option(16, "--probes", help="Random probes per source token in estimate mode."),
+        input: str = typer.Option("word", "--input", help="Differentiate w.r.t. 'word' (word-piece) embeddings "
+                                  "or the 'embedding'-layer output."),
+        batch_size: int = typer.Option(8, "--batch-size", min=1),
+        max_length: int | None = typer.Option(None, "--max-length", min=1),
+        out: Path = typer.Option(Path("local-global.json"), "--out", "-o", help="JSON with all per-head numbers."),
+        figure: Path | None = typer.Option(None, "--figure", help="Also write a PNG/SVG figure here."),
+    ) -> None:
+        """Compare what each head attends to (attention) with which inputs its output depends on (gradients)."""
+        from mixlens.corpus.readers import iter_examples
+        from mixlens.lens import load
+        from mixlens.methods.gradients import MODES
+        from mixlens.result import atomic_write
+        from mixlens.stats.agreement import compare_local_global, plot
+
+        if mode not in MODES:
+            raise MixlensError(f"unknown mode '{mode}'; valid: {', '.join(MODES)}")
+        if not data.is_file():
+            raise MixlensError(f"data file '{data}' does not exist")
+        texts = (ex.text for ex in iter_examples(data, text_column=text_column, pair_column=pair_column))
+        texts = itertools.islice(texts, limit) if limit else texts
+        lens = load(model)
+        res = compare_local_global(lens, texts, batch_size=batch_size, max_length=max_length, input=input,
+                                   mode=mode, probes=probes)
+        atomic_write(out, res.dumps().encode())
+        if figure:
+            plot(res, str(figure))
+        _print(res)
+        typer.echo(f"wrote {out}" + (f" and {figure}" if figure else ""), err=True)
+
+    @app.command("saliency")
+    def saliency_cmd(
+        text: list[str] = typer.Argument(..., help="One or more texts."),
+        model: str | None = model_option(),
+        head: str | None = typer.Option(None, "--head", help="Model head: sequence-classification, masked-lm, "
+                                        "causal-lm (default: from the model config)."),
+        kind: str = typer.Option("saliency", "--kind", help="saliency, grad_x_input or integrated_gradients."),
+        target: str = typer.Option("pred", "--target", help="'pred' (predicted class/token) or a class index / "
+                                   "token id."),
+        position: int | None = typer.Option(None, "--position", help="Token position of an LM target (default: "
+                                            "the [MASK], or the last token for causal LMs)."),
+        reduction: str = typer.Option("l2", "--reduction", help="l2, l1 or sum over hidden dims."),
+        steps: int = typer.Option(50, "--steps", help="Integrated-gradients steps."),
+        baseline: str = typer.Option("zero", "--baseline", help="Integrated-gradients baseline: zero or pad."),
+    ) -> None:
+        """Per-token attribution of one output scalar (class logit or token logit) to the word embeddings."""
+        from mixlens.lens import load
+        from mixlens.methods.saliency import output_attribution
+
+        tgt: int | str = int(target) if target.lstrip("-").isdigit() else target
+        lens = load(model, head=head)
+        enc = lens.encode(text)
+        res = output_attribution(lens.trace(enc), kind, target=tgt, position=position, reduction=reduction,
+                                 steps=steps, baseline=baseline)
+        for b, toks in enumerate(enc.tokens):
+            line = f"input {b + 1}: f(x) = {res.target_value[b]:.4f}"
+            if res.delta is not None:
+                line += f", f(baseline) = {res.baseline_value[b]:.4f}, convergence delta = {res.delta[b]:.2e}"
+            print(line)
+            print("  " + "  ".join(f"{t}:{v:.3g}" for t, v in zip(toks, res.values[b].tolist(), strict=False)))
+
+
+def _print(res) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from mixlens.stats.tokens import TOKEN_TYPES
+
+    table = Table(title=f"Attention (local) vs head attribution (global), {res.n_inputs} inputs, mean over heads")
+    for col in ("layer", "JS", "Pearson", "Spearman", *[f"{t} loc/glob" for t in TOKEN_TYPES]):
+        table.add_column(col, justify="right")
+    for layer in range(res.scores["js"].shape[0]):
+        masses = [f"{res.local[t][layer].mean():.2f}/{res.global_[t][layer].mean():.2f}" for t in TOKEN_TYPES]
+        table.add_row(str(layer), *(f"{res.scores[k][layer].mean():.3f}" for k in ("js", "pearson", "spearman")),
+                      *masses)
+    Console().print(table)
+    pers = res.persistent_patterns()
+    print(f"patterns dominating a head in at least half the layers - attention: {', '.join(pers['local']) or 'none'};"
+          f" head attribution: {', '.join(pers['global']) or 'none'}; both: {', '.join(pers['both']) or 'none'}")

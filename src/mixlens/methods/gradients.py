@@ -1,0 +1,231 @@
+"""Gradient attributions through the input embeddings (DESIGN §3.7, §4).
+
+- `hta` (Brunner et al. 2020, Hidden Token Attribution): c^l_ij = ‖∂e^l_i/∂x_j‖_F / Σ_k ‖∂e^l_i/∂x_k‖_F,
+  e^l = output of layer l, x = the word-piece embeddings (`input="word"`) or the embedding-layer output,
+  i.e. the input of the first layer (`input="embedding"`).
+- `head_attribution` (Pascual et al. 2021): the same for each head's context vector o^{l,h}_i = Σ_j α^h_ij v^h_j.
+
+Both come from one forward-mode pass: the model is run with a perturbation δ added at the input (a hook, so
+position embeddings and LayerNorm are applied exactly once), and `torch.func.jvp` under `vmap` pushes a batch of
+input directions u through it, giving J u for every layer, head and target at once. Exact mode uses the n·d_in
+unit directions (chunked); estimate mode uses k Rademacher probes per source position (Hutchinson:
+E‖J u‖² = ‖J‖_F²) and keeps their standard error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.func import jvp, vmap
+
+from mixlens.adapters import Adapter
+from mixlens.errors import MixlensError
+from mixlens.methods.registry import LHTS, LTS, register
+from mixlens.trace import Trace, hooked
+
+INPUTS = ("word", "embedding")
+MODES = ("exact", "estimate")
+OUTPUTS = ("share", "stderr")
+_CHUNK_BUDGET = 2**22  # floats of one tangent activation [chunk, batch, tokens, 4·d] per vmapped call
+
+
+@contextmanager
+def perturbed(adapter: Adapter, where: str, delta: torch.Tensor) -> Iterator[None]:
+    """Add delta [B, n, d_in] to the word-piece embeddings ('word') or to the first layer's input ('embedding')."""
+    fired = []  # perturb only the first call (GPT-2 also embeds token_type_ids with wte; ALBERT reuses layers)
+    if where == "word":
+
+        def post(m, a, o):
+            if fired:
+                return None
+            fired.append(True)
+            return o + delta
+
+        handle = adapter.base.get_input_embeddings().register_forward_hook(post)
+    else:
+
+        def pre(m, args, kwargs):
+            if fired:
+                return None
+            fired.append(True)
+            if args:
+                return (args[0] + delta, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + delta}
+
+        handle = adapter.layers[0].module.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def input_dim(trace: Trace, where: str) -> int:
+    if where == "word":
+        return trace.adapter.base.get_input_embeddings().weight.shape[1]
+    return trace.layers[0].x.shape[-1]
+
+
+def states_fn(trace: Trace, where: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """δ [B, n, d_in] ↦ (layer outputs e [L, B, n, d], head contexts o [L, B, H, n, d_h]) of the base model."""
+    adapter, inputs = trace.adapter, trace.inputs
+
+    def f(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        zs: list[torch.Tensor] = []
+
+        def keep(z: torch.Tensor) -> torch.Tensor:
+            zs.append(z)
+            return z
+
+        edits = {f"blocks.{k}.attn.z": keep for k in range(adapter.n_layers)}
+        with perturbed(adapter, where, delta), hooked(adapter, edits) as rec:
+            adapter.base(**inputs)
+        return torch.stack(rec["out"]), torch.stack(zs)
+
+    return f
+
+
+@dataclass
+class JacobianNorms:
+    """Squared Frobenius norms of input Jacobian blocks, [B, L, target, source] and [B, L, H, target, source];
+    `*_se` are the standard errors of the estimates (None in exact mode)."""
+
+    hidden: torch.Tensor
+    heads: torch.Tensor
+    hidden_se: torch.Tensor | None = None
+    heads_se: torch.Tensor | None = None
+
+
+def _push(f: Callable, primal: torch.Tensor, tangents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each direction u in tangents [C, B, n, d_in]: ‖J_e u‖² summed over hidden dims [C, L, B, n] and
+    ‖J_o u‖² summed over head dims [C, L, B, H, n]."""
+
+    def one(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _, (de, do) = jvp(f, (primal,), (u,))
+        return de.pow(2).sum(-1), do.pow(2).sum(-1)
+
+    return vmap(one)(tangents)
+
+
+def _chunk(trace: Trace, chunk: int | None) -> int:
+    if chunk:
+        return chunk
+    b, n, d = trace.layers[0].x.shape
+    return max(1, min(512, _CHUNK_BUDGET // (b * n * 4 * d)))
+
+
+def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16, seed: int = 0,
+                   chunk: int | None = None, sources: list[int] | None = None) -> JacobianNorms:
+    """‖∂e^l_i/∂x_j‖²_F and ‖∂o^{l,h}_i/∂x_j‖²_F for all layers, heads, targets and sources (padding zeroed).
+
+    Exact: n·d_in JVPs. Estimate: n·probes JVPs with Rademacher probes supported on one source position each.
+    `sources` restricts the work to those source positions (other columns stay 0; for benchmarks and sampling).
+    """
+    if input not in INPUTS:
+        raise MixlensError(f"unknown input '{input}'; valid: {', '.join(INPUTS)}")
+    if mode not in MODES:
+        raise MixlensError(f"unknown mode '{mode}'; valid: {', '.join(MODES)}")
+    if mode == "estimate" and (not isinstance(probes, int) or probes < 2):
+        raise MixlensError(f"probes must be an integer ≥ 2, got {probes!r}")
+    key = ("jacobian_norms", input, mode, probes if mode == "estimate" else 0, seed, tuple(sources or ()))
+    if key in trace.cache:
+        return trace.cache[key]  # type: ignore[return-value]
+    b, n, _ = trace.layers[0].x.shape
+    cols = torch.tensor(sources if sources is not None else range(n), dtype=torch.long)
+    d_in = input_dim(trace, input)
+    param = next(trace.model.parameters())
+    primal = torch.zeros(b, n, d_in, dtype=param.dtype, device=param.device)
+    f = states_fn(trace, input)
+    step = _chunk(trace, chunk)
+    with torch.no_grad():  # forward-mode AD ignores grad mode; no autograd graph may chain the chunks together
+        if mode == "exact":
+            total = len(cols) * d_in  # direction k: unit vector (cols[k // d_in], k % d_in), all inputs
+            se_h = se_o = None
+            acc_h = acc_o = None
+            for k0 in range(0, total, step):
+                k = torch.arange(k0, min(total, k0 + step), device=primal.device)
+                u = torch.zeros(len(k), b, n, d_in, dtype=primal.dtype, device=primal.device)
+                u[torch.arange(len(k)), :, cols[k // d_in], k % d_in] = 1.0
+                sh, so = _push(f, primal, u)  # [C, L, B, n], [C, L, B, H, n]
+                if acc_h is None:
+                    acc_h = sh.new_zeros(n, *sh.shape[1:])
+                    acc_o = so.new_zeros(n, *so.shape[1:])
+                acc_h.index_add_(0, cols[k // d_in], sh)
+                acc_o.index_add_(0, cols[k // d_in], so)
+            sq_h, sq_o = acc_h, acc_o  # [n(source), L, B, n(target)], [n(source), L, B, H, n(target)]
+        else:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+            signs = torch.randint(0, 2, (n, probes, b, d_in), generator=gen).to(primal) * 2 - 1
+            samples_h, samples_o = [], []
+            flat = signs[cols].reshape(len(cols) * probes, b, d_in)
+            for k0 in range(0, len(flat), step):
+                k = torch.arange(k0, min(len(flat), k0 + step), device=primal.device)
+                u = torch.zeros(len(k), b, n, d_in, dtype=primal.dtype, device=primal.device)
+                u[torch.arange(len(k)), :, cols[k // probes]] = flat[k]
+                sh, so = _push(f, primal, u)
+                samples_h.append(sh)
+                samples_o.append(so)
+            sh = torch.cat(samples_h).reshape(len(cols), probes, *samples_h[0].shape[1:])
+            so = torch.cat(samples_o).reshape(len(cols), probes, *samples_o[0].shape[1:])
+            sq_h = sh.new_zeros(n, *sh.shape[2:]).index_copy_(0, cols, sh.mean(1))
+            sq_o = so.new_zeros(n, *so.shape[2:]).index_copy_(0, cols, so.mean(1))
+            se_h = sh.new_zeros(n, *sh.shape[2:]).index_copy_(0, cols, sh.std(1) / probes**0.5)
+            se_o = so.new_zeros(n, *so.shape[2:]).index_copy_(0, cols, so.std(1) / probes**0.5)
+    mask = trace.mask.to(primal.dtype)
+
+    def arrange(t: torch.Tensor | None, heads: bool) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t.permute(2, 1, 3, 4, 0) if heads else t.permute(2, 1, 3, 0)  # → [B, L, (H,) target, source]
+        extra = (None,) * (2 if heads else 1)
+        return t.detach() * mask[(slice(None), *extra, slice(None), None)] * mask[(slice(None), *extra, None)]
+
+    out = JacobianNorms(arrange(sq_h, False), arrange(sq_o, True), arrange(se_h, False), arrange(se_o, True))
+    trace.cache[key] = out
+    return out
+
+
+def shares(sq: torch.Tensor, se: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of r = sqrt(‖J‖²_F) normalised over sources: c_ij = r_ij / Σ_k r_ik ([..., target, source]).
+
+    With the standard errors `se` of the squared norms, also the delta-method standard error of c (sources are
+    estimated with independent probes): Var c_j = Σ_k (([j=k] − c_j)/R)² Var r_k, Var r_k = Var S_k / (4 S_k).
+    """
+    r = sq.clamp_min(0).sqrt()
+    total = r.sum(-1, keepdim=True)
+    c = torch.where(total > 0, r / total.clamp_min(1e-30), torch.zeros_like(r))
+    if se is None:
+        return c, None
+    var_r = torch.where(sq > 0, se.pow(2) / (4 * sq.clamp_min(1e-30)), torch.zeros_like(sq))
+    big_r = total.clamp_min(1e-30)
+    var_c = ((1 - 2 * c) * var_r + c.pow(2) * var_r.sum(-1, keepdim=True)) / big_r.pow(2)
+    return c, var_c.clamp_min(0).sqrt()
+
+
+def _check_output(output: str, mode: str) -> None:
+    if output not in OUTPUTS:
+        raise MixlensError(f"unknown output '{output}'; valid: {', '.join(OUTPUTS)}")
+    if output == "stderr" and mode != "estimate":
+        raise MixlensError("output=stderr needs mode=estimate (exact mode has no estimation error)")
+
+
+@register("hta", dims=LTS, extra_passes=True)
+def hta(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16, seed: int = 0,
+        output: str = "share") -> torch.Tensor:
+    """Hidden token attribution ‖∂e^l_i/∂x_j‖_F, rows normalised (Brunner 2020); forward-mode JVPs."""
+    _check_output(output, mode)
+    jn = jacobian_norms(trace, input=input, mode=mode, probes=probes, seed=seed)
+    c, se = shares(jn.hidden, jn.hidden_se)
+    return c if output == "share" else se  # [B, L, target, source]
+
+
+@register("head_attribution", dims=LHTS, extra_passes=True)
+def head_attribution(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16, seed: int = 0,
+                     output: str = "share") -> torch.Tensor:
+    """Per-head global attribution ‖∂o^{l,h}_i/∂x_j‖_F, rows normalised (Pascual 2021)."""
+    _check_output(output, mode)
+    jn = jacobian_norms(trace, input=input, mode=mode, probes=probes, seed=seed)
+    c, se = shares(jn.heads, jn.heads_se)
+    return c if output == "share" else se  # [B, L, H, target, source]

@@ -1,0 +1,191 @@
+"""Output saliency for one scalar per input (DESIGN §3.7): gradient, gradient × input, integrated gradients.
+
+The scalar f is a class logit (sequence classifier), a token's logit at one position (masked LM: the [MASK];
+causal LM: the last token), or any function `target(model_output, inputs) -> [B]` given in Python. Attribution is
+at the word-embedding output e_j (a hook replaces that module's output, so position embeddings and LayerNorm
+are applied exactly once), reduced over hidden dims: ‖·‖₂ (default), ‖·‖₁ or the signed sum. Integrated
+gradients come from captum; with reduction='sum' they satisfy Σ_j IG_j ≈ f(x) − f(baseline) up to the
+convergence delta captum reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from mixlens.errors import MixlensError
+from mixlens.methods.registry import register
+from mixlens.trace import Trace
+
+REDUCTIONS = ("l2", "l1", "sum")
+KINDS = ("saliency", "grad_x_input", "integrated_gradients")
+BASELINES = ("zero", "pad")
+Target = int | str | Callable[..., torch.Tensor]
+
+
+@dataclass
+class OutputAttribution:
+    """Per-token scores [B, n] (padding 0), the raw per-dimension attribution [B, n, d], the target value
+    f(x) [B], and for integrated gradients f(baseline) [B] and captum's convergence delta [B]."""
+
+    values: torch.Tensor
+    raw: torch.Tensor
+    target_value: torch.Tensor
+    baseline_value: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+
+
+@contextmanager
+def _replaced_embeddings(trace: Trace, emb: torch.Tensor) -> Iterator[None]:
+    fired = []  # only the token lookup (GPT-2 also embeds token_type_ids with the same module)
+
+    def hook(m, a, o):
+        if not fired:
+            fired.append(True)
+            return emb
+        return None
+
+    handle = trace.adapter.base.get_input_embeddings().register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _positions(trace: Trace, position: int | None) -> torch.Tensor:
+    """Target position per input [B]: given, else the first [MASK], else (causal models) the last real token."""
+    b = trace.mask.shape[0]
+    lengths = trace.mask.sum(-1)
+    if position is not None:
+        if not isinstance(position, int) or position < 0 or position >= int(lengths.min()):
+            raise MixlensError(f"position must be a token index below {int(lengths.min())}, got {position!r}")
+        return torch.full((b,), position, dtype=torch.long)
+    tok = trace.cache.get("tokenizer")
+    mask_id = getattr(tok, "mask_token_id", None)
+    if mask_id is not None:
+        hits = trace.inputs["input_ids"].cpu() == mask_id
+        if hits.any(-1).all():
+            return hits.int().argmax(-1)
+    if trace.adapter.family.causal:
+        return lengths.cpu() - 1
+    raise MixlensError("no [MASK] token in every input; mark one with the tokenizer's mask token or give position")
+
+
+def _selector(trace: Trace, target: Target, position: int | None) -> tuple[Callable, tuple[torch.Tensor, ...]]:
+    """(select(output, inputs, *extra) -> [B], extra per-input tensors); extra rows travel with captum's batch."""
+    if callable(target):
+        return (lambda out, inputs: target(out, inputs)), ()
+    if not (target == "pred" or (isinstance(target, int) and not isinstance(target, bool))):
+        raise MixlensError(f"target must be 'pred', a class/token index or a Python callable, got {target!r}")
+    logits = trace.logits
+    if logits is None:
+        raise MixlensError("this model has no output head; load it with a head (e.g. --head sequence-classification) "
+                           "or pass a Python callable as target")
+    dev = logits.device
+    if logits.dim() == 2:  # [B, classes]
+        if isinstance(target, int) and not 0 <= target < logits.shape[-1]:
+            raise MixlensError(f"class {target} out of range; the model has {logits.shape[-1]} classes")
+        cls = logits.argmax(-1) if target == "pred" else torch.full((logits.shape[0],), target, device=dev)
+        return (lambda out, inputs, c: out.logits.gather(1, c[:, None])[:, 0]), (cls,)
+    pos = _positions(trace, position).to(dev)  # [B, n, vocab]
+    rows = logits[torch.arange(logits.shape[0], device=dev), pos]
+    if isinstance(target, int) and not 0 <= target < rows.shape[-1]:
+        raise MixlensError(f"token id {target} out of range; the vocabulary has {rows.shape[-1]} entries")
+    tok = rows.argmax(-1) if target == "pred" else torch.full((rows.shape[0],), target, device=dev)
+
+    def pick(out, inputs, p, t):
+        return out.logits[torch.arange(p.shape[0], device=p.device), p, t]
+
+    return pick, (pos, tok)
+
+
+def scalar_fn(trace: Trace, target: Target = "pred", position: int | None = None
+              ) -> tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(f(emb [B, n, d], *inputs, *extra) -> [B], the real word embeddings e [B, n, d], (*inputs, *extra))."""
+    keys = list(trace.inputs)
+    select, extra = _selector(trace, target, position)
+
+    def f(emb: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        inputs = dict(zip(keys, args[: len(keys)], strict=True))
+        with _replaced_embeddings(trace, emb):
+            out = trace.model(**inputs)
+        return select(out, inputs, *args[len(keys):])
+
+    with torch.no_grad():
+        emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"])
+    return f, emb, (*trace.inputs.values(), *extra)
+
+
+def reduce_hidden(raw: torch.Tensor, reduction: str, mask: torch.Tensor) -> torch.Tensor:
+    """[B, n, d] → [B, n] by 'l2', 'l1' or 'sum' over d; padded tokens 0."""
+    if reduction == "l2":
+        v = raw.norm(dim=-1)
+    elif reduction == "l1":
+        v = raw.abs().sum(-1)
+    else:
+        v = raw.sum(-1)
+    return v * mask.to(v.dtype)
+
+
+def output_attribution(trace: Trace, kind: str = "saliency", *, target: Target = "pred", position: int | None = None,
+                       reduction: str = "l2", baseline: str = "zero", steps: int = 50) -> OutputAttribution:
+    """Attribute one scalar per input to its word embeddings; see the module docstring."""
+    if kind not in KINDS:
+        raise MixlensError(f"unknown saliency kind '{kind}'; valid: {', '.join(KINDS)}")
+    if reduction not in REDUCTIONS:
+        raise MixlensError(f"unknown reduction '{reduction}'; valid: {', '.join(REDUCTIONS)}")
+    if baseline not in BASELINES:
+        raise MixlensError(f"unknown baseline '{baseline}'; valid: {', '.join(BASELINES)}")
+    if not isinstance(steps, int) or steps < 2:
+        raise MixlensError(f"steps must be an integer ≥ 2, got {steps!r}")
+    f, emb, args = scalar_fn(trace, target, position)
+    with torch.enable_grad():
+        if kind != "integrated_gradients":
+            x = emb.clone().requires_grad_(True)
+            value = f(x, *args)
+            (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂f_b/∂e
+            raw = grad if kind == "saliency" else grad * emb
+            return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw.detach(), value.detach())
+        from captum.attr import IntegratedGradients
+
+        base = torch.zeros_like(emb)
+        if baseline == "pad":
+            pad_id = trace.model.config.pad_token_id
+            if pad_id is None:
+                raise MixlensError("baseline=pad needs a model with a pad token id")
+            with torch.no_grad():
+                base = trace.adapter.base.get_input_embeddings()(torch.full_like(trace.inputs["input_ids"], pad_id))
+        ig = IntegratedGradients(f)
+        raw, delta = ig.attribute(emb, baselines=base, additional_forward_args=args, n_steps=steps,
+                                  return_convergence_delta=True)
+        with torch.no_grad():
+            value, base_value = f(emb, *args), f(base, *args)
+    return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw.detach(), value, base_value,
+                             delta.detach())
+
+
+@register("saliency", dims=("source",), extra_passes=True)
+def saliency(trace: Trace, *, target: Target = "pred", position: int | None = None,
+             reduction: str = "l2") -> torch.Tensor:
+    """Gradient of a target scalar w.r.t. the word embeddings, reduced over hidden dims: [B, source]."""
+    return output_attribution(trace, "saliency", target=target, position=position, reduction=reduction).values
+
+
+@register("grad_x_input", dims=("source",), extra_passes=True)
+def grad_x_input(trace: Trace, *, target: Target = "pred", position: int | None = None,
+                 reduction: str = "l2") -> torch.Tensor:
+    """Gradient × word embedding for a target scalar, reduced over hidden dims: [B, source]."""
+    return output_attribution(trace, "grad_x_input", target=target, position=position, reduction=reduction).values
+
+
+@register("integrated_gradients", dims=("source",), extra_passes=True)
+def integrated_gradients(trace: Trace, *, target: Target = "pred", position: int | None = None,
+                         reduction: str = "l2", baseline: str = "zero", steps: int = 50) -> torch.Tensor:
+    """Integrated gradients (captum) at the word embeddings for a target scalar: [B, source]."""
+    res = output_attribution(trace, "integrated_gradients", target=target, position=position, reduction=reduction,
+                             baseline=baseline, steps=steps)
+    trace.cache["integrated_gradients.delta"] = res.delta
+    return res.values

@@ -1,0 +1,106 @@
+"""Saliency, gradient × input and integrated gradients: hand-computable gradients, completeness, batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixlens
+from mixlens.cli import main
+from mixlens.errors import MixlensError
+from mixlens.methods.saliency import output_attribution
+
+from .conftest import random_model
+
+TEXTS = ["A dog barked.", "Short one, a bit longer."]
+
+
+@pytest.fixture(scope="module")
+def linear_gpt2(tokenizer) -> mixlens.Lens:
+    """GPT-2 with every block's weights zeroed and no final LN: h_i = wte(x_i) + wpe(i) exactly."""
+    model = random_model("gpt2", tokenizer, n_embd=32)
+    with torch.no_grad():
+        for block in model.h:
+            for lin in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                lin.weight.zero_()
+                lin.bias.zero_()
+    model.ln_f = nn.Identity()
+    return mixlens.Lens(model, tokenizer, name="linear-gpt2")
+
+
+def test_hand_computable_gradient(linear_gpt2):
+    """f = Σ_i (w·h_i)², so ∂f/∂e_j = 2 (w·h_j) w; IG from a zero baseline integrates it exactly."""
+    w = torch.randn(32, generator=torch.Generator().manual_seed(0))
+
+    def target(out, inputs):
+        s = (out.last_hidden_state @ w) * inputs["attention_mask"]
+        return s.pow(2).sum(-1)
+
+    tr = linear_gpt2.trace(TEXTS)
+    m = linear_gpt2.model
+    e = m.wte(tr.inputs["input_ids"])
+    h = e + m.wpe(torch.arange(e.shape[1]))[None] + m.wte(tr.inputs["token_type_ids"])  # GPT-2 embeds types with wte
+    mask = tr.mask.float()
+    grad = 2 * (h @ w)[..., None] * w * mask[..., None]
+    sal = output_attribution(tr, "saliency", target=target, reduction="sum")
+    torch.testing.assert_close(sal.raw, grad)
+    torch.testing.assert_close(sal.values, grad.sum(-1))
+    l2 = output_attribution(tr, "saliency", target=target).values
+    torch.testing.assert_close(l2, grad.norm(dim=-1))
+    gxi = output_attribution(tr, "grad_x_input", target=target, reduction="l1").values
+    torch.testing.assert_close(gxi, (grad * e).abs().sum(-1))
+    # along the path a·e (+ positions): f(a) = Σ_i (a w·e_i + w·p_i)², ∂/∂e_j integrates to
+    # ∫ 2 (a w·e_j + w·p_j) w ⊙ e_j da = (w·e_j + 2 w·p_j) w ⊙ e_j
+    p = h - e
+    ig = output_attribution(tr, "integrated_gradients", target=target, reduction="sum", steps=64)
+    expected = ((e @ w) + 2 * (p @ w))[..., None] * w * e * mask[..., None]
+    torch.testing.assert_close(ig.raw, expected, rtol=1e-4, atol=1e-4)
+    assert ig.delta.abs().max() < 1e-3
+
+
+def test_classifier_ig_completeness_and_batching(tokenizer):
+    lens = mixlens.Lens(random_model("bert", tokenizer, head="AutoModelForSequenceClassification",
+                                     hidden_size=32, intermediate_size=64), tokenizer)
+    tr = lens.trace(TEXTS)
+    for baseline in ("zero", "pad"):
+        ig = output_attribution(tr, "integrated_gradients", target=1, reduction="sum", baseline=baseline, steps=100)
+        gap = ig.target_value - ig.baseline_value
+        assert gap.abs().min() > 1e-3
+        torch.testing.assert_close(ig.values.sum(-1), gap, atol=2e-3 + 0.02 * float(gap.abs().max()), rtol=0)
+        torch.testing.assert_close(ig.delta, ig.values.sum(-1) - gap, atol=1e-5, rtol=1e-4)
+    both = output_attribution(tr, "grad_x_input")
+    torch.testing.assert_close(both.target_value, tr.logits.max(-1).values)  # target 'pred' = argmax class
+    for b, text in enumerate(TEXTS):
+        one = output_attribution(lens.trace([text]), "grad_x_input")
+        n = one.values.shape[-1]
+        torch.testing.assert_close(both.values[b, :n], one.values[0], atol=1e-5, rtol=1e-4)
+        assert both.values[b, n:].abs().sum() == 0
+
+
+def test_masked_lm_target_at_mask(tokenizer):
+    lens = mixlens.Lens(random_model("bert", tokenizer, head="AutoModelForMaskedLM", hidden_size=32,
+                                     intermediate_size=64), tokenizer)
+    texts = ["The [MASK] barked.", "A cat [MASK] on the mat today."]
+    tr = lens.trace(texts)
+    tok_id = tokenizer.convert_tokens_to_ids("dog")
+    res = output_attribution(tr, "saliency", target=tok_id)
+    pos = (tr.inputs["input_ids"] == tokenizer.mask_token_id).int().argmax(-1)
+    torch.testing.assert_close(res.target_value, tr.logits[torch.arange(2), pos, tok_id])
+    assert res.values.shape == tr.mask.shape and (res.values[tr.mask] > 0).all()
+    with pytest.raises(MixlensError, match="no \\[MASK\\]"):
+        output_attribution(lens.trace(["no mask here"]), "saliency")
+    an = lens.analyze(texts, ["saliency", "integrated_gradients"], options={"integrated_gradients": {"steps": 8}})
+    assert an["saliency"].dims == ("source",)
+    torch.testing.assert_close(torch.from_numpy(an["saliency"].values), output_attribution(tr, "saliency").values)
+
+
+def test_cli_errors(tmp_path, capsys):
+    for argv, msg in ((["--option", "saliency.reduction=max"], "unknown reduction"),
+                      (["--option", "saliency.target=cls"], "target must be"),
+                      ([], "no output head")):
+        with pytest.raises(SystemExit) as e:
+            main(["analyze", "hi there", "--method", "saliency", "-o", str(tmp_path / "x.json"), *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err
