@@ -145,3 +145,18 @@ def test_cli_heads_errors(args, msg):
     r = subprocess.run(["mixlens", *[a.replace("{sst}", sst) for a in args]], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_head_diff(tmp_path):
+    from mixlens.lens import default_model_path
+
+    f = data_file("sst2", "dev.tsv")
+    r = subprocess.run(["mixlens", "head-diff", "-d", str(f), "--limit", "3", "--other", str(default_model_path()),
+                        "--format", "csv", "-o", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_csv(io.StringIO(r.stdout))
+    assert len(df) == 72 and np.allclose(df["cosine"], 1.0, atol=1e-5)
+    assert (tmp_path / "head_diff.png").is_file()
+    bad = subprocess.run(["mixlens", "head-diff", "-d", str(f), "--other", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr

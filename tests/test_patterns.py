@@ -104,4 +104,4 @@ def test_cli_patterns_csv(tmp_path):
     assert r.returncode == 0, r.stderr
     df = pd.read_csv(io.StringIO(r.stdout))
     assert list(df.columns) == ["layer", *PATTERNS] and len(df) == 6
-    np.testing.assert_allclose(df[list(PATTERNS)].sum(1), 1)
+    np.testing.assert_allclose(df[list(PATTERNS)].sum(axis=1), 1)
