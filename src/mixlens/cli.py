@@ -20,7 +20,8 @@ from mixlens.errors import MixlensError, ReconstructionError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Show how a Transformer mixes information between tokens.")
 
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = ["mixlens.commands.corpus", "mixlens.commands.report", "mixlens.commands.heads",
+                                 "mixlens.commands.gradients"]
 
 
 class Format(str, Enum):

@@ -22,6 +22,9 @@ def atomic_write(path: str | Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the user's usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -119,6 +122,12 @@ class Attribution:
             frames.append(df)
         return pd.concat(frames, ignore_index=True)
 
+    def _repr_html_(self) -> str:
+        """Interactive view in notebooks (offline; unique ids, so several outputs share a page)."""
+        from mixlens.viz.html import render_fragment
+
+        return render_fragment(self)
+
     def to_json_dict(self, b: int) -> dict[str, Any]:
         return {"dims": list(self.dims), "values": self.input(b).tolist()}
 
@@ -192,6 +201,12 @@ class Analysis:
             return r
         lengths = np.array([len(t) for t in self.tokens], dtype=r.dtype)
         return r.sum(-1) / lengths[:, None]
+
+    def _repr_html_(self) -> str:
+        """Interactive report view in notebooks (offline; unique ids, so several outputs share a page)."""
+        from mixlens.viz.html import render_fragment
+
+        return render_fragment(self)
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON contract (README, 'JSON output')."""
