@@ -59,7 +59,8 @@ def main() -> None:
     t0 = time.perf_counter()
     rev = reverse_rows(tr, rows)  # [L, rows, n]
     t_rev = (time.perf_counter() - t0) * n / len(rows)
-    print(f"reverse-mode loop, {len(rows) * 6 * 384} backward passes timed: {t_rev:.1f} s" +
+    passes = len(rows) * rev.shape[0] * tr.layers[0].x.shape[-1]
+    print(f"reverse-mode loop, {passes} backward passes timed: {t_rev:.1f} s" +
           ("" if len(rows) == n else f" (measured on {len(rows)} target rows, scaled to {n})"))
     print(f"speed-up: {t_rev / t_fwd:.1f}x")
     a, b = exact[:, rows][..., cols], rev[..., cols]
