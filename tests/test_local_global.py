@@ -64,7 +64,8 @@ def test_cli(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["n_inputs"] == 2 and len(res["js_per_layer"]) == 6 and fig.stat().st_size > 0
     assert "JS" in capsys.readouterr().out
-    for argv, msg in (([str(tmp_path / "nope.tsv")], "does not exist"), ([str(data), "--mode", "fast"], "unknown mode")):
+    bad = (([str(tmp_path / "nope.tsv")], "does not exist"), ([str(data), "--mode", "fast"], "unknown mode"))
+    for argv, msg in bad:
         with pytest.raises(SystemExit) as e:
             main(["compare-local-global", *argv, "-o", str(out)])
         assert e.value.code == 2
