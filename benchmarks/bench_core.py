@@ -101,6 +101,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     args = ap.parse_args()
     lens = mixlens.load()
     rows = {
@@ -111,7 +112,8 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:32s} tokens={r['tokens']:4d} forward={1e3 * r['forward_s']:8.1f} ms "
               f"analysis={1e3 * r['analysis_s']:8.1f} ms  ratio={r['ratio']:.2f}")
-    rss = {"bundled 512": peak_rss("bundled", 512), "bert-base 512": peak_rss("bert-base-random", 512)}
+    rss = {} if args.no_rss else {"bundled 512": peak_rss("bundled", 512),
+                                  "bert-base 512": peak_rss("bert-base-random", 512)}
     for k, v in rss.items():
         print(f"peak RSS {k:14s} {v:.2f} GiB")
     print(json.dumps({"ratios": {k: round(v["ratio"], 3) for k, v in rows.items()},

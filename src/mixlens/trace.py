@@ -34,7 +34,8 @@ class LayerTrace:
     x: torch.Tensor  # [B, n, d] residual stream entering the layer
     alpha: torch.Tensor  # [B, H, n(target), n(source)]
     value: torch.Tensor  # [B, H_kv, n, d_head] value vectors (bias included; pre-LN: of LN(x))
-    mix_in: torch.Tensor  # [B, n, d] real input of ln_mix: x + attention output (+ b_O)
+    attn_out: torch.Tensor  # [B, n, d] real attention output (output projection, b_O included)
+    mix_in: torch.Tensor  # [B, n, d] real input of ln_mix: x + attention output
     mix_out: torch.Tensor  # [B, n, d] real output of ln_mix
     out: torch.Tensor  # [B, n, d] layer output
     ffn_pre: torch.Tensor | None = None  # [B, n, d_ff] FFN pre-activation (ffn_in output)
@@ -150,6 +151,7 @@ def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = F
     for lay in adapter.layers:
         add(lay.module, "x", "pre")
         add(lay.module, "out", "out")
+        add(lay.o_proj, "attn_out", "out")
         add(lay.ln_mix.module, "mix", "both")
         if ffn:
             add(lay.ffn_in, "ffn_pre", "out")
@@ -179,13 +181,14 @@ def run_traced(
     with hooked(adapter, edits, ffn) as rec:
         output = model(**inputs)
     n = adapter.n_layers
-    for key in ("x", "out", "mix_in", "mix_out", "alpha", "value"):
+    for key in ("x", "out", "attn_out", "mix_in", "mix_out", "alpha", "value"):
         if len(rec[key]) != n:
             raise RuntimeError(f"capture of '{key}' fired {len(rec[key])} times for {n} layers")
     opt = {k: rec[k] if len(rec.get(k, [])) == n else [None] * n for k in ("ffn_pre", "ffn_act", "ln_out_in",
                                                                              "ffn_gate")}
     layers = [
-        LayerTrace(x=rec["x"][i], alpha=rec["alpha"][i], value=rec["value"][i], mix_in=rec["mix_in"][i],
+        LayerTrace(x=rec["x"][i], alpha=rec["alpha"][i], value=rec["value"][i], attn_out=rec["attn_out"][i],
+                   mix_in=rec["mix_in"][i],
                    mix_out=rec["mix_out"][i], out=rec["out"][i], ffn_pre=opt["ffn_pre"][i],
                    ffn_act=opt["ffn_act"][i], ln_out_in=opt["ln_out_in"][i], ffn_gate=opt["ffn_gate"][i])
         for i in range(n)

@@ -137,6 +137,7 @@ class Layer:
     n_heads: int
     n_kv_heads: int
     d_head: int
+    o_proj: nn.Module  # attention output projection (its output is the real attention output)
     w_o: torch.Tensor  # [H * d_head, d]
     b_o: torch.Tensor | None  # [d]
     w_v: torch.Tensor  # [d, H_kv * d_head]
@@ -189,7 +190,8 @@ def resolve(model: nn.Module) -> Adapter:
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     layers = []
     for mod in _layer_modules(fam, base):
-        w_o, b_o = _linear_xw(_get(mod, fam.o_proj))
+        o_proj = _get(mod, fam.o_proj)
+        w_o, b_o = _linear_xw(o_proj)
         w_v, b_v = _linear_xw(_get(mod, fam.v_proj))
         d = w_o.shape[1]
         if fam.fused_qkv:  # GPT-2 c_attn: [q | k | v]
@@ -197,7 +199,7 @@ def resolve(model: nn.Module) -> Adapter:
         layers.append(
             Layer(
                 module=mod, attn=_get(mod, fam.attn), n_heads=n_heads, n_kv_heads=n_kv,
-                d_head=w_o.shape[0] // n_heads, w_o=w_o, b_o=b_o, w_v=w_v, b_v=b_v,
+                d_head=w_o.shape[0] // n_heads, o_proj=o_proj, w_o=w_o, b_o=b_o, w_v=w_v, b_v=b_v,
                 ln_mix=Norm(_get(mod, fam.ln_mix), fam.rms), ffn_in=_get(mod, fam.ffn_in),
                 ffn_out=_get(mod, fam.ffn_out),
                 ln_in=Norm(_get(mod, fam.ln_in), fam.rms) if fam.ln_in else None,

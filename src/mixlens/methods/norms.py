@@ -24,7 +24,8 @@ from mixlens.trace import LayerTrace, Trace, _repeat_kv
 
 RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
 TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
-CHUNK_ELEMENTS = 1 << 24  # floats per block of target rows in the Gram quadratic form (bounds memory)
+PROBES = 4  # random directions of the per-run decomposition check
+CHUNK_ELEMENTS = 1 << 20  # floats per block of target rows in the Gram quadratic form (bounds memory)
 
 
 @dataclass
@@ -78,37 +79,65 @@ def attn_sum(lt: LayerTrace, lay: Layer) -> torch.Tensor:
 
 def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
     alpha, x, norm = lt.alpha.float(), lt.x.float(), lay.ln_mix
-    f = head_vectors(lt, lay)
-    pf = norm.project(f)
-    grams = torch.cat([torch.einsum("bhjd,bgjd->bjhg", v, v) for v in (f, pf)], dim=-1)  # [B, n, H, 2H]
-    a_ii = alpha.diagonal(dim1=2, dim2=3)  # [B, H, n]
-    u_ii = torch.einsum("bhi,bhid->bid", a_ii, f)
+    b, h, n, _ = alpha.shape
+    v = _repeat_kv(lt.value, h).float().transpose(1, 2)  # [B, n, H, d_h]
+    f = torch.einsum("bjhk,hkd->bjhd", v, lay.w_o.float().reshape(h, lay.d_head, -1))  # [B, n, H, d]
+    # Gram matrices of f and of P f (P = γ ⊙ C) in one matmul: P f·P f' = (γ² ⊙ f)·f' − mean corrections.
+    g2 = norm.weight.float().pow(2)
+    fg = f * g2
+    ft = f.transpose(2, 3)
+    raw = torch.cat([torch.matmul(f, ft), torch.matmul(fg, ft)], dim=3)  # [B, n, H, 2H] = [G | (γ²f)·f]
+    if not norm.rms:
+        mu, c = f.mean(-1), fg.sum(-1)  # [B, n, H]
+        raw[..., h:] += mu.unsqueeze(-1) * mu.unsqueeze(-2) * g2.sum() - c.unsqueeze(-1) * mu.unsqueeze(-2) \
+            - mu.unsqueeze(-1) * c.unsqueeze(-2)
+    a_ii = alpha.diagonal(dim1=2, dim2=3).transpose(1, 2).contiguous()  # [B, n, H]
+    u_ii = torch.matmul(a_ii.unsqueeze(2), f).squeeze(2)  # [B, n, d]
     t_ii = u_ii + x
-    total = attn_sum(lt, lay)
+    b_o = lay.b_o.float() if lay.b_o is not None else torch.zeros_like(x[0, 0])
+    total = lt.attn_out.float() - b_o  # the real Σ_j Σ_h α^h_ij f^h(x_j)
     off = total - u_ii  # Σ_{j≠i} u_ij = Σ_{j≠i} t_ij
     s = norm.scale(lt.mix_in.float())  # [B, n]
 
-    n, n_resln = quad_norms(alpha, grams)
-    n_res = n.clone()
+    n_n, n_resln = quad_norms(alpha, raw)
+    n_res = n_n.clone()
     n_res.diagonal(dim1=1, dim2=2).copy_(t_ii.norm(dim=-1))
-    n_resln = n_resln / s[:, :, None]
+    n_resln /= s[:, :, None]
     n_resln.diagonal(dim1=1, dim2=2).copy_(norm.project(t_ii).norm(dim=-1) / s)
 
     def r(o: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         on, dn = o.norm(dim=-1), d.norm(dim=-1)
         return on / (on + dn).clamp_min(torch.finfo(on.dtype).tiny)
 
-    w_mix = 1 - a_ii.mean(1)
+    w_mix = 1 - a_ii.mean(-1)
     ratio = {"W": w_mix, "N": r(off, u_ii), "Res-W": w_mix / 2, "Res-N": r(off, t_ii),
              "ResLN-N": r(norm.project(off), norm.project(t_ii))}
 
-    b_o = lay.b_o.float() if lay.b_o is not None else torch.zeros_like(x[0, 0])
     bias = norm.project(b_o) / s[..., None] + norm.shift().float()
+    error = _check(lt, lay, total, x, b_o, norm.project(total + x) / s[..., None] + bias, mask, index)
+    keep = mask.float()
+    pair = keep[:, :, None] * keep[:, None, :]
+    return {"f_norm": raw[..., :h].diagonal(dim1=2, dim2=3).clamp_min(0).sqrt().transpose(1, 2) * keep[:, None],
+            "n": n_n * pair, "n_res": n_res * pair, "n_resln": n_resln * pair, "bias": bias * keep[..., None],
+            "error": error, **{f"ratio:{k}": v * keep for k, v in ratio.items()}}
+
+
+def _check(lt: LayerTrace, lay: Layer, total: torch.Tensor, x: torch.Tensor, b_o: torch.Tensor,
+           rebuilt: torch.Tensor, mask: torch.Tensor, index: int) -> torch.Tensor:
+    """Per target: the decomposition against the real attention output (along PROBES random directions,
+    which detect any nonzero error vector with probability 1), the residual sum against the real norm input,
+    and the rebuilt norm output against the real one. Raises naming the layer; returns [B] max abs error."""
+    gen = torch.Generator().manual_seed(index)
+    d = total.shape[-1]
+    probes = torch.randn(d, PROBES, generator=gen) / d**0.5  # [d, k]
+    w = (lay.w_o.float() @ probes).reshape(lay.n_heads, lay.d_head, PROBES)  # W_O^h r: [H, d_h, k]
+    fp = torch.einsum("bhjc,hck->bhjk", _repeat_kv(lt.value, lay.n_heads).float(), w)  # f^h(x_j)·r
+    summed = torch.einsum("bhij,bhjk->bik", lt.alpha.float(), fp)  # [B, n(target), k]
     m = mask[..., None]
-    err_in = ((total + x + b_o - lt.mix_in.float()).abs() * m).amax((1, 2))
-    rebuilt = norm.project(total + x) / s[..., None] + bias
+    err_dec = ((summed - total @ probes).abs() * m).amax((1, 2))
+    err_in = ((total + b_o + x - lt.mix_in.float()).abs() * m).amax((1, 2))
     err_out = ((rebuilt - lt.mix_out.float()).abs() * m).amax((1, 2))
-    error = torch.maximum(err_in, err_out)
+    error = torch.stack([err_dec, err_in, err_out]).amax(0)
     scale = torch.maximum(lt.mix_in.float().abs().amax(), lt.mix_out.float().abs().amax()).clamp_min(1.0)
     if error.max() > TOLERANCE * scale:
         raise ReconstructionError(
@@ -116,10 +145,7 @@ def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> dict[s
             f"{error.max().item():.3g} (tolerance {TOLERANCE * scale.item():.3g}); the adapter for this "
             "architecture does not match the model"
         )
-    pair = mask[:, :, None] & mask[:, None, :]
-    return {"f_norm": f.norm(dim=-1) * mask[:, None, :], "n": n * pair, "n_res": n_res * pair,
-            "n_resln": n_resln * pair, "bias": bias * m, "error": error,
-            **{f"ratio:{k}": v * mask for k, v in ratio.items()}}
+    return error
 
 
 @torch.no_grad()
