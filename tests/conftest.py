@@ -65,3 +65,13 @@ def bundled() -> mixlens.Lens:
 @pytest.fixture(scope="session", params=FAMILIES)
 def family_lens(request, tokenizer) -> mixlens.Lens:
     return random_lens(request.param, tokenizer)
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run `mixlens ARGS` in-process through the real entry point → (exit code, stdout, stderr)."""
+    from mixlens.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err

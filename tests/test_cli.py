@@ -9,16 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from mixlens.cli import main
+from tests.conftest import run_cli
 
 SENTENCE = "The keys to the cabinet are on the table."
 
-
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
 
 
 def test_real_entry_point_table_and_json_file(tmp_path):
@@ -32,7 +26,7 @@ def test_real_entry_point_table_and_json_file(tmp_path):
 
 
 def test_json_contract(capsys):
-    code, out, _ = run(["analyze", SENTENCE, "a second, longer text with some more words", "--format", "json"],
+    code, out, _ = run_cli(["analyze", SENTENCE, "a second, longer text with some more words", "--format", "json"],
                        capsys)
     assert code == 0
     data = json.loads(out)
@@ -53,7 +47,7 @@ def test_json_contract(capsys):
 
 def test_heads_and_out_file(capsys, tmp_path):
     dest = tmp_path / "sub" / "res.json"
-    code, _, err = run(["analyze", SENTENCE, "--heads", "--method", "attention", "--method", "norm",
+    code, _, err = run_cli(["analyze", SENTENCE, "--heads", "--method", "attention", "--method", "norm",
                         "--format", "json", "--out", str(dest)], capsys)
     assert code == 0
     item = json.loads(dest.read_text())["inputs"][0]
@@ -75,22 +69,22 @@ def test_heads_and_out_file(capsys, tmp_path):
     ],
 )
 def test_bad_input_one_line_exit_2(args, message, capsys):
-    code, out, err = run(args, capsys)
+    code, out, err = run_cli(args, capsys)
     assert code == 2
     lines = [ln for ln in err.strip().splitlines() if ln]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in err
 
 
 def test_directory_that_is_not_a_model(tmp_path, capsys):
-    code, _, err = run(["analyze", "x", "--model", str(tmp_path)], capsys)
+    code, _, err = run_cli(["analyze", "x", "--model", str(tmp_path)], capsys)
     assert code == 2 and "not a Hugging Face model directory" in err
 
 
 def test_too_long_with_and_without_truncation(capsys):
     long_text = "word " * 600
-    code, _, err = run(["analyze", long_text, "--no-truncate"], capsys)
+    code, _, err = run_cli(["analyze", long_text, "--no-truncate"], capsys)
     assert code == 2 and "more than the limit of 512" in err
-    code, out, err = run(["analyze", long_text, "--max-length", "40", "--format", "json", "--method", "norm"],
+    code, out, err = run_cli(["analyze", long_text, "--max-length", "40", "--format", "json", "--method", "norm"],
                          capsys)
     assert code == 0 and "truncated from 602 to 40 tokens" in err
     assert len(json.loads(out)["inputs"][0]["tokens"]) == 40

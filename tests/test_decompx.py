@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import mixlens
-from mixlens.cli import main
 from mixlens.methods import decompx as dx
-from tests.conftest import FAMILIES, SENTENCES, random_lens
+from tests.conftest import FAMILIES, SENTENCES, random_lens, run_cli
 
 HEAD = "AutoModelForSequenceClassification"
 
@@ -104,21 +103,15 @@ def test_known_answer_hand_built(tokenizer):
     np.testing.assert_allclose(dx.decompose(tr, 0).classes.numpy(), expect.T, rtol=1e-4, atol=1e-7)
 
 
-def cli(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
-
 
 def test_cli_without_classification_head(capsys):
-    code, _, err = cli(["analyze", "A fine film.", "--method", "decompx"], capsys)
+    code, _, err = run_cli(["analyze", "A fine film.", "--method", "decompx"], capsys)
     assert code == 2
     assert "decompx needs a sequence-classification model" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_with_classification_head(capsys):
-    code, out, err = cli(["analyze", "A fine film.", "--method", "decompx_classes", "--head",
+    code, out, err = run_cli(["analyze", "A fine film.", "--method", "decompx_classes", "--head",
                           "sequence-classification", "--format", "json"], capsys)
     assert code == 0, err
     m = json.loads(out)["inputs"][0]["methods"]["decompx_classes"]
