@@ -168,9 +168,7 @@ class Lens:
         """One forward pass with capture hooks (and optional attention edits)."""
         if not isinstance(enc, Encoded):
             enc = self.encode(enc)
-        tr = run_traced(self.adapter, self.model, enc.inputs, edits=edits, ffn=ffn)
-        tr.cache["tokenizer"] = self.tokenizer  # special-token roles for methods (e.g. saliency's [MASK])
-        return tr
+        return run_traced(self.adapter, self.model, enc.inputs, edits=edits, ffn=ffn, tokenizer=self.tokenizer)
 
     def analyze(
         self,

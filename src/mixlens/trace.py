@@ -53,6 +53,7 @@ class Trace:
     inputs: dict[str, torch.Tensor]  # what the model was called with (input_ids, attention_mask, ...)
     layers: list[LayerTrace]
     logits: torch.Tensor | None  # model head output when the model has one
+    tokenizer: object | None = None  # for special-token roles (e.g. the [MASK] position of saliency)
     cache: dict[str, object] = field(default_factory=dict)  # shared intermediate results of methods
 
     @property
@@ -176,6 +177,7 @@ def run_traced(
     inputs: dict[str, torch.Tensor],
     edits: dict[str, Edit] | None = None,
     ffn: bool = False,
+    tokenizer: object | None = None,
 ) -> Trace:
     """One forward pass with capture hooks → Trace (call under torch.no_grad() for analysis)."""
     with hooked(adapter, edits, ffn) as rec:
@@ -194,4 +196,4 @@ def run_traced(
         for i in range(n)
     ]
     logits = getattr(output, "logits", None)
-    return Trace(adapter=adapter, model=model, inputs=inputs, layers=layers, logits=logits)
+    return Trace(adapter=adapter, model=model, inputs=inputs, layers=layers, logits=logits, tokenizer=tokenizer)

@@ -63,8 +63,7 @@ def _positions(trace: Trace, position: int | None) -> torch.Tensor:
         if not isinstance(position, int) or position < 0 or position >= int(lengths.min()):
             raise MixlensError(f"position must be a token index below {int(lengths.min())}, got {position!r}")
         return torch.full((b,), position, dtype=torch.long)
-    tok = trace.cache.get("tokenizer")
-    mask_id = getattr(tok, "mask_token_id", None)
+    mask_id = getattr(trace.tokenizer, "mask_token_id", None)
     if mask_id is not None:
         hits = trace.inputs["input_ids"].cpu() == mask_id
         if hits.any(-1).all():
