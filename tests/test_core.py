@@ -11,7 +11,7 @@ import mixlens
 import mixlens.stats.mixing
 from mixlens.errors import ReconstructionError
 from mixlens.methods.norms import head_vectors
-from tests.conftest import SENTENCES, random_lens
+from tests.conftest import SENTENCES, random_lens, random_model
 
 METHODS = ["attention", "norm", "norm_res", "norm_resln"]
 
@@ -208,3 +208,26 @@ def test_upcast_and_special_roles(tokenizer):
     assert next(lens.model.parameters()).dtype == torch.float32
     ids = tokenizer("hello world")["input_ids"]
     assert lens.special_roles(ids) == ["cls", None, None, "sep"]
+
+
+@pytest.mark.parametrize("family, head", [
+    ("bert", "AutoModelForMaskedLM"), ("roberta", "AutoModelForSequenceClassification"),
+    ("gpt2", "AutoModelForCausalLM"), ("llama", "AutoModelForCausalLM"),
+])
+def test_any_automodel_head_finds_the_encoder(tokenizer, family, head):
+    lens = random_lens(family, tokenizer, head=head)
+    res = lens.analyze(SENTENCES[:2], ["norm_resln"])
+    assert res.reconstruction_error.max() <= 1e-4
+    assert res["norm_resln"].values.shape[1] == lens.model.config.num_hidden_layers
+
+
+def test_local_directory_roundtrip_and_unsupported_family(tmp_path, tokenizer):
+    model = random_model("distilbert", tokenizer)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    lens = mixlens.load(tmp_path / "m")
+    assert lens.adapter.family.name == "distilbert"
+    cfg = T.T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, d_kv=16)
+    T.T5Model(cfg).save_pretrained(tmp_path / "t5")
+    with pytest.raises(mixlens.MixlensError, match="unsupported architecture 't5'; supported model types: albert"):
+        mixlens.load(tmp_path / "t5")
