@@ -27,16 +27,21 @@ SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.t
 METHODS = ["norm", "norm_res", "norm_resln"]
 
 
+def planned_batches(lens: mixlens.Lens, texts: list[str], batch_size: int, max_tokens: int, shard_size: int):
+    """The corpus runner's own batches (same shards, same sort), tokenized."""
+    for s in range(0, len(texts), shard_size):
+        shard = texts[s : s + shard_size]
+        lengths = [len(ids) for ids in lens.tokenizer(shard, truncation=True)["input_ids"]]
+        for batch in plan_batches(lengths, batch_size, max_tokens):
+            yield lens.encode([shard[k] for k in batch])
+
+
 def forward_only(lens: mixlens.Lens, texts: list[str], batch_size: int, max_tokens: int, shard_size: int) -> float:
-    """Seconds for tokenize + plain forward over the corpus runner's own batches (same shards, same sort)."""
+    """Seconds for tokenize + plain forward over the corpus runner's own batches."""
     t0 = time.perf_counter()
     with torch.no_grad():
-        for s in range(0, len(texts), shard_size):
-            shard = texts[s : s + shard_size]
-            lengths = [len(ids) for ids in lens.tokenizer(shard, truncation=True)["input_ids"]]
-            for batch in plan_batches(lengths, batch_size, max_tokens):
-                enc = lens.encode([shard[k] for k in batch])
-                lens.model(**enc.inputs)
+        for enc in planned_batches(lens, texts, batch_size, max_tokens, shard_size):
+            lens.model(**enc.inputs)
     return time.perf_counter() - t0
 
 
@@ -45,14 +50,11 @@ def engine_only(lens: mixlens.Lens, texts: list[str], batch_size: int, max_token
     (reading, statistics, Parquet, manifest): separates the runner's overhead from the engine's cost."""
     t0 = time.perf_counter()
     with torch.no_grad():
-        for s in range(0, len(texts), shard_size):
-            shard = texts[s : s + shard_size]
-            lengths = [len(ids) for ids in lens.tokenizer(shard, truncation=True)["input_ids"]]
-            for batch in plan_batches(lengths, batch_size, max_tokens):
-                tr = lens.trace(lens.encode([shard[k] for k in batch]))
-                block_norms(tr)
-                for m in METHODS:
-                    get(m)(tr)
+        for enc in planned_batches(lens, texts, batch_size, max_tokens, shard_size):
+            tr = lens.trace(enc)
+            block_norms(tr)
+            for m in METHODS:
+                get(m)(tr)
     return time.perf_counter() - t0
 
 
