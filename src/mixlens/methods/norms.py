@@ -17,51 +17,93 @@ from dataclasses import dataclass
 
 import torch
 
-from mixlens.adapters import Layer
-from mixlens.errors import ReconstructionError
+from mixlens.adapters import Layer, Norm
+from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.methods._kernels import TOKEN_STATS, attention_pass, token_pass
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, _repeat_kv
 
 RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
 TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
 PROBES = 4  # random directions of the per-run decomposition check
-CHUNK_ELEMENTS = 1 << 20  # floats per block of target rows in the Gram quadratic form (bounds memory)
+CHUNK_ELEMENTS = 1 << 20  # floats per block of sources in the torch quadratic form (bounds memory)
+TOKEN_BLOCK = 128  # tokens per block of head vectors f (the block stays in cache)
 
 
 @dataclass
 class BlockNorms:
-    """All norm-based quantities of a trace. B=batch, L=layer, H=head, n=tokens, d=hidden."""
+    """All norm-based quantities of a trace. B=batch, L=layer, H=head, n=tokens, d=hidden; padding is 0."""
 
     f_norm: torch.Tensor  # [B, L, H, n(source)]  ‖f^h(x_j)‖
     n: torch.Tensor  # [B, L, n, n]  ‖u_ij‖
     n_res: torch.Tensor  # [B, L, n, n]  ‖t_ij‖
     n_resln: torch.Tensor  # [B, L, n, n]  ‖g_i(t_ij)‖
     ratio: dict[str, torch.Tensor]  # variant → [B, L, n(target)] context-mixing ratio r_i
-    bias: torch.Tensor  # [B, L, n, d]  g_i(b_O) + β, the part of the norm output no token owns
     error: torch.Tensor  # [B, L] max abs reconstruction error (pre-norm sum and norm output)
+    scale: torch.Tensor  # [B, L, n]  s_i of the norm after attention (0 at padding)
+    bias_terms: torch.Tensor  # [L, 2, d]  P(b_O) and β per layer
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """g_i(b_O) + β = P(b_O) / s_i + β, the part of the norm output no token owns: [B, L, n, d]."""
+        real = self.scale > 0
+        inv = torch.where(real, 1 / self.scale.clamp_min(torch.finfo(self.scale.dtype).tiny), 0)
+        p_b, beta = self.bias_terms[:, 0], self.bias_terms[:, 1]
+        return (p_b[:, None] * inv[..., None] + beta[:, None]) * real[..., None]
+
+
+@dataclass
+class _Tokens:
+    """Where the T real tokens of a right-padded batch are."""
+
+    mask: torch.Tensor  # [B, n] bool
+    lengths: torch.Tensor  # [B] int64
+    offsets: torch.Tensor  # [B] int64: index of (b, 0) among the T real tokens
+    rows: torch.Tensor  # [T] int64: row of each real token in the flattened [B·n, ...] layout
+    full: bool  # no padding at all
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> _Tokens:
+        lengths = mask.sum(-1)
+        prefix = torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]
+        if not torch.equal(prefix, mask):
+            raise MixlensError("the norm decomposition needs right-padded batches (real tokens first)")
+        offsets = torch.cumsum(lengths, 0) - lengths
+        rows = mask.flatten().nonzero().squeeze(1)
+        return cls(mask, lengths, offsets, rows, bool(lengths.min() == mask.shape[1]))
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, n, ...] → [T, ...]."""
+        flat = t.flatten(0, 1)
+        return flat if self.full else flat.index_select(0, self.rows)
+
+    def scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """[T, ...] → [B, n, ...] with zeros at padding."""
+        if self.full:
+            return t.view(*self.mask.shape, *t.shape[1:])
+        out = t.new_zeros(self.mask.numel(), *t.shape[1:])
+        return out.index_copy_(0, self.rows, t).view(*self.mask.shape, *t.shape[1:])
 
 
 def quad_norms(alpha: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
-    """‖Σ_h α^h_ij F^h_j‖ for K linear images at once, from α [B, H, n, n] and the stacked per-source Gram
-    matrices G_j [B, n, H, K·H] (G_j[h, k·H + h'] = F_k^h_j · F_k^h'_j) → [K, B, n(target), n(source)].
-
-    α is laid out source-major ([B, j, i, H], one contiguous copy per block of target rows) so that each
-    source's Gram matrix is applied by one small matmul.
-    """
-    b, h, n_t, n_s = alpha.shape
-    k = grams.shape[-1] // h
-    out = torch.empty(k, b, n_s, n_t, dtype=alpha.dtype)
-    rows = max(1, CHUNK_ELEMENTS // max(1, b * n_s * h * (k + 1)))
-    for s in range(0, n_t, rows):
-        a = alpha[:, :, s : s + rows].permute(0, 3, 2, 1).contiguous()  # [B, j, i, H]
-        ag = torch.matmul(a, grams).unflatten(-1, (k, h))  # [B, j, i, K, H]
-        out[:, :, :, s : s + rows] = (ag * a.unsqueeze(3)).sum(-1).permute(3, 0, 1, 2)
-    return out.clamp_min_(0).sqrt_().transpose(2, 3)
+    """‖Σ_h α^h_ij F_k^h(x_j)‖ for K linear images at once, from α [B, H, n, n] and the per-source Gram
+    matrices G_k[h, h', j] as grams [K, B, H, H, n] → [K, B, n(target), n(source)]. Plain torch (any device):
+    α is transposed source-major in blocks so that each source's Gram matrix is one small matmul."""
+    k, b, h, _, n_s = grams.shape
+    n_t = alpha.shape[2]
+    g = grams.permute(1, 4, 0, 2, 3).reshape(b, n_s, k * h, h)  # [B, j, K·H, H]
+    out = alpha.new_empty(b, n_s, k, n_t)
+    step = max(1, CHUNK_ELEMENTS // max(1, b * (k + 1) * h * n_t))
+    for s in range(0, n_s, step):
+        a = alpha[..., s : s + step].transpose(-1, -2).contiguous().transpose(1, 2)  # [B, j, H, i]
+        ag = torch.matmul(g[:, s : s + step], a).unflatten(2, (k, h))  # [B, j, K, H, i]
+        torch.sum(ag.mul_(a.unsqueeze(2)), dim=3, out=out[:, s : s + step])
+    return out.clamp_min_(0).sqrt_().permute(2, 0, 3, 1)
 
 
 def quad_norm(alpha: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     """‖Σ_h α^h_ij F^h_j‖ from α [B, H, n, n] and one per-source Gram G_j [B, n, H, H] → [B, n, n]."""
-    return quad_norms(alpha, gram)[0]
+    return quad_norms(alpha, gram.permute(0, 2, 3, 1).unsqueeze(0))[0]
 
 
 def head_vectors(lt: LayerTrace, lay: Layer) -> torch.Tensor:
@@ -77,87 +119,156 @@ def attn_sum(lt: LayerTrace, lay: Layer) -> torch.Tensor:
     return z.transpose(1, 2).flatten(2) @ lay.w_o.float()
 
 
-def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> dict[str, torch.Tensor]:
-    alpha, x, norm = lt.alpha.float(), lt.x.float(), lay.ln_mix
-    b, h, n, _ = alpha.shape
-    v = _repeat_kv(lt.value, h).float().transpose(1, 2)  # [B, n, H, d_h]
-    f = torch.einsum("bjhk,hkd->bjhd", v, lay.w_o.float().reshape(h, lay.d_head, -1))  # [B, n, H, d]
-    # Gram matrices of f and of P f (P = γ ⊙ C) in one matmul: P f·P f' = (γ² ⊙ f)·f' − mean corrections.
+def _grams(vh: torch.Tensor, lay: Layer, a_ii: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the value vectors vh [H, T, d_h] of the T real tokens: the Gram matrices of f and of P f = γ ⊙ C f
+    as grams [2, H, H, T], ‖f^h‖ [T, H] and u_ii = Σ_h α^h_ii f^h(x_i) [T, d] (a_ii [H, T]).
+
+    C is folded into the weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) is added back as a rank-one term),
+    so P f·P f' = (γ² ⊙ C f)·C f'. Tokens go in blocks of TOKEN_BLOCK so that C f stays in cache."""
+    norm = lay.ln_mix
+    h, t_len, _ = vh.shape
+    w = lay.w_o.float().reshape(h, lay.d_head, -1)  # [H, d_h, d]
+    d = w.shape[-1]
+    mean_w = None if norm.rms else w.mean(-1)  # [H, d_h]
+    wc = w if mean_w is None else w - mean_w[..., None]
     g2 = norm.weight.float().pow(2)
-    fg = f * g2
-    ft = f.transpose(2, 3)
-    raw = torch.cat([torch.matmul(f, ft), torch.matmul(fg, ft)], dim=3)  # [B, n, H, 2H] = [G | (γ²f)·f]
-    if not norm.rms:
-        mu, c = f.mean(-1), fg.sum(-1)  # [B, n, H]
-        raw[..., h:] += mu.unsqueeze(-1) * mu.unsqueeze(-2) * g2.sum() - c.unsqueeze(-1) * mu.unsqueeze(-2) \
-            - mu.unsqueeze(-1) * c.unsqueeze(-2)
-    a_ii = alpha.diagonal(dim1=2, dim2=3).transpose(1, 2).contiguous()  # [B, n, H]
-    u_ii = torch.matmul(a_ii.unsqueeze(2), f).squeeze(2)  # [B, n, d]
-    t_ii = u_ii + x
-    b_o = lay.b_o.float() if lay.b_o is not None else torch.zeros_like(x[0, 0])
-    total = lt.attn_out.float() - b_o  # the real Σ_j Σ_h α^h_ij f^h(x_j)
-    off = total - u_ii  # Σ_{j≠i} u_ij = Σ_{j≠i} t_ij
-    s = norm.scale(lt.mix_in.float())  # [B, n]
-
-    n_n, n_resln = quad_norms(alpha, raw)
-    n_res = n_n.clone()
-    n_res.diagonal(dim1=1, dim2=2).copy_(t_ii.norm(dim=-1))
-    n_resln /= s[:, :, None]
-    n_resln.diagonal(dim1=1, dim2=2).copy_(norm.project(t_ii).norm(dim=-1) / s)
-
-    def r(o: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        on, dn = o.norm(dim=-1), d.norm(dim=-1)
-        return on / (on + dn).clamp_min(torch.finfo(on.dtype).tiny)
-
-    w_mix = 1 - a_ii.mean(-1)
-    ratio = {"W": w_mix, "N": r(off, u_ii), "Res-W": w_mix / 2, "Res-N": r(off, t_ii),
-             "ResLN-N": r(norm.project(off), norm.project(t_ii))}
-
-    bias = norm.project(b_o) / s[..., None] + norm.shift().float()
-    error = _check(lt, lay, total, x, b_o, norm.project(total + x) / s[..., None] + bias, mask, index)
-    keep = mask.float()
-    pair = keep[:, :, None] * keep[:, None, :]
-    return {"f_norm": raw[..., :h].diagonal(dim1=2, dim2=3).clamp_min(0).sqrt().transpose(1, 2) * keep[:, None],
-            "n": n_n * pair, "n_res": n_res * pair, "n_resln": n_resln * pair, "bias": bias * keep[..., None],
-            "error": error, **{f"ratio:{k}": v * keep for k, v in ratio.items()}}
+    raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
+    u_ii = vh.new_empty(t_len, d)
+    buf = vh.new_empty(2 * h, min(TOKEN_BLOCK, t_len), d)
+    for s in range(0, t_len, TOKEN_BLOCK):
+        e = min(s + TOKEN_BLOCK, t_len)
+        cf, pf = buf[:h, : e - s], buf[h:, : e - s]
+        torch.matmul(vh[:, s:e], wc, out=cf)  # [H, c, d]
+        torch.mul(cf, g2, out=pf)
+        torch.matmul(cf.transpose(0, 1), buf[:, : e - s].permute(1, 2, 0), out=raw[s:e])
+        torch.sum(cf.mul_(a_ii[:, s:e, None]), dim=0, out=u_ii[s:e])  # Σ_h α_ii C f (clobbers cf)
+    grams = raw.view(t_len, h, 2, h).permute(2, 1, 3, 0).contiguous()  # [2, H, H, T]
+    if mean_w is not None:
+        mu = torch.matmul(mean_w[:, None], vh.transpose(1, 2))[:, 0]  # [H, T] mean of f^h over the hidden axis
+        grams[0].add_(mu[:, None] * mu[None, :], alpha=d)
+        u_ii += (a_ii * mu).sum(0)[:, None]
+    f_norm = grams[0].diagonal(dim1=0, dim2=1).clamp_min(0).sqrt()  # [T, H]
+    return grams, f_norm, u_ii
 
 
-def _check(lt: LayerTrace, lay: Layer, total: torch.Tensor, x: torch.Tensor, b_o: torch.Tensor,
-           rebuilt: torch.Tensor, mask: torch.Tensor, index: int) -> torch.Tensor:
-    """Per target: the decomposition against the real attention output (along PROBES random directions,
-    which detect any nonzero error vector with probability 1), the residual sum against the real norm input,
-    and the rebuilt norm output against the real one. Raises naming the layer; returns [B] max abs error."""
-    gen = torch.Generator().manual_seed(index)
-    d = total.shape[-1]
-    probes = torch.randn(d, PROBES, generator=gen) / d**0.5  # [d, k]
-    w = (lay.w_o.float() @ probes).reshape(lay.n_heads, lay.d_head, PROBES)  # W_O^h r: [H, d_h, k]
-    fp = torch.einsum("bhjc,hck->bhjk", _repeat_kv(lt.value, lay.n_heads).float(), w)  # f^h(x_j)·r
-    summed = torch.einsum("bhij,bhjk->bik", lt.alpha.float(), fp)  # [B, n(target), k]
-    m = mask[..., None]
-    err_dec = ((summed - total @ probes).abs() * m).amax((1, 2))
-    err_in = ((total + b_o + x - lt.mix_in.float()).abs() * m).amax((1, 2))
-    err_out = ((rebuilt - lt.mix_out.float()).abs() * m).amax((1, 2))
-    error = torch.stack([err_dec, err_in, err_out]).amax(0)
-    scale = torch.maximum(lt.mix_in.float().abs().amax(), lt.mix_out.float().abs().amax()).clamp_min(1.0)
+def _layer(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, causal: bool,
+           outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer: writes the [B, n, n] maps of layer `index` into `outs`, returns per-token quantities."""
+    norm, h = lay.ln_mix, lay.n_heads
+    alpha = lt.alpha.float()
+    vh = tok.gather(_repeat_kv(lt.value, h).float().transpose(1, 2)).transpose(0, 1)  # [H, T, d_h]
+    a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(1, 2)).T  # [H, T]
+    grams, f_norm, u_ii = _grams(vh, lay, a_ii)
+    d = lt.x.shape[-1]
+    b_o = lay.b_o.float() if lay.b_o is not None else lt.x.new_zeros(d, dtype=torch.float32)
+    probes = _probes(d, index, lt.x.device)  # [P, d]
+    st, total_r = _token_pass(lt, tok, u_ii, b_o, norm, probes)  # {stat: [T]}, [T, P]
+    s = st["s"]
+
+    w_p = (probes @ lay.w_o.float().T).view(PROBES, h, lay.d_head).transpose(0, 1)  # (W_O^h r_p)ᵀ: [H, P, d_h]
+    probe_f = torch.matmul(w_p, vh.transpose(1, 2))  # [H, P, T]  f^h(x_j)·r_p
+    probed = _attention_pass(alpha, grams, probe_f, tok, tok.scatter(1 / s).contiguous(), causal, index, outs)
+    outs["n_res"][:, index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(st["t_norm"]))
+    outs["n_resln"][:, index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(st["pt_norm"] / s))
+
+    errors = torch.stack([(probed - total_r).abs().amax(-1), st["err_in"], st["err_out"]]).amax(0)  # [T]
+    error = tok.scatter(errors).amax(-1)  # [B]
+    scale = st["scale"].amax().clamp_min(1.0)
     if error.max() > TOLERANCE * scale:
         raise ReconstructionError(
             f"layer {index}: the decomposition differs from the real attention-block output by "
             f"{error.max().item():.3g} (tolerance {TOLERANCE * scale.item():.3g}); the adapter for this "
             "architecture does not match the model"
         )
-    return error
+    w_mix = 1 - a_ii.mean(0)
+    ratio = {"W": w_mix, "N": st["N"], "Res-W": w_mix / 2, "Res-N": st["Res-N"], "ResLN-N": st["ResLN-N"]}
+    bias_terms = torch.stack([norm.project(b_o), norm.shift().float()])  # [2, d]
+    return {"f_norm": f_norm, "scale": s, "bias_terms": bias_terms, "error": error,
+            **{f"ratio:{k}": v for k, v in ratio.items()}}
+
+
+def _probes(d: int, index: int, device: torch.device) -> torch.Tensor:
+    """PROBES random unit-scale directions r_p [P, d] of layer `index`'s check (fixed seed per layer)."""
+    gen = torch.Generator().manual_seed(index)
+    return (torch.randn(PROBES, d, generator=gen) / d**0.5).to(device)
+
+
+def _token_pass(lt: LayerTrace, tok: _Tokens, u_ii: torch.Tensor, b_o: torch.Tensor, norm: Norm,
+                probes: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per-token statistics of one layer (see `token_pass`): ({name: [T]}, total·r_p [T, P])."""
+    gamma, beta = norm.weight.float(), norm.shift().float()
+    if u_ii.device.type == "cpu":
+        t_len = u_ii.shape[0]
+        stats, total_r = torch.empty(t_len, len(TOKEN_STATS)), torch.empty(t_len, PROBES)
+        flat = [t.float().flatten(0, 1).contiguous() for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)]
+        arrays = [a.contiguous().numpy() for a in (tok.rows, *flat, u_ii, b_o, gamma, beta, probes)]
+        token_pass(*arrays, norm.eps, norm.rms, stats.numpy(), total_r.numpy(), 0, t_len)
+        return dict(zip(TOKEN_STATS, stats.unbind(1), strict=True)), total_r
+    x, attn_out, mix_in, mix_out = (tok.gather(t.float()) for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out))
+    total = attn_out - b_o
+    t_ii, off = u_ii + x, total - u_ii
+    s = norm.scale(mix_in)
+    y = attn_out + x
+    rebuilt = norm.project(y) / s[:, None] + beta
+    tn, ptn, on, un, pon = (v.norm(dim=-1) for v in (t_ii, norm.project(t_ii), off, u_ii, norm.project(off)))
+
+    def r(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a / (a + b).clamp_min(1e-30)
+
+    vals = [s, tn, ptn, r(on, un), r(on, tn), r(pon, ptn), (y - mix_in).abs().amax(-1),
+            (rebuilt - mix_out).abs().amax(-1), torch.maximum(mix_in.abs().amax(-1), rebuilt.abs().amax(-1))]
+    return dict(zip(TOKEN_STATS, vals, strict=True)), total @ probes.T
+
+
+def _attention_pass(alpha: torch.Tensor, grams: torch.Tensor, probe_f: torch.Tensor, tok: _Tokens,
+                    inv_s: torch.Tensor, causal: bool, index: int, outs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The per-(target, source) part: fills n, n_res, n_resln and the head-mean α of layer `index` in `outs`;
+    returns the probe sums Σ_h Σ_j α^h_ij f^h(x_j)·r_p of the real targets [T, P]."""
+    b, h, n, _ = alpha.shape
+    if alpha.device.type == "cpu":
+        probed = torch.zeros(b, n, probe_f.shape[1])
+        iu = torch.triu_indices(h, h)
+        packed = grams[:, iu[0], iu[1]] * torch.where(iu[0] == iu[1], 1.0, 2.0)[:, None]  # [2, H(H+1)/2, T]
+        arrays = [alpha.contiguous(), packed, probe_f]
+        args = (*(a.numpy() for a in arrays), tok.offsets.numpy(), tok.lengths.numpy(), inv_s.contiguous().numpy(),
+                causal, index, *(outs[k].numpy() for k in ("n", "n_res", "n_resln", "alpha_mean")), probed.numpy())
+        attention_pass(*args, 0, b * n)
+        return tok.gather(probed)
+    pair = (tok.mask[:, :, None] & tok.mask[:, None, :]).float()
+    full = grams.new_zeros(2, b, h, h, n)
+    for k in range(b):  # back to the padded layout of the batch
+        o, m = int(tok.offsets[k]), int(tok.lengths[k])
+        full[:, k, :, :, :m] = grams[..., o : o + m]
+    n_n, n_resln = quad_norms(alpha, full) * pair
+    outs["n"][:, index] = n_n
+    outs["n_res"][:, index] = n_n
+    outs["n_resln"][:, index] = n_resln * inv_s[:, :, None]
+    outs["alpha_mean"][:, index] = alpha.mean(1) * pair
+    fp = tok.scatter(probe_f.permute(2, 0, 1)).permute(0, 2, 1, 3)  # [B, H, n, P]
+    return tok.gather(torch.matmul(alpha, fp).sum(1))
 
 
 @torch.no_grad()
 def block_norms(trace: Trace) -> BlockNorms:
-    """Compute (once per trace, then cached) every norm-based quantity of every layer."""
+    """Compute (once per trace, then cached) every norm-based quantity of every layer, and check each layer's
+    decomposition against the real attention output, norm input and norm output (`ReconstructionError`)."""
     if "block_norms" not in trace.cache:
-        per = [_layer(lt, lay, trace.mask, i) for i, (lt, lay) in
+        tok = _Tokens.of(trace.mask)
+        b, n = trace.mask.shape
+        shape = (b, trace.adapter.n_layers, n, n)
+        outs = {k: torch.zeros(shape, device=trace.mask.device) for k in ("n", "n_res", "n_resln", "alpha_mean")}
+        causal = trace.adapter.family.causal
+        per = [_layer(lt, lay, tok, i, causal, outs) for i, (lt, lay) in
                enumerate(zip(trace.layers, trace.adapter.layers, strict=True))]
-        st = {k: torch.stack([p[k] for p in per], dim=1) for k in per[0]}
+
+        def stacked(key: str) -> torch.Tensor:
+            return torch.stack([tok.scatter(p[key]) for p in per], dim=1)
+
+        trace.cache["alpha_mean"] = outs["alpha_mean"]
         trace.cache["block_norms"] = BlockNorms(
-            f_norm=st["f_norm"], n=st["n"], n_res=st["n_res"], n_resln=st["n_resln"], bias=st["bias"],
-            error=st["error"], ratio={v: st[f"ratio:{v}"] for v in RATIO_VARIANTS},
+            f_norm=stacked("f_norm").permute(0, 1, 3, 2), n=outs["n"], n_res=outs["n_res"], n_resln=outs["n_resln"],
+            ratio={v: stacked(f"ratio:{v}") for v in RATIO_VARIANTS}, error=torch.stack([p["error"] for p in per], 1),
+            scale=stacked("scale"), bias_terms=torch.stack([p["bias_terms"] for p in per]),
         )
     return trace.cache["block_norms"]
 

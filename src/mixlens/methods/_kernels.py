@@ -1,0 +1,129 @@
+"""Compiled inner loop of the norm decomposition (numba): one pass over the attention maps of a layer.
+
+For every real target i and source j it evaluates the two Gram quadratic forms
+‖Σ_h α^h_ij F_k^h(x_j)‖² = Σ_{h,h'} α^h_ij α^h'_ij G_k[h, h', j] (k = plain f, LayerNorm-projected f), the head
+mean of α and the probe sums Σ_h Σ_j α^h_ij (f^h(x_j)·r_p) of the exactness check. α is read in its natural
+[head, target, source] layout, source innermost, so nothing is transposed or materialised per (i, j).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def attention_pass(alpha, grams, probe_f, offsets, lengths, inv_s, causal, layer, n_out, nres_out, resln_out,
+                   mean_out, probe_out, start, stop):  # pragma: no cover - compiled
+    """alpha [B, H, n, n]; grams [2, H(H+1)/2, T]: the upper triangles (h ≤ h', row-major) of the Gram matrices
+    with off-diagonal entries doubled, per real token t = offsets[b] + j;
+    probe_f [H, P, T]; offsets, lengths [B]; inv_s [B, n] (1/s_i); outputs [B, L, n, n] at `layer`
+    (norms, already square-rooted; N-ResLN divided by s_i), probe_out [B, n, P]. Handles the flattened (batch,
+target) rows start..stop-1 (threads split the rows); padded cells are not written."""
+    heads, n = alpha.shape[1], alpha.shape[2]
+    probes = probe_f.shape[1]
+    for r in range(start, stop):
+        b = r // n
+        i = r % n
+        m = lengths[b]
+        if i >= m:
+            continue
+        o = offsets[b]
+        end = i + 1 if causal else m
+        plain = np.zeros(end, np.float32)
+        proj = np.zeros(end, np.float32)
+        mean = np.zeros(end, np.float32)
+        p = 0
+        for h in range(heads):
+            ah = alpha[b, h, i]
+            for h2 in range(h, heads):
+                a2 = alpha[b, h2, i]
+                g0 = grams[0, p, o:o + end]
+                g1 = grams[1, p, o:o + end]
+                for j in range(end):
+                    q = ah[j] * a2[j]
+                    plain[j] += g0[j] * q
+                    proj[j] += g1[j] * q
+                p += 1
+            for j in range(end):
+                mean[j] += ah[j]
+            for k in range(probes):
+                fp = probe_f[h, k, o:o + end]
+                acc = np.float32(0.0)
+                for j in range(end):
+                    acc += ah[j] * fp[j]
+                probe_out[b, i, k] += acc
+        inv = inv_s[b, i]
+        for j in range(end):
+            v = np.sqrt(max(plain[j], np.float32(0.0)))
+            n_out[b, layer, i, j] = v
+            nres_out[b, layer, i, j] = v
+            resln_out[b, layer, i, j] = np.sqrt(max(proj[j], np.float32(0.0))) * inv
+            mean_out[b, layer, i, j] = mean[j] / heads
+
+
+TOKEN_STATS = ("s", "t_norm", "pt_norm", "N", "Res-N", "ResLN-N", "err_in", "err_out", "scale")
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def token_pass(rows, x, attn_out, mix_in, mix_out, u_ii, b_o, gamma, beta, probes, eps, rms, stats, total_r,
+               start, stop):  # pragma: no cover - compiled
+    """Per real token t (start..stop-1; row rows[t] of the flattened [B·n, d] inputs), every input read once:
+    x (layer input), the real attention output (b_O included), the real norm input and output; u_ii [T, d] =
+    Σ_h α^h_ii f^h(x_i). Writes stats [T, 9] in
+    TOKEN_STATS order (s_i; ‖t_ii‖, ‖P t_ii‖; ratios N, Res-N, ResLN-N; reconstruction errors of the norm input
+    and output; the output scale) and total_r [T, P] = (Σ_j Σ_h α f)·r_p for the probe check.
+    With total = attention output − b_O: t_ii = u_ii + x_i, off_i = total − u_ii (= Σ_{j≠i} t_ij), P = γ ⊙ C."""
+    d = x.shape[1]
+    fd, eps32 = np.float32(d), np.float32(eps)
+    n_probes = probes.shape[0]
+    zero = np.float32(0.0)
+    for t in range(start, stop):
+        i = rows[t]
+        sum_in = sum_y = sum_t = sum_o = zero
+        err_in = top = tn2 = on2 = un2 = zero
+        for p in range(n_probes):
+            acc = zero
+            for k in range(d):
+                acc += (attn_out[i, k] - b_o[k]) * probes[p, k]
+            total_r[t, p] = acc
+        for k in range(d):
+            total = attn_out[i, k] - b_o[k]
+            y = attn_out[i, k] + x[i, k]  # what the norm input must be
+            tt = u_ii[t, k] + x[i, k]
+            of = total - u_ii[t, k]
+            sum_in += mix_in[i, k]
+            sum_y += y
+            sum_t += tt
+            sum_o += of
+            err_in = max(err_in, abs(y - mix_in[i, k]))
+            top = max(top, abs(mix_in[i, k]))
+            tn2 += tt * tt
+            on2 += of * of
+            un2 += u_ii[t, k] * u_ii[t, k]
+        m_in, m_y, m_t, m_o = (zero, zero, zero, zero) if rms else (sum_in / fd, sum_y / fd, sum_t / fd, sum_o / fd)
+        var = ptn2 = pon2 = zero
+        for k in range(d):
+            c = mix_in[i, k] - m_in
+            var += c * c
+            ct = gamma[k] * (u_ii[t, k] + x[i, k] - m_t)
+            ptn2 += ct * ct
+            co = gamma[k] * (attn_out[i, k] - b_o[k] - u_ii[t, k] - m_o)
+            pon2 += co * co
+        s = np.sqrt(var / fd + eps32)
+        err_out = zero
+        for k in range(d):
+            r = gamma[k] * (attn_out[i, k] + x[i, k] - m_y) / s + beta[k]
+            err_out = max(err_out, abs(r - mix_out[i, k]))
+            top = max(top, abs(r))
+        tn, on, un, ptn, pon = np.sqrt(tn2), np.sqrt(on2), np.sqrt(un2), np.sqrt(ptn2), np.sqrt(pon2)
+        tiny = np.float32(1e-30)
+        stats[t, 0] = s
+        stats[t, 1] = tn
+        stats[t, 2] = ptn
+        stats[t, 3] = on / max(on + un, tiny)
+        stats[t, 4] = on / max(on + tn, tiny)
+        stats[t, 5] = pon / max(pon + ptn, tiny)
+        stats[t, 6] = err_in
+        stats[t, 7] = err_out
+        stats[t, 8] = top
