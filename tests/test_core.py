@@ -31,37 +31,49 @@ def explicit_vectors(tr: mixlens.trace.Trace, layer: int) -> tuple[torch.Tensor,
     return t, g, bias
 
 
+def brute_ratios(t: torch.Tensor, g: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Context-mixing ratios r_i [B, n] of DESIGN §3.4 from explicit vectors (norms of summed vectors)."""
+    eye = torch.eye(t.shape[1])[None, :, :, None]
+    u = t - eye * x[:, :, None]
+
+    def r(vecs: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        other = ((1 - eye) * vecs).sum(2).norm(dim=-1)
+        return other / (other + own.norm(dim=-1))
+
+    w = 1 - alpha.diagonal(dim1=2, dim2=3).mean(1)
+    return {"W": w, "Res-W": w / 2, "N": r(u, (eye * u).sum(2)), "Res-N": r(t, (eye * t).sum(2)),
+            "ResLN-N": r(g, (eye * g).sum(2))}
+
+
 def assert_exact(lens: mixlens.Lens) -> None:
-    """Brute-force vectors rebuild the real LN outputs; the Gram-path norms equal their norms."""
+    """Brute-force vectors rebuild the real LN outputs; the Gram-path norms, ratios, head norms and bias term
+    equal what the explicit vectors give."""
     tr = lens.trace(SENTENCES)
     bn = mixlens.methods.norms.block_norms(tr)
     assert bn.error.max() <= 1e-4
     m = tr.mask
     pair = (m[:, :, None] & m[:, None, :]).float()
     for layer in range(lens.adapter.n_layers):
+        lt = tr.layers[layer]
         t, g, bias = explicit_vectors(tr, layer)
         rebuilt = g.sum(2) + bias  # Σ_j g_i(t_ij) + g_i(b_O) + β
-        assert (rebuilt - tr.layers[layer].mix_out)[m].abs().max() <= 1e-4
-        u = t - torch.eye(t.shape[1])[None, :, :, None] * tr.layers[layer].x[:, :, None]  # drop the residual
+        assert (rebuilt - lt.mix_out)[m].abs().max() <= 1e-4
+        assert torch.allclose(bn.bias[:, layer][m], bias[m], atol=1e-5)
+        u = t - torch.eye(t.shape[1])[None, :, :, None] * lt.x[:, :, None]  # drop the residual
         assert torch.allclose(bn.n[:, layer], u.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
         assert torch.allclose(bn.n_res[:, layer], t.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
         assert torch.allclose(bn.n_resln[:, layer], g.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
+        f_norm = head_vectors(lt, tr.adapter.layers[layer]).norm(dim=-1) * m[:, None]
+        assert torch.allclose(bn.f_norm[:, layer], f_norm, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(tr.cache["alpha_mean"][:, layer], lt.alpha.float().mean(1) * pair, atol=1e-6)
+        for v, want in brute_ratios(t, g, lt.x.float(), lt.alpha.float()).items():
+            assert torch.allclose(bn.ratio[v][:, layer][m], want[m], atol=1e-4), v
 
 
-def test_bundled_reconstruction_and_explicit_norms(bundled):
-    assert_exact(bundled)
-
-
-def test_bundled_matches_hf_hidden_states(bundled):
-    enc = bundled.encode(SENTENCES)
-    tr = bundled.trace(enc)
-    with torch.no_grad():
-        hs = bundled.model(**enc.inputs, output_hidden_states=True).hidden_states
-    for layer, lt in enumerate(tr.layers):
-        assert torch.equal(lt.x, hs[layer]) and torch.equal(lt.out, hs[layer + 1])
-
-
-def test_every_family_reconstructs(family_lens):
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
+def test_every_family_reconstructs(family_lens, compiled, monkeypatch):
+    """Both implementations of the passes (compiled CPU kernels, plain torch for other devices) are exact."""
+    monkeypatch.setattr(mixlens.methods.norms, "COMPILED", compiled)
     assert_exact(family_lens)
 
 

@@ -7,7 +7,7 @@ table entry into concrete modules and weight matrices in the canonical `x @ W` o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -148,6 +148,7 @@ class Layer:
     ln_in: Norm | None
     ln_out: Norm | None
     ffn_gate: nn.Module | None
+    cache: dict = field(default_factory=dict, repr=False, compare=False)  # weight-derived tensors of methods
 
 
 @dataclass

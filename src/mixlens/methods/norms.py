@@ -28,6 +28,7 @@ TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
 PROBES = 4  # random directions of the per-run decomposition check
 CHUNK_ELEMENTS = 1 << 20  # floats per block of sources in the torch quadratic form (bounds memory)
 TOKEN_BLOCK = 128  # tokens per block of head vectors f (the block stays in cache)
+COMPILED = True  # CPU: the numba passes of `_kernels`; False (and other devices): the plain torch passes
 
 
 @dataclass
@@ -119,19 +120,43 @@ def attn_sum(lt: LayerTrace, lay: Layer) -> torch.Tensor:
     return z.transpose(1, 2).flatten(2) @ lay.w_o.float()
 
 
-def _grams(vh: torch.Tensor, lay: Layer, a_ii: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass
+class _Weights:
+    """Weight-derived tensors of one layer's decomposition (cached on the adapter layer per weight version)."""
+
+    w_c: torch.Tensor  # [H, d_h, d]  W_O^h C (W_O^h for RMSNorm)
+    mean_w: torch.Tensor | None  # [H, d_h]  row means of W_O^h (None for RMSNorm)
+    gamma2: torch.Tensor  # [d]  γ²
+    probes: torch.Tensor  # [P, d]  random directions r_p of the check (fixed seed per layer)
+    w_probe: torch.Tensor  # [H, P, d_h]  (W_O^h r_p)ᵀ
+
+
+def _weights(lay: Layer, index: int) -> _Weights:
+    w_o, gamma = lay.w_o, lay.ln_mix.weight
+    key = ("norms", index, w_o.data_ptr(), w_o._version, gamma.data_ptr(), gamma._version)
+    if key not in lay.cache:
+        h, d = lay.n_heads, w_o.shape[-1]
+        w = w_o.detach().float().reshape(h, lay.d_head, d)
+        mean_w = None if lay.ln_mix.rms else w.mean(-1)
+        gen = torch.Generator().manual_seed(index)
+        probes = (torch.randn(PROBES, d, generator=gen) / d**0.5).to(w.device)
+        lay.cache.clear()  # stale versions
+        lay.cache[key] = _Weights(
+            w_c=w if mean_w is None else w - mean_w[..., None], mean_w=mean_w,
+            gamma2=gamma.detach().float().pow(2), probes=probes,
+            w_probe=(probes @ w.reshape(h * lay.d_head, d).T).view(PROBES, h, lay.d_head).transpose(0, 1).contiguous())
+    return lay.cache[key]
+
+
+def _grams(vh: torch.Tensor, wt: _Weights, a_ii: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the value vectors vh [H, T, d_h] of the T real tokens: the Gram matrices of f and of P f = γ ⊙ C f
     as grams [2, H, H, T], ‖f^h‖ [T, H] and u_ii = Σ_h α^h_ii f^h(x_i) [T, d] (a_ii [H, T]).
 
     C is folded into the weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) is added back as a rank-one term),
     so P f·P f' = (γ² ⊙ C f)·C f'. Tokens go in blocks of TOKEN_BLOCK so that C f stays in cache."""
-    norm = lay.ln_mix
     h, t_len, _ = vh.shape
-    w = lay.w_o.float().reshape(h, lay.d_head, -1)  # [H, d_h, d]
-    d = w.shape[-1]
-    mean_w = None if norm.rms else w.mean(-1)  # [H, d_h]
-    wc = w if mean_w is None else w - mean_w[..., None]
-    g2 = norm.weight.float().pow(2)
+    wc, mean_w, g2 = wt.w_c, wt.mean_w, wt.gamma2
+    d = wc.shape[-1]
     raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
     u_ii = vh.new_empty(t_len, d)
     buf = vh.new_empty(2 * h, min(TOKEN_BLOCK, t_len), d)
@@ -158,15 +183,15 @@ def _layer(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, causal: bool,
     alpha = lt.alpha.float()
     vh = tok.gather(_repeat_kv(lt.value, h).float().transpose(1, 2)).transpose(0, 1)  # [H, T, d_h]
     a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(1, 2)).T  # [H, T]
-    grams, f_norm, u_ii = _grams(vh, lay, a_ii)
+    wt = _weights(lay, index)
+    grams, f_norm, u_ii = _grams(vh, wt, a_ii)
     d = lt.x.shape[-1]
     b_o = lay.b_o.float() if lay.b_o is not None else lt.x.new_zeros(d, dtype=torch.float32)
-    probes = _probes(d, index, lt.x.device)  # [P, d]
+    probes = wt.probes
     st, total_r = _token_pass(lt, tok, u_ii, b_o, norm, probes)  # {stat: [T]}, [T, P]
     s = st["s"]
 
-    w_p = (probes @ lay.w_o.float().T).view(PROBES, h, lay.d_head).transpose(0, 1)  # (W_O^h r_p)ᵀ: [H, P, d_h]
-    probe_f = torch.matmul(w_p, vh.transpose(1, 2))  # [H, P, T]  f^h(x_j)·r_p
+    probe_f = torch.matmul(wt.w_probe, vh.transpose(1, 2))  # [H, P, T]  f^h(x_j)·r_p
     probed = _attention_pass(alpha, grams, probe_f, tok, tok.scatter(1 / s).contiguous(), causal, index, outs)
     outs["n_res"][:, index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(st["t_norm"]))
     outs["n_resln"][:, index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(st["pt_norm"] / s))
@@ -187,17 +212,11 @@ def _layer(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, causal: bool,
             **{f"ratio:{k}": v for k, v in ratio.items()}}
 
 
-def _probes(d: int, index: int, device: torch.device) -> torch.Tensor:
-    """PROBES random unit-scale directions r_p [P, d] of layer `index`'s check (fixed seed per layer)."""
-    gen = torch.Generator().manual_seed(index)
-    return (torch.randn(PROBES, d, generator=gen) / d**0.5).to(device)
-
-
 def _token_pass(lt: LayerTrace, tok: _Tokens, u_ii: torch.Tensor, b_o: torch.Tensor, norm: Norm,
                 probes: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-token statistics of one layer (see `token_pass`): ({name: [T]}, total·r_p [T, P])."""
     gamma, beta = norm.weight.float(), norm.shift().float()
-    if u_ii.device.type == "cpu":
+    if COMPILED and u_ii.device.type == "cpu":
         t_len = u_ii.shape[0]
         stats, total_r = torch.empty(t_len, len(TOKEN_STATS)), torch.empty(t_len, PROBES)
         flat = [t.float().flatten(0, 1).contiguous() for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)]
@@ -225,7 +244,7 @@ def _attention_pass(alpha: torch.Tensor, grams: torch.Tensor, probe_f: torch.Ten
     """The per-(target, source) part: fills n, n_res, n_resln and the head-mean α of layer `index` in `outs`;
     returns the probe sums Σ_h Σ_j α^h_ij f^h(x_j)·r_p of the real targets [T, P]."""
     b, h, n, _ = alpha.shape
-    if alpha.device.type == "cpu":
+    if COMPILED and alpha.device.type == "cpu":
         probed = torch.zeros(b, n, probe_f.shape[1])
         iu = torch.triu_indices(h, h)
         packed = grams[:, iu[0], iu[1]] * torch.where(iu[0] == iu[1], 1.0, 2.0)[:, None]  # [2, H(H+1)/2, T]
