@@ -2,7 +2,8 @@
 
 Ratio = time(traced forward + attention, norm, norm_res, norm_resln + mixing ratios, all layers) /
 time(plain forward with output_attentions=True), medians of interleaved repeats in one run; the
-"decomposition alone" ratio leaves out the traced forward pass.
+"decomposition alone" ratio leaves out the traced forward pass. The traced forward is the one `analyze`
+runs for these methods: it stops after the last attention block (they never use the last FFN or the head).
 Peak RSS of the 512-token cases is measured in fresh subprocesses.
 
     python benchmarks/bench_core.py [--repeats 7]
@@ -46,8 +47,11 @@ def long_text(lens: mixlens.Lens, n_tokens: int) -> str:
     return lens.tokenizer.decode(ids)
 
 
+FULL = any(get(m).needs_output for m in DEFAULT_METHODS)  # False: the trace stops after the last attention block
+
+
 def analysis(lens: mixlens.Lens, enc) -> None:
-    decompose(lens.trace(enc))
+    decompose(lens.trace(enc, full=FULL))
 
 
 def decompose(tr) -> None:
@@ -69,7 +73,7 @@ def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float
             t0 = time.perf_counter()
             lens.model(**enc.inputs, output_attentions=True)
             t1 = time.perf_counter()
-            tr = lens.trace(enc)
+            tr = lens.trace(enc, full=FULL)
             t2 = time.perf_counter()
             decompose(tr)
             t3 = time.perf_counter()

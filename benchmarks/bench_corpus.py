@@ -51,7 +51,7 @@ def engine_only(lens: mixlens.Lens, texts: list[str], batch_size: int, max_token
     t0 = time.perf_counter()
     with torch.no_grad():
         for enc in planned_batches(lens, texts, batch_size, max_tokens, shard_size):
-            tr = lens.trace(enc)
+            tr = lens.trace(enc, full=False)  # as the runner: the norm family never needs the last FFN
             block_norms(tr)
             for m in METHODS:
                 get(m)(tr)

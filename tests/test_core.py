@@ -77,6 +77,18 @@ def test_every_family_reconstructs(family_lens, compiled, monkeypatch):
     assert_exact(family_lens)
 
 
+def test_partial_trace_stops_after_last_attention_block(family_lens):
+    """full=False skips the last FFN and the head, and changes nothing the attention-block methods use."""
+    enc = family_lens.encode(SENTENCES)
+    full, part = family_lens.trace(enc), family_lens.trace(enc, full=False)
+    assert part.logits is None and part.layers[-1].out is None and full.layers[-1].out is not None
+    for a, b in zip(full.layers, part.layers, strict=True):
+        for key in ("x", "alpha", "value", "attn_out", "mix_in", "mix_out"):
+            assert torch.equal(getattr(a, key), getattr(b, key)), key
+    for name in METHODS:
+        assert torch.equal(mixlens.methods.get(name)(full), mixlens.methods.get(name)(part)), name
+
+
 def test_causal_families_attend_backwards(tokenizer):
     for fam in ("gpt2", "llama"):
         res = random_lens(fam, tokenizer).analyze(SENTENCES[:1], ["norm_resln"])

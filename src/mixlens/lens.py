@@ -164,11 +164,13 @@ class Lens:
 
     @torch.no_grad()
     def trace(self, enc: Encoded | Sequence[Text], edits: dict[str, Edit] | None = None,
-              ffn: bool = False) -> Trace:
-        """One forward pass with capture hooks (and optional attention edits)."""
+              ffn: bool = False, full: bool = True) -> Trace:
+        """One forward pass with capture hooks (and optional attention edits); `full=False` stops after the last
+        attention block (see `run_traced`)."""
         if not isinstance(enc, Encoded):
             enc = self.encode(enc)
-        return run_traced(self.adapter, self.model, enc.inputs, edits=edits, ffn=ffn, tokenizer=self.tokenizer)
+        return run_traced(self.adapter, self.model, enc.inputs, edits=edits, ffn=ffn, tokenizer=self.tokenizer,
+                          full=full)
 
     def analyze(
         self,
@@ -200,7 +202,7 @@ class Lens:
                 if n:
                     print(f"warning: input {start + k + 1} truncated from {n} to {len(enc.tokens[k])} tokens",
                           file=sys.stderr)
-            tr = self.trace(enc, ffn=any(s.needs_ffn for s in specs))
+            tr = self.trace(enc, ffn=any(s.needs_ffn for s in specs), full=any(s.needs_output for s in specs))
             with torch.no_grad():
                 bn = block_norms(tr)  # also the per-run exactness check
                 for s in specs:

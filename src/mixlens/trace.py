@@ -37,7 +37,7 @@ class LayerTrace:
     attn_out: torch.Tensor  # [B, n, d] real attention output (output projection, b_O included)
     mix_in: torch.Tensor  # [B, n, d] real input of ln_mix: x + attention output
     mix_out: torch.Tensor  # [B, n, d] real output of ln_mix
-    out: torch.Tensor  # [B, n, d] layer output
+    out: torch.Tensor | None  # [B, n, d] layer output (None for the last layer of a partial trace)
     ffn_pre: torch.Tensor | None = None  # [B, n, d_ff] FFN pre-activation (ffn_in output)
     ffn_act: torch.Tensor | None = None  # [B, n, d_ff] FFN activation (ffn_out input)
     ln_out_in: torch.Tensor | None = None  # [B, n, d] post-LN: input of LN2
@@ -52,7 +52,7 @@ class Trace:
     model: nn.Module
     inputs: dict[str, torch.Tensor]  # what the model was called with (input_ids, attention_mask, ...)
     layers: list[LayerTrace]
-    logits: torch.Tensor | None  # model head output when the model has one
+    logits: torch.Tensor | None  # model head output when the model has one (None for a partial trace)
     tokenizer: object | None = None  # for special-token roles (e.g. the [MASK] position of saliency)
     cache: dict[str, object] = field(default_factory=dict)  # shared intermediate results of methods
 
@@ -123,9 +123,16 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+class _Stop(Exception):
+    """Raised by the hook that ends a partial forward pass after the last layer's ln_mix."""
+
+
 @contextmanager
-def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = False) -> Iterator[dict]:
-    """Install capture hooks (and attention edits) for one forward call; yields the raw record."""
+def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = False,
+           stop: bool = False) -> Iterator[dict]:
+    """Install capture hooks (and attention edits) for one forward call; yields the raw record. With `stop`,
+    the forward pass ends (raising `_Stop`) once the last layer's ln_mix has run."""
+
     rec: dict[str, list[torch.Tensor]] = defaultdict(list)
     handles = []
     seen: set[tuple[int, str]] = set()
@@ -159,6 +166,12 @@ def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = F
             add(lay.ffn_out, "ffn_act", "in")
             add(lay.ln_out.module if lay.ln_out else None, "ln_out_in", "in")
             add(lay.ffn_gate, "ffn_gate", "out")
+    if stop:
+        def halt(m: nn.Module, a: tuple, o: torch.Tensor) -> None:
+            if len(rec["mix_out"]) == adapter.n_layers:  # ALBERT's shared norm fires once per layer
+                raise _Stop
+
+        handles.append(adapter.layers[-1].ln_mix.module.register_forward_hook(halt))
     session = _Session(edits or {})
     token = _SESSION.set(session)
     try:
@@ -168,7 +181,7 @@ def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = F
         _SESSION.reset(token)
         for h in handles:
             h.remove()
-    rec["alpha"], rec["value"] = session.alpha, session.value
+        rec["alpha"], rec["value"] = session.alpha, session.value
 
 
 def run_traced(
@@ -178,10 +191,17 @@ def run_traced(
     edits: dict[str, Edit] | None = None,
     ffn: bool = False,
     tokenizer: object | None = None,
+    full: bool = True,
 ) -> Trace:
-    """One forward pass with capture hooks → Trace (call under torch.no_grad() for analysis)."""
-    with hooked(adapter, edits, ffn) as rec:
-        output = model(**inputs)
+    """One forward pass with capture hooks → Trace (call under torch.no_grad() for analysis). `full=False`
+    stops after the last layer's ln_mix: everything the attention-block methods use, without the last FFN and
+    the model head (the last layer's `out` and the logits are then None)."""
+    output = None
+    try:
+        with hooked(adapter, edits, ffn and full, stop=not full) as rec:
+            output = model(**inputs)
+    except _Stop:
+        rec["out"].append(None)
     n = adapter.n_layers
     for key in ("x", "out", "attn_out", "mix_in", "mix_out", "alpha", "value"):
         if len(rec[key]) != n:

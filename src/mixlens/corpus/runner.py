@@ -133,7 +133,7 @@ def compute_shard(lens, job: Job, shard_id: int, examples: list[Example],
 
     for batch in plan_batches(lengths, job.batch_size, job.max_tokens):
         enc = lens.encode([examples[k].text for k in batch], job.max_length, truncate=True)
-        tr = lens.trace(enc, ffn=any(s.needs_ffn for s in specs))
+        tr = lens.trace(enc, ffn=any(s.needs_ffn for s in specs), full=any(s.needs_output for s in specs))
         mask = tr.mask
         n_tok = mask.sum(1)
         n_tokens[batch] = n_tok.cpu().numpy()

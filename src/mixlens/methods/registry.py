@@ -31,6 +31,12 @@ class Method:
     extra_passes: bool  # runs the model again (value zeroing, gradients, ablations)
     summary: str
 
+    @property
+    def needs_output(self) -> bool:
+        """Needs the whole forward pass (last FFN, logits); otherwise a trace may stop after the last attention
+        block."""
+        return self.needs_ffn or self.extra_passes
+
     def options(self) -> dict[str, object]:
         """Keyword options the function takes besides `trace` and `heads`, with their defaults."""
         sig = inspect.signature(self.fn)
