@@ -89,6 +89,21 @@ def test_partial_trace_stops_after_last_attention_block(family_lens):
         assert torch.equal(mixlens.methods.get(name)(full), mixlens.methods.get(name)(part)), name
 
 
+def test_left_padding_tokenizer_is_padded_right(tokenizer, monkeypatch):
+    """Decoder tokenizers often pad left; batches are padded right anyway and the norm engine refuses
+    anything else with a clear error."""
+    lens = random_lens("llama", tokenizer)
+    monkeypatch.setattr(lens.tokenizer, "padding_side", "left")
+    enc = lens.encode(SENTENCES)
+    m = enc.inputs["attention_mask"]
+    assert bool(m[:, 0].all()) and int(m.sum()) < m.numel()
+    assert mixlens.methods.norms.block_norms(lens.trace(enc)).error.max() <= 1e-4
+    tr = lens.trace(enc)
+    tr.inputs = {**tr.inputs, "attention_mask": m.flip(-1)}
+    with pytest.raises(mixlens.errors.MixlensError, match="right-padded"):
+        mixlens.methods.norms.block_norms(tr)
+
+
 def test_causal_families_attend_backwards(tokenizer):
     for fam in ("gpt2", "llama"):
         res = random_lens(fam, tokenizer).analyze(SENTENCES[:1], ["norm_resln"])

@@ -152,7 +152,7 @@ class Lens:
             b, n = too_long[0]
             raise MixlensError(f"input {b + 1} has {n} tokens, more than the limit of {limit} "
                                "(allow truncation or raise --max-length)")
-        enc = self.tokenizer(firsts, pairs, truncation=True, max_length=limit, padding=True,
+        enc = self.tokenizer(firsts, pairs, truncation=True, max_length=limit, padding=True, padding_side="right",
                              return_tensors="pt")
         ids = enc["input_ids"]
         mask = enc["attention_mask"].bool()

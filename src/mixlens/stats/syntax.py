@@ -149,7 +149,7 @@ def syntax_heads(
     for start in range(0, len(sentences), max(1, batch_size)):
         batch = sentences[start : start + batch_size]
         enc = tok([s.words for s in batch], is_split_into_words=True, truncation=True, max_length=limit,
-                  padding=True, return_tensors="pt")
+                  padding=True, padding_side="right", return_tensors="pt")
         mask = enc["attention_mask"].bool()
         inputs = {k: v.to(lens.device) for k, v in enc.items() if k in ("input_ids", "attention_mask",
                                                                        "token_type_ids")}
