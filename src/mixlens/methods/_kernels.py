@@ -14,15 +14,14 @@ from numba import njit
 
 @njit(nogil=True, cache=True, fastmath=True)
 def attention_pass(alpha, grams, probe_f, offsets, lengths, inv_s, causal, layer, n_out, nres_out, resln_out,
-                   mean_out, probe_out, start, stop):  # pragma: no cover - compiled
+                   mean_out, probe_out):  # pragma: no cover - compiled
     """alpha [B, H, n, n]; grams [2, H(H+1)/2, T]: the upper triangles (h ≤ h', row-major) of the Gram matrices
     with off-diagonal entries doubled, per real token t = offsets[b] + j;
     probe_f [H, P, T]; offsets, lengths [B]; inv_s [B, n] (1/s_i); outputs [B, L, n, n] at `layer`
-    (norms, already square-rooted; N-ResLN divided by s_i), probe_out [B, n, P]. Handles the flattened (batch,
-target) rows start..stop-1 (threads split the rows); padded cells are not written."""
+    (norms, already square-rooted; N-ResLN divided by s_i), probe_out [B, n, P]. Padded cells are not written."""
     heads, n = alpha.shape[1], alpha.shape[2]
     probes = probe_f.shape[1]
-    for r in range(start, stop):
+    for r in range(alpha.shape[0] * n):
         b = r // n
         i = r % n
         m = lengths[b]
@@ -66,19 +65,18 @@ TOKEN_STATS = ("s", "t_norm", "pt_norm", "N", "Res-N", "ResLN-N", "err_in", "err
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def token_pass(rows, x, attn_out, mix_in, mix_out, u_ii, b_o, gamma, beta, probes, eps, rms, stats, total_r,
-               start, stop):  # pragma: no cover - compiled
-    """Per real token t (start..stop-1; row rows[t] of the flattened [B·n, d] inputs), every input read once:
-    x (layer input), the real attention output (b_O included), the real norm input and output; u_ii [T, d] =
-    Σ_h α^h_ii f^h(x_i). Writes stats [T, 9] in
-    TOKEN_STATS order (s_i; ‖t_ii‖, ‖P t_ii‖; ratios N, Res-N, ResLN-N; reconstruction errors of the norm input
-    and output; the output scale) and total_r [T, P] = (Σ_j Σ_h α f)·r_p for the probe check.
-    With total = attention output − b_O: t_ii = u_ii + x_i, off_i = total − u_ii (= Σ_{j≠i} t_ij), P = γ ⊙ C."""
+def token_pass(rows, x, attn_out, mix_in, mix_out, u_ii, b_o, gamma, beta, probes, eps, rms, stats,
+               total_r):  # pragma: no cover - compiled
+    """Per real token t (row rows[t] of the flattened [B·n, d] inputs), every input read once: x (layer input),
+    the real attention output (b_O included), the real norm input and output; u_ii [T, d] = Σ_h α^h_ii f^h(x_i).
+    Writes stats [T, 9] in TOKEN_STATS order (s_i; ‖t_ii‖, ‖P t_ii‖; ratios N, Res-N, ResLN-N; reconstruction
+    errors of the norm input and output; the output scale) and total_r [T, P] = (Σ_j Σ_h α f)·r_p for the probe
+    check. With total = attention output − b_O: t_ii = u_ii + x_i, off_i = total − u_ii (= Σ_{j≠i} t_ij), P = γ ⊙ C."""
     d = x.shape[1]
     fd, eps32 = np.float32(d), np.float32(eps)
     n_probes = probes.shape[0]
     zero = np.float32(0.0)
-    for t in range(start, stop):
+    for t in range(rows.shape[0]):
         i = rows[t]
         sum_in = sum_y = sum_t = sum_o = zero
         err_in = top = tn2 = on2 = un2 = zero

@@ -221,7 +221,7 @@ def _token_pass(lt: LayerTrace, tok: _Tokens, u_ii: torch.Tensor, b_o: torch.Ten
         stats, total_r = torch.empty(t_len, len(TOKEN_STATS)), torch.empty(t_len, PROBES)
         flat = [t.float().flatten(0, 1).contiguous() for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)]
         arrays = [a.contiguous().numpy() for a in (tok.rows, *flat, u_ii, b_o, gamma, beta, probes)]
-        token_pass(*arrays, norm.eps, norm.rms, stats.numpy(), total_r.numpy(), 0, t_len)
+        token_pass(*arrays, norm.eps, norm.rms, stats.numpy(), total_r.numpy())
         return dict(zip(TOKEN_STATS, stats.unbind(1), strict=True)), total_r
     x, attn_out, mix_in, mix_out = (tok.gather(t.float()) for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out))
     total = attn_out - b_o
@@ -251,7 +251,7 @@ def _attention_pass(alpha: torch.Tensor, grams: torch.Tensor, probe_f: torch.Ten
         arrays = [alpha.contiguous(), packed, probe_f]
         args = (*(a.numpy() for a in arrays), tok.offsets.numpy(), tok.lengths.numpy(), inv_s.contiguous().numpy(),
                 causal, index, *(outs[k].numpy() for k in ("n", "n_res", "n_resln", "alpha_mean")), probed.numpy())
-        attention_pass(*args, 0, b * n)
+        attention_pass(*args)
         return tok.gather(probed)
     pair = (tok.mask[:, :, None] & tok.mask[:, None, :]).float()
     full = grams.new_zeros(2, b, h, h, n)
