@@ -19,7 +19,7 @@ import torch
 
 from mixlens.adapters import Layer, Norm
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.methods._kernels import TOKEN_STATS, attention_pass, token_pass
+from mixlens.methods._kernels import TOKEN_STATS, attention_pass, gram_pass, parallel, row_splits, token_pass
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, _repeat_kv
 
@@ -148,17 +148,33 @@ def _weights(lay: Layer, index: int) -> _Weights:
     return lay.cache[key]
 
 
+def _compiled(t: torch.Tensor) -> bool:
+    return COMPILED and t.device.type == "cpu"
+
+
 def _grams(vh: torch.Tensor, wt: _Weights, a_ii: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the value vectors vh [H, T, d_h] of the T real tokens: the Gram matrices of f and of P f = γ ⊙ C f
-    as grams [2, H, H, T], ‖f^h‖ [T, H] and u_ii = Σ_h α^h_ii f^h(x_i) [T, d] (a_ii [H, T]).
+    """From the value vectors vh [H, T, d_h] of the T real tokens: the Gram matrices of f and of P f = γ ⊙ C f,
+    ‖f^h‖ [T, H] and u_ii = Σ_h α^h_ii f^h(x_i) [T, d] (a_ii [H, T]). The grams are packed upper triangles
+    [2, H(H+1)/2, T] on the compiled path (see `gram_pass`) and full [2, H, H, T] on the torch path.
 
     C is folded into the weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) is added back as a rank-one term),
     so P f·P f' = (γ² ⊙ C f)·C f'. Tokens go in blocks of TOKEN_BLOCK so that C f stays in cache."""
     h, t_len, _ = vh.shape
     wc, mean_w, g2 = wt.w_c, wt.mean_w, wt.gamma2
     d = wc.shape[-1]
-    raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
     u_ii = vh.new_empty(t_len, d)
+    if _compiled(vh):
+        grams = vh.new_empty(2, h * (h + 1) // 2, t_len)
+        f_norm = vh.new_empty(t_len, h)
+        cf = vh.new_empty(h, min(TOKEN_BLOCK, t_len), d)
+        arrays = [t.contiguous().numpy() for t in (vh, wc.new_empty(0, vh.shape[2]) if mean_w is None else mean_w,
+                                                    g2, a_ii)]
+        for s in range(0, t_len, TOKEN_BLOCK):
+            e = min(s + TOKEN_BLOCK, t_len)
+            torch.matmul(vh[:, s:e], wc, out=cf[:, : e - s])  # [H, c, d]
+            gram_pass(cf[:, : e - s].numpy(), *arrays, s, grams.numpy(), f_norm.numpy(), u_ii.numpy())
+        return grams, f_norm, u_ii
+    raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
     buf = vh.new_empty(2 * h, min(TOKEN_BLOCK, t_len), d)
     for s in range(0, t_len, TOKEN_BLOCK):
         e = min(s + TOKEN_BLOCK, t_len)
@@ -176,27 +192,44 @@ def _grams(vh: torch.Tensor, wt: _Weights, a_ii: torch.Tensor) -> tuple[torch.Te
     return grams, f_norm, u_ii
 
 
-def _layer(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, causal: bool,
-           outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One layer: writes the [B, n, n] maps of layer `index` into `outs`, returns per-token quantities."""
+@dataclass
+class _Pending:
+    """One layer after its per-token passes, waiting for its attention pass."""
+
+    index: int
+    alpha: torch.Tensor  # [B, H, n, n]
+    grams: torch.Tensor  # see `_grams`
+    probe_f: torch.Tensor  # [H, P, T]  f^h(x_j)·r_p
+    inv_s: torch.Tensor  # [B, n]  1/s_i (0 at padding)
+    a_ii: torch.Tensor  # [H, T]
+    f_norm: torch.Tensor  # [T, H]
+    st: dict[str, torch.Tensor]  # TOKEN_STATS → [T]
+    total_r: torch.Tensor  # [T, P]  (attention output − b_O)·r_p
+    bias_terms: torch.Tensor  # [2, d]  P(b_O), β
+    probed: torch.Tensor | None = None  # [T, P]  Σ_h Σ_j α^h_ij f^h(x_j)·r_p, set by the attention pass
+
+
+def _token_part(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int) -> _Pending:
+    """Everything of one layer that is per token: Gram matrices, u_ii, s_i, the diagonal norms and the ratios."""
     norm, h = lay.ln_mix, lay.n_heads
     alpha = lt.alpha.float()
     vh = tok.gather(_repeat_kv(lt.value, h).float().transpose(1, 2)).transpose(0, 1)  # [H, T, d_h]
     a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(1, 2)).T  # [H, T]
     wt = _weights(lay, index)
     grams, f_norm, u_ii = _grams(vh, wt, a_ii)
-    d = lt.x.shape[-1]
-    b_o = lay.b_o.float() if lay.b_o is not None else lt.x.new_zeros(d, dtype=torch.float32)
-    probes = wt.probes
-    st, total_r = _token_pass(lt, tok, u_ii, b_o, norm, probes)  # {stat: [T]}, [T, P]
-    s = st["s"]
+    b_o = lay.b_o.float() if lay.b_o is not None else lt.x.new_zeros(lt.x.shape[-1], dtype=torch.float32)
+    st, total_r = _token_pass(lt, tok, u_ii, b_o, norm, wt.probes)  # {stat: [T]}, [T, P]
+    return _Pending(index=index, alpha=alpha, grams=grams, probe_f=torch.matmul(wt.w_probe, vh.transpose(1, 2)),
+                    inv_s=tok.scatter(1 / st["s"]).contiguous(), a_ii=a_ii, f_norm=f_norm, st=st, total_r=total_r,
+                    bias_terms=torch.stack([norm.project(b_o), norm.shift().float()]))
 
-    probe_f = torch.matmul(wt.w_probe, vh.transpose(1, 2))  # [H, P, T]  f^h(x_j)·r_p
-    probed = _attention_pass(alpha, grams, probe_f, tok, tok.scatter(1 / s).contiguous(), causal, index, outs)
+
+def _finish(pl: _Pending, tok: _Tokens, outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Diagonals of N-Res and N-ResLN, the reconstruction check (raises naming the layer) and the ratios."""
+    st, s, index = pl.st, pl.st["s"], pl.index
     outs["n_res"][:, index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(st["t_norm"]))
     outs["n_resln"][:, index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(st["pt_norm"] / s))
-
-    errors = torch.stack([(probed - total_r).abs().amax(-1), st["err_in"], st["err_out"]]).amax(0)  # [T]
+    errors = torch.stack([(pl.probed - pl.total_r).abs().amax(-1), st["err_in"], st["err_out"]]).amax(0)  # [T]
     error = tok.scatter(errors).amax(-1)  # [B]
     scale = st["scale"].amax().clamp_min(1.0)
     if error.max() > TOLERANCE * scale:
@@ -205,10 +238,9 @@ def _layer(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, causal: bool,
             f"{error.max().item():.3g} (tolerance {TOLERANCE * scale.item():.3g}); the adapter for this "
             "architecture does not match the model"
         )
-    w_mix = 1 - a_ii.mean(0)
+    w_mix = 1 - pl.a_ii.mean(0)
     ratio = {"W": w_mix, "N": st["N"], "Res-W": w_mix / 2, "Res-N": st["Res-N"], "ResLN-N": st["ResLN-N"]}
-    bias_terms = torch.stack([norm.project(b_o), norm.shift().float()])  # [2, d]
-    return {"f_norm": f_norm, "scale": s, "bias_terms": bias_terms, "error": error,
+    return {"f_norm": pl.f_norm, "scale": s, "bias_terms": pl.bias_terms, "error": error,
             **{f"ratio:{k}": v for k, v in ratio.items()}}
 
 
@@ -216,7 +248,7 @@ def _token_pass(lt: LayerTrace, tok: _Tokens, u_ii: torch.Tensor, b_o: torch.Ten
                 probes: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-token statistics of one layer (see `token_pass`): ({name: [T]}, total·r_p [T, P])."""
     gamma, beta = norm.weight.float(), norm.shift().float()
-    if COMPILED and u_ii.device.type == "cpu":
+    if _compiled(u_ii):
         t_len = u_ii.shape[0]
         stats, total_r = torch.empty(t_len, len(TOKEN_STATS)), torch.empty(t_len, PROBES)
         flat = [t.float().flatten(0, 1).contiguous() for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)]
@@ -239,32 +271,39 @@ def _token_pass(lt: LayerTrace, tok: _Tokens, u_ii: torch.Tensor, b_o: torch.Ten
     return dict(zip(TOKEN_STATS, vals, strict=True)), total @ probes.T
 
 
-def _attention_pass(alpha: torch.Tensor, grams: torch.Tensor, probe_f: torch.Tensor, tok: _Tokens,
-                    inv_s: torch.Tensor, causal: bool, index: int, outs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The per-(target, source) part: fills n, n_res, n_resln and the head-mean α of layer `index` in `outs`;
-    returns the probe sums Σ_h Σ_j α^h_ij f^h(x_j)·r_p of the real targets [T, P]."""
-    b, h, n, _ = alpha.shape
-    if COMPILED and alpha.device.type == "cpu":
-        probed = torch.zeros(b, n, probe_f.shape[1])
-        iu = torch.triu_indices(h, h)
-        packed = grams[:, iu[0], iu[1]] * torch.where(iu[0] == iu[1], 1.0, 2.0)[:, None]  # [2, H(H+1)/2, T]
-        arrays = [alpha.contiguous(), packed, probe_f]
-        args = (*(a.numpy() for a in arrays), tok.offsets.numpy(), tok.lengths.numpy(), inv_s.contiguous().numpy(),
-                causal, index, *(outs[k].numpy() for k in ("n", "n_res", "n_resln", "alpha_mean")), probed.numpy())
-        attention_pass(*args)
-        return tok.gather(probed)
+def _attention_passes(pending: list[_Pending], tok: _Tokens, causal: bool, outs: dict[str, torch.Tensor]) -> None:
+    """The per-(target, source) part of every layer: fills n, n_res, n_resln and the head-mean α in `outs` and
+    sets each layer's probe sums. Compiled: all layers' row ranges go to the threads of `parallel` at once."""
+    b, h, n, _ = pending[0].alpha.shape
+    if _compiled(pending[0].alpha):
+        lengths = tok.lengths.numpy()
+        splits = row_splits(lengths, n, causal, torch.get_num_threads())
+        calls = []
+        for pl in pending:
+            probed = torch.zeros(b, n, pl.probe_f.shape[1])
+            pl.probed = probed
+            arrays = [a.contiguous().numpy() for a in (pl.alpha, pl.grams, pl.probe_f, tok.offsets, tok.lengths,
+                                                        pl.inv_s)]
+            calls += [(attention_pass, *arrays, causal, pl.index, r0, r1,
+                       *(outs[k].numpy() for k in ("n", "n_res", "n_resln", "alpha_mean")), probed.numpy())
+                      for r0, r1 in splits]
+        parallel(calls)
+        for pl in pending:
+            pl.probed = tok.gather(pl.probed)
+        return
     pair = (tok.mask[:, :, None] & tok.mask[:, None, :]).float()
-    full = grams.new_zeros(2, b, h, h, n)
-    for k in range(b):  # back to the padded layout of the batch
-        o, m = int(tok.offsets[k]), int(tok.lengths[k])
-        full[:, k, :, :, :m] = grams[..., o : o + m]
-    n_n, n_resln = quad_norms(alpha, full) * pair
-    outs["n"][:, index] = n_n
-    outs["n_res"][:, index] = n_n
-    outs["n_resln"][:, index] = n_resln * inv_s[:, :, None]
-    outs["alpha_mean"][:, index] = alpha.mean(1) * pair
-    fp = tok.scatter(probe_f.permute(2, 0, 1)).permute(0, 2, 1, 3)  # [B, H, n, P]
-    return tok.gather(torch.matmul(alpha, fp).sum(1))
+    for pl in pending:
+        full = pl.grams.new_zeros(2, b, h, h, n)
+        for k in range(b):  # back to the padded layout of the batch
+            o, m = int(tok.offsets[k]), int(tok.lengths[k])
+            full[:, k, :, :, :m] = pl.grams[..., o : o + m]
+        n_n, n_resln = quad_norms(pl.alpha, full) * pair
+        outs["n"][:, pl.index] = n_n
+        outs["n_res"][:, pl.index] = n_n
+        outs["n_resln"][:, pl.index] = n_resln * pl.inv_s[:, :, None]
+        outs["alpha_mean"][:, pl.index] = pl.alpha.mean(1) * pair
+        fp = tok.scatter(pl.probe_f.permute(2, 0, 1)).permute(0, 2, 1, 3)  # [B, H, n, P]
+        pl.probed = tok.gather(torch.matmul(pl.alpha, fp).sum(1))
 
 
 @torch.no_grad()
@@ -277,10 +316,12 @@ def block_norms(trace: Trace) -> BlockNorms:
         shape = (b, trace.adapter.n_layers, n, n)
         causal = trace.adapter.family.causal
         # the compiled pass writes every real (target, source) cell; only padding and a causal triangle stay 0
-        alloc = torch.empty if tok.full and not causal and COMPILED and trace.mask.device.type == "cpu" else torch.zeros
+        alloc = torch.empty if tok.full and not causal and _compiled(trace.mask) else torch.zeros
         outs = {k: alloc(shape, device=trace.mask.device) for k in ("n", "n_res", "n_resln", "alpha_mean")}
-        per = [_layer(lt, lay, tok, i, causal, outs) for i, (lt, lay) in
-               enumerate(zip(trace.layers, trace.adapter.layers, strict=True))]
+        pending = [_token_part(lt, lay, tok, i) for i, (lt, lay) in
+                   enumerate(zip(trace.layers, trace.adapter.layers, strict=True))]
+        _attention_passes(pending, tok, causal, outs)
+        per = [_finish(pl, tok, outs) for pl in pending]
 
         def stacked(key: str) -> torch.Tensor:
             return torch.stack([tok.scatter(p[key]) for p in per], dim=1)
