@@ -10,6 +10,7 @@ import transformers as T
 import mixlens
 import mixlens.stats.mixing
 from mixlens.errors import ReconstructionError
+from mixlens.methods._kernels import parallel, row_splits
 from mixlens.methods.norms import head_vectors
 from tests.conftest import SENTENCES, random_lens, random_model
 
@@ -75,7 +76,42 @@ def test_every_family_reconstructs(family_lens, compiled, monkeypatch):
     """Both implementations of the passes (compiled CPU kernels, plain torch for other devices) are exact."""
     monkeypatch.setattr(mixlens.methods.norms, "COMPILED", compiled)
     monkeypatch.setattr(mixlens.methods.norms, "TOKEN_BLOCK", 7)  # several token blocks, the last one partial
+    monkeypatch.setattr(mixlens.methods._kernels, "PAIRS_PER_CALL", 5)  # many row ranges, on several threads
     assert_exact(family_lens)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_splits_partition_the_rows(causal, monkeypatch):
+    """The attention pass's row ranges cover every row once, in order, with about equal work."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(mixlens.methods._kernels, "PAIRS_PER_CALL", 50)
+    lengths = np.array([17, 3, 20, 0])
+    splits = row_splits(lengths, 20, causal)
+    assert splits[0][0] == 0 and splits[-1][1] == 80
+    assert all(a[1] == b[0] for a, b in zip(splits[:-1], splits[1:], strict=True))
+    i = np.arange(20)
+    cost = np.where(i < lengths[:, None], i + 1 if causal else lengths[:, None], 0).ravel()
+    work = [int(cost[a:b].sum()) for a, b in splits]
+    share = cost.sum() / (cost.sum() // 50)
+    assert len(splits) >= cost.sum() // 50 - 1 and max(work) <= share + 20  # one row more than its share at most
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert row_splits(lengths, 20, causal) == [(0, 80)]
+
+
+def test_parallel_runs_every_call_and_raises_their_errors():
+    out = np.zeros(40)
+
+    def fill(k: int) -> None:
+        out[k] = k
+
+    parallel([(fill, k) for k in range(40)])
+    assert out.tolist() == list(range(40))
+
+    def fail(k: int) -> None:
+        raise ValueError(f"call {k}")
+
+    with pytest.raises(ValueError, match="call"):
+        parallel([(fail, k) for k in range(4)])
 
 
 def test_partial_trace_stops_after_last_attention_block(family_lens):

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mixlens.adapters import Layer, Norm
+from mixlens.adapters import Layer
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.methods._kernels import TOKEN_STATS, attention_pass, gram_pass, parallel, row_splits, token_pass
+from mixlens.methods._kernels import attention_pass, parallel, row_splits, token_pass
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, _repeat_kv
 
@@ -27,7 +27,7 @@ RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
 TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
 PROBES = 4  # random directions of the per-run decomposition check
 CHUNK_ELEMENTS = 1 << 20  # floats per block of sources in the torch quadratic form (bounds memory)
-TOKEN_BLOCK = 128  # tokens per block of head vectors f (the block stays in cache)
+TOKEN_BLOCK = 256  # tokens per block of head vectors C f (bounds the buffer)
 COMPILED = True  # CPU: the numba passes of `_kernels`; False (and other devices): the plain torch passes
 
 
@@ -129,22 +129,31 @@ class _Weights:
     gamma2: torch.Tensor  # [d]  γ²
     probes: torch.Tensor  # [P, d]  random directions r_p of the check (fixed seed per layer)
     w_probe: torch.Tensor  # [H, P, d_h]  (W_O^h r_p)ᵀ
+    b_o: torch.Tensor  # [d]  (zeros without an output bias)
+    gamma: torch.Tensor  # [d]
+    beta: torch.Tensor  # [d]  (zeros for RMSNorm)
+    bias_terms: torch.Tensor  # [2, d]  P(b_O), β
 
 
 def _weights(lay: Layer, index: int) -> _Weights:
-    w_o, gamma = lay.w_o, lay.ln_mix.weight
-    key = ("norms", index, w_o.data_ptr(), w_o._version, gamma.data_ptr(), gamma._version)
+    norm, w_o = lay.ln_mix, lay.w_o
+    key = ("norms", index, *(None if t is None else (t.data_ptr(), t._version)
+                             for t in (w_o, norm.weight, norm.bias, lay.b_o)))
     if key not in lay.cache:
         h, d = lay.n_heads, w_o.shape[-1]
         w = w_o.detach().float().reshape(h, lay.d_head, d)
-        mean_w = None if lay.ln_mix.rms else w.mean(-1)
+        mean_w = None if norm.rms else w.mean(-1)
         gen = torch.Generator().manual_seed(index)
         probes = (torch.randn(PROBES, d, generator=gen) / d**0.5).to(w.device)
+        b_o = lay.b_o.detach().float() if lay.b_o is not None else w.new_zeros(d)
+        beta = norm.shift().detach().float()
         lay.cache.clear()  # stale versions
         lay.cache[key] = _Weights(
             w_c=w if mean_w is None else w - mean_w[..., None], mean_w=mean_w,
-            gamma2=gamma.detach().float().pow(2), probes=probes,
-            w_probe=(probes @ w.reshape(h * lay.d_head, d).T).view(PROBES, h, lay.d_head).transpose(0, 1).contiguous())
+            gamma2=norm.weight.detach().float().pow(2), probes=probes,
+            w_probe=(probes @ w.reshape(h * lay.d_head, d).T).view(PROBES, h, lay.d_head).transpose(0, 1).contiguous(),
+            b_o=b_o, gamma=norm.weight.detach().float(), beta=beta,
+            bias_terms=torch.stack([norm.project(b_o).detach(), beta]))
     return lay.cache[key]
 
 
@@ -152,144 +161,116 @@ def _compiled(t: torch.Tensor) -> bool:
     return COMPILED and t.device.type == "cpu"
 
 
-def _grams(vh: torch.Tensor, wt: _Weights, a_ii: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the value vectors vh [H, T, d_h] of the T real tokens: the Gram matrices of f and of P f = γ ⊙ C f,
-    ‖f^h‖ [T, H] and u_ii = Σ_h α^h_ii f^h(x_i) [T, d] (a_ii [H, T]). The grams are packed upper triangles
-    [2, H(H+1)/2, T] on the compiled path (see `gram_pass`) and full [2, H, H, T] on the torch path.
-
-    C is folded into the weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) is added back as a rank-one term),
-    so P f·P f' = (γ² ⊙ C f)·C f'. Tokens go in blocks of TOKEN_BLOCK so that C f stays in cache."""
-    h, t_len, _ = vh.shape
-    wc, mean_w, g2 = wt.w_c, wt.mean_w, wt.gamma2
-    d = wc.shape[-1]
-    u_ii = vh.new_empty(t_len, d)
-    if _compiled(vh):
-        grams = vh.new_empty(2, h * (h + 1) // 2, t_len)
-        f_norm = vh.new_empty(t_len, h)
-        cf = vh.new_empty(h, min(TOKEN_BLOCK, t_len), d)
-        arrays = [t.contiguous().numpy() for t in (vh, wc.new_empty(0, vh.shape[2]) if mean_w is None else mean_w,
-                                                    g2, a_ii)]
-        for s in range(0, t_len, TOKEN_BLOCK):
-            e = min(s + TOKEN_BLOCK, t_len)
-            torch.matmul(vh[:, s:e], wc, out=cf[:, : e - s])  # [H, c, d]
-            gram_pass(cf[:, : e - s].numpy(), *arrays, s, grams.numpy(), f_norm.numpy(), u_ii.numpy())
-        return grams, f_norm, u_ii
-    raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
-    buf = vh.new_empty(2 * h, min(TOKEN_BLOCK, t_len), d)
-    for s in range(0, t_len, TOKEN_BLOCK):
-        e = min(s + TOKEN_BLOCK, t_len)
-        cf, pf = buf[:h, : e - s], buf[h:, : e - s]
-        torch.matmul(vh[:, s:e], wc, out=cf)  # [H, c, d]
-        torch.mul(cf, g2, out=pf)
-        torch.matmul(cf.transpose(0, 1), buf[:, : e - s].permute(1, 2, 0), out=raw[s:e])
-        torch.sum(cf.mul_(a_ii[:, s:e, None]), dim=0, out=u_ii[s:e])  # Σ_h α_ii C f (clobbers cf)
-    grams = raw.view(t_len, h, 2, h).permute(2, 1, 3, 0).contiguous()  # [2, H, H, T]
-    if mean_w is not None:
-        mu = torch.matmul(mean_w[:, None], vh.transpose(1, 2))[:, 0]  # [H, T] mean of f^h over the hidden axis
-        grams[0].add_(mu[:, None] * mu[None, :], alpha=d)
-        u_ii += (a_ii * mu).sum(0)[:, None]
-    f_norm = grams[0].diagonal(dim1=0, dim2=1).clamp_min(0).sqrt()  # [T, H]
-    return grams, f_norm, u_ii
-
-
 @dataclass
 class _Pending:
-    """One layer after its per-token passes, waiting for its attention pass."""
+    """One layer after its token pass, waiting for its attention pass. T = real tokens, P = probes."""
 
     index: int
     alpha: torch.Tensor  # [B, H, n, n]
-    grams: torch.Tensor  # see `_grams`
+    grams: torch.Tensor  # packed upper triangles [2, H(H+1)/2, T] (compiled, see `token_pass`) or [2, H, H, T]
     probe_f: torch.Tensor  # [H, P, T]  f^h(x_j)·r_p
-    inv_s: torch.Tensor  # [B, n]  1/s_i (0 at padding)
-    a_ii: torch.Tensor  # [H, T]
-    f_norm: torch.Tensor  # [T, H]
-    st: dict[str, torch.Tensor]  # TOKEN_STATS → [T]
+    diag: torch.Tensor  # [2, T]  ‖t_ii‖, ‖P t_ii‖/s_i
     total_r: torch.Tensor  # [T, P]  (attention output − b_O)·r_p
-    bias_terms: torch.Tensor  # [2, d]  P(b_O), β
-    probed: torch.Tensor | None = None  # [T, P]  Σ_h Σ_j α^h_ij f^h(x_j)·r_p, set by the attention pass
+    check: torch.Tensor  # [2, T]  reconstruction error of the norm input and output, output scale
+    probe_err: torch.Tensor | None = None  # [T]  error of the probe sums, set by the attention pass
 
 
-def _token_part(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int) -> _Pending:
-    """Everything of one layer that is per token: Gram matrices, u_ii, s_i, the diagonal norms and the ratios."""
-    norm, h = lay.ln_mix, lay.n_heads
+def _token_part(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, outs: dict[str, torch.Tensor]) -> _Pending:
+    """Everything of layer `index` that is per token: Gram matrices, s_i, the diagonal norms and the ratios
+    (written into outs f_norm, ratio and scale); the rest waits in the returned `_Pending`."""
+    h = lay.n_heads
     alpha = lt.alpha.float()
     vh = tok.gather(_repeat_kv(lt.value, h).float().transpose(1, 2)).transpose(0, 1)  # [H, T, d_h]
     a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(1, 2)).T  # [H, T]
     wt = _weights(lay, index)
-    grams, f_norm, u_ii = _grams(vh, wt, a_ii)
-    b_o = lay.b_o.float() if lay.b_o is not None else lt.x.new_zeros(lt.x.shape[-1], dtype=torch.float32)
-    st, total_r = _token_pass(lt, tok, u_ii, b_o, norm, wt.probes)  # {stat: [T]}, [T, P]
-    return _Pending(index=index, alpha=alpha, grams=grams, probe_f=torch.matmul(wt.w_probe, vh.transpose(1, 2)),
-                    inv_s=tok.scatter(1 / st["s"]).contiguous(), a_ii=a_ii, f_norm=f_norm, st=st, total_r=total_r,
-                    bias_terms=torch.stack([norm.project(b_o), norm.shift().float()]))
+    run = _token_compiled if _compiled(vh) else _token_torch
+    return run(lt, lay, tok, index, outs, alpha, vh, a_ii, wt)
 
 
-def _finish(pl: _Pending, tok: _Tokens, outs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Diagonals of N-Res and N-ResLN, the reconstruction check (raises naming the layer) and the ratios."""
-    st, s, index = pl.st, pl.st["s"], pl.index
-    outs["n_res"][:, index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(st["t_norm"]))
-    outs["n_resln"][:, index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(st["pt_norm"] / s))
-    errors = torch.stack([(pl.probed - pl.total_r).abs().amax(-1), st["err_in"], st["err_out"]]).amax(0)  # [T]
-    error = tok.scatter(errors).amax(-1)  # [B]
-    scale = st["scale"].amax().clamp_min(1.0)
-    if error.max() > TOLERANCE * scale:
-        raise ReconstructionError(
-            f"layer {index}: the decomposition differs from the real attention-block output by "
-            f"{error.max().item():.3g} (tolerance {TOLERANCE * scale.item():.3g}); the adapter for this "
-            "architecture does not match the model"
-        )
-    w_mix = 1 - pl.a_ii.mean(0)
-    ratio = {"W": w_mix, "N": st["N"], "Res-W": w_mix / 2, "Res-N": st["Res-N"], "ResLN-N": st["ResLN-N"]}
-    return {"f_norm": pl.f_norm, "scale": s, "bias_terms": pl.bias_terms, "error": error,
-            **{f"ratio:{k}": v for k, v in ratio.items()}}
+def _token_compiled(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, outs: dict[str, torch.Tensor],
+                    alpha: torch.Tensor, vh: torch.Tensor, a_ii: torch.Tensor, wt: _Weights) -> _Pending:
+    """C f = v W_O^h C by torch in blocks of TOKEN_BLOCK tokens, the rest by `token_pass`. The token pass stays on
+    one thread: right after torch's matmul, the other cores are still held by torch's spinning OpenMP workers."""
+    h, t_len, d_h = vh.shape
+    d = wt.w_c.shape[-1]
+    pl = _Pending(index, alpha, grams=vh.new_empty(2, h * (h + 1) // 2, t_len), probe_f=vh.new_empty(h, PROBES, t_len),
+                  diag=vh.new_empty(2, t_len), total_r=vh.new_empty(t_len, PROBES), check=vh.new_empty(2, t_len))
+    flat = [t.float().flatten(0, 1) for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)]  # [B·n, d]
+    mean_w = vh.new_empty(0, d_h) if wt.mean_w is None else wt.mean_w
+    ins = [t.contiguous().numpy() for t in (vh, a_ii, tok.rows, *flat, mean_w, wt.gamma2, wt.w_probe, wt.b_o,
+                                            wt.gamma, wt.beta, wt.probes)]
+    res = [t.numpy() for t in (pl.grams, pl.probe_f, pl.diag, pl.total_r, pl.check, outs["f_norm"], outs["ratio"],
+                               outs["scale"])]
+    norm = lay.ln_mix
+    buf = vh.new_empty(h * min(TOKEN_BLOCK, t_len) * d)
+    for s in range(0, t_len, TOKEN_BLOCK):
+        e = min(s + TOKEN_BLOCK, t_len)
+        cf = buf[: h * (e - s) * d].view(h, e - s, d)  # contiguous also for a partial last block
+        torch.matmul(vh[:, s:e], wt.w_c, out=cf)
+        token_pass(cf.numpy(), s, *ins, norm.eps, norm.rms, index, *res)
+    return pl
 
 
-def _token_pass(lt: LayerTrace, tok: _Tokens, u_ii: torch.Tensor, b_o: torch.Tensor, norm: Norm,
-                probes: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Per-token statistics of one layer (see `token_pass`): ({name: [T]}, total·r_p [T, P])."""
-    gamma, beta = norm.weight.float(), norm.shift().float()
-    if _compiled(u_ii):
-        t_len = u_ii.shape[0]
-        stats, total_r = torch.empty(t_len, len(TOKEN_STATS)), torch.empty(t_len, PROBES)
-        flat = [t.float().flatten(0, 1).contiguous() for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)]
-        arrays = [a.contiguous().numpy() for a in (tok.rows, *flat, u_ii, b_o, gamma, beta, probes)]
-        token_pass(*arrays, norm.eps, norm.rms, stats.numpy(), total_r.numpy())
-        return dict(zip(TOKEN_STATS, stats.unbind(1), strict=True)), total_r
+def _token_torch(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, outs: dict[str, torch.Tensor],
+                 alpha: torch.Tensor, vh: torch.Tensor, a_ii: torch.Tensor, wt: _Weights) -> _Pending:
+    """Plain-torch version of `_token_compiled` (any device), with full Gram matrices [2, H, H, T]. C is folded into
+    the weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) comes back as a rank-one term), so P f·P f' =
+    (γ² ⊙ C f)·C f'."""
+    norm, (h, t_len, _), d = lay.ln_mix, vh.shape, wt.w_c.shape[-1]
+    raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
+    u_ii = vh.new_empty(t_len, d)
+    buf = vh.new_empty(2 * h, min(TOKEN_BLOCK, t_len), d)
+    for s in range(0, t_len, TOKEN_BLOCK):
+        e = min(s + TOKEN_BLOCK, t_len)
+        cf, pf = buf[:h, : e - s], buf[h:, : e - s]
+        torch.matmul(vh[:, s:e], wt.w_c, out=cf)  # [H, c, d]
+        torch.mul(cf, wt.gamma2, out=pf)
+        torch.matmul(cf.transpose(0, 1), buf[:, : e - s].permute(1, 2, 0), out=raw[s:e])
+        torch.sum(cf.mul_(a_ii[:, s:e, None]), dim=0, out=u_ii[s:e])  # Σ_h α_ii C f (clobbers cf)
+    grams = raw.view(t_len, h, 2, h).permute(2, 1, 3, 0).contiguous()  # [2, H, H, T]
+    if wt.mean_w is not None:
+        mu = torch.matmul(wt.mean_w[:, None], vh.transpose(1, 2))[:, 0]  # [H, T] mean of f^h over the hidden axis
+        grams[0].add_(mu[:, None] * mu[None, :], alpha=d)
+        u_ii += (a_ii * mu).sum(0)[:, None]
+    f_norm = grams[0].diagonal(dim1=0, dim2=1).clamp_min(0).sqrt()  # [T, H]
+
     x, attn_out, mix_in, mix_out = (tok.gather(t.float()) for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out))
-    total = attn_out - b_o
+    total = attn_out - wt.b_o
     t_ii, off = u_ii + x, total - u_ii
     s = norm.scale(mix_in)
     y = attn_out + x
-    rebuilt = norm.project(y) / s[:, None] + beta
+    rebuilt = norm.project(y) / s[:, None] + wt.beta
     tn, ptn, on, un, pon = (v.norm(dim=-1) for v in (t_ii, norm.project(t_ii), off, u_ii, norm.project(off)))
 
     def r(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a / (a + b).clamp_min(1e-30)
 
-    vals = [s, tn, ptn, r(on, un), r(on, tn), r(pon, ptn), (y - mix_in).abs().amax(-1),
-            (rebuilt - mix_out).abs().amax(-1), torch.maximum(mix_in.abs().amax(-1), rebuilt.abs().amax(-1))]
-    return dict(zip(TOKEN_STATS, vals, strict=True)), total @ probes.T
+    w_mix = 1 - a_ii.mean(0)
+    ratios = torch.stack([w_mix, r(on, un), w_mix / 2, r(on, tn), r(pon, ptn)], -1)  # [T, 5] in RATIO_VARIANTS order
+    outs["f_norm"][:, index] = tok.scatter(f_norm).transpose(1, 2)
+    outs["ratio"][:, :, index] = tok.scatter(ratios).permute(2, 0, 1)
+    outs["scale"][:, index] = tok.scatter(s)
+    err = torch.maximum((y - mix_in).abs().amax(-1), (rebuilt - mix_out).abs().amax(-1))
+    top = torch.maximum(mix_in.abs().amax(-1), rebuilt.abs().amax(-1))
+    return _Pending(index, alpha, grams=grams, probe_f=torch.matmul(wt.w_probe, vh.transpose(1, 2)),
+                    diag=torch.stack([tn, ptn / s]), total_r=total @ wt.probes.T, check=torch.stack([err, top]))
 
 
 def _attention_passes(pending: list[_Pending], tok: _Tokens, causal: bool, outs: dict[str, torch.Tensor]) -> None:
-    """The per-(target, source) part of every layer: fills n, n_res, n_resln and the head-mean α in `outs` and
-    sets each layer's probe sums. Compiled: all layers' row ranges go to the threads of `parallel` at once."""
+    """The per-(target, source) part of every layer: fills the maps n, n_res, n_resln and alpha_mean in `outs` and
+    sets each layer's probe error. Compiled: all layers' row ranges go to the threads of `parallel` at once."""
     b, h, n, _ = pending[0].alpha.shape
+    maps = [outs[k] for k in ("n", "n_res", "n_resln", "alpha_mean")]
     if _compiled(pending[0].alpha):
-        lengths = tok.lengths.numpy()
-        splits = row_splits(lengths, n, causal, torch.get_num_threads())
+        splits = row_splits(tok.lengths.numpy(), n, causal)
         calls = []
         for pl in pending:
-            probed = torch.zeros(b, n, pl.probe_f.shape[1])
-            pl.probed = probed
+            pl.probe_err = pl.diag.new_empty(pl.diag.shape[1])
             arrays = [a.contiguous().numpy() for a in (pl.alpha, pl.grams, pl.probe_f, tok.offsets, tok.lengths,
-                                                        pl.inv_s)]
-            calls += [(attention_pass, *arrays, causal, pl.index, r0, r1,
-                       *(outs[k].numpy() for k in ("n", "n_res", "n_resln", "alpha_mean")), probed.numpy())
-                      for r0, r1 in splits]
+                                                        outs["scale"], pl.diag, pl.total_r)]
+            calls += [(attention_pass, *arrays, causal, pl.index, r0, r1, *(m.numpy() for m in maps),
+                       pl.probe_err.numpy()) for r0, r1 in splits]
         parallel(calls)
-        for pl in pending:
-            pl.probed = tok.gather(pl.probed)
         return
     pair = (tok.mask[:, :, None] & tok.mask[:, None, :]).float()
     for pl in pending:
@@ -298,12 +279,28 @@ def _attention_passes(pending: list[_Pending], tok: _Tokens, causal: bool, outs:
             o, m = int(tok.offsets[k]), int(tok.lengths[k])
             full[:, k, :, :, :m] = pl.grams[..., o : o + m]
         n_n, n_resln = quad_norms(pl.alpha, full) * pair
-        outs["n"][:, pl.index] = n_n
-        outs["n_res"][:, pl.index] = n_n
-        outs["n_resln"][:, pl.index] = n_resln * pl.inv_s[:, :, None]
-        outs["alpha_mean"][:, pl.index] = pl.alpha.mean(1) * pair
+        inv_s = torch.where(tok.mask, 1 / outs["scale"][:, pl.index], 0)  # [B, n]
+        for m, v in zip(maps, (n_n, n_n, n_resln * inv_s[:, :, None], pl.alpha.mean(1) * pair), strict=True):
+            m[:, pl.index] = v
+        for m, v in zip(maps[1:3], pl.diag, strict=True):
+            m[:, pl.index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(v))
         fp = tok.scatter(pl.probe_f.permute(2, 0, 1)).permute(0, 2, 1, 3)  # [B, H, n, P]
-        pl.probed = tok.gather(torch.matmul(pl.alpha, fp).sum(1))
+        pl.probe_err = (tok.gather(torch.matmul(pl.alpha, fp).sum(1)) - pl.total_r).abs().amax(-1)
+
+
+def _check(pending: list[_Pending], tok: _Tokens) -> torch.Tensor:
+    """Raise `ReconstructionError` naming the first layer whose decomposition misses the real outputs; else the max
+    abs error per input and layer [B, L]."""
+    err = torch.stack([torch.maximum(pl.check[0], pl.probe_err) for pl in pending])  # [L, T]
+    tol = TOLERANCE * torch.stack([pl.check[1] for pl in pending]).amax(1).clamp_min(1.0)  # [L]
+    worst = err.amax(1)
+    for pl, e, t in zip(pending, worst.tolist(), tol.tolist(), strict=True):
+        if e > t:
+            raise ReconstructionError(
+                f"layer {pl.index}: the decomposition differs from the real attention-block output by {e:.3g} "
+                f"(tolerance {t:.3g}); the adapter for this architecture does not match the model"
+            )
+    return tok.scatter(err.T).amax(1)
 
 
 @torch.no_grad()
@@ -313,24 +310,25 @@ def block_norms(trace: Trace) -> BlockNorms:
     if "block_norms" not in trace.cache:
         tok = _Tokens.of(trace.mask)
         b, n = trace.mask.shape
-        shape = (b, trace.adapter.n_layers, n, n)
-        causal = trace.adapter.family.causal
-        # the compiled pass writes every real (target, source) cell; only padding and a causal triangle stay 0
-        alloc = torch.empty if tok.full and not causal and _compiled(trace.mask) else torch.zeros
-        outs = {k: alloc(shape, device=trace.mask.device) for k in ("n", "n_res", "n_resln", "alpha_mean")}
-        pending = [_token_part(lt, lay, tok, i) for i, (lt, lay) in
-                   enumerate(zip(trace.layers, trace.adapter.layers, strict=True))]
+        ad = trace.adapter
+        causal, n_layers, heads = ad.family.causal, ad.n_layers, ad.layers[0].n_heads
+        # the compiled passes write every real cell; only padding and a causal triangle stay 0
+        full = tok.full and _compiled(trace.mask)
+        alloc = torch.empty if full and not causal else torch.zeros
+        outs = {k: alloc(b, n_layers, n, n, device=trace.mask.device) for k in ("n", "n_res", "n_resln", "alpha_mean")}
+        alloc = torch.empty if full else torch.zeros
+        outs |= {"f_norm": alloc(b, n_layers, heads, n, device=trace.mask.device),
+                 "ratio": alloc(len(RATIO_VARIANTS), b, n_layers, n, device=trace.mask.device),
+                 "scale": alloc(b, n_layers, n, device=trace.mask.device)}
+        pending = [_token_part(lt, lay, tok, i, outs) for i, (lt, lay) in
+                   enumerate(zip(trace.layers, ad.layers, strict=True))]
         _attention_passes(pending, tok, causal, outs)
-        per = [_finish(pl, tok, outs) for pl in pending]
-
-        def stacked(key: str) -> torch.Tensor:
-            return torch.stack([tok.scatter(p[key]) for p in per], dim=1)
-
+        error = _check(pending, tok)
         trace.cache["alpha_mean"] = outs["alpha_mean"]
         trace.cache["block_norms"] = BlockNorms(
-            f_norm=stacked("f_norm").permute(0, 1, 3, 2), n=outs["n"], n_res=outs["n_res"], n_resln=outs["n_resln"],
-            ratio={v: stacked(f"ratio:{v}") for v in RATIO_VARIANTS}, error=torch.stack([p["error"] for p in per], 1),
-            scale=stacked("scale"), bias_terms=torch.stack([p["bias_terms"] for p in per]),
+            f_norm=outs["f_norm"], n=outs["n"], n_res=outs["n_res"], n_resln=outs["n_resln"],
+            ratio=dict(zip(RATIO_VARIANTS, outs["ratio"], strict=True)), error=error, scale=outs["scale"],
+            bias_terms=torch.stack([_weights(lay, i).bias_terms for i, lay in enumerate(ad.layers)]),
         )
     return trace.cache["block_norms"]
 
