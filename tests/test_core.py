@@ -76,6 +76,8 @@ def test_every_family_reconstructs(family_lens, compiled, monkeypatch):
     """Both implementations of the passes (compiled CPU kernels, plain torch for other devices) are exact."""
     monkeypatch.setattr(mixlens.methods.norms, "COMPILED", compiled)
     monkeypatch.setattr(mixlens.methods.norms, "TOKEN_BLOCK", 7)  # several token blocks, the last one partial
+    monkeypatch.setattr(mixlens.methods.norms, "CF_BUDGET", 2000)  # several groups of blocks
+    monkeypatch.setattr(mixlens.methods._kernels, "TOKENS_PER_CALL", 3)  # blocks split over threads
     monkeypatch.setattr(mixlens.methods._kernels, "PAIRS_PER_CALL", 5)  # many row ranges, on several threads
     assert_exact(family_lens)
 

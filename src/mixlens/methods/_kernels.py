@@ -19,10 +19,10 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def token_pass(cf, start, vh, a_ii, rows, x, attn_out, mix_in, mix_out, mean_w, gamma2, w_probe, b_o, gamma,
+def token_pass(cf, start, t0, t1, vh, a_ii, rows, x, attn_out, mix_in, mix_out, mean_w, gamma2, w_probe, b_o, gamma,
                beta, probes, eps, rms, layer, grams, probe_f, diag, total_r, check, f_norm_out, ratio_out,
                scale_out):  # pragma: no cover - compiled
-    """Everything per token of one layer, for one block of tokens.
+    """Everything per token of one layer, for tokens start + t0 .. start + t1 - 1 of one block.
 
     Inputs: cf [H, c, d] = C f^h = v^h W_O^h C of the block's tokens start .. start + c - 1; vh [H, T, d_h];
     a_ii [H, T]; rows [T] (row of token t in the flattened [B·n] layout); x (layer input), attn_out (real attention
@@ -47,7 +47,7 @@ def token_pass(cf, start, vh, a_ii, rows, x, attn_out, mix_in, mix_out, mean_w, 
     w = np.empty(d, np.float32)
     u = np.empty(d, np.float32)
     mu = np.zeros(heads, np.float32)
-    for t in range(cf.shape[1]):
+    for t in range(t0, t1):
         tt = start + t
         row = rows[tt]
         b = row // n
@@ -226,6 +226,7 @@ def attention_pass(alpha, grams, probe_f, offsets, lengths, scale, diag, total_r
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # helper threads by count
 os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of the parent's threads
 PAIRS_PER_CALL = 32768  # (target, source) pairs per attention-pass call when a layer is split over threads
+TOKENS_PER_CALL = 32  # tokens per token-pass call when a block is split over threads
 
 
 def parallel(calls: list[tuple]) -> None:
@@ -256,6 +257,12 @@ def parallel(calls: list[tuple]) -> None:
     finally:
         for fut in helpers:
             fut.result()
+
+
+def token_splits(count: int) -> list[tuple[int, int]]:
+    """[0, count) in ranges of TOKENS_PER_CALL (one range when torch runs on one thread)."""
+    step = count if torch.get_num_threads() == 1 else TOKENS_PER_CALL
+    return [(a, min(a + step, count)) for a in range(0, count, step)]
 
 
 def row_splits(lengths: np.ndarray, n: int, causal: bool) -> list[tuple[int, int]]:

@@ -13,13 +13,14 @@ pre-norm vector and norm output of each layer, and raises `ReconstructionError` 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from mixlens.adapters import Layer
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.methods._kernels import attention_pass, parallel, row_splits, token_pass
+from mixlens.methods._kernels import attention_pass, parallel, row_splits, token_pass, token_splits
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, _repeat_kv
 
@@ -27,7 +28,8 @@ RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
 TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
 PROBES = 4  # random directions of the per-run decomposition check
 CHUNK_ELEMENTS = 1 << 20  # floats per block of sources in the torch quadratic form (bounds memory)
-TOKEN_BLOCK = 256  # tokens per block of head vectors C f (bounds the buffer)
+TOKEN_BLOCK = 256  # tokens per block of head vectors C f
+CF_BUDGET = 1 << 24  # floats of head vectors C f held at once (64 MiB), over layers and blocks
 COMPILED = True  # CPU: the numba passes of `_kernels`; False (and other devices): the plain torch passes
 
 
@@ -163,60 +165,96 @@ def _compiled(t: torch.Tensor) -> bool:
 
 @dataclass
 class _Pending:
-    """One layer after its token pass, waiting for its attention pass. T = real tokens, P = probes."""
+    """One layer on its way through the token pass and the attention pass. T = real tokens, P = probes."""
 
     index: int
+    trace: LayerTrace
+    layer: Layer
+    wt: _Weights
     alpha: torch.Tensor  # [B, H, n, n]
-    grams: torch.Tensor  # packed upper triangles [2, H(H+1)/2, T] (compiled, see `token_pass`) or [2, H, H, T]
-    probe_f: torch.Tensor  # [H, P, T]  f^h(x_j)·r_p
-    diag: torch.Tensor  # [2, T]  ‖t_ii‖, ‖P t_ii‖/s_i
-    total_r: torch.Tensor  # [T, P]  (attention output − b_O)·r_p
-    check: torch.Tensor  # [2, T]  reconstruction error of the norm input and output, output scale
+    vh: torch.Tensor  # [H, T, d_h]  value vectors of the real tokens (contiguous)
+    a_ii: torch.Tensor  # [H, T]  α^h_ii
+    grams: torch.Tensor | None = None  # packed upper triangles [2, H(H+1)/2, T] (compiled, see `token_pass`) or
+    # full [2, H, H, T] (torch)
+    probe_f: torch.Tensor | None = None  # [H, P, T]  f^h(x_j)·r_p
+    diag: torch.Tensor | None = None  # [2, T]  ‖t_ii‖, ‖P t_ii‖/s_i
+    total_r: torch.Tensor | None = None  # [T, P]  (attention output − b_O)·r_p
+    check: torch.Tensor | None = None  # [2, T]  reconstruction error of the norm input and output, output scale
     probe_err: torch.Tensor | None = None  # [T]  error of the probe sums, set by the attention pass
 
-
-def _token_part(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, outs: dict[str, torch.Tensor]) -> _Pending:
-    """Everything of layer `index` that is per token: Gram matrices, s_i, the diagonal norms and the ratios
-    (written into outs f_norm, ratio and scale); the rest waits in the returned `_Pending`."""
-    h = lay.n_heads
-    alpha = lt.alpha.float()
-    vh = tok.gather(_repeat_kv(lt.value, h).float().transpose(1, 2)).transpose(0, 1)  # [H, T, d_h]
-    a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(1, 2)).T  # [H, T]
-    wt = _weights(lay, index)
-    run = _token_compiled if _compiled(vh) else _token_torch
-    return run(lt, lay, tok, index, outs, alpha, vh, a_ii, wt)
+    @classmethod
+    def of(cls, lt: LayerTrace, lay: Layer, tok: _Tokens, index: int) -> _Pending:
+        alpha = lt.alpha.float()
+        vh = tok.gather(_repeat_kv(lt.value, lay.n_heads).float().transpose(1, 2)).transpose(0, 1).contiguous()
+        a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(1, 2)).T.contiguous()
+        return cls(index, lt, lay, _weights(lay, index), alpha, vh, a_ii)
 
 
-def _token_compiled(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, outs: dict[str, torch.Tensor],
-                    alpha: torch.Tensor, vh: torch.Tensor, a_ii: torch.Tensor, wt: _Weights) -> _Pending:
-    """C f = v W_O^h C by torch in blocks of TOKEN_BLOCK tokens, the rest by `token_pass`. The token pass stays on
-    one thread: right after torch's matmul, the other cores are still held by torch's spinning OpenMP workers."""
-    h, t_len, d_h = vh.shape
-    d = wt.w_c.shape[-1]
-    pl = _Pending(index, alpha, grams=vh.new_empty(2, h * (h + 1) // 2, t_len), probe_f=vh.new_empty(h, PROBES, t_len),
-                  diag=vh.new_empty(2, t_len), total_r=vh.new_empty(t_len, PROBES), check=vh.new_empty(2, t_len))
-    flat = [t.float().flatten(0, 1) for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)]  # [B·n, d]
-    mean_w = vh.new_empty(0, d_h) if wt.mean_w is None else wt.mean_w
-    ins = [t.contiguous().numpy() for t in (vh, a_ii, tok.rows, *flat, mean_w, wt.gamma2, wt.w_probe, wt.b_o,
-                                            wt.gamma, wt.beta, wt.probes)]
-    res = [t.numpy() for t in (pl.grams, pl.probe_f, pl.diag, pl.total_r, pl.check, outs["f_norm"], outs["ratio"],
-                               outs["scale"])]
-    norm = lay.ln_mix
-    buf = vh.new_empty(h * min(TOKEN_BLOCK, t_len) * d)
-    for s in range(0, t_len, TOKEN_BLOCK):
-        e = min(s + TOKEN_BLOCK, t_len)
-        cf = buf[: h * (e - s) * d].view(h, e - s, d)  # contiguous also for a partial last block
-        torch.matmul(vh[:, s:e], wt.w_c, out=cf)
-        token_pass(cf.numpy(), s, *ins, norm.eps, norm.rms, index, *res)
-    return pl
+_SCRATCH = threading.local()
 
 
-def _token_torch(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, outs: dict[str, torch.Tensor],
-                 alpha: torch.Tensor, vh: torch.Tensor, a_ii: torch.Tensor, wt: _Weights) -> _Pending:
-    """Plain-torch version of `_token_compiled` (any device), with full Gram matrices [2, H, H, T]. C is folded into
-    the weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) comes back as a rank-one term), so P f·P f' =
+def _scratch(size: int, device: torch.device) -> torch.Tensor:
+    """A flat float buffer of at least `size` elements, kept per thread and device: fresh memory costs page faults
+    on every call, about as much as the matmul that fills it."""
+    buf = getattr(_SCRATCH, str(device), None)
+    if buf is None or buf.numel() < size:
+        buf = torch.empty(size, device=device)
+        setattr(_SCRATCH, str(device), buf)
+    return buf
+
+
+def _token_passes(pending: list[_Pending], tok: _Tokens, outs: dict[str, torch.Tensor]) -> None:
+    """Everything per token of every layer: Gram matrices, s_i, the diagonal norms and the ratios (written into
+    outs f_norm, ratio and scale, the rest into each `_Pending`).
+
+    Compiled: C f = v W_O^h C by torch for blocks of TOKEN_BLOCK tokens of many layers first (up to CF_BUDGET
+    floats), then `token_pass` over all those blocks on torch's threads, so that torch's OpenMP workers, which spin
+    for some milliseconds after each torch call, are in the way only once per group."""
+    if not _compiled(pending[0].vh):
+        for pl in pending:
+            _token_torch(pl, tok, outs)
+        return
+    args, jobs = {}, []
+    for pl in pending:
+        h, t_len, d_h = pl.vh.shape
+        pl.grams, pl.probe_f = pl.vh.new_empty(2, h * (h + 1) // 2, t_len), pl.vh.new_empty(h, PROBES, t_len)
+        pl.diag, pl.total_r, pl.check = (pl.vh.new_empty(*shape) for shape in ((2, t_len), (t_len, PROBES), (2, t_len)))
+        wt, norm = pl.wt, pl.layer.ln_mix
+        flat = [t.float().flatten(0, 1) for t in (pl.trace.x, pl.trace.attn_out, pl.trace.mix_in, pl.trace.mix_out)]
+        mean_w = pl.vh.new_empty(0, d_h) if wt.mean_w is None else wt.mean_w
+        ins = [t.contiguous().numpy() for t in (pl.vh, pl.a_ii, tok.rows, *flat, mean_w, wt.gamma2, wt.w_probe,
+                                                wt.b_o, wt.gamma, wt.beta, wt.probes)]
+        res = [t.numpy() for t in (pl.grams, pl.probe_f, pl.diag, pl.total_r, pl.check, outs["f_norm"],
+                                   outs["ratio"], outs["scale"])]
+        args[pl.index] = (*ins, norm.eps, norm.rms, pl.index, *res)
+        jobs += [(pl, s, min(s + TOKEN_BLOCK, t_len)) for s in range(0, t_len, TOKEN_BLOCK)]
+    def floats(job: tuple[_Pending, int, int]) -> int:
+        return job[0].vh.shape[0] * (job[2] - job[1]) * job[0].wt.w_c.shape[-1]
+
+    group: list[tuple[_Pending, int, int]] = []
+    size = 0
+    for job in [*jobs, None]:
+        if group and (job is None or size + floats(job) > CF_BUDGET):
+            cfs, at = [], 0
+            space = _scratch(size, pl.vh.device)
+            for pl, s, e in group:  # [H, c, d] each, contiguous views of one reused buffer
+                cfs.append(torch.matmul(pl.vh[:, s:e], pl.wt.w_c, out=space[at : at + floats((pl, s, e))].view(
+                    pl.vh.shape[0], e - s, -1)))
+                at += floats((pl, s, e))
+            parallel([(token_pass, cf.numpy(), s, a, b, *args[pl.index])
+                      for (pl, s, e), cf in zip(group, cfs, strict=True) for a, b in token_splits(e - s)])
+            group, size = [], 0
+        if job is not None:
+            group.append(job)
+            size += floats(job)
+
+
+def _token_torch(pl: _Pending, tok: _Tokens, outs: dict[str, torch.Tensor]) -> None:
+    """Plain-torch token pass of one layer (any device), with full Gram matrices [2, H, H, T]. C is folded into the
+    weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) comes back as a rank-one term), so P f·P f' =
     (γ² ⊙ C f)·C f'."""
-    norm, (h, t_len, _), d = lay.ln_mix, vh.shape, wt.w_c.shape[-1]
+    lt, wt, vh, a_ii, index = pl.trace, pl.wt, pl.vh, pl.a_ii, pl.index
+    norm, (h, t_len, _), d = pl.layer.ln_mix, vh.shape, wt.w_c.shape[-1]
     raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
     u_ii = vh.new_empty(t_len, d)
     buf = vh.new_empty(2 * h, min(TOKEN_BLOCK, t_len), d)
@@ -252,8 +290,8 @@ def _token_torch(lt: LayerTrace, lay: Layer, tok: _Tokens, index: int, outs: dic
     outs["scale"][:, index] = tok.scatter(s)
     err = torch.maximum((y - mix_in).abs().amax(-1), (rebuilt - mix_out).abs().amax(-1))
     top = torch.maximum(mix_in.abs().amax(-1), rebuilt.abs().amax(-1))
-    return _Pending(index, alpha, grams=grams, probe_f=torch.matmul(wt.w_probe, vh.transpose(1, 2)),
-                    diag=torch.stack([tn, ptn / s]), total_r=total @ wt.probes.T, check=torch.stack([err, top]))
+    pl.grams, pl.probe_f = grams, torch.matmul(wt.w_probe, vh.transpose(1, 2))
+    pl.diag, pl.total_r, pl.check = torch.stack([tn, ptn / s]), total @ wt.probes.T, torch.stack([err, top])
 
 
 def _attention_passes(pending: list[_Pending], tok: _Tokens, causal: bool, outs: dict[str, torch.Tensor]) -> None:
@@ -320,8 +358,9 @@ def block_norms(trace: Trace) -> BlockNorms:
         outs |= {"f_norm": alloc(b, n_layers, heads, n, device=trace.mask.device),
                  "ratio": alloc(len(RATIO_VARIANTS), b, n_layers, n, device=trace.mask.device),
                  "scale": alloc(b, n_layers, n, device=trace.mask.device)}
-        pending = [_token_part(lt, lay, tok, i, outs) for i, (lt, lay) in
+        pending = [_Pending.of(lt, lay, tok, i) for i, (lt, lay) in
                    enumerate(zip(trace.layers, ad.layers, strict=True))]
+        _token_passes(pending, tok, outs)
         _attention_passes(pending, tok, causal, outs)
         error = _check(pending, tok)
         trace.cache["alpha_mean"] = outs["alpha_mean"]
