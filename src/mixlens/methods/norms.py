@@ -228,25 +228,29 @@ def _token_passes(pending: list[_Pending], tok: _Tokens, outs: dict[str, torch.T
                                    outs["ratio"], outs["scale"])]
         args[pl.index] = (*ins, norm.eps, norm.rms, pl.index, *res)
         jobs += [(pl, s, min(s + TOKEN_BLOCK, t_len)) for s in range(0, t_len, TOKEN_BLOCK)]
-    def floats(job: tuple[_Pending, int, int]) -> int:
-        return job[0].vh.shape[0] * (job[2] - job[1]) * job[0].wt.w_c.shape[-1]
+    for group in _groups(jobs):
+        sizes = [pl.vh.shape[0] * (e - s) * pl.wt.w_c.shape[-1] for pl, s, e in group]
+        space, at, cfs = _scratch(sum(sizes), tok.rows.device), 0, []
+        for (pl, s, e), size in zip(group, sizes, strict=True):
+            out = space[at : at + size].view(pl.vh.shape[0], e - s, -1)  # [H, c, d], a view of one reused buffer
+            cfs.append(torch.matmul(pl.vh[:, s:e], pl.wt.w_c, out=out))
+            at += size
+        parallel([(token_pass, cf.numpy(), s, a, b, *args[pl.index])
+                  for (pl, s, e), cf in zip(group, cfs, strict=True) for a, b in token_splits(e - s)])
 
-    group: list[tuple[_Pending, int, int]] = []
+
+def _groups(jobs: list[tuple[_Pending, int, int]]) -> list[list[tuple[_Pending, int, int]]]:
+    """(layer, first token, end token) blocks in consecutive groups of at most CF_BUDGET floats of C f each."""
+    groups: list[list[tuple[_Pending, int, int]]] = [[]]
     size = 0
-    for job in [*jobs, None]:
-        if group and (job is None or size + floats(job) > CF_BUDGET):
-            cfs, at = [], 0
-            space = _scratch(size, pl.vh.device)
-            for pl, s, e in group:  # [H, c, d] each, contiguous views of one reused buffer
-                cfs.append(torch.matmul(pl.vh[:, s:e], pl.wt.w_c, out=space[at : at + floats((pl, s, e))].view(
-                    pl.vh.shape[0], e - s, -1)))
-                at += floats((pl, s, e))
-            parallel([(token_pass, cf.numpy(), s, a, b, *args[pl.index])
-                      for (pl, s, e), cf in zip(group, cfs, strict=True) for a, b in token_splits(e - s)])
-            group, size = [], 0
-        if job is not None:
-            group.append(job)
-            size += floats(job)
+    for pl, s, e in jobs:
+        floats = pl.vh.shape[0] * (e - s) * pl.wt.w_c.shape[-1]
+        if groups[-1] and size + floats > CF_BUDGET:
+            groups.append([])
+            size = 0
+        groups[-1].append((pl, s, e))
+        size += floats
+    return groups
 
 
 def _token_torch(pl: _Pending, tok: _Tokens, outs: dict[str, torch.Tensor]) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import unicodedata
+from functools import lru_cache
 
 import torch
 
 TOKEN_TYPES = ("cls", "sep", "punct", "self", "prev", "next")
 
 
+@lru_cache(maxsize=1 << 16)  # called for every token of a corpus; vocabularies repeat
 def is_punct(token: str) -> bool:
     """A token made only of punctuation (word-piece / byte-level markers stripped)."""
     t = token.removeprefix("##").lstrip("Ġ▁")
