@@ -305,13 +305,14 @@ def _attention_passes(pending: list[_Pending], tok: _Tokens, causal: bool, outs:
     maps = [outs[k] for k in ("n", "n_res", "n_resln", "alpha_mean")]
     if _compiled(pending[0].alpha):
         splits = row_splits(tok.lengths.numpy(), n, causal)
+        where = [t.numpy() for t in (tok.offsets, tok.lengths, outs["scale"])]
+        out = [m.numpy() for m in maps]
         calls = []
         for pl in pending:
             pl.probe_err = pl.diag.new_empty(pl.diag.shape[1])
-            arrays = [a.contiguous().numpy() for a in (pl.alpha, pl.grams, pl.probe_f, tok.offsets, tok.lengths,
-                                                        outs["scale"], pl.diag, pl.total_r)]
-            calls += [(attention_pass, *arrays, causal, pl.index, r0, r1, *(m.numpy() for m in maps),
-                       pl.probe_err.numpy()) for r0, r1 in splits]
+            arrays = [a.contiguous().numpy() for a in (pl.alpha, pl.grams, pl.probe_f)]
+            calls += [(attention_pass, *arrays, *where, pl.diag.numpy(), pl.total_r.numpy(), causal, pl.index, r0, r1,
+                       *out, pl.probe_err.numpy()) for r0, r1 in splits]
         parallel(calls)
         return
     pair = (tok.mask[:, :, None] & tok.mask[:, None, :]).float()
