@@ -29,7 +29,7 @@ TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
 PROBES = 4  # random directions of the per-run decomposition check
 CHUNK_ELEMENTS = 1 << 20  # floats per block of sources in the torch quadratic form (bounds memory)
 TOKEN_BLOCK = 256  # tokens per block of head vectors C f
-CF_BUDGET = 1 << 24  # floats of head vectors C f held at once (64 MiB), over layers and blocks
+CF_BUDGET = 1 << 25  # floats of head vectors C f held at once (128 MiB), over layers and blocks
 COMPILED = True  # CPU: the numba passes of `_kernels`; False (and other devices): the plain torch passes
 
 
