@@ -132,7 +132,6 @@ def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = F
            stop: bool = False) -> Iterator[dict]:
     """Install capture hooks (and attention edits) for one forward call; yields the raw record. With `stop`,
     the forward pass ends (raising `_Stop`) once the last layer's ln_mix has run."""
-
     rec: dict[str, list[torch.Tensor]] = defaultdict(list)
     handles = []
     seen: set[tuple[int, str]] = set()

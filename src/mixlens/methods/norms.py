@@ -372,7 +372,7 @@ def block_norms(trace: Trace) -> BlockNorms:
         trace.cache["block_norms"] = BlockNorms(
             f_norm=outs["f_norm"], n=outs["n"], n_res=outs["n_res"], n_resln=outs["n_resln"],
             ratio=dict(zip(RATIO_VARIANTS, outs["ratio"], strict=True)), error=error, scale=outs["scale"],
-            bias_terms=torch.stack([_weights(lay, i).bias_terms for i, lay in enumerate(ad.layers)]),
+            bias_terms=torch.stack([pl.wt.bias_terms for pl in pending]),
         )
     return trace.cache["block_norms"]
 
