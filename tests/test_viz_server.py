@@ -18,7 +18,7 @@ def viewer(bundled, tmp_path_factory):
     (d / "given.html").write_text("<!doctype html><p>given report</p>")
     (d / "secret.html").write_text("<p>SECRET</p>")
     cfg = ViewerConfig(bundled, ["attention", "norm_resln"], heads=True, max_chars=200, max_tokens=24,
-                       files=report_files([d / "given.html"]))
+                       files=report_files([d / "given.html"]), read_timeout=1.0)
     srv = make_server(cfg, "127.0.0.1", 0)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -73,11 +73,25 @@ def test_analyze_returns_the_view_payload(viewer, bundled):
     ({"txt": "x"}, 400, "send JSON"),
     (b"not json", 400, "send JSON"),
     (b"x" * 5000, 413, "too large; the input limit is 200 characters"),
+    (b"[" * 1050, 400, "send JSON"),  # deeper than Python's recursion limit
+    (b'{"text": "bad \\ud800 surrogate"}', 400, "lone surrogates"),
 ])
 def test_refuses_bad_or_oversize_input(viewer, payload, status, message):
     port, _ = viewer
     got, _, body = post(port, payload)
     assert got == status and message in json.loads(body)["error"]
+
+
+def test_slow_body_times_out(viewer):
+    """A client that sends fewer bytes than Content-Length gets 408 instead of holding a thread."""
+    import socket
+
+    port, _ = viewer
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /api/analyze HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"text\"")
+        reply = s.recv(4096).decode()
+    assert reply.startswith("HTTP/1.0 408") and "not received within 1 s" in reply
 
 
 def test_refuses_forms_and_unknown_routes(viewer):

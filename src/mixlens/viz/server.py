@@ -22,6 +22,7 @@ from mixlens.viz.html import analyze_for_view, asset, build_payload, page
 
 MAX_CHARS = 1000  # characters per typed input
 MAX_TOKENS = 128  # tokens per typed input
+READ_TIMEOUT = 10.0  # seconds a client may take to send a request body
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -33,6 +34,7 @@ class ViewerConfig:
     max_chars: int = MAX_CHARS
     max_tokens: int = MAX_TOKENS
     files: dict[str, Path] = field(default_factory=dict)  # URL name → the report file it was given
+    read_timeout: float = READ_TIMEOUT  # seconds a client may take to send a request body
 
 
 def viewer_page(cfg: ViewerConfig) -> str:
@@ -119,12 +121,23 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
                 return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                    f"request of {length} bytes is too large; the input limit is "
                                    f"{cfg.max_chars} characters")
+            self.connection.settimeout(cfg.read_timeout)  # a client sending less than Content-Length can't hold a thread
             try:
-                text = json.loads(self.rfile.read(length))["text"]
+                body = self.rfile.read(length)
+            except TimeoutError:
+                self.close_connection = True
+                return self._error(HTTPStatus.REQUEST_TIMEOUT,
+                                   f"request body not received within {cfg.read_timeout:g} s")
+            try:
+                text = json.loads(body)["text"]
                 if not isinstance(text, str):
                     raise TypeError
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 return self._error(HTTPStatus.BAD_REQUEST, "send JSON: {\"text\": \"...\"}")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return self._error(HTTPStatus.BAD_REQUEST, "the input contains invalid characters (lone surrogates)")
             if not text.strip():
                 return self._error(HTTPStatus.BAD_REQUEST, "the input is empty")
             if len(text) > cfg.max_chars:
@@ -141,6 +154,8 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
                     payload = build_payload(res, head_maps=head_maps, title="mixlens viewer")
             except MixlensError as e:
                 return self._error(HTTPStatus.BAD_REQUEST, str(e))
+            except Exception as e:  # never drop the connection: one line, the viewer shows it
+                return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"analysis failed: {type(e).__name__}: {e}")
             self._send(HTTPStatus.OK, json.dumps(payload, allow_nan=False).encode(), "application/json")
 
     return ThreadingHTTPServer((host, port), Handler)
