@@ -1,5 +1,6 @@
-"""DecompX: class scores sum to the real logits on every family, per-layer parts sum to the real layer
-outputs, the AbsDot bias rule by hand, batched == unbatched, and errors through the real CLI."""
+"""DecompX: class scores sum to the real logits on every family (both value-bias conventions), per-layer parts
+sum to the real layer outputs, the default value-bias convention is the official code's (first layer worked out
+by hand on the real model), the AbsDot bias rule by hand, batched == unbatched, and errors through the real CLI."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from tests.conftest import FAMILIES, SENTENCES, random_lens, run_cli
 HEAD = "AutoModelForSequenceClassification"
 
 
-def check_exact(lens: mixlens.Lens, texts: list[str]) -> None:
+def check_exact(lens: mixlens.Lens, texts: list[str], value_bias: dx.ValueBias = "values") -> None:
     tr = lens.trace(texts, ffn=True)
     for b, n in enumerate(tr.lengths):
-        dec = dx.decompose(tr, b)
+        dec = dx.decompose(tr, b, value_bias)
         logits = tr.logits[b].float()
         rel = (dec.classes.sum(-1) - logits).abs().max() / logits.abs().max()
         assert rel < 1e-3, rel
@@ -27,13 +28,15 @@ def check_exact(lens: mixlens.Lens, texts: list[str]) -> None:
         for layer, lt in enumerate(tr.layers):  # every layer's parts sum to the real layer output
             real = lt.out[b, :n].float()
             assert (dec.sums[layer] - real).abs().max() < 1e-4 * max(1.0, real.abs().max().item()), layer
-        np.testing.assert_allclose(dec.layers.numpy(), dx.decompx(tr)[b, :, :n, :n].numpy(), rtol=1e-6)
+        layers = dx.decompx(tr, value_bias=value_bias)[b, :, :n, :n]
+        np.testing.assert_allclose(dec.layers.numpy(), layers.numpy(), rtol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_scores_sum_to_logits_every_family(family, tokenizer):
+@pytest.mark.parametrize("value_bias", dx.VALUE_BIAS)
+def test_scores_sum_to_logits_every_family(family, value_bias, tokenizer):
     lens = random_lens(family, tokenizer, head=HEAD, num_labels=3)
-    check_exact(lens, SENTENCES)
+    check_exact(lens, SENTENCES, value_bias)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,58 @@ def classifier() -> mixlens.Lens:
     return mixlens.load(head="sequence-classification")
 
 
-def test_scores_sum_to_logits_bundled(classifier):
-    check_exact(classifier, SENTENCES)
+@pytest.mark.parametrize("value_bias", dx.VALUE_BIAS)
+def test_scores_sum_to_logits_bundled(classifier, value_bias):
+    check_exact(classifier, SENTENCES, value_bias)
+
+
+def _absdot(parts: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """parts [i, k, D] + bias shared over k by |b·z_k| (no part here has a zero dot product)."""
+    w = np.abs(parts @ bias)
+    return parts + (w / w.sum(-1, keepdims=True))[..., None] * bias
+
+
+def _first_layer_official(tr, m) -> np.ndarray:
+    """‖x¹_{i⇐k}‖ of a BERT's first layer with the official code's value bias, in float64 from the weights:
+    y_{i⇐k} = [i=k] x_i + Σ_h α^h_ik (x_k W_V^h + b_V^h) W_O^h + AbsDot(b_O), then LN1, FFN (θ = act/pre) and
+    LN2, each bias shared by AbsDot."""
+    lt, layer = tr.layers[0], m.bert.encoder.layer[0]
+    att, n = layer.attention, tr.lengths[0]
+    f64 = lambda t: t.detach().double().numpy()  # noqa: E731
+    x, alpha = f64(lt.x[0, :n]), f64(lt.alpha[0, :, :n, :n])  # [n, d], [H, n, n]
+    heads, d = alpha.shape[0], x.shape[-1]
+    v = (x @ f64(att.self.value.weight).T + f64(att.self.value.bias)).reshape(n, heads, -1)  # [k, H, d_head]
+    w_o = f64(att.output.dense.weight).T.reshape(heads, -1, d)  # [H, d_head, d]
+    y = np.einsum("hik,khe,hed->ikd", alpha, v, w_o)
+    y[np.arange(n), np.arange(n)] += x
+    y = _absdot(y, f64(att.output.dense.bias))
+
+    def norm(parts: np.ndarray, real_in: np.ndarray, ln: torch.nn.LayerNorm) -> np.ndarray:
+        c = parts - parts.mean(-1, keepdims=True)
+        s = np.sqrt(real_in.var(-1) + ln.eps)[:, None, None]
+        return _absdot(c / s * f64(ln.weight), f64(ln.bias))
+
+    z1 = norm(y, f64(lt.mix_in[0, :n]), att.output.LayerNorm)
+    pre, act = f64(lt.ffn_pre[0, :n]), f64(lt.ffn_act[0, :n])
+    h = _absdot(z1 @ f64(layer.intermediate.dense.weight).T, f64(layer.intermediate.dense.bias)) * (act / pre)[:, None]
+    f = _absdot(h @ f64(layer.output.dense.weight).T, f64(layer.output.dense.bias))
+    out = norm(z1 + f, f64(lt.ln_out_in[0, :n]), layer.output.LayerNorm)
+    np.testing.assert_allclose(out.sum(1), f64(lt.out[0, :n]), atol=1e-4)  # the hand computation is exact too
+    return np.linalg.norm(out, axis=-1)
+
+
+def test_default_value_bias_is_the_official_one(classifier):
+    """On the real model the first layer's parts follow the official convention by default (and through the
+    registry); the AbsDot-shared value bias gives visibly different parts, so swapping the default fails here."""
+    tr = classifier.trace(SENTENCES[:1], ffn=True)
+    expect = _first_layer_official(tr, classifier.model)
+    top = expect.max()
+    default, shared = dx.decompose(tr, 0), dx.decompose(tr, 0, "absdot")
+    assert np.abs(default.layers[0].numpy() - expect).max() / top < 1e-5
+    assert np.abs(shared.layers[0].numpy() - expect).max() / top > 1e-2
+    res = classifier.analyze(SENTENCES[:1], ["decompx_classes"])["decompx_classes"]
+    np.testing.assert_allclose(res.values[0], default.classes.numpy(), rtol=1e-5, atol=1e-6)
+    assert (default.classes - shared.classes).abs().max() > 1e-2 * default.classes.abs().max()
 
 
 def test_batched_equals_unbatched(classifier):
@@ -103,11 +156,17 @@ def test_known_answer_hand_built(tokenizer):
     np.testing.assert_allclose(dx.decompose(tr, 0).classes.numpy(), expect.T, rtol=1e-4, atol=1e-7)
 
 
-
 def test_cli_without_classification_head(capsys):
     code, _, err = run_cli(["analyze", "A fine film.", "--method", "decompx"], capsys)
     assert code == 2
     assert "decompx needs a sequence-classification model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_unknown_value_bias(capsys):
+    code, _, err = run_cli(["analyze", "A fine film.", "--method", "decompx_classes", "--head",
+                            "sequence-classification", "--option", "decompx_classes.value_bias=zero"], capsys)
+    assert code == 2
+    assert "unknown value_bias 'zero'; valid: values, absdot" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_with_classification_head(capsys):

@@ -8,8 +8,13 @@ Every hidden state is kept as a sum over source tokens k, x_i = Σ_k x_{i⇐k}, 
 - FFN: activation linearised per example, θ_i = act(z_i) / z_i from the real pre-activation z_i, applied
   elementwise to each part (gated FFNs: θ_i = act(gate_i), the up-projection parts are carried);
 - pooler / classification head: the same linearisation (tanh, gelu, relu);
-- every bias b (b_V W_O + b_O, β, FFN and head biases) is shared among the sources by AbsDot:
+- every bias b (β, FFN and head biases, b_O, and b_V W_O; see below) is shared among the sources by AbsDot:
   part k receives |b·z_{i⇐k}| / Σ_k' |b·z_{i⇐k'}| of b (evenly when all dot products are 0).
+
+The value bias follows `value_bias`: "values" (default; the official code, mohsenfayyaz/DecompX
+src/modeling_bert.py) keeps it inside each token's value vector in the first layer, where every position holds
+only its own token: part j of target i gets Σ_h α^h_ij (x_j W_V^h + b_V^h) W_O^h, and only b_O is shared; later
+layers share b_V W_O + b_O. "absdot" shares b_V W_O + b_O in every layer.
 
 So each class's token scores sum exactly to that class's logit; the relative error is checked on every input.
 Position-wise steps run in chunks of target rows: one 256-token input peaks at ~1.1 GiB process RSS (bundled model).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -32,6 +38,8 @@ TOLERANCE = 1e-3  # max |Σ_k score − logit| / max |logit|
 CHUNK_ELEMENTS = 1 << 24  # floats per position-wise working tensor (64 MB)
 
 Act = Callable[[torch.Tensor], torch.Tensor] | None
+ValueBias = Literal["values", "absdot"]  # where b_V goes (module docstring)
+VALUE_BIAS: tuple[str, ...] = get_args(ValueBias)
 
 
 @dataclass
@@ -71,19 +79,25 @@ def _linearised(parts: torch.Tensor, lin: nn.Module, act: Act) -> torch.Tensor:
     return out * theta[:, None, :]
 
 
-def _attention(parts: torch.Tensor, alpha: torch.Tensor, lay: Layer) -> torch.Tensor:
-    """Σ_h Σ_j α^h_ij (parts_{j⇐k} W_V^h) W_O^h: parts [n, k, d], alpha [H, n, n] → [n, k, d] (no biases)."""
+def _attention(parts: torch.Tensor, alpha: torch.Tensor, lay: Layer, own_bias: bool) -> torch.Tensor:
+    """Σ_h Σ_j α^h_ij (v_{j⇐k}) W_O^h: parts [n, k, d], alpha [H, n, n] → [n, k, d] (b_O not included).
+
+    v_{j⇐k} = parts_{j⇐k} W_V^h, plus b_V^h for k = j when `own_bias` (the first layer's parts are diagonal).
+    """
     n, k, _ = parts.shape
     v = (parts @ lay.w_v.float()).view(n, k, lay.n_kv_heads, lay.d_head)
+    if own_bias and lay.b_v is not None:
+        idx = torch.arange(n)
+        v[idx, idx] += lay.b_v.float().view(lay.n_kv_heads, lay.d_head)
     v = v.repeat_interleave(lay.n_heads // lay.n_kv_heads, dim=2)
     z = torch.einsum("hij,jkhe->ikhe", alpha, v).reshape(n, k, -1)
     return z @ lay.w_o.float()
 
 
-def _attn_bias(lay: Layer) -> torch.Tensor | None:
-    """b_V W_O + b_O: the attention output's constant part (rows of α sum to 1)."""
+def _attn_bias(lay: Layer, with_value: bool) -> torch.Tensor | None:
+    """b_O, plus b_V W_O (the value bias's share of the output, as rows of α sum to 1) when `with_value`."""
     b = lay.b_o.float() if lay.b_o is not None else None
-    if lay.b_v is not None:
+    if with_value and lay.b_v is not None:
         bv = lay.b_v.float().view(lay.n_kv_heads, lay.d_head).repeat_interleave(lay.n_heads // lay.n_kv_heads, 0)
         bvo = bv.reshape(-1) @ lay.w_o.float()
         b = bvo if b is None else b + bvo
@@ -105,17 +119,20 @@ def _ffn(parts: torch.Tensor, lt: LayerTrace, lay: Layer, b: int, n: int, rows: 
     return share(h @ w_out.float(), b_out)
 
 
-def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int) -> torch.Tensor:
-    """One layer on the parts x [n(target), n(source), d] of input b → the parts of the layer output."""
+def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int, own_bias: bool) -> torch.Tensor:
+    """One layer on the parts x [n(target), n(source), d] of input b → the parts of the layer output.
+
+    `own_bias`: b_V stays in each token's value vector (first layer, value_bias="values"), else it is shared.
+    """
     n, _, d = x.shape
     alpha = lt.alpha[b, :, :n, :n].float()
     if pre_ln:
         ln_x = torch.cat([_apply_norm(x[r], lay.ln_in, lt.x[b, :n][r]) for r in _rows(n, d)])
-        y = x + _attention(ln_x, alpha, lay)
+        y = x + _attention(ln_x, alpha, lay, own_bias)
         del ln_x
     else:
-        y = x + _attention(x, alpha, lay)
-    b_att = _attn_bias(lay)
+        y = x + _attention(x, alpha, lay, own_bias)
+    b_att = _attn_bias(lay, not own_bias)
     d_ff = lt.ffn_pre.shape[-1]
     out = torch.empty_like(y)
     for r in _rows(n, max(d, d_ff)):
@@ -149,9 +166,15 @@ def _head(model: nn.Module, family: str) -> tuple[list[tuple[nn.Module, Act]], N
     return [(model.score, None)], Norm(final, family == "llama"), True
 
 
+def _check(value_bias: str) -> None:
+    if value_bias not in VALUE_BIAS:
+        raise MixlensError(f"unknown value_bias '{value_bias}'; valid: {', '.join(VALUE_BIAS)}")
+
+
 @torch.no_grad()
-def decompose(trace: Trace, b: int) -> Decomposition:
+def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> Decomposition:
     """DecompX of input b of a traced sequence-classification model (trace captured with ffn=True)."""
+    _check(value_bias)
     adapter = trace.adapter
     steps, final, last = _head(trace.model, adapter.family.name)
     if trace.layers[0].ffn_pre is None:
@@ -162,8 +185,8 @@ def decompose(trace: Trace, b: int) -> Decomposition:
     x = torch.zeros(n, n, d)
     x[torch.arange(n), torch.arange(n)] = x0
     norms, sums = [], []
-    for lt, lay in zip(trace.layers, adapter.layers, strict=True):
-        x = _layer(x, lt, lay, adapter.family.pre_ln, b)
+    for layer, (lt, lay) in enumerate(zip(trace.layers, adapter.layers, strict=True)):
+        x = _layer(x, lt, lay, adapter.family.pre_ln, b, own_bias=layer == 0 and value_bias == "values")
         norms.append(x.norm(dim=-1))
         sums.append(x.sum(1))
     pos = n - 1 if last else 0
@@ -180,22 +203,24 @@ def decompose(trace: Trace, b: int) -> Decomposition:
     return Decomposition(classes=scores, layers=torch.stack(norms), sums=torch.stack(sums), error=err)
 
 
-def decompositions(trace: Trace) -> list[Decomposition]:
+def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decomposition]:
     """DecompX of every input of the trace (cached); raises ReconstructionError past the tolerance."""
-    if "decompx" not in trace.cache:
-        out = [decompose(trace, b) for b in range(trace.mask.shape[0])]
+    _check(value_bias)
+    key = ("decompx", value_bias)
+    if key not in trace.cache:
+        out = [decompose(trace, b, value_bias) for b in range(trace.mask.shape[0])]
         for b, dec in enumerate(out):
             if dec.error > TOLERANCE:
                 raise ReconstructionError(f"input {b + 1}: DecompX class scores differ from the logits by "
                                           f"{dec.error:.3g} (relative; tolerance {TOLERANCE})")
-        trace.cache["decompx"] = out
-    return trace.cache["decompx"]
+        trace.cache[key] = out
+    return trace.cache[key]
 
 
 @register("decompx", needs_ffn=True)
-def decompx(trace: Trace) -> torch.Tensor:
+def decompx(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     """DecompX per layer (Modarressi 2023; classification models): ‖x_{i⇐k}‖, part of layer-l output i from token k."""
-    decs = decompositions(trace)
+    decs = decompositions(trace, value_bias)
     b, n = trace.mask.shape
     out = torch.zeros(b, decs[0].layers.shape[0], n, n)
     for k, dec in enumerate(decs):
@@ -205,9 +230,9 @@ def decompx(trace: Trace) -> torch.Tensor:
 
 
 @register("decompx_classes", dims=("class", "source"), needs_ffn=True)
-def decompx_classes(trace: Trace) -> torch.Tensor:
+def decompx_classes(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     """DecompX class scores (classification models): signed contribution of each token to each logit; sums = logits."""
-    decs = decompositions(trace)
+    decs = decompositions(trace, value_bias)
     b, n = trace.mask.shape
     out = torch.zeros(b, decs[0].classes.shape[0], n)
     for k, dec in enumerate(decs):
