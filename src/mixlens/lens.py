@@ -45,6 +45,9 @@ def _head_for(config) -> str:
     return "base"
 
 
+head_for = _head_for  # public: the head `load` picks for a model config (the CLI's `sweep` asks for it)
+
+
 def _resolve_source(model: str | Path | None) -> tuple[str, bool]:
     """(source, is_local); errors for paths that do not exist or are not model directories."""
     if model is None:

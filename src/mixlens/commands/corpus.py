@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
+
+from mixlens.commands.options import parse_options
 
 
 def register(app: typer.Typer) -> None:
@@ -49,7 +52,6 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary table."),
     ) -> None:
         """Run methods over every example of a dataset; resumable, sharded, in-process or on Ray."""
-        from mixlens.cli import parse_options
         from mixlens.corpus.runner import run_corpus
 
         res = run_corpus(data, out, list(method) if method else None, model=model, text_column=text_column,
@@ -59,7 +61,7 @@ def register(app: typer.Typer) -> None:
                          head=head, device=device, progress=not quiet)
         c = res.manifest["counts"]
         if not quiet:
-            _print_summary(res)
+            print_summary(res)
         skipped = ", ".join(f"{c[k]} {k}" for k in ("undecodable", "malformed", "empty") if c.get(k))
         typer.echo(f"{c['examples']} examples in {len(res.manifest['shards'])} shards → {out}"
                    f" ({res.manifest['resumed_shards']} shards resumed)"
@@ -67,7 +69,8 @@ def register(app: typer.Typer) -> None:
                    + (f"; {c['truncated']} truncated to the token limit" if c["truncated"] else ""), err=True)
 
 
-def _print_summary(res) -> None:
+def print_summary(res: Any) -> None:
+    """The mean mixing ratio per layer and method of a corpus run, as a rich table on stderr."""
     from rich.console import Console
     from rich.table import Table
 

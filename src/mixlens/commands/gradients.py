@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import typer
 
+from mixlens.commands.options import model_option
 from mixlens.errors import MixlensError
 
 
 def register(app: typer.Typer) -> None:
-    from mixlens.cli import model_option
-
     @app.command("compare-local-global")
     def compare_local_global_cmd(
         data: Path = typer.Argument(..., help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record."),
@@ -34,7 +34,8 @@ def register(app: typer.Typer) -> None:
         from mixlens.lens import load
         from mixlens.methods.gradients import MODES
         from mixlens.result import atomic_write
-        from mixlens.stats.agreement import compare_local_global, plot
+        from mixlens.stats.agreement import compare_local_global
+        from mixlens.viz.heads import local_global_figure
 
         if mode not in MODES:
             raise MixlensError(f"unknown mode '{mode}'; valid: {', '.join(MODES)}")
@@ -47,8 +48,8 @@ def register(app: typer.Typer) -> None:
                                    mode=mode, probes=probes)
         atomic_write(out, res.dumps().encode())
         if figure:
-            plot(res, str(figure))
-        _print(res)
+            local_global_figure(res, figure)
+        print_agreement(res)
         typer.echo(f"wrote {out}" + (f" and {figure}" if figure else ""), err=True)
 
     @app.command("saliency")
@@ -83,7 +84,9 @@ def register(app: typer.Typer) -> None:
             print("  " + "  ".join(f"{t}:{v:.3g}" for t, v in zip(toks, res.values[b].tolist(), strict=False)))
 
 
-def _print(res) -> None:
+def print_agreement(res: Any) -> None:
+    """Per-layer agreement of attention and head attribution (a `LocalGlobal`) as a rich table, then the
+    persistent token-type patterns."""
     from rich.console import Console
     from rich.table import Table
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from mixlens.commands.options import check_methods, model_option, parse_options
 from mixlens.errors import MixlensError
 
 
@@ -20,8 +21,6 @@ MAX_PANELS = 4
 
 
 def register(app: typer.Typer) -> None:
-    from mixlens.cli import model_option, parse_options
-
     @app.command()
     def report(
         text: list[str] = typer.Argument(..., help="One or more texts to analyse."),
@@ -39,11 +38,11 @@ def register(app: typer.Typer) -> None:
         title: str | None = typer.Option(None, "--title", help="Page title."),
     ) -> None:
         """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios."""
-        from mixlens.lens import DEFAULT_METHODS, load
+        from mixlens.lens import load
         from mixlens.result import atomic_write
         from mixlens.viz.html import analyze_for_view, render_report
 
-        methods = _methods(method, DEFAULT_METHODS)
+        methods = check_methods(method)
         opts = parse_options(option)
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
@@ -105,10 +104,10 @@ def register(app: typer.Typer) -> None:
         max_tokens: int = typer.Option(128, "--max-tokens", min=2, help="Longest accepted input in tokens."),
     ) -> None:
         """Local viewer: type a sentence in the browser and get the report view."""
-        from mixlens.lens import DEFAULT_METHODS, load
+        from mixlens.lens import load
         from mixlens.viz.server import ViewerConfig, make_server, report_files
 
-        methods = _methods(method, DEFAULT_METHODS)
+        methods = check_methods(method)
         given = report_files(files or [])
         lens = load(model)
         try:
@@ -127,11 +126,3 @@ def register(app: typer.Typer) -> None:
         finally:
             server.server_close()
 
-
-def _methods(given: list[str] | None, default: tuple[str, ...]) -> list[str]:
-    from mixlens.methods import get
-
-    methods = list(given) if given else list(default)
-    for m in methods:
-        get(m)  # unknown names fail before the model loads
-    return methods
