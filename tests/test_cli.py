@@ -39,8 +39,10 @@ def test_help_loads_no_heavy_module():
 
 
 def test_import_mixlens_is_lazy_and_complete():
-    code = ("import sys, mixlens; assert 'torch' not in sys.modules; "
-            "assert mixlens.load.__module__ == 'mixlens.lens' and 'norm' in mixlens.methods.names(); print('ok')")
+    code = (
+        "import sys, mixlens; assert 'torch' not in sys.modules; "
+        "assert mixlens.load.__module__ == 'mixlens.lens' and 'norm' in mixlens.methods.names(); print('ok')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
@@ -56,8 +58,9 @@ def test_default_output_file_table(tmp_path, monkeypatch, capsys):
 
 
 def test_json_contract(capsys):
-    code, out, _ = run_cli(["analyze", SENTENCE, "a second, longer text with some more words", "--format", "json"],
-                       capsys)
+    code, out, _ = run_cli(
+        ["analyze", SENTENCE, "a second, longer text with some more words", "--format", "json"], capsys
+    )
     assert code == 0
     data = json.loads(out)
     assert set(data) == {"model", "version", "inputs"}
@@ -77,8 +80,22 @@ def test_json_contract(capsys):
 
 def test_heads_and_out_file(capsys, tmp_path):
     dest = tmp_path / "sub" / "res.json"
-    code, _, err = run_cli(["analyze", SENTENCE, "--heads", "--method", "attention", "--method", "norm",
-                        "--format", "json", "--out", str(dest)], capsys)
+    code, _, err = run_cli(
+        [
+            "analyze",
+            SENTENCE,
+            "--heads",
+            "--method",
+            "attention",
+            "--method",
+            "norm",
+            "--format",
+            "json",
+            "--out",
+            str(dest),
+        ],
+        capsys,
+    )
     assert code == 0
     item = json.loads(dest.read_text())["inputs"][0]
     assert item["methods"]["norm"]["dims"] == ["layer", "head", "target", "source"]
@@ -114,8 +131,9 @@ def test_too_long_with_and_without_truncation(capsys):
     long_text = "word " * 600
     code, _, err = run_cli(["analyze", long_text, "--no-truncate"], capsys)
     assert code == 2 and "more than the limit of 512" in err
-    code, out, err = run_cli(["analyze", long_text, "--max-length", "40", "--format", "json", "--method", "norm"],
-                         capsys)
+    code, out, err = run_cli(
+        ["analyze", long_text, "--max-length", "40", "--format", "json", "--method", "norm"], capsys
+    )
     assert code == 0 and "truncated from 602 to 40 tokens" in err
     assert len(json.loads(out)["inputs"][0]["tokens"]) == 40
 

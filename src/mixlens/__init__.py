@@ -27,8 +27,7 @@ if TYPE_CHECKING:
     from mixlens.lens import Lens, load
     from mixlens.result import Analysis, Attribution
 
-__all__ = ["Analysis", "Attribution", "Lens", "MixlensError", "ReconstructionError", "load", "methods",
-           "__version__"]
+__all__ = ["Analysis", "Attribution", "Lens", "MixlensError", "ReconstructionError", "load", "methods", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -18,12 +18,24 @@ from typer._click import exceptions as tx  # typer vendors click
 
 from mixlens.errors import MixlensError, ReconstructionError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  rich_markup_mode=None, help="Show how a Transformer mixes information between tokens.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Show how a Transformer mixes information between tokens.",
+)
 
-COMMAND_MODULES: list[str] = ["mixlens.commands.analyze", "mixlens.commands.corpus", "mixlens.commands.report",
-                              "mixlens.commands.heads", "mixlens.commands.syntax", "mixlens.commands.patterns",
-                              "mixlens.commands.sweep", "mixlens.commands.gradients"]
+COMMAND_MODULES: list[str] = [
+    "mixlens.commands.analyze",
+    "mixlens.commands.corpus",
+    "mixlens.commands.report",
+    "mixlens.commands.heads",
+    "mixlens.commands.syntax",
+    "mixlens.commands.patterns",
+    "mixlens.commands.sweep",
+    "mixlens.commands.gradients",
+]
 
 for _module in COMMAND_MODULES:
     importlib.import_module(_module).register(app)

@@ -27,22 +27,39 @@ def register(app: typer.Typer) -> None:
 def analyze(
     text: list[str] = typer.Argument(..., help="One or more texts to analyse."),
     model: str | None = model_option(),
-    method: list[str] = typer.Option(None, "--method", help="Method name (repeatable); default: attention, "
-                                     "norm, norm_res, norm_resln. `mixlens methods` lists them all."),
+    method: list[str] = typer.Option(
+        None,
+        "--method",
+        help="Method name (repeatable); default: attention, "
+        "norm, norm_res, norm_resln. `mixlens methods` lists them all.",
+    ),
     heads: bool = typer.Option(False, "--heads", help="Per-head matrices for methods that have them."),
-    fmt: Format = typer.Option(Format.table, "--format", "-f", help="table: print mixing ratios and write "
-                               "JSON to --out; json: print the JSON to stdout (or --out); html: write a "
-                               "self-contained report to --out (default mixlens-report.html)."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Where to write the JSON "
-                                    "(default for --format table: mixlens-analysis.json)."),
-    max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit (default: the "
-                                          "model's)."),
-    no_truncate: bool = typer.Option(False, "--no-truncate", help="Refuse over-long inputs instead of "
-                                     "truncating them."),
-    option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable); "
-                                     "`mixlens methods` lists each method's options."),
-    head: str | None = typer.Option(None, "--head", help="Model head to load: base, masked-lm, "
-                                    "sequence-classification, causal-lm (default: from the model config)."),
+    fmt: Format = typer.Option(
+        Format.table,
+        "--format",
+        "-f",
+        help="table: print mixing ratios and write "
+        "JSON to --out; json: print the JSON to stdout (or --out); html: write a "
+        "self-contained report to --out (default mixlens-report.html).",
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Where to write the JSON (default for --format table: mixlens-analysis.json)."
+    ),
+    max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit (default: the model's)."),
+    no_truncate: bool = typer.Option(
+        False, "--no-truncate", help="Refuse over-long inputs instead of truncating them."
+    ),
+    option: list[str] = typer.Option(
+        None,
+        "--option",
+        help="Method option METHOD.KEY=VALUE (repeatable); `mixlens methods` lists each method's options.",
+    ),
+    head: str | None = typer.Option(
+        None,
+        "--head",
+        help="Model head to load: base, masked-lm, "
+        "sequence-classification, causal-lm (default: from the model config).",
+    ),
 ) -> None:
     """Decompose the attention blocks of TEXT and report the context-mixing ratio per layer."""
     from mixlens.lens import load
@@ -51,8 +68,7 @@ def analyze(
     methods = check_methods(method)
     opts = parse_options(option)
     lens = load(model, head=head)
-    res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate,
-                       options=opts)
+    res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts)
     if fmt is Format.html:
         from mixlens.viz.html import render_report
 

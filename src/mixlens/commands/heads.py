@@ -34,9 +34,12 @@ def heads(
     limit: int | None = limit_option(),
     batch_size: int = batch_size_option(),
     view: list[str] = typer.Option(None, "--view", help="attn and/or norm (default: both)."),
-    fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f", help="table: print the per-layer "
-                                    "summary, write heads.parquet/.csv to --out; csv/json: the table to "
-                                    "stdout."),
+    fmt: TableFormat = typer.Option(
+        TableFormat.table,
+        "--format",
+        "-f",
+        help="table: print the per-layer summary, write heads.parquet/.csv to --out; csv/json: the table to stdout.",
+    ),
     out: Path = typer.Option(Path("mixlens-heads"), "--out", "-o", help="Directory for tables and figures."),
     no_cluster: bool = typer.Option(False, "--no-cluster", help="Skip the JS distances and MDS plot."),
     cluster_limit: int = typer.Option(200, "--cluster-limit", min=1, help="Inputs used for JS distances."),
@@ -52,8 +55,15 @@ def heads(
     texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
     lens = load(model)
     with progress(len(texts), "heads") as step:
-        rep = head_statistics(lens, texts, views=views, batch_size=batch_size, clustering=not no_cluster,
-                              cluster_limit=cluster_limit, on_batch=step)
+        rep = head_statistics(
+            lens,
+            texts,
+            views=views,
+            batch_size=batch_size,
+            clustering=not no_cluster,
+            cluster_limit=cluster_limit,
+            on_batch=step,
+        )
     write_table(rep.table, fmt, out, "heads")
     if fmt is TableFormat.table:
         summary = rep.layer_summary()
@@ -63,15 +73,23 @@ def heads(
         return
     for v in views:
         for s in (*STATISTICS, "cls_colmax", "sep_colmax", "punct_colmax"):
-            layer_head_heatmap(rep.grid(f"{v}_{s}"), f"{v}_{s} ({lens.name}, {len(texts)} inputs)",
-                               out / f"heatmap_{v}_{s}.png")
+            layer_head_heatmap(
+                rep.grid(f"{v}_{s}"), f"{v}_{s} ({lens.name}, {len(texts)} inputs)", out / f"heatmap_{v}_{s}.png"
+            )
     if not no_cluster:
         t = rep.table.sort_values(["layer", "head"])
         for v in views:
             coords = classical_mds(js_distance(rep.js[v]))
             behaviours = dominant_behaviour({b: t[f"{v}_{b}"].to_numpy() for b in BEHAVIOURS})
-            head_mds_figure(coords, t["layer"].to_numpy(), t["head"].to_numpy(), behaviours, [*BEHAVIOURS, "broad"],
-                            f"Heads, MDS of Jensen–Shannon distances ({v}); label = layer-head", out / f"mds_{v}.png")
+            head_mds_figure(
+                coords,
+                t["layer"].to_numpy(),
+                t["head"].to_numpy(),
+                behaviours,
+                [*BEHAVIOURS, "broad"],
+                f"Heads, MDS of Jensen–Shannon distances ({v}); label = layer-head",
+                out / f"mds_{v}.png",
+            )
     typer.echo(f"wrote figures to {out}/", err=True)
 
 
@@ -97,8 +115,10 @@ def head_diff(
     a, b = load(model), load(other)
     with progress(len(texts), "head-diff") as step:
         sim = attention_similarity(a, b, texts, batch_size=batch_size, on_batch=step)  # [layer, head]
-    df = pd.DataFrame([(la, h, sim[la, h]) for la in range(sim.shape[0]) for h in range(sim.shape[1])],
-                      columns=["layer", "head", "cosine"])
+    df = pd.DataFrame(
+        [(la, h, sim[la, h]) for la in range(sim.shape[0]) for h in range(sim.shape[1])],
+        columns=["layer", "head", "cosine"],
+    )
     write_table(df, fmt, out, "head_diff")
     if fmt is TableFormat.table:
         per = df.groupby("layer")["cosine"].agg(["mean", "min"]).reset_index()

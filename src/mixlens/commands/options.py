@@ -17,8 +17,9 @@ from mixlens.errors import MixlensError
 
 def model_option() -> Any:
     """`--model/-m`: a local HF model directory or hub id."""
-    return typer.Option(None, "--model", "-m", help="Local HF model directory or hub id (default: bundled "
-                        "all-MiniLM-L6-v2).")
+    return typer.Option(
+        None, "--model", "-m", help="Local HF model directory or hub id (default: bundled all-MiniLM-L6-v2)."
+    )
 
 
 def data_option() -> Any:
@@ -87,7 +88,7 @@ def read_examples(data: str, text_column: str | None, pair_column: str | None, l
     """The first `limit` examples of a data file (through the shared corpus readers)."""
     from mixlens.corpus.readers import iter_examples
 
-    out = []
+    out: list[Any] = []
     for ex in iter_examples(data, text_column, pair_column):
         if limit is not None and len(out) >= limit:
             break

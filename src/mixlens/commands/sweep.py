@@ -32,8 +32,11 @@ def register(app: typer.Typer) -> None:
 def sweep_command(
     data: str = data_option(),
     model: str | None = model_option(),
-    metric: str | None = typer.Option(None, "--metric", help="sts (sentence-embedding model), mlm (masked "
-                                      "LM) or accuracy (classifier); default from the model head."),
+    metric: str | None = typer.Option(
+        None,
+        "--metric",
+        help="sts (sentence-embedding model), mlm (masked LM) or accuracy (classifier); default from the model head.",
+    ),
     mode: str = typer.Option("uniform", "--mode", help="uniform (Kovaleva), zero or mean."),
     text_column: str | None = text_column_option(),
     pair_column: str | None = pair_column_option(),
@@ -64,7 +67,9 @@ def sweep_command(
         res = sweep(lens, task, mode, on_step=step)
     print(f"baseline {res.metric} (no ablation, {res.n_examples} examples): {res.baseline:.4f}")
     n_layers, n_heads = res.heads.shape
-    rows = [(la, h, res.heads[la, h], res.delta_heads[la, h]) for la in range(n_layers) for h in range(n_heads)]
+    rows: list[tuple[int, int | str, float, float]] = [
+        (la, h, res.heads[la, h], res.delta_heads[la, h]) for la in range(n_layers) for h in range(n_heads)
+    ]
     rows += [(la, "all", res.layers[la], res.delta_layers[la]) for la in range(n_layers)]
     df = pd.DataFrame(rows, columns=["layer", "head", res.metric, "delta"])
     atomic_write(out / "sweep.csv", df.to_csv(index=False).encode())
@@ -72,20 +77,27 @@ def sweep_command(
     for name, d in res.top_changes(10):
         print(f"  {name:8s} {d:+.4f}")
     grid = np.concatenate([res.delta_heads, res.delta_layers[:, None]], 1)  # [layer, head + 1]
-    layer_head_heatmap(grid, f"Δ{res.metric} ({mode}; last column = whole layer; baseline {res.baseline:.3f})",
-                       out / "sweep.png", cmap="RdBu" if res.higher_is_better else "RdBu_r", center=True)
+    layer_head_heatmap(
+        grid,
+        f"Δ{res.metric} ({mode}; last column = whole layer; baseline {res.baseline:.3f})",
+        out / "sweep.png",
+        cmap="RdBu" if res.higher_is_better else "RdBu_r",
+        center=True,
+    )
     typer.echo(f"wrote {out}/sweep.csv and sweep.png", err=True)
 
 
-def make_task(lens: Any, metric: str, examples: list[Any], score_column: str, label_column: str,
-              batch_size: int) -> Any:
+def make_task(
+    lens: Any, metric: str, examples: list[Any], score_column: str, label_column: str, batch_size: int
+) -> Any:
     """The sweep's task for `metric` over the examples, with gold values from their columns."""
     from mixlens.interventions import ClassificationTask, MlmTask, StsTask
 
     if metric == "sts":
         if not isinstance(examples[0].text, tuple):
-            raise MixlensError("the sts metric needs sentence pairs (give --pair-column, or columns "
-                               "sentence1/sentence2)")
+            raise MixlensError(
+                "the sts metric needs sentence pairs (give --pair-column, or columns sentence1/sentence2)"
+            )
         return StsTask(lens, [e.text for e in examples], column(examples, score_column, float), batch_size)
     if metric == "mlm":
         return MlmTask(lens, [e.text if isinstance(e.text, str) else e.text[0] for e in examples], batch_size)

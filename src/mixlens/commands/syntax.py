@@ -21,8 +21,9 @@ def syntax(
     batch_size: int = batch_size_option(),
     view: str = typer.Option("attn", "--view", help="attn or norm."),
     min_count: int = typer.Option(20, "--min-count", help="Report relations with at least this many arcs."),
-    fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f", help="Format of the best-head "
-                                    "table (csv/json to stdout)."),
+    fmt: TableFormat = typer.Option(
+        TableFormat.table, "--format", "-f", help="Format of the best-head table (csv/json to stdout)."
+    ),
     out: Path = typer.Option(Path("mixlens-syntax"), "--out", "-o", help="Directory for tables."),
 ) -> None:
     """Dependency-head accuracy of every head per relation (both directions) with offset baselines."""

@@ -23,8 +23,9 @@ def save(fig: Figure, path: str | Path, dpi: int | None = RASTER_DPI) -> None:
     fig.savefig(path, dpi=dpi)
 
 
-def layer_head_heatmap(grid: np.ndarray, title: str, path: str | Path, cmap: str = "viridis",
-                       center: bool = False) -> None:
+def layer_head_heatmap(
+    grid: np.ndarray, title: str, path: str | Path, cmap: str = "viridis", center: bool = False
+) -> None:
     """A [layer, head] grid (extra columns allowed) as a heatmap with each value written in its cell; `center`
     makes the colour scale symmetric around 0."""
     fig = Figure(figsize=(0.55 * grid.shape[1] + 2, 0.45 * grid.shape[0] + 1.5))
@@ -43,8 +44,15 @@ def layer_head_heatmap(grid: np.ndarray, title: str, path: str | Path, cmap: str
     save(fig, path)
 
 
-def head_mds_figure(coords: np.ndarray, layers: np.ndarray, heads: np.ndarray, behaviours: np.ndarray,
-                    names: list[str], title: str, path: str | Path) -> None:
+def head_mds_figure(
+    coords: np.ndarray,
+    layers: np.ndarray,
+    heads: np.ndarray,
+    behaviours: np.ndarray,
+    names: list[str],
+    title: str,
+    path: str | Path,
+) -> None:
     """Heads as points in 2-D (`coords` [L·H, 2], e.g. classical MDS of Jensen–Shannon distances), coloured by
     their dominant behaviour (`behaviours` [L·H], one of `names`) and labelled layer-head."""
     fig = Figure(figsize=(7, 6))
@@ -62,8 +70,9 @@ def head_mds_figure(coords: np.ndarray, layers: np.ndarray, heads: np.ndarray, b
     save(fig, path)
 
 
-def pattern_shares_figure(shares: np.ndarray, patterns: tuple[str, ...] | list[str], title: str,
-                          path: str | Path) -> None:
+def pattern_shares_figure(
+    shares: np.ndarray, patterns: tuple[str, ...] | list[str], title: str, path: str | Path
+) -> None:
     """Stacked bars per layer of the share of each pattern type (`shares` [layer, pattern], rows sum to 1)."""
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
