@@ -83,7 +83,8 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
             self._send(status, json.dumps({"error": message}).encode(), "application/json")
 
         def _host_ok(self) -> bool:
-            bound = str(self.server.server_address[0])
+            address = self.server.server_address  # (host, port, ...) for an IP server
+            bound = str(address[0] if isinstance(address, tuple) else address)
             name = urlsplit("//" + (self.headers.get("Host") or "")).hostname or ""
             if bound in ("0.0.0.0", "::") or name in LOOPBACK or name == bound:
                 return True

@@ -18,7 +18,7 @@ from mixlens.errors import MixlensError
 from mixlens.result import Analysis, Attribution, atomic_write
 
 FORMATS = ("png", "svg", "pdf")
-STYLE: dict[str, Any] = {
+STYLE: dict[Any, Any] = {
     "font.size": 9,
     "axes.titlesize": 9,
     "axes.labelsize": 9,
