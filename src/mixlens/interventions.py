@@ -1,4 +1,4 @@
-"""Disabling heads and layers with our own hooks (transformers 5 removed `head_mask`; DESIGN §3.8).
+"""Disabling heads and layers with our own hooks (transformers 5 removed `head_mask`; docs/DESIGN.md §3.8).
 
 Modes, for the selected heads of one layer:
 

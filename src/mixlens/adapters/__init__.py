@@ -91,7 +91,7 @@ def _linear_xw(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 @dataclass
 class Norm:
-    """A LayerNorm or RMSNorm as the per-target linear map of DESIGN §3.3: g_i(v) = γ ⊙ C(v) / s_i."""
+    """A LayerNorm or RMSNorm as the per-target linear map of docs/DESIGN.md §3.3: g_i(v) = γ ⊙ C(v) / s_i."""
 
     module: nn.Module
     rms: bool

@@ -1,4 +1,4 @@
-"""DecompX (Modarressi et al. 2023; DESIGN §3.5): per-source vectors carried through the whole model.
+"""DecompX (Modarressi et al. 2023; docs/DESIGN.md §3.5): per-source vectors carried through the whole model.
 
 Every hidden state is kept as a sum over source tokens k, x_i = Σ_k x_{i⇐k}, starting from x⁰_{i⇐k} = [i=k] x⁰_i
 (the embedding output). Each operation is applied to every part:

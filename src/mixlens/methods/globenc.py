@@ -1,11 +1,11 @@
-"""GlobEnc (Modarressi et al. 2022; DESIGN §3.5): whole-encoder-layer norms and their rollout.
+"""GlobEnc (Modarressi et al. 2022; docs/DESIGN.md §3.5): whole-encoder-layer norms and their rollout.
 
 Post-LN layer: with t_ij = Σ_h α^h_ij f^h(x_j) + [i=j] x_i, LN1 as g1_i(v) = P1(v)/s1_i and LN2 as
 g2_i(v) = P2(v)/s2_i (s2 from the real LN2 input, so the FFN enters only through that scale):
 
     out_i = Σ_j g2_i(g1_i(t_ij)) + g2_i(g1_i(b_O) + β1) + g2_i(FFN_i) + β2      (exact)
 
-N-Enc_ij = ‖g2_i(g1_i(t_ij))‖, taken through per-source Gram matrices of P2∘P1 f^h_j (DESIGN §4).
+N-Enc_ij = ‖g2_i(g1_i(t_ij))‖, taken through per-source Gram matrices of P2∘P1 f^h_j (docs/DESIGN.md §4).
 Pre-LN layers (GPT-2, Llama) have no norm on the residual path, so N-Enc_ij = ‖t_ij‖ there.
 """
 

@@ -1,4 +1,4 @@
-"""Gradient attributions through the input embeddings (DESIGN §3.7, §4).
+"""Gradient attributions through the input embeddings (docs/DESIGN.md §3.7, §4).
 
 - `hta` (Brunner et al. 2020, Hidden Token Attribution): c^l_ij = ‖∂e^l_i/∂x_j‖_F / Σ_k ‖∂e^l_i/∂x_k‖_F,
   e^l = output of layer l, x = the word-piece embeddings (`input="word"`) or the embedding-layer output,

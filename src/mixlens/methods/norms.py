@@ -1,4 +1,4 @@
-"""Norm-based decomposition of the attention block (Kobayashi et al. 2020, 2021; DESIGN §3.2–3.4).
+"""Norm-based decomposition of the attention block (Kobayashi et al. 2020, 2021; docs/DESIGN.md §3.2–3.4).
 
 Per layer, with f^h(x_j) = v^h_j W_O^h and u_ij = Σ_h α^h_ij f^h(x_j):
 
@@ -6,7 +6,7 @@ Per layer, with f^h(x_j) = v^h_j W_O^h and u_ij = Σ_h α^h_ij f^h(x_j):
 - N-Res   ‖t_ij‖,        t_ij = u_ij + [i=j] x_i
 - N-ResLN ‖g_i(t_ij)‖,   g_i(v) = γ ⊙ C(v) / s_i, s_i from the real pre-norm vector
 
-Norms of linear images are taken through per-source Gram matrices (DESIGN §4), never through
+Norms of linear images are taken through per-source Gram matrices (docs/DESIGN.md §4), never through
 [head, target, source, d] tensors. Every call checks that the decomposition sums back to the real
 pre-norm vector and norm output of each layer, and raises `ReconstructionError` naming the layer if not.
 """

@@ -1,4 +1,4 @@
-"""Output saliency for one scalar per input (DESIGN §3.7): gradient, gradient × input, integrated gradients.
+"""Output saliency for one scalar per input (docs/DESIGN.md §3.7): gradient, gradient × input, integrated gradients.
 
 The scalar f is a class logit (sequence classifier), a token's logit at one position (masked LM: the [MASK];
 causal LM: the last token), or any function `target(model_output, inputs) -> [B]` given in Python. Attribution is

@@ -1,4 +1,4 @@
-"""Value zeroing (Mohebbi et al. 2023; DESIGN §3.5): re-run one layer with the value vector of token j zeroed.
+"""Value zeroing (Mohebbi et al. 2023; docs/DESIGN.md §3.5): re-run one layer with the value vector of token j zeroed.
 
 For layer l and source j, the layer module is called again on its captured input x (so FFN, both norms and the
 residuals act exactly as in the model) with v_j = 0 in every (key/value) head. α does not depend on the values,

@@ -1,6 +1,6 @@
 """Local vs global views of a head (Pascual et al. 2021): attention rows α^h_i· against head-attribution rows
 c^{l,h}_i· = ‖∂o^{l,h}_i/∂x_j‖_F (normalised), compared per (layer, head) by Jensen–Shannon divergence, Pearson
-and Spearman correlation over real keys, and the token-type masses of both maps (DESIGN §3.7, §3.8).
+and Spearman correlation over real keys, and the token-type masses of both maps (docs/DESIGN.md §3.7, §3.8).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-head BERTology statistics over a dataset (Clark et al. 2019; Kovaleva et al. 2019; DESIGN §3.8).
+"""Per-head BERTology statistics over a dataset (Clark et al. 2019; Kovaleva et al. 2019; docs/DESIGN.md §3.8).
 
 Every statistic is computed on two views of each head's map, both with rows summing to 1:
 
