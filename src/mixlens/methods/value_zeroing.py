@@ -89,6 +89,7 @@ def _layer(trace: Trace, index: int) -> torch.Tensor:
     """C [B, n(target), n(source)]: cosine distance of each token's output when source j's value is zeroed.
     Sources that are padding of an example are skipped for that example."""
     real = trace.layers[index].out  # [B, n, d]
+    assert real is not None  # a full trace
     b, n, _ = real.shape
     lengths = torch.tensor(trace.lengths)
     out = torch.zeros(b, n, n)
