@@ -276,3 +276,29 @@ def test_cli_errors(tmp_path, monkeypatch, capsys, argv, message):
     assert run_cli(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_head_figures_draw_the_given_values(tmp_path):
+    import matplotlib.image as mpimg
+
+    from mixlens.viz import heads as vhd
+
+    grid = np.array([[0.5, -1.0, 0.25], [0.0, 2.0, -0.75]])  # [layer, head]
+    vhd.layer_head_heatmap(grid, "t", tmp_path / "sub" / "g.png", cmap="RdBu", center=True)
+    assert mpimg.imread(tmp_path / "sub" / "g.png").shape[2] in (3, 4)
+    shares = np.array([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]])
+    vhd.pattern_shares_figure(shares, ("a", "b", "c"), "p", tmp_path / "p.svg")
+    svg = (tmp_path / "p.svg").read_text()
+    assert svg.count('<g id="patch_') >= 2 + 6  # background patches + one bar per (layer, pattern)
+    coords = np.array([[0.0, 1.0], [1.0, 0.0], [0.5, 0.5]])
+    vhd.head_mds_figure(
+        coords,
+        np.array([0, 0, 1]),
+        np.array([0, 1, 0]),
+        np.array(["x", "broad", "x"]),
+        ["x", "broad"],
+        "m",
+        tmp_path / "m.svg",
+    )
+    svg = (tmp_path / "m.svg").read_text()
+    assert all(f">{la}-{h}<" in svg or f"{la}-{h}" in svg for la, h in ((0, 0), (0, 1), (1, 0)))
