@@ -29,10 +29,10 @@ import torch
 import transformers
 
 import mixlens
-from mixlens.commands.heads import heatmap
 from mixlens.corpus.readers import iter_examples
 from mixlens.lens import default_model_path
 from mixlens.stats.heads import attention_similarity
+from mixlens.viz.heads import layer_head_heatmap
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.tsv"
 OUT = Path("artifacts") / "sst2-minilm"
@@ -92,8 +92,8 @@ def head_diff(out: Path, held: Rows) -> None:
     df = pd.DataFrame([(la, h, sim[la, h]) for la in range(sim.shape[0]) for h in range(sim.shape[1])],
                       columns=["layer", "head", "cosine"])
     df.to_csv(out / "head_diff.csv", index=False)
-    heatmap(sim, f"attention cosine, original vs fine-tuned (SST-2, {len(texts)} held-out)",
-            out / "head_diff.png", cmap="magma")
+    layer_head_heatmap(sim, f"attention cosine, original vs fine-tuned (SST-2, {len(texts)} held-out)",
+                       out / "head_diff.png", cmap="magma")
     per = df.groupby("layer")["cosine"].agg(["mean", "min"])
     print("per-layer cosine similarity of attention maps (mean / min over heads):")
     print(per.round(4).to_string())

@@ -34,8 +34,16 @@ RTOL = 6e-4  # 4 significant digits
 def drv():
     opts = webdriver.ChromeOptions()
     opts.binary_location = BROWSER
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1500",
-              "--no-first-run", "--disable-background-networking", "--disable-component-update"):
+    for a in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1500",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+    ):
         opts.add_argument(a)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     d = webdriver.Chrome(options=opts, service=Service(DRIVER))
@@ -141,8 +149,13 @@ def test_csp_blocks_any_request(drv, views, tmp_path):
 def test_notebook_outputs_do_not_clash(drv, views, tmp_path):
     res, heads = views
     page = tmp_path / "notebook.html"
-    page.write_text("<!doctype html><html><body><div class='cell'>" + res._repr_html_() +
-                    "</div><div class='cell'>" + heads["norm"]._repr_html_() + "</div></body></html>")
+    page.write_text(
+        "<!doctype html><html><body><div class='cell'>"
+        + res._repr_html_()
+        + "</div><div class='cell'>"
+        + heads["norm"]._repr_html_()
+        + "</div></body></html>"
+    )
     drv.get(page.as_uri())
     first, second = drv.find_elements(By.CSS_SELECTOR, ".mlx-report")
     assert first.get_attribute("id") != second.get_attribute("id")
@@ -171,8 +184,7 @@ def test_viewer_analyses_typed_text(drv, bundled):
         area = drv.find_element(By.CSS_SELECTOR, "textarea[data-role=text]")
         area.send_keys("The dog chased the ball.")
         drv.find_element(By.CSS_SELECTOR, "button[data-role=submit]").click()
-        root = WebDriverWait(drv, 60).until(
-            lambda d: d.find_element(By.CSS_SELECTOR, ".mlx-report[data-ready='1']"))
+        root = WebDriverWait(drv, 60).until(lambda d: d.find_element(By.CSS_SELECTOR, ".mlx-report[data-ready='1']"))
         ref = bundled.analyze(["The dog chased the ball."], ["attention", "norm_resln"], heads=True)
         n = len(ref.tokens[0])
         np.testing.assert_allclose(shown(drv, root, n), ref["attention"].input(0)[0].mean(0), rtol=RTOL, atol=1e-7)

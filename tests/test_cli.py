@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -12,22 +13,54 @@ import pytest
 from tests.conftest import run_cli
 
 SENTENCE = "The keys to the cabinet are on the table."
+HEAVY = ("torch", "transformers", "numpy", "pandas", "matplotlib", "pyarrow", "scipy", "numba", "rich", "safetensors")
 
 
-
-def test_real_entry_point_table_and_json_file(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mixlens", "analyze", SENTENCE], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+def test_help_loads_no_heavy_module():
+    """Start-up: in a fresh interpreter, the CLI module and every `--help` load none of the heavy libraries."""
+    code = textwrap.dedent(f"""
+        import sys
+        import mixlens.cli
+        from mixlens.cli import app, main
+        import typer
+        names = [c.name for c in typer.main.get_command(app).commands.values()]
+        assert len(names) >= 13, names
+        for argv in (["--help"], *[[n, "--help"] for n in names]):
+            try:
+                main(argv)
+            except SystemExit as e:
+                assert e.code == 0, (argv, e.code)
+        print("loaded:", *[m for m in {HEAVY!r} if m in sys.modules])
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert "Usage: mixlens analyze" in proc.stdout and "compare-local-global" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "loaded:"
+
+
+def test_import_mixlens_is_lazy_and_complete():
+    code = (
+        "import sys, mixlens; assert 'torch' not in sys.modules; "
+        "assert mixlens.load.__module__ == 'mixlens.lens' and 'norm' in mixlens.methods.names(); print('ok')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_default_output_file_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["analyze", SENTENCE], capsys)
+    assert code == 0, err
     for variant in ("W", "N", "Res-W", "Res-N", "ResLN-N"):
-        assert variant in proc.stdout
+        assert variant in out
     data = json.loads((tmp_path / "mixlens-analysis.json").read_text())
     assert set(data["inputs"][0]["methods"]) == {"attention", "norm", "norm_res", "norm_resln"}
 
 
 def test_json_contract(capsys):
-    code, out, _ = run_cli(["analyze", SENTENCE, "a second, longer text with some more words", "--format", "json"],
-                       capsys)
+    code, out, _ = run_cli(
+        ["analyze", SENTENCE, "a second, longer text with some more words", "--format", "json"], capsys
+    )
     assert code == 0
     data = json.loads(out)
     assert set(data) == {"model", "version", "inputs"}
@@ -47,8 +80,22 @@ def test_json_contract(capsys):
 
 def test_heads_and_out_file(capsys, tmp_path):
     dest = tmp_path / "sub" / "res.json"
-    code, _, err = run_cli(["analyze", SENTENCE, "--heads", "--method", "attention", "--method", "norm",
-                        "--format", "json", "--out", str(dest)], capsys)
+    code, _, err = run_cli(
+        [
+            "analyze",
+            SENTENCE,
+            "--heads",
+            "--method",
+            "attention",
+            "--method",
+            "norm",
+            "--format",
+            "json",
+            "--out",
+            str(dest),
+        ],
+        capsys,
+    )
     assert code == 0
     item = json.loads(dest.read_text())["inputs"][0]
     assert item["methods"]["norm"]["dims"] == ["layer", "head", "target", "source"]
@@ -84,14 +131,13 @@ def test_too_long_with_and_without_truncation(capsys):
     long_text = "word " * 600
     code, _, err = run_cli(["analyze", long_text, "--no-truncate"], capsys)
     assert code == 2 and "more than the limit of 512" in err
-    code, out, err = run_cli(["analyze", long_text, "--max-length", "40", "--format", "json", "--method", "norm"],
-                         capsys)
+    code, out, err = run_cli(
+        ["analyze", long_text, "--max-length", "40", "--format", "json", "--method", "norm"], capsys
+    )
     assert code == 0 and "truncated from 602 to 40 tokens" in err
     assert len(json.loads(out)["inputs"][0]["tokens"]) == 40
 
 
-def test_subprocess_error_has_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "mixlens", "analyze", "x", "--method", "bogus"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "unknown method 'bogus'" in proc.stderr
+def test_unknown_method_fails_before_the_model_loads(capsys):
+    code, _, err = run_cli(["analyze", "x", "--method", "bogus", "--model", "/definitely/not/here"], capsys)
+    assert code == 2 and err.strip().count("\n") == 0 and "unknown method 'bogus'" in err

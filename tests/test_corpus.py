@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -216,7 +217,7 @@ def test_resume_after_sigkill_is_identical(tmp_path, tiny):
     data = synth(tmp_path / "d.tsv", 72)
     args = ["corpus", "--data", str(data), "--model", tiny, "--shard-size", "3", "--batch-size", "2", "--quiet"]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(["mixlens", *args, "--out", str(killed)],
+    proc = subprocess.Popen([sys.executable, "-m", "mixlens", *args, "--out", str(killed)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 600  # generous: the model import alone is slow on a loaded machine

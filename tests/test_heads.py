@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-import subprocess
 
 import numpy as np
 import pandas as pd
@@ -15,7 +14,7 @@ from scipy.spatial.distance import jensenshannon
 from mixlens.methods import get
 from mixlens.stats.clustering import classical_mds, dominant_behaviour, js_divergence_sums
 from mixlens.stats.heads import STATISTICS, attention_similarity, head_statistics, input_statistics, view_maps
-from tests.conftest import SENTENCES, data_file, random_lens
+from tests.conftest import SENTENCES, data_file, random_lens, run_cli
 
 
 def _hand_maps() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
@@ -113,23 +112,22 @@ def test_attention_similarity(bundled, tokenizer):
         attention_similarity(bundled, random_lens("bert", tokenizer), SENTENCES)
 
 
-def test_cli_heads_csv_on_sst2():
+def test_cli_heads_csv_on_sst2(capsys):
     f = data_file("sst2", "dev.tsv")
-    r = subprocess.run(["mixlens", "heads", "-d", str(f), "--limit", "6", "--format", "csv", "--no-figures",
-                        "--no-cluster"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    df = pd.read_csv(io.StringIO(r.stdout))
+    code, out, err = run_cli(["heads", "-d", str(f), "--limit", "6", "--format", "csv", "--no-figures",
+                              "--no-cluster"], capsys)
+    assert code == 0, err
+    df = pd.read_csv(io.StringIO(out))
     assert len(df) == 72 and df["layer"].min() == 0 and df["head"].max() == 11
     assert {"attn_cls", "attn_sep", "attn_punct", "attn_self", "attn_prev", "attn_next", "attn_entropy",
             "norm_cls", "norm_entropy"} <= set(df.columns)
 
 
-def test_cli_heads_figures(tmp_path):
+def test_cli_heads_figures(tmp_path, capsys):
     f = tmp_path / "t.txt"
     f.write_text("\n".join(SENTENCES) + "\n")
-    r = subprocess.run(["mixlens", "heads", "-d", str(f), "-o", str(tmp_path / "o"), "--view", "attn"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_cli(["heads", "-d", str(f), "-o", str(tmp_path / "o"), "--view", "attn"], capsys)
+    assert code == 0, err
     assert (tmp_path / "o" / "heads.parquet").is_file() and (tmp_path / "o" / "mds_attn.png").is_file()
     assert (tmp_path / "o" / "heatmap_attn_sep.png").is_file()
     assert len(pd.read_parquet(tmp_path / "o" / "heads.parquet")) == 72
@@ -140,23 +138,21 @@ def test_cli_heads_figures(tmp_path):
     (["heads", "-d", "{sst}", "--view", "bogus"], "unknown view"),
     (["heads", "-d", "{sst}", "--limit", "0"], "--limit"),
 ])
-def test_cli_heads_errors(args, msg):
+def test_cli_heads_errors(args, msg, capsys):
     sst = str(data_file("sst2", "dev.tsv"))
-    r = subprocess.run(["mixlens", *[a.replace("{sst}", sst) for a in args]], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_cli([a.replace("{sst}", sst) for a in args], capsys)
+    assert code == 2 and msg in err and "Traceback" not in err
 
 
-def test_cli_head_diff(tmp_path):
+def test_cli_head_diff(tmp_path, capsys):
     from mixlens.lens import default_model_path
 
     f = data_file("sst2", "dev.tsv")
-    r = subprocess.run(["mixlens", "head-diff", "-d", str(f), "--limit", "3", "--other", str(default_model_path()),
-                        "--format", "csv", "-o", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    df = pd.read_csv(io.StringIO(r.stdout))
+    code, out, err = run_cli(["head-diff", "-d", str(f), "--limit", "3", "--other", str(default_model_path()),
+                              "--format", "csv", "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    df = pd.read_csv(io.StringIO(out))
     assert len(df) == 72 and np.allclose(df["cosine"], 1.0, atol=1e-5)
     assert (tmp_path / "head_diff.png").is_file()
-    bad = subprocess.run(["mixlens", "head-diff", "-d", str(f), "--other", str(tmp_path / "nope")],
-                         capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+    code, _, err = run_cli(["head-diff", "-d", str(f), "--other", str(tmp_path / "nope")], capsys)
+    assert code == 2 and "does not exist" in err and "Traceback" not in err

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 import torch
@@ -20,7 +18,7 @@ from mixlens.interventions import (
     sweep,
 )
 from mixlens.trace import hooked
-from tests.conftest import SENTENCES, data_file, random_lens
+from tests.conftest import SENTENCES, data_file, random_lens, run_cli
 
 PAIRS = [("A man is playing a guitar.", "A man plays the guitar."),
          ("A woman is slicing an onion.", "Someone is cutting an onion."),
@@ -175,20 +173,18 @@ def test_sweep_accuracy_matches_direct(tokenizer, family):
     assert res.layers[last] == pytest.approx(_direct(lens, task, [Ablation(last, None, "zero")]))
 
 
-def test_cli_sweep_stsb(tmp_path):
+def test_cli_sweep_stsb(tmp_path, capsys):
     f = data_file("stsb", "dev.tsv")
-    r = subprocess.run(["mixlens", "sweep", "-d", str(f), "--limit", "4", "-o", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert "baseline spearman" in r.stdout and (tmp_path / "sweep.png").is_file()
+    code, out, err = run_cli(["sweep", "-d", str(f), "--limit", "4", "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "baseline spearman" in out and (tmp_path / "sweep.png").is_file()
     assert len((tmp_path / "sweep.csv").read_text().splitlines()) == 1 + 72 + 6
 
 
 @pytest.mark.parametrize("args,msg", [(["--mode", "bogus"], "unknown ablation mode"),
                                       (["--metric", "bleu"], "unknown metric"),
                                       (["--score-column", "nope"], "no column 'nope'")])
-def test_cli_sweep_errors(args, msg):
+def test_cli_sweep_errors(args, msg, capsys):
     f = data_file("stsb", "dev.tsv")
-    r = subprocess.run(["mixlens", "sweep", "-d", str(f), "--limit", "2", *args], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_cli(["sweep", "-d", str(f), "--limit", "2", *args], capsys)
+    assert code == 2 and msg in err and "Traceback" not in err

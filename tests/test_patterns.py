@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from mixlens.stats.patterns import (
     pattern_shares,
     segments_from_separators,
 )
-from tests.conftest import SENTENCES, data_file
+from tests.conftest import SENTENCES, data_file, run_cli
 
 LABELLED = Path(__file__).parent / "data" / "pattern_labels.json"
 N = 16
@@ -97,11 +96,11 @@ def test_classify_inputs_and_shares(bundled):
     assert classify_inputs(bundled, SENTENCES[:1])[0].tolist() == labels[0].tolist()
 
 
-def test_cli_patterns_csv(tmp_path):
+def test_cli_patterns_csv(tmp_path, capsys):
     f = data_file("sst2", "dev.tsv")
-    r = subprocess.run(["mixlens", "patterns", "-d", str(f), "--limit", "4", "--format", "csv", "-o", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    df = pd.read_csv(io.StringIO(r.stdout))
+    code, out, err = run_cli(["patterns", "-d", str(f), "--limit", "4", "--format", "csv", "-o", str(tmp_path)],
+                             capsys)
+    assert code == 0, err
+    df = pd.read_csv(io.StringIO(out))
     assert list(df.columns) == ["layer", *PATTERNS] and len(df) == 6
     np.testing.assert_allclose(df[list(PATTERNS)].sum(axis=1), 1)

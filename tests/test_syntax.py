@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import subprocess
 
 import numpy as np
 import pandas as pd
@@ -13,7 +12,7 @@ import torch
 from mixlens.errors import MixlensError
 from mixlens.result import Attribution
 from mixlens.stats.syntax import OFFSETS, predicted_words, read_conllu, syntax_heads, word_maps
-from tests.conftest import data_file
+from tests.conftest import data_file, run_cli
 
 CONLLU = """# sent_id = a
 # text = I don't like cats.
@@ -97,12 +96,12 @@ def test_accuracies_match_a_direct_count(bundled, tmp_path):
     assert set(best["direction"]) == {"dep→head", "head→dep"}
 
 
-def test_cli_syntax(tmp_path):
+def test_cli_syntax(tmp_path, capsys):
     f = data_file("ud_ewt", "en_ewt-ud-dev.conllu")
-    r = subprocess.run(["mixlens", "syntax", "-d", str(f), "--limit", "12", "--min-count", "3", "--format", "csv",
-                        "-o", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    df = pd.read_csv(io.StringIO(r.stdout))
+    code, out, err = run_cli(["syntax", "-d", str(f), "--limit", "12", "--min-count", "3", "--format", "csv",
+                              "-o", str(tmp_path)], capsys)
+    assert code == 0, err
+    df = pd.read_csv(io.StringIO(out))
     assert {"relation", "direction", "count", "layer", "head", "accuracy", "baseline_offset",
             "baseline_accuracy"} <= set(df.columns)
     assert df["accuracy"].between(0, 1).all() and (df["count"] >= 3).all()
@@ -110,8 +109,7 @@ def test_cli_syntax(tmp_path):
 
 @pytest.mark.parametrize("args,msg", [(["-d", "/no/such.conllu"], "does not exist"),
                                       (["-d", "{ud}", "--view", "x"], "unknown view")])
-def test_cli_syntax_errors(args, msg):
+def test_cli_syntax_errors(args, msg, capsys):
     ud = str(data_file("ud_ewt", "en_ewt-ud-dev.conllu"))
-    r = subprocess.run(["mixlens", "syntax", *[a.replace("{ud}", ud) for a in args]], capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_cli(["syntax", *[a.replace("{ud}", ud) for a in args]], capsys)
+    assert code == 2 and msg in err and "Traceback" not in err

@@ -100,13 +100,21 @@ def test_payload_holds_the_right_cells(views):
 
 def test_own_head_axis_shows_mean_and_heads(views):
     _, heads = views
-    res = Analysis("m", "0", TEXTS, heads["norm"].tokens, {"norm": heads["norm"]},
-                   {v: np.zeros((2, 6, 12)) for v in RATIO_VARIANTS}, np.zeros(2))
+    res = Analysis(
+        "m",
+        "0",
+        TEXTS,
+        heads["norm"].tokens,
+        {"norm": heads["norm"]},
+        {v: np.zeros((2, 6, 12)) for v in RATIO_VARIANTS},
+        np.zeros(2),
+    )
     m = vh.build_payload(res)["methods"][0]
     n = len(res.tokens[1])
     assert m["all_label"] == "mean over heads" and m["heads"] == 12
-    np.testing.assert_allclose(np.array(m["values"][1]).reshape(6, n, n), heads["norm"].input(1).mean(1),
-                               rtol=6e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        np.array(m["values"][1]).reshape(6, n, n), heads["norm"].input(1).mean(1), rtol=6e-4, atol=1e-7
+    )
 
 
 def test_caps_are_stated(views):
@@ -130,8 +138,9 @@ def test_caps_are_stated(views):
 def test_non_map_methods_are_named_not_shown():
     toks = [["[CLS]", "a", "[SEP]"]]
     per_class = Attribution(np.ones((1, 2, 3)), ("class", "source"), toks, "decompx_classes")
-    signed = Attribution(np.array([[[[0.5, -1.0, 0], [0, 1, 0], [0, 0, 2.0]]]]), ("class", "target", "source"),
-                         toks, "signed")
+    signed = Attribution(
+        np.array([[[[0.5, -1.0, 0], [0, 1, 0], [0, 0, 2.0]]]]), ("class", "target", "source"), toks, "signed"
+    )
     res = Analysis("m", "0", ["a"], toks, {"decompx_classes": per_class, "signed": signed}, {}, np.zeros(1))
     p = vh.build_payload(res)
     assert [m["name"] for m in p["methods"]] == ["signed"]
@@ -219,8 +228,7 @@ def test_bipartite_draws_the_strongest_links(views):
 
 def test_report_and_plot_cli(tmp_path):
     out = tmp_path / "r.html"
-    assert run_cli(["report", TEXTS[1], "--method", "attention", "--method", "norm",
-                    "--out", str(out)]) == 0
+    assert run_cli(["report", TEXTS[1], "--method", "attention", "--method", "norm", "--out", str(out)]) == 0
     p = json.loads([t for a, t in parse(out.read_text()).scripts if a.get("type")][0])
     assert [m["name"] for m in p["methods"]] == ["attention", "norm"] and p["methods"][1]["heads"] == 12
     out2 = tmp_path / "a.html"
@@ -229,22 +237,68 @@ def test_report_and_plot_cli(tmp_path):
     magic = {"png": b"\x89PNG", "svg": b"<?xml", "pdf": b"%PDF"}
     for view, ext in (("heatmap", "png"), ("ratio", "svg"), ("bipartite", "pdf")):
         f = tmp_path / f"f.{ext}"
-        assert run_cli(["plot", TEXTS[1], "--view", view, "--out", str(f), "--method", "attention",
-                        "--layer", "1", "--head", "0"]) == 0
+        assert (
+            run_cli(
+                [
+                    "plot",
+                    TEXTS[1],
+                    "--view",
+                    view,
+                    "--out",
+                    str(f),
+                    "--method",
+                    "attention",
+                    "--layer",
+                    "1",
+                    "--head",
+                    "0",
+                ]
+            )
+            == 0
+        )
         assert f.read_bytes().startswith(magic[ext])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["report", "x", "--out", "r.txt"], "--out must end in .html"),
-    (["report", "x", "--method", "nope", "--out", "r.html"], "unknown method 'nope'"),
-    (["plot", "x", "--out", "f.gif"], "must end in .png, .svg or .pdf"),
-    (["plot", "x", "--out", "f.png", "--method", "norm_res", "--head", "1"], "no per-head values"),
-    (["plot", "x", "--out", "f.png", "--layer", "6"], "layer 6 out of range"),
-    (["plot", "a", "b", "c", "d", "e", "--out", "f.png"], "at most 4 panels"),
-    (["serve", "missing.html"], "no such report file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["report", "x", "--out", "r.txt"], "--out must end in .html"),
+        (["report", "x", "--method", "nope", "--out", "r.html"], "unknown method 'nope'"),
+        (["plot", "x", "--out", "f.gif"], "must end in .png, .svg or .pdf"),
+        (["plot", "x", "--out", "f.png", "--method", "norm_res", "--head", "1"], "no per-head values"),
+        (["plot", "x", "--out", "f.png", "--layer", "6"], "layer 6 out of range"),
+        (["plot", "a", "b", "c", "d", "e", "--out", "f.png"], "at most 4 panels"),
+        (["serve", "missing.html"], "no such report file"),
+    ],
+)
 def test_cli_errors(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
     assert run_cli(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_head_figures_draw_the_given_values(tmp_path):
+    import matplotlib.image as mpimg
+
+    from mixlens.viz import heads as vhd
+
+    grid = np.array([[0.5, -1.0, 0.25], [0.0, 2.0, -0.75]])  # [layer, head]
+    vhd.layer_head_heatmap(grid, "t", tmp_path / "sub" / "g.png", cmap="RdBu", center=True)
+    assert mpimg.imread(tmp_path / "sub" / "g.png").shape[2] in (3, 4)
+    shares = np.array([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]])
+    vhd.pattern_shares_figure(shares, ("a", "b", "c"), "p", tmp_path / "p.svg")
+    svg = (tmp_path / "p.svg").read_text()
+    assert svg.count('<g id="patch_') >= 2 + 6  # background patches + one bar per (layer, pattern)
+    coords = np.array([[0.0, 1.0], [1.0, 0.0], [0.5, 0.5]])
+    vhd.head_mds_figure(
+        coords,
+        np.array([0, 0, 1]),
+        np.array([0, 1, 0]),
+        np.array(["x", "broad", "x"]),
+        ["x", "broad"],
+        "m",
+        tmp_path / "m.svg",
+    )
+    svg = (tmp_path / "m.svg").read_text()
+    assert all(f">{la}-{h}<" in svg or f"{la}-{h}" in svg for la, h in ((0, 0), (0, 1), (1, 0)))

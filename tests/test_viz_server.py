@@ -17,8 +17,15 @@ def viewer(bundled, tmp_path_factory):
     d = tmp_path_factory.mktemp("served")
     (d / "given.html").write_text("<!doctype html><p>given report</p>")
     (d / "secret.html").write_text("<p>SECRET</p>")
-    cfg = ViewerConfig(bundled, ["attention", "norm_resln"], heads=True, max_chars=200, max_tokens=24,
-                       files=report_files([d / "given.html"]), read_timeout=1.0)
+    cfg = ViewerConfig(
+        bundled,
+        ["attention", "norm_resln"],
+        heads=True,
+        max_chars=200,
+        max_tokens=24,
+        files=report_files([d / "given.html"]),
+        read_timeout=1.0,
+    )
     srv = make_server(cfg, "127.0.0.1", 0)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -62,20 +69,24 @@ def test_analyze_returns_the_view_payload(viewer, bundled):
     att = p["methods"][0]
     n = len(ref.tokens[0])
     assert att["name"] == "attention" and att["heads"] == bundled.adapter.layers[0].n_heads
-    np.testing.assert_allclose(np.array(p["methods"][1]["values"][0]).reshape(-1, n, n),
-                               ref["norm_resln"].input(0), rtol=6e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        np.array(p["methods"][1]["values"][0]).reshape(-1, n, n), ref["norm_resln"].input(0), rtol=6e-4, atol=1e-7
+    )
 
 
-@pytest.mark.parametrize("payload, status, message", [
-    ({"text": "word " * 41}, 413, "input has 205 characters; the limit is 200"),
-    ({"text": "a b c d e f g h i j k l m n o p q r s t u v w x y z"}, 413, "input has 28 tokens; the limit is 24"),
-    ({"text": "   "}, 400, "the input is empty"),
-    ({"txt": "x"}, 400, "send JSON"),
-    (b"not json", 400, "send JSON"),
-    (b"x" * 5000, 413, "too large; the input limit is 200 characters"),
-    (b"[" * 1050, 400, "send JSON"),  # deeper than Python's recursion limit
-    (b'{"text": "bad \\ud800 surrogate"}', 400, "lone surrogates"),
-])
+@pytest.mark.parametrize(
+    "payload, status, message",
+    [
+        ({"text": "word " * 41}, 413, "input has 205 characters; the limit is 200"),
+        ({"text": "a b c d e f g h i j k l m n o p q r s t u v w x y z"}, 413, "input has 28 tokens; the limit is 24"),
+        ({"text": "   "}, 400, "the input is empty"),
+        ({"txt": "x"}, 400, "send JSON"),
+        (b"not json", 400, "send JSON"),
+        (b"x" * 5000, 413, "too large; the input limit is 200 characters"),
+        (b"[" * 1050, 400, "send JSON"),  # deeper than Python's recursion limit
+        (b'{"text": "bad \\ud800 surrogate"}', 400, "lone surrogates"),
+    ],
+)
 def test_refuses_bad_or_oversize_input(viewer, payload, status, message):
     port, _ = viewer
     got, _, body = post(port, payload)
@@ -88,8 +99,10 @@ def test_slow_body_times_out(viewer):
 
     port, _ = viewer
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(b"POST /api/analyze HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"text\"")
+        s.sendall(
+            b"POST /api/analyze HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"text"'
+        )
         reply = s.recv(4096).decode()
     assert reply.startswith("HTTP/1.0 408") and "not received within 1 s" in reply
 
@@ -101,9 +114,21 @@ def test_refuses_forms_and_unknown_routes(viewer):
     assert request(port, "POST", "/files/given.html", b"{}", {"Content-Type": "application/json"})[0] == 404
 
 
-@pytest.mark.parametrize("path", ["/files/secret.html", "/files/../secret.html", "/files/%2e%2e/secret.html",
-                                  "/files/..%2fsecret.html", "/../../etc/passwd", "/etc/passwd",
-                                  "/files/%2Fetc%2Fpasswd", "/files/", "/viewer.js", "/report.js"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/files/secret.html",
+        "/files/../secret.html",
+        "/files/%2e%2e/secret.html",
+        "/files/..%2fsecret.html",
+        "/../../etc/passwd",
+        "/etc/passwd",
+        "/files/%2Fetc%2Fpasswd",
+        "/files/",
+        "/viewer.js",
+        "/report.js",
+    ],
+)
 def test_serves_only_what_it_was_given(viewer, path):
     port, _ = viewer
     status, _, body = request(port, "GET", path)

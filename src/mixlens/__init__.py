@@ -1,11 +1,44 @@
-"""mixlens: exact, fast context-mixing analysis of Transformers."""
+"""mixlens: exact, fast context-mixing analysis of Transformers.
+
+The public names load on first use (PEP 562), so `import mixlens` — and the command line, which imports
+`mixlens.cli` — stays cheap until a model is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from mixlens import methods  # noqa: E402  (fills the registry)
-from mixlens.errors import MixlensError, ReconstructionError  # noqa: E402
-from mixlens.lens import Lens, load  # noqa: E402
-from mixlens.result import Analysis, Attribution  # noqa: E402
+# public name → the module that defines it
+_EXPORTS = {
+    "Analysis": "mixlens.result",
+    "Attribution": "mixlens.result",
+    "Lens": "mixlens.lens",
+    "load": "mixlens.lens",
+    "MixlensError": "mixlens.errors",
+    "ReconstructionError": "mixlens.errors",
+}
 
-__all__ = ["Analysis", "Attribution", "Lens", "MixlensError", "ReconstructionError", "load", "methods",
-           "__version__"]
+if TYPE_CHECKING:
+    from mixlens import methods
+    from mixlens.errors import MixlensError, ReconstructionError
+    from mixlens.lens import Lens, load
+    from mixlens.result import Analysis, Attribution
+
+__all__ = ["Analysis", "Attribution", "Lens", "MixlensError", "ReconstructionError", "load", "methods", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "methods":  # the package; importing it fills the method registry
+        return importlib.import_module("mixlens.methods")
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mixlens' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,4 +1,4 @@
-"""Disabling heads and layers with our own hooks (transformers 5 removed `head_mask`; DESIGN §3.8).
+"""Disabling heads and layers with our own hooks (transformers 5 removed `head_mask`; docs/DESIGN.md §3.8).
 
 Modes, for the selected heads of one layer:
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -106,7 +107,9 @@ def edits_for(
     if mode == "zero":
         return {f"blocks.{name}.attn.z": _edit(sel, lambda t: torch.zeros((), device=t.device))}
     if mode == "mean":
-        return {f"blocks.{name}.attn.z": _edit(sel, lambda t: means[layer].to(t.device)[None, :, None, :])}
+        assert means is not None  # [L, H, d_h], required for mode 'mean'
+        mean = means[layer]
+        return {f"blocks.{name}.attn.z": _edit(sel, lambda t: mean.to(t.device)[None, :, None, :])}
     raise MixlensError(f"unknown ablation mode '{mode}'; valid: {', '.join(MODES)}")
 
 
@@ -118,8 +121,13 @@ def merged_edits(lens, ablations: Sequence[Ablation], mask: torch.Tensor,
     for a in ablations:
         for name, fn in edits_for(lens, a.layer, [a.heads], a.mode, mask, means).items():
             prev = edits.get(name)
-            edits[name] = fn if prev is None else (lambda t, f=fn, p=prev: f(p(t)))
+            edits[name] = fn if prev is None else _composed(fn, prev)
     return edits
+
+
+def _composed(f: Edit, g: Edit) -> Edit:
+    """The edit f ∘ g."""
+    return lambda t: f(g(t))
 
 
 def ablated_trace(lens, enc, ablations: Sequence[Ablation], means: torch.Tensor | None = None) -> Trace:
@@ -158,7 +166,7 @@ def _batch_mean_contexts(trace: Trace) -> tuple[torch.Tensor, int]:
 
 
 @contextmanager
-def _from_layer(lens, layer: int, x: torch.Tensor) -> Iterator[None]:
+def _from_layer(lens, layer: int, x: torch.Tensor | None) -> Iterator[None]:
     """Run only layers ≥ `layer`, feeding them the cached residual stream x [B', n, d] (the embeddings are
     still computed, and discarded). The attention calls are then numbered from 0."""
     fam = lens.adapter.family
@@ -241,13 +249,17 @@ def sweep(lens, task, mode: str = "uniform", on_step: Callable[[int], None] | No
     groups: list[tuple[int, ...] | None] = [(h,) for h in range(n_heads)] + [None]
     k = len(groups)
     extra = {"use_cache": False} if adapter.family.causal else {}
-    base_parts, means, total, count = [], None, None, 0
+    base_parts: list[Any] = []
+    means: torch.Tensor | None = None
+    total: torch.Tensor | None = None
+    count = 0
     if mode == "mean":  # the reference contexts come from the same data, before any ablation
         for inputs in task.batches:
             s, c = _batch_mean_contexts(run_traced(adapter, lens.model, inputs))
             total, count = (s if total is None else total + s), count + c
             if on_step:
                 on_step(1)
+        assert total is not None
         means = total / count
     parts: list[list[list[torch.Tensor]]] = [[[] for _ in range(k)] for _ in range(n_layers)]
     skip = _can_skip(lens)

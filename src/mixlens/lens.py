@@ -7,10 +7,10 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from mixlens import methods as method_registry
 from mixlens.adapters import Adapter, family_for, resolve
@@ -43,6 +43,9 @@ def _head_for(config) -> str:
         if key in archs:
             return head
     return "base"
+
+
+head_for = _head_for  # public: the head `load` picks for a model config (the CLI's `sweep` asks for it)
 
 
 def _resolve_source(model: str | Path | None) -> tuple[str, bool]:
@@ -99,13 +102,13 @@ class Encoded:
 class Lens:
     """A model ready for analysis. Build with `mixlens.load(...)` or `Lens(model, tokenizer)`."""
 
-    def __init__(self, model: nn.Module, tokenizer, name: str | None = None):
+    def __init__(self, model: Any, tokenizer, name: str | None = None):  # model: a transformers nn.Module
         if next(model.parameters()).dtype != torch.float32:
             warnings.warn("mixlens analyses in fp32; upcasting the model", stacklevel=2)
             model = model.float()
         if getattr(model.config, "_attn_implementation", "eager") != "eager":
             model.set_attn_implementation("eager")
-        self.model = model.eval()
+        self.model: Any = model.eval()  # a transformers model: its attributes (config, heads) are dynamic
         self.tokenizer = tokenizer
         self.adapter: Adapter = resolve(model)
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__

@@ -83,7 +83,7 @@ class Attribution:
                            {**self.params, f"mean_{dim}": True}, self.words)
 
     def to_words(self) -> Attribution:
-        """Word-level maps (DESIGN §3.8): attention *to* a word sums its pieces, *from* a word averages.
+        """Word-level maps (docs/DESIGN.md §3.8): attention *to* a word sums its pieces, *from* a word averages.
 
         Special tokens stay as their own 'words'. Needs `target` and `source` as the last two axes.
         """

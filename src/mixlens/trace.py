@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,12 +50,12 @@ class Trace:
     """One forward pass over a padded batch (right padding; `mask` marks real tokens)."""
 
     adapter: Adapter
-    model: nn.Module
+    model: Any  # the transformers model (dynamic attributes: config, heads)
     inputs: dict[str, torch.Tensor]  # what the model was called with (input_ids, attention_mask, ...)
     layers: list[LayerTrace]
     logits: torch.Tensor | None  # model head output when the model has one (None for a partial trace)
     tokenizer: object | None = None  # for special-token roles (e.g. the [MASK] position of saliency)
-    cache: dict[str, object] = field(default_factory=dict)  # shared intermediate results of methods
+    cache: dict[Any, Any] = field(default_factory=dict)  # shared intermediate results of methods (by key)
 
     @property
     def mask(self) -> torch.Tensor:  # [B, n] bool

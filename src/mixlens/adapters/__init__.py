@@ -8,6 +8,7 @@ table entry into concrete modules and weight matrices in the canonical `x @ W` o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ class Family:
     fused_qkv: bool = False
 
 
-_BERT_LIKE = dict(
+_BERT_LIKE: dict[str, Any] = dict(
     layers="encoder.layer", pre_ln=False, rms=False, attn="attention.self", v_proj="attention.self.value",
     o_proj="attention.output.dense", ln_mix="attention.output.LayerNorm", ffn_in="intermediate.dense",
     ffn_out="output.dense", ln_out="output.LayerNorm",
@@ -82,7 +83,7 @@ def family_for(model_type: str) -> Family:
     )
 
 
-def _linear_xw(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _linear_xw(mod: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(W [in, out], b [out] | None) such that mod(x) = x @ W + b; handles nn.Linear and GPT-2 Conv1D."""
     if isinstance(mod, nn.Linear):
         return mod.weight.T, mod.bias
@@ -91,14 +92,14 @@ def _linear_xw(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 @dataclass
 class Norm:
-    """A LayerNorm or RMSNorm as the per-target linear map of DESIGN §3.3: g_i(v) = γ ⊙ C(v) / s_i."""
+    """A LayerNorm or RMSNorm as the per-target linear map of docs/DESIGN.md §3.3: g_i(v) = γ ⊙ C(v) / s_i."""
 
     module: nn.Module
     rms: bool
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.module.weight
+        return cast(torch.Tensor, self.module.weight)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -154,7 +155,7 @@ class Layer:
 @dataclass
 class Adapter:
     family: Family
-    base: nn.Module  # the base encoder/decoder inside any AutoModel head
+    base: Any  # the base encoder/decoder inside any AutoModel head (a transformers model: dynamic attributes)
     layers: list[Layer]
 
     @property
@@ -166,14 +167,15 @@ class Adapter:
         return self.layers[0].n_heads
 
 
-def _get(root: nn.Module, path: str) -> nn.Module:
-    mod = root
+def _get(root: nn.Module, path: str) -> Any:
+    """The submodule at a dotted path (HF modules: attributes and list indices)."""
+    mod: Any = root
     for part in path.split("."):
         mod = getattr(mod, part) if not part.isdigit() else mod[int(part)]
     return mod
 
 
-def _layer_modules(fam: Family, base: nn.Module) -> list[nn.Module]:
+def _layer_modules(fam: Family, base: Any) -> list[nn.Module]:
     if fam.name != "albert":
         return list(_get(base, fam.layers))
     cfg = base.config  # ALBERT: groups of shared layers, each called L/G times in order
@@ -182,7 +184,7 @@ def _layer_modules(fam: Family, base: nn.Module) -> list[nn.Module]:
     return [m for i in range(n) for m in groups[int(i / (n / g))].albert_layers]
 
 
-def resolve(model: nn.Module) -> Adapter:
+def resolve(model: Any) -> Adapter:
     """Find the family of an HF model (any AutoModel head) and its per-layer modules."""
     cfg = model.config
     fam = family_for(cfg.model_type)

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import typer
 
+from mixlens.commands.options import model_option
 from mixlens.errors import MixlensError
 
 
 def register(app: typer.Typer) -> None:
-    from mixlens.cli import model_option
-
     @app.command("compare-local-global")
     def compare_local_global_cmd(
         data: Path = typer.Argument(..., help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record."),
@@ -22,8 +23,11 @@ def register(app: typer.Typer) -> None:
         limit: int = typer.Option(64, "--limit", min=0, help="Use the first N records (0 = all)."),
         mode: str = typer.Option("estimate", "--mode", help="exact (n·d JVPs per input) or estimate (Hutchinson)."),
         probes: int = typer.Option(16, "--probes", help="Random probes per source token in estimate mode."),
-        input: str = typer.Option("word", "--input", help="Differentiate w.r.t. 'word' (word-piece) embeddings "
-                                  "or the 'embedding'-layer output."),
+        input: str = typer.Option(
+            "word",
+            "--input",
+            help="Differentiate w.r.t. 'word' (word-piece) embeddings or the 'embedding'-layer output.",
+        ),
         batch_size: int = typer.Option(8, "--batch-size", min=1),
         max_length: int | None = typer.Option(None, "--max-length", min=1),
         out: Path = typer.Option(Path("local-global.json"), "--out", "-o", help="JSON with all per-head numbers."),
@@ -34,34 +38,46 @@ def register(app: typer.Typer) -> None:
         from mixlens.lens import load
         from mixlens.methods.gradients import MODES
         from mixlens.result import atomic_write
-        from mixlens.stats.agreement import compare_local_global, plot
+        from mixlens.stats.agreement import compare_local_global
+        from mixlens.viz.heads import local_global_figure
 
         if mode not in MODES:
             raise MixlensError(f"unknown mode '{mode}'; valid: {', '.join(MODES)}")
         if not data.is_file():
             raise MixlensError(f"data file '{data}' does not exist")
-        texts = (ex.text for ex in iter_examples(data, text_column=text_column, pair_column=pair_column))
-        texts = itertools.islice(texts, limit) if limit else texts
+        texts: Iterable[str | tuple[str, str]] = (
+            ex.text for ex in iter_examples(data, text_column=text_column, pair_column=pair_column)
+        )
+        if limit:
+            texts = itertools.islice(texts, limit)
         lens = load(model)
-        res = compare_local_global(lens, texts, batch_size=batch_size, max_length=max_length, input=input,
-                                   mode=mode, probes=probes)
+        res = compare_local_global(
+            lens, texts, batch_size=batch_size, max_length=max_length, input=input, mode=mode, probes=probes
+        )
         atomic_write(out, res.dumps().encode())
         if figure:
-            plot(res, str(figure))
-        _print(res)
+            local_global_figure(res, figure)
+        print_agreement(res)
         typer.echo(f"wrote {out}" + (f" and {figure}" if figure else ""), err=True)
 
     @app.command("saliency")
     def saliency_cmd(
         text: list[str] = typer.Argument(..., help="One or more texts."),
         model: str | None = model_option(),
-        head: str | None = typer.Option(None, "--head", help="Model head: sequence-classification, masked-lm, "
-                                        "causal-lm (default: from the model config)."),
+        head: str | None = typer.Option(
+            None,
+            "--head",
+            help="Model head: sequence-classification, masked-lm, causal-lm (default: from the model config).",
+        ),
         kind: str = typer.Option("saliency", "--kind", help="saliency, grad_x_input or integrated_gradients."),
-        target: str = typer.Option("pred", "--target", help="'pred' (predicted class/token) or a class index / "
-                                   "token id."),
-        position: int | None = typer.Option(None, "--position", help="Token position of an LM target (default: "
-                                            "the [MASK], or the last token for causal LMs)."),
+        target: str = typer.Option(
+            "pred", "--target", help="'pred' (predicted class/token) or a class index / token id."
+        ),
+        position: int | None = typer.Option(
+            None,
+            "--position",
+            help="Token position of an LM target (default: the [MASK], or the last token for causal LMs).",
+        ),
         reduction: str = typer.Option("l2", "--reduction", help="l2, l1 or sum over hidden dims."),
         steps: int = typer.Option(50, "--steps", help="Integrated-gradients steps."),
         baseline: str = typer.Option("zero", "--baseline", help="Integrated-gradients baseline: zero or pad."),
@@ -73,17 +89,20 @@ def register(app: typer.Typer) -> None:
         tgt: int | str = int(target) if target.lstrip("-").isdigit() else target
         lens = load(model, head=head)
         enc = lens.encode(text)
-        res = output_attribution(lens.trace(enc), kind, target=tgt, position=position, reduction=reduction,
-                                 steps=steps, baseline=baseline)
+        res = output_attribution(
+            lens.trace(enc), kind, target=tgt, position=position, reduction=reduction, steps=steps, baseline=baseline
+        )
         for b, toks in enumerate(enc.tokens):
             line = f"input {b + 1}: f(x) = {res.target_value[b]:.4f}"
-            if res.delta is not None:
+            if res.delta is not None and res.baseline_value is not None:
                 line += f", f(baseline) = {res.baseline_value[b]:.4f}, convergence delta = {res.delta[b]:.2e}"
             print(line)
             print("  " + "  ".join(f"{t}:{v:.3g}" for t, v in zip(toks, res.values[b].tolist(), strict=False)))
 
 
-def _print(res) -> None:
+def print_agreement(res: Any) -> None:
+    """Per-layer agreement of attention and head attribution (a `LocalGlobal`) as a rich table, then the
+    persistent token-type patterns."""
     from rich.console import Console
     from rich.table import Table
 
@@ -94,9 +113,12 @@ def _print(res) -> None:
         table.add_column(col, justify="right")
     for layer in range(res.scores["js"].shape[0]):
         masses = [f"{res.local[t][layer].mean():.2f}/{res.global_[t][layer].mean():.2f}" for t in TOKEN_TYPES]
-        table.add_row(str(layer), *(f"{res.scores[k][layer].mean():.3f}" for k in ("js", "pearson", "spearman")),
-                      *masses)
+        table.add_row(
+            str(layer), *(f"{res.scores[k][layer].mean():.3f}" for k in ("js", "pearson", "spearman")), *masses
+        )
     Console().print(table)
     pers = res.persistent_patterns()
-    print(f"patterns dominating a head in at least half the layers - attention: {', '.join(pers['local']) or 'none'};"
-          f" head attribution: {', '.join(pers['global']) or 'none'}; both: {', '.join(pers['both']) or 'none'}")
+    print(
+        f"patterns dominating a head in at least half the layers - attention: {', '.join(pers['local']) or 'none'};"
+        f" head attribution: {', '.join(pers['global']) or 'none'}; both: {', '.join(pers['both']) or 'none'}"
+    )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from mixlens.commands.options import check_methods, model_option, parse_options
 from mixlens.errors import MixlensError
 
 
@@ -20,30 +21,33 @@ MAX_PANELS = 4
 
 
 def register(app: typer.Typer) -> None:
-    from mixlens.cli import model_option, parse_options
-
     @app.command()
     def report(
         text: list[str] = typer.Argument(..., help="One or more texts to analyse."),
         out: Path = typer.Option(Path("mixlens-report.html"), "--out", "-o", help="The HTML file to write."),
         model: str | None = model_option(),
-        method: list[str] = typer.Option(None, "--method", help="Method name (repeatable); default: attention, "
-                                         "norm, norm_res, norm_resln."),
+        method: list[str] = typer.Option(
+            None, "--method", help="Method name (repeatable); default: attention, norm, norm_res, norm_resln."
+        ),
         heads: bool = typer.Option(True, "--heads/--no-heads", help="Also embed per-head maps (head selector)."),
         option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
-        max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit (default: the "
-                                              "model's)."),
-        max_values: int = typer.Option(4_000_000, "--max-values", min=1, help="Most numbers embedded in the "
-                                       "file; per-head maps, then methods, are left out beyond it (said on the "
-                                       "page)."),
+        max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit (default: the model's)."),
+        max_values: int = typer.Option(
+            4_000_000,
+            "--max-values",
+            min=1,
+            help="Most numbers embedded in the "
+            "file; per-head maps, then methods, are left out beyond it (said on the "
+            "page).",
+        ),
         title: str | None = typer.Option(None, "--title", help="Page title."),
     ) -> None:
         """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios."""
-        from mixlens.lens import DEFAULT_METHODS, load
+        from mixlens.lens import load
         from mixlens.result import atomic_write
         from mixlens.viz.html import analyze_for_view, render_report
 
-        methods = _methods(method, DEFAULT_METHODS)
+        methods = check_methods(method)
         opts = parse_options(option)
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
@@ -60,8 +64,9 @@ def register(app: typer.Typer) -> None:
         view: View = typer.Option(View.heatmap, "--view", help="heatmap, bipartite or ratio."),
         method: str = typer.Option("norm_resln", "--method", help="Method for heatmap/bipartite."),
         layer: int = typer.Option(-1, "--layer", help="Layer (0-based; negative counts from the end)."),
-        head: int | None = typer.Option(None, "--head", min=0, help="One head (0-based) instead of the "
-                                        "method's own map."),
+        head: int | None = typer.Option(
+            None, "--head", min=0, help="One head (0-based) instead of the method's own map."
+        ),
         option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
         max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit."),
     ) -> None:
@@ -80,8 +85,13 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"'{method}' has no per-head values; drop --head")
         opts = parse_options(option)
         lens = load(model)
-        res = lens.analyze(text, ["attention"] if view is View.ratio else [method], heads=head is not None,
-                           options=opts, max_length=max_length)
+        res = lens.analyze(
+            text,
+            ["attention"] if view is View.ratio else [method],
+            heads=head is not None,
+            options=opts,
+            max_length=max_length,
+        )
         inputs = list(range(len(text)))
         if view is View.ratio:
             fig = static.ratio_figure(res)
@@ -98,17 +108,18 @@ def register(app: typer.Typer) -> None:
         model: str | None = model_option(),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: loopback only)."),
         port: int = typer.Option(8765, "--port", "-p", min=0, max=65535, help="Port (0: any free port)."),
-        method: list[str] = typer.Option(None, "--method", help="Method name (repeatable); default: attention, "
-                                         "norm, norm_res, norm_resln."),
+        method: list[str] = typer.Option(
+            None, "--method", help="Method name (repeatable); default: attention, norm, norm_res, norm_resln."
+        ),
         heads: bool = typer.Option(True, "--heads/--no-heads", help="Per-head maps for the head selector."),
         max_chars: int = typer.Option(1000, "--max-chars", min=1, help="Longest accepted input in characters."),
         max_tokens: int = typer.Option(128, "--max-tokens", min=2, help="Longest accepted input in tokens."),
     ) -> None:
         """Local viewer: type a sentence in the browser and get the report view."""
-        from mixlens.lens import DEFAULT_METHODS, load
+        from mixlens.lens import load
         from mixlens.viz.server import ViewerConfig, make_server, report_files
 
-        methods = _methods(method, DEFAULT_METHODS)
+        methods = check_methods(method)
         given = report_files(files or [])
         lens = load(model)
         try:
@@ -117,21 +128,13 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         if host not in ("127.0.0.1", "localhost", "::1"):
             typer.echo(f"warning: listening on {host}: other machines can reach this viewer", err=True)
-        addr, bound = server.server_address[:2]
-        typer.echo(f"mixlens viewer on http://{'[' + addr + ']' if ':' in addr else addr}:{bound}/ "
-                   "(Ctrl-C stops it)", err=True)
+        addr, bound = str(server.server_address[0]), server.server_address[1]
+        typer.echo(
+            f"mixlens viewer on http://{'[' + addr + ']' if ':' in addr else addr}:{bound}/ (Ctrl-C stops it)", err=True
+        )
         try:
             server.serve_forever()
         except KeyboardInterrupt:
             typer.echo("stopped", err=True)
         finally:
             server.server_close()
-
-
-def _methods(given: list[str] | None, default: tuple[str, ...]) -> list[str]:
-    from mixlens.methods import get
-
-    methods = list(given) if given else list(default)
-    for m in methods:
-        get(m)  # unknown names fail before the model loads
-    return methods

@@ -7,6 +7,8 @@ shard's Parquet bytes, so DIR need not be on a filesystem the cluster shares. Ra
 
 from __future__ import annotations
 
+from typing import Any
+
 from mixlens.corpus.readers import Example
 from mixlens.errors import MixlensError
 
@@ -32,7 +34,7 @@ class RayBackend:
         res = ray.cluster_resources()
         n = workers or max(1, int(res.get("GPU" if gpu else "CPU", 1)))
         actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)(_ShardActor)
-        self.actors = [actor.remote(job) for _ in range(n)]
+        self.actors: list[Any] = [actor.remote(job) for _ in range(n)]  # ray ActorHandles
         self.refs: dict = {}  # ObjectRef → actor slot
         self.capacity = 2 * n
         self.load = [0] * n
@@ -72,6 +74,7 @@ class _ShardActor:
 
         torch.set_num_threads(1)
         self.job = job
+        self.lens: Any  # the loaded Lens, or the MixlensError that loading raised
         try:
             self.lens = load(job.model, head=job.head, device=job.device)
         except MixlensError as e:  # raised again by each task, where the driver turns it into one line

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,7 +165,9 @@ def _jsonl(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
             break
     if not any(isinstance(r, dict) for r in first):
         if first:
-            raise MixlensError(f"{path} has no readable JSON object ({first[0].where})")
+            bad = first[0]
+            assert isinstance(bad, _Bad)  # no record is a dict
+            raise MixlensError(f"{path} has no readable JSON object ({bad.where})")
         raise MixlensError(f"{path} is empty (no rows)")
 
     def rows() -> Iterator[dict[str, Any] | _Bad]:
@@ -175,7 +177,9 @@ def _jsonl(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
             if rec is not None:
                 yield rec
 
-    return list(first[-1]), rows()
+    head = first[-1]
+    assert isinstance(head, dict)  # the loop above stops at the first object
+    return list(head), rows()
 
 
 def _parquet(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
@@ -255,8 +259,9 @@ def open_records(src: str | Path, fmt: str | None = None) -> tuple[list[str], It
         raise MixlensError(f"unknown data format '{fmt}'; valid: {', '.join(FORMATS)}")
     if path.stat().st_size == 0:
         raise MixlensError(f"{src} is empty")
-    return {"tsv": _delimited, "csv": _delimited, "jsonl": _jsonl, "parquet": _parquet,
-            "text": _text}[fmt](path, *((fmt,) if fmt in ("tsv", "csv") else ()))
+    readers: dict[str, Callable[..., tuple[list[str], Iterator[dict[str, Any] | _Bad]]]] = {
+        "tsv": _delimited, "csv": _delimited, "jsonl": _jsonl, "parquet": _parquet, "text": _text}
+    return readers[fmt](path, *((fmt,) if fmt in ("tsv", "csv") else ()))
 
 
 def resolve_columns(columns: list[str], text_column: str | None, pair_column: str | None,
@@ -320,6 +325,7 @@ def examples_from(records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str
             continue
         any_row = True
         _bump(stats, "read")
+        assert a is not None and b is not None  # a record that stays a dict has both texts
         yield Example(index, (a, b) if pcol is not None else a, rec)
     if not any_row:
         raise MixlensError(f"{where} has no rows" if index < 0 else f"{where} has no readable rows "

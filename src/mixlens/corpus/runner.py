@@ -15,8 +15,10 @@ import json
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +30,9 @@ from mixlens.errors import MixlensError
 from mixlens.methods import get as get_method
 from mixlens.methods.norms import RATIO_VARIANTS, block_norms
 from mixlens.stats.tokens import row_entropy, token_kinds, token_type_masses
+
+if TYPE_CHECKING:
+    from mixlens.corpus.ray_backend import RayBackend
 
 STORES = ("summary", "full")
 BACKENDS = ("local", "ray")
@@ -186,8 +191,8 @@ def compute_shard(lens, job: Job, shard_id: int, examples: list[Example],
     cols.update({k: _nested(v) for k, v in summary.items()})
     if full:
         cols["tokens"] = pa.array(tokens, pa.list_(pa.string()))
-        for name, vals in full.items():
-            cols[name] = pa.array(vals, pa.list_(pa.float32()))
+        for name, arrays in full.items():
+            cols[name] = pa.array(arrays, pa.list_(pa.float32()))
             cols[f"{name}.shape"] = pa.array(shapes[name], pa.list_(pa.int32()))
     info = {"job_id": job.job_id, "shard": shard_id, "examples": n_ex, "first_index": examples[0].index,
             "last_index": examples[-1].index, "tokens": int(n_tokens.sum()), "truncated": int((trunc_from > 0).sum())}
@@ -218,7 +223,7 @@ class LocalBackend:
         pass
 
 
-_WORKER_LENS = None  # the worker process's Lens, or the MixlensError that loading it raised
+_WORKER_LENS: Any = None  # the worker process's Lens, or the MixlensError that loading it raised
 
 
 def _init_worker(job: Job, threads: int) -> None:
@@ -248,7 +253,8 @@ class ProcessBackend:
         threads = max(1, (os.cpu_count() or 1) // workers)
         self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
                                         initargs=(job, threads))
-        self.job, self.futures, self.capacity = job, set(), 2 * workers
+        self.futures: set[Future[Any]] = set()
+        self.job, self.capacity = job, 2 * workers
 
     def submit(self, shard_id: int, examples: list[Example]) -> None:
         self.futures.add(self.pool.submit(_worker_compute, self.job, shard_id, examples))
@@ -420,6 +426,7 @@ def run_corpus(
     sh.write_manifest(out, manifest(False))
     bar = _Progress(count_records(data, fmt) if is_file else None) if progress else None
     on_batch = bar.advance if bar else None
+    pool: RayBackend | ProcessBackend | LocalBackend
     if backend == "ray":
         from mixlens.corpus.ray_backend import RayBackend
 

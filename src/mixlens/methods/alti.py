@@ -1,4 +1,4 @@
-"""ALTI (Ferrando et al. 2022; DESIGN §3.5): L1-distance contributions per layer and their rollout.
+"""ALTI (Ferrando et al. 2022; docs/DESIGN.md §3.5): L1-distance contributions per layer and their rollout.
 
 Post-LN: T_i(x_j) = g_i(t_ij) = P1(t_ij)/s1_i and y_i = the real LN1 output, so y_i = Σ_j T_i(x_j) + g_i(b_O) + β
 exactly. Pre-LN (GPT-2, Llama): the residual path has no norm, so T_i(x_j) = t_ij and y_i = the real residual sum

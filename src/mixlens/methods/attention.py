@@ -1,4 +1,4 @@
-"""Raw attention weights (W): α^h_ij per head, or the head mean ᾱ_ij (DESIGN §3.1)."""
+"""Raw attention weights (W): α^h_ij per head, or the head mean ᾱ_ij (docs/DESIGN.md §3.1)."""
 
 from __future__ import annotations
 

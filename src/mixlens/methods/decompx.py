@@ -1,4 +1,4 @@
-"""DecompX (Modarressi et al. 2023; DESIGN §3.5): per-source vectors carried through the whole model.
+"""DecompX (Modarressi et al. 2023; docs/DESIGN.md §3.5): per-source vectors carried through the whole model.
 
 Every hidden state is kept as a sum over source tokens k, x_i = Σ_k x_{i⇐k}, starting from x⁰_{i⇐k} = [i=k] x⁰_i
 (the embedding output). Each operation is applied to every part:
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -112,6 +112,7 @@ def _rows(n: int, width: int) -> list[slice]:
 def _ffn(parts: torch.Tensor, lt: LayerTrace, lay: Layer, b: int, n: int, rows: slice) -> torch.Tensor:
     """FFN output parts [r, k, d] for the target rows `rows` (parts = the FFN input parts of those rows)."""
     w_in, b_in = _linear_xw(lay.ffn_in)
+    assert lt.ffn_pre is not None and lt.ffn_act is not None  # decompx traces with ffn=True
     pre, act = lt.ffn_pre[b, :n][rows].float(), lt.ffn_act[b, :n][rows].float()
     theta = torch.where(pre != 0, act / torch.where(pre != 0, pre, torch.ones_like(pre)), torch.zeros_like(pre))
     h = share(parts @ w_in.float(), b_in) * theta[:, None, :]
@@ -127,23 +128,29 @@ def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int, ow
     n, _, d = x.shape
     alpha = lt.alpha[b, :, :n, :n].float()
     if pre_ln:
+        assert lay.ln_in is not None
         ln_x = torch.cat([_apply_norm(x[r], lay.ln_in, lt.x[b, :n][r]) for r in _rows(n, d)])
         y = x + _attention(ln_x, alpha, lay, own_bias)
         del ln_x
     else:
         y = x + _attention(x, alpha, lay, own_bias)
     b_att = _attn_bias(lay, not own_bias)
+    assert lt.ffn_pre is not None
     d_ff = lt.ffn_pre.shape[-1]
     out = torch.empty_like(y)
     for r in _rows(n, max(d, d_ff)):
         yr = share(y[r], b_att)  # Σ_k = the real norm input (mix_in)
         zr = _apply_norm(yr, lay.ln_mix, lt.mix_in[b, :n][r])  # Σ_k = mix_out
         fr = _ffn(zr, lt, lay, b, n, r)
-        out[r] = yr + fr if pre_ln else _apply_norm(zr + fr, lay.ln_out, lt.ln_out_in[b, :n][r])
+        if pre_ln:
+            out[r] = yr + fr
+        else:
+            assert lay.ln_out is not None and lt.ln_out_in is not None
+            out[r] = _apply_norm(zr + fr, lay.ln_out, lt.ln_out_in[b, :n][r])
     return out
 
 
-def _head(model: nn.Module, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | None, bool]:
+def _head(model: Any, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | None, bool]:
     """(linear steps with their activations, the final norm before the head, whether the last token is read)."""
     name = type(model).__name__
     if not name.endswith("ForSequenceClassification"):
@@ -193,10 +200,13 @@ def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> Decompo
     h = x[pos : pos + 1]  # [1, k, d]
     del x
     if final is not None:
-        h = _apply_norm(h, final, trace.layers[-1].out[b, pos : pos + 1])
+        final_in = trace.layers[-1].out
+        assert final_in is not None  # a full trace
+        h = _apply_norm(h, final, final_in[b, pos : pos + 1])
     for lin, act in steps:
         h = _linearised(h, lin, act)
     scores = h[0].T  # [C, n]
+    assert trace.logits is not None  # a full trace of a classifier
     logits = trace.logits[b].float()
     top = logits.abs().max().clamp_min(torch.finfo(logits.dtype).tiny)
     err = ((scores.sum(-1) - logits).abs().max() / top).item()

@@ -1,11 +1,11 @@
-"""GlobEnc (Modarressi et al. 2022; DESIGN §3.5): whole-encoder-layer norms and their rollout.
+"""GlobEnc (Modarressi et al. 2022; docs/DESIGN.md §3.5): whole-encoder-layer norms and their rollout.
 
 Post-LN layer: with t_ij = Σ_h α^h_ij f^h(x_j) + [i=j] x_i, LN1 as g1_i(v) = P1(v)/s1_i and LN2 as
 g2_i(v) = P2(v)/s2_i (s2 from the real LN2 input, so the FFN enters only through that scale):
 
     out_i = Σ_j g2_i(g1_i(t_ij)) + g2_i(g1_i(b_O) + β1) + g2_i(FFN_i) + β2      (exact)
 
-N-Enc_ij = ‖g2_i(g1_i(t_ij))‖, taken through per-source Gram matrices of P2∘P1 f^h_j (DESIGN §4).
+N-Enc_ij = ‖g2_i(g1_i(t_ij))‖, taken through per-source Gram matrices of P2∘P1 f^h_j (docs/DESIGN.md §4).
 Pre-LN layers (GPT-2, Llama) have no norm on the residual path, so N-Enc_ij = ‖t_ij‖ there.
 """
 
@@ -24,14 +24,15 @@ from mixlens.trace import LayerTrace, Trace
 
 def _maps(lt: LayerTrace, lay: Layer):
     """(P = P2∘P1 as a function on [..., d], 1/(s1_i s2_i) [B, n])."""
-    ln1, ln2 = lay.ln_mix, lay.ln_out
-    if lt.ln_out_in is None:
+    ln1, ln2, ln2_in = lay.ln_mix, lay.ln_out, lt.ln_out_in
+    if ln2_in is None:
         raise RuntimeError("globenc needs a trace captured with ffn=True")
+    assert ln2 is not None  # post-LN layers have LN2
 
     def p(v: torch.Tensor) -> torch.Tensor:
         return ln2.project(ln1.project(v))
 
-    return p, 1.0 / (ln1.scale(lt.mix_in.float()) * ln2.scale(lt.ln_out_in.float()))
+    return p, 1.0 / (ln1.scale(lt.mix_in.float()) * ln2.scale(ln2_in.float()))
 
 
 @torch.no_grad()
@@ -51,11 +52,12 @@ def globenc_vectors(trace: Trace, index: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _rest(lt: LayerTrace, lay: Layer, inv: torch.Tensor) -> torch.Tensor:
     """g2(g1(b_O) + β1) + g2(FFN output) + β2: [B, n, d]."""
-    ln1, ln2 = lay.ln_mix, lay.ln_out
-    s2 = ln2.scale(lt.ln_out_in.float())[..., None]
+    ln1, ln2, ln2_in = lay.ln_mix, lay.ln_out, lt.ln_out_in
+    assert ln2 is not None and ln2_in is not None  # post-LN, traced with ffn=True
+    s2 = ln2.scale(ln2_in.float())[..., None]
     b_o = lay.b_o.float() if lay.b_o is not None else torch.zeros(lt.x.shape[-1])
     bias1 = ln2.project(ln1.project(b_o)) * inv[..., None] + ln2.project(ln1.shift().float()) / s2
-    ffn = lt.ln_out_in.float() - lt.mix_out.float()
+    ffn = ln2_in.float() - lt.mix_out.float()
     return bias1 + ln2.project(ffn) / s2 + ln2.shift().float()
 
 
@@ -70,6 +72,7 @@ def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> torch.
     out = out * inv[:, :, None]
     # self-check: the decomposition plus the unattributed terms must rebuild the real layer output
     rebuilt = p(attn_sum(lt, lay) + x) * inv[..., None] + _rest(lt, lay, inv)
+    assert lt.out is not None  # a full trace
     err = ((rebuilt - lt.out.float()).abs() * mask[..., None]).amax()
     scale = lt.out.float().abs().amax().clamp_min(1.0)
     if err > TOLERANCE * scale:

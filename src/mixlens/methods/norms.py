@@ -1,4 +1,4 @@
-"""Norm-based decomposition of the attention block (Kobayashi et al. 2020, 2021; DESIGN §3.2–3.4).
+"""Norm-based decomposition of the attention block (Kobayashi et al. 2020, 2021; docs/DESIGN.md §3.2–3.4).
 
 Per layer, with f^h(x_j) = v^h_j W_O^h and u_ij = Σ_h α^h_ij f^h(x_j):
 
@@ -6,7 +6,7 @@ Per layer, with f^h(x_j) = v^h_j W_O^h and u_ij = Σ_h α^h_ij f^h(x_j):
 - N-Res   ‖t_ij‖,        t_ij = u_ij + [i=j] x_i
 - N-ResLN ‖g_i(t_ij)‖,   g_i(v) = γ ⊙ C(v) / s_i, s_i from the real pre-norm vector
 
-Norms of linear images are taken through per-source Gram matrices (DESIGN §4), never through
+Norms of linear images are taken through per-source Gram matrices (docs/DESIGN.md §4), never through
 [head, target, source, d] tensors. Every call checks that the decomposition sums back to the real
 pre-norm vector and norm output of each layer, and raises `ReconstructionError` naming the layer if not.
 """
@@ -14,7 +14,7 @@ pre-norm vector and norm output of each layer, and raises `ReconstructionError` 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -174,13 +174,14 @@ class _Pending:
     alpha: torch.Tensor  # [B, H, n, n]
     vh: torch.Tensor  # [H, T, d_h]  value vectors of the real tokens (contiguous)
     a_ii: torch.Tensor  # [H, T]  α^h_ii
-    grams: torch.Tensor | None = None  # packed upper triangles [2, H(H+1)/2, T] (compiled, see `token_pass`) or
-    # full [2, H, H, T] (torch)
-    probe_f: torch.Tensor | None = None  # [H, P, T]  f^h(x_j)·r_p
-    diag: torch.Tensor | None = None  # [2, T]  ‖t_ii‖, ‖P t_ii‖/s_i
-    total_r: torch.Tensor | None = None  # [T, P]  (attention output − b_O)·r_p
-    check: torch.Tensor | None = None  # [2, T]  reconstruction error of the norm input and output, output scale
-    probe_err: torch.Tensor | None = None  # [T]  error of the probe sums, set by the attention pass
+    # set by the token pass:
+    grams: torch.Tensor = field(init=False)  # packed upper triangles [2, H(H+1)/2, T] (compiled, see `token_pass`)
+    # or full [2, H, H, T] (torch)
+    probe_f: torch.Tensor = field(init=False)  # [H, P, T]  f^h(x_j)·r_p
+    diag: torch.Tensor = field(init=False)  # [2, T]  ‖t_ii‖, ‖P t_ii‖/s_i
+    total_r: torch.Tensor = field(init=False)  # [T, P]  (attention output − b_O)·r_p
+    check: torch.Tensor = field(init=False)  # [2, T]  reconstruction error of the norm input and output, output scale
+    probe_err: torch.Tensor = field(init=False)  # [T]  error of the probe sums, set by the attention pass
 
     @classmethod
     def of(cls, lt: LayerTrace, lay: Layer, tok: _Tokens, index: int) -> _Pending:
@@ -279,9 +280,9 @@ def _token_torch(pl: _Pending, tok: _Tokens, outs: dict[str, torch.Tensor]) -> N
     x, attn_out, mix_in, mix_out = (tok.gather(t.float()) for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out))
     total = attn_out - wt.b_o
     t_ii, off = u_ii + x, total - u_ii
-    s = norm.scale(mix_in)
+    s_i = norm.scale(mix_in)  # [T]
     y = attn_out + x
-    rebuilt = norm.project(y) / s[:, None] + wt.beta
+    rebuilt = norm.project(y) / s_i[:, None] + wt.beta
     tn, ptn, on, un, pon = (v.norm(dim=-1) for v in (t_ii, norm.project(t_ii), off, u_ii, norm.project(off)))
 
     def r(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -291,11 +292,11 @@ def _token_torch(pl: _Pending, tok: _Tokens, outs: dict[str, torch.Tensor]) -> N
     ratios = torch.stack([w_mix, r(on, un), w_mix / 2, r(on, tn), r(pon, ptn)], -1)  # [T, 5] in RATIO_VARIANTS order
     outs["f_norm"][:, index] = tok.scatter(f_norm).transpose(1, 2)
     outs["ratio"][:, :, index] = tok.scatter(ratios).permute(2, 0, 1)
-    outs["scale"][:, index] = tok.scatter(s)
+    outs["scale"][:, index] = tok.scatter(s_i)
     err = torch.maximum((y - mix_in).abs().amax(-1), (rebuilt - mix_out).abs().amax(-1))
     top = torch.maximum(mix_in.abs().amax(-1), rebuilt.abs().amax(-1))
     pl.grams, pl.probe_f = grams, torch.matmul(wt.w_probe, vh.transpose(1, 2))
-    pl.diag, pl.total_r, pl.check = torch.stack([tn, ptn / s]), total @ wt.probes.T, torch.stack([err, top])
+    pl.diag, pl.total_r, pl.check = torch.stack([tn, ptn / s_i]), total @ wt.probes.T, torch.stack([err, top])
 
 
 def _attention_passes(pending: list[_Pending], tok: _Tokens, causal: bool, outs: dict[str, torch.Tensor]) -> None:
@@ -323,10 +324,10 @@ def _attention_passes(pending: list[_Pending], tok: _Tokens, causal: bool, outs:
             full[:, k, :, :, :m] = pl.grams[..., o : o + m]
         n_n, n_resln = quad_norms(pl.alpha, full) * pair
         inv_s = torch.where(tok.mask, 1 / outs["scale"][:, pl.index], 0)  # [B, n]
-        for m, v in zip(maps, (n_n, n_n, n_resln * inv_s[:, :, None], pl.alpha.mean(1) * pair), strict=True):
-            m[:, pl.index] = v
-        for m, v in zip(maps[1:3], pl.diag, strict=True):
-            m[:, pl.index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(v))
+        for dest, v in zip(maps, (n_n, n_n, n_resln * inv_s[:, :, None], pl.alpha.mean(1) * pair), strict=True):
+            dest[:, pl.index] = v
+        for dest, v in zip(maps[1:3], pl.diag, strict=True):
+            dest[:, pl.index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(v))
         fp = tok.scatter(pl.probe_f.permute(2, 0, 1)).permute(0, 2, 1, 3)  # [B, H, n, P]
         pl.probe_err = (tok.gather(torch.matmul(pl.alpha, fp).sum(1)) - pl.total_r).abs().amax(-1)
 

@@ -1,4 +1,4 @@
-"""Attention rollout and attention flow (Abnar & Zuidema 2020; DESIGN §3.5), and the shared rollout product.
+"""Attention rollout and attention flow (Abnar & Zuidema 2020; docs/DESIGN.md §3.5), and the shared rollout product.
 
 Per layer l, Â_l = 0.5 ᾱ_l + 0.5 I with rows renormalised (ᾱ = head-mean attention). Rollout: R_l = Â_l R_{l−1};
 layer l of the result explains the output of layer l in terms of the input tokens. Flow: the maximum flow from

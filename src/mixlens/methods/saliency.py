@@ -1,4 +1,4 @@
-"""Output saliency for one scalar per input (DESIGN §3.7): gradient, gradient × input, integrated gradients.
+"""Output saliency for one scalar per input (docs/DESIGN.md §3.7): gradient, gradient × input, integrated gradients.
 
 The scalar f is a class logit (sequence classifier), a token's logit at one position (masked LM: the [MASK];
 causal LM: the last token), or any function `target(model_output, inputs) -> [B]` given in Python. Attribution is
@@ -40,7 +40,7 @@ class OutputAttribution:
 
 @contextmanager
 def _replaced_embeddings(trace: Trace, emb: torch.Tensor) -> Iterator[None]:
-    fired = []  # only the token lookup (GPT-2 also embeds token_type_ids with the same module)
+    fired: list[bool] = []  # only the token lookup (GPT-2 also embeds token_type_ids with the same module)
 
     def hook(m, a, o):
         if not fired:
@@ -87,13 +87,13 @@ def _selector(trace: Trace, target: Target, position: int | None) -> tuple[Calla
     if logits.dim() == 2:  # [B, classes]
         if isinstance(target, int) and not 0 <= target < logits.shape[-1]:
             raise MixlensError(f"class {target} out of range; the model has {logits.shape[-1]} classes")
-        cls = logits.argmax(-1) if target == "pred" else torch.full((logits.shape[0],), target, device=dev)
+        cls = logits.argmax(-1) if target == "pred" else torch.full((logits.shape[0],), int(target), device=dev)
         return (lambda out, inputs, c: out.logits.gather(1, c[:, None])[:, 0]), (cls,)
     pos = _positions(trace, position).to(dev)  # [B, n, vocab]
     rows = logits[torch.arange(logits.shape[0], device=dev), pos]
     if isinstance(target, int) and not 0 <= target < rows.shape[-1]:
         raise MixlensError(f"token id {target} out of range; the vocabulary has {rows.shape[-1]} entries")
-    tok = rows.argmax(-1) if target == "pred" else torch.full((rows.shape[0],), target, device=dev)
+    tok = rows.argmax(-1) if target == "pred" else torch.full((rows.shape[0],), int(target), device=dev)
 
     def pick(out, inputs, p, t):
         return out.logits[torch.arange(p.shape[0], device=p.device), p, t]

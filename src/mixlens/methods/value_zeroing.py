@@ -1,4 +1,4 @@
-"""Value zeroing (Mohebbi et al. 2023; DESIGN §3.5): re-run one layer with the value vector of token j zeroed.
+"""Value zeroing (Mohebbi et al. 2023; docs/DESIGN.md §3.5): re-run one layer with the value vector of token j zeroed.
 
 For layer l and source j, the layer module is called again on its captured input x (so FFN, both norms and the
 residuals act exactly as in the model) with v_j = 0 in every (key/value) head. α does not depend on the values,
@@ -89,6 +89,7 @@ def _layer(trace: Trace, index: int) -> torch.Tensor:
     """C [B, n(target), n(source)]: cosine distance of each token's output when source j's value is zeroed.
     Sources that are padding of an example are skipped for that example."""
     real = trace.layers[index].out  # [B, n, d]
+    assert real is not None  # a full trace
     b, n, _ = real.shape
     lengths = torch.tensor(trace.lengths)
     out = torch.zeros(b, n, n)

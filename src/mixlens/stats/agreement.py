@@ -1,6 +1,6 @@
 """Local vs global views of a head (Pascual et al. 2021): attention rows α^h_i· against head-attribution rows
 c^{l,h}_i· = ‖∂o^{l,h}_i/∂x_j‖_F (normalised), compared per (layer, head) by Jensen–Shannon divergence, Pearson
-and Spearman correlation over real keys, and the token-type masses of both maps (DESIGN §3.7, §3.8).
+and Spearman correlation over real keys, and the token-type masses of both maps (docs/DESIGN.md §3.7, §3.8).
 """
 
 from __future__ import annotations
@@ -156,30 +156,3 @@ def compare_local_global(lens, texts: Iterable, *, batch_size: int = 8, max_leng
     return LocalGlobal(scores, local, glob_m, n_inputs, n_rows,
                        {"model": lens.name, "input": input, "mode": mode, "probes": probes, "seed": seed})
 
-
-def plot(res: LocalGlobal, path: str) -> None:
-    """Figure: JS divergence per (layer, head), mean JS per layer, and per-layer token-type masses of both views."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    im = ax[0].imshow(res.scores["js"], aspect="auto", cmap="viridis", vmin=0, vmax=1)
-    ax[0].set(title="JS(attention, head attribution)", xlabel="head", ylabel="layer")
-    fig.colorbar(im, ax=ax[0])
-    layers = np.arange(res.scores["js"].shape[0])
-    ax[1].plot(layers, res.js_per_layer(), marker="o", label="JS")
-    ax[1].plot(layers, res.scores["spearman"].mean(1), marker="s", label="Spearman")
-    ax[1].plot(layers, res.scores["pearson"].mean(1), marker="^", label="Pearson")
-    ax[1].set(title="mean over heads", xlabel="layer")
-    ax[1].legend()
-    for k, t in enumerate(TOKEN_TYPES):
-        color = f"C{k}"
-        ax[2].plot(layers, res.local[t].mean(1), color=color, marker="o", label=f"{t} (attention)")
-        ax[2].plot(layers, res.global_[t].mean(1), color=color, ls="--", marker="x", label=f"{t} (global)")
-    ax[2].set(title="token-type mass, mean over heads", xlabel="layer")
-    ax[2].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

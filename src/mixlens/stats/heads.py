@@ -1,4 +1,4 @@
-"""Per-head BERTology statistics over a dataset (Clark et al. 2019; Kovaleva et al. 2019; DESIGN §3.8).
+"""Per-head BERTology statistics over a dataset (Clark et al. 2019; Kovaleva et al. 2019; docs/DESIGN.md §3.8).
 
 Every statistic is computed on two views of each head's map, both with rows summing to 1:
 
@@ -136,7 +136,7 @@ def head_statistics(
     in_js = order < cluster_limit  # JS on the first `cluster_limit` inputs of the data only
     texts = [texts[i] for i in order]
     means = {v: _Mean() for v in views}
-    js = {v: None for v in views}
+    js: dict[str, torch.Tensor | None] = {v: None for v in views}  # [L, H] sums of JS divergences per view
     rows = 0
     for start in range(0, len(texts), max(1, batch_size)):
         enc = lens.encode(texts[start : start + batch_size], max_length)
@@ -150,7 +150,8 @@ def head_statistics(
                 sel = torch.as_tensor(in_js[start : start + batch_size])
                 if clustering and sel.any():
                     s = js_divergence_sums(maps[sel].flatten(1, 2), mask[sel]).sum(0)
-                    js[v] = s if js[v] is None else js[v] + s
+                    prev = js[v]
+                    js[v] = s if prev is None else prev + s
         rows += int(mask[torch.as_tensor(in_js[start : start + batch_size])].sum())
         if on_batch:
             on_batch(len(enc.tokens))
@@ -162,7 +163,7 @@ def head_statistics(
         stats = means[v].mean()
         for k in (*STATISTICS, *(f"{t}_colmax" for t in COLMAX_TYPES)):
             table[f"{v}_{k}"] = stats[k].reshape(-1)
-    js_mean = {v: (js[v] / rows).numpy() for v in views if js[v] is not None}
+    js_mean = {v: (sums / rows).numpy() for v, sums in js.items() if sums is not None}
     return HeadReport(table, js_mean, len(texts), lens.name)
 
 
@@ -180,7 +181,7 @@ def attention_similarity(lens_a, lens_b, texts: Sequence, *, batch_size: int = 3
     texts = list(texts)
     if not texts:
         raise MixlensError("no input text given")
-    total = None
+    total: torch.Tensor | None = None  # [L, H]
     for start in range(0, len(texts), max(1, batch_size)):
         enc = lens_a.encode(texts[start : start + batch_size], max_length)
         ma = stacked_alpha(lens_a.trace(enc)).flatten(-2)  # [B, L, H, n·n]; pad rows/columns are 0 in both
@@ -189,4 +190,5 @@ def attention_similarity(lens_a, lens_b, texts: Sequence, *, batch_size: int = 3
         total = s if total is None else total + s
         if on_batch:
             on_batch(len(enc.tokens))
+    assert total is not None, "no texts"
     return (total / len(texts)).numpy()

@@ -1,4 +1,4 @@
-"""Layer-level quantities of Kobayashi et al. 2021 beyond the per-token mixing ratio (DESIGN §3.4)."""
+"""Layer-level quantities of Kobayashi et al. 2021 beyond the per-token mixing ratio (docs/DESIGN.md §3.4)."""
 
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ def classify_inputs(lens, texts, *, view: str = "attn", batch_size: int = 32, ma
             maps = view_maps(tr, view).cpu().numpy()
         seps = token_kinds(lens, enc.inputs["input_ids"], tr.mask)["sep"].numpy()
         for b, n in enumerate(tr.lengths):
-            seg = segments_from_separators(seps[b, :n])
+            seg = segments_from_separators(seps[b, :n].tolist())
             out.append([[classify(maps[b, la, h, :n, :n], seg, th) for h in range(maps.shape[2])]
                         for la in range(maps.shape[1])])
         if on_batch:

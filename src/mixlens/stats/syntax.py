@@ -6,7 +6,7 @@ node). The word forms are given to the tokenizer as pre-split words (`is_split_i
 tokenizer's word id of every piece IS the UD word index — no string matching. A form the tokenizer turns
 into no piece (rare: control characters) and words cut off by truncation are left out of the scores.
 
-Word-level maps (DESIGN §3.8): attention *to* a word is the sum over its pieces, *from* a word the mean
+Word-level maps (docs/DESIGN.md §3.8): attention *to* a word is the sum over its pieces, *from* a word the mean
 over its pieces: W = F A Sᵀ with S [words, tokens] the 0/1 piece matrix and F = S row-normalised. Columns
 of special tokens are dropped (the argmax over words does not change).
 

@@ -1,4 +1,4 @@
-"""Token-type masses (Clark et al. 2019) and row entropy of [..., target, source] maps (DESIGN §3.8)."""
+"""Token-type masses (Clark et al. 2019) and row entropy of [..., target, source] maps (docs/DESIGN.md §3.8)."""
 
 from __future__ import annotations
 

@@ -40,8 +40,10 @@ def _cmaps() -> dict[str, list[str]]:
     from matplotlib import colormaps
     from matplotlib.colors import to_hex
 
-    return {k: [to_hex(colormaps[c](t / 255)) for t in range(256)]
-            for k, c in (("sequential", "viridis"), ("diverging", "RdBu_r"))}
+    return {
+        k: [to_hex(colormaps[c](t / 255)) for t in range(256)]
+        for k, c in (("sequential", "viridis"), ("diverging", "RdBu_r"))
+    }
 
 
 def round_sig(x: np.ndarray, digits: int = SIG_DIGITS) -> np.ndarray:
@@ -58,8 +60,9 @@ def _flat(a: np.ndarray) -> list[float]:
     return round_sig(a).ravel().tolist()
 
 
-def analyze_for_view(lens: Any, texts: list[str], methods: Sequence[str], *, heads: bool = True,
-                     **kwargs: Any) -> tuple[Analysis, dict[str, Attribution]]:
+def analyze_for_view(
+    lens: Any, texts: list[str], methods: Sequence[str], *, heads: bool = True, **kwargs: Any
+) -> tuple[Analysis, dict[str, Attribution]]:
     """Run `methods` on `texts` for a report: their own (head-summed) maps, plus — with `heads` — per-head maps
     of the methods that have them (a second pass), for the head selector. Keyword args go to `lens.analyze`."""
     from mixlens.methods import get
@@ -73,8 +76,14 @@ def analyze_for_view(lens: Any, texts: list[str], methods: Sequence[str], *, hea
     return res, dict(per_head.attributions)
 
 
-def build_payload(result: Analysis | Attribution, *, head_maps: dict[str, Attribution] | None = None,
-                  title: str | None = None, max_values: int = MAX_VALUES, max_tokens: int = MAX_TOKENS) -> dict:
+def build_payload(
+    result: Analysis | Attribution,
+    *,
+    head_maps: dict[str, Attribution] | None = None,
+    title: str | None = None,
+    max_values: int = MAX_VALUES,
+    max_tokens: int = MAX_TOKENS,
+) -> dict:
     """The JSON the view renders: inputs (text, tokens, per-layer mixing ratios) and methods with their
     [*lead, target, source] maps per input, flattened. `head_maps` adds per-head maps for methods whose own
     values are head-summed (the head selector then offers both). Over `max_values` numbers, per-head maps are
@@ -83,25 +92,38 @@ def build_payload(result: Analysis | Attribution, *, head_maps: dict[str, Attrib
         attrs, ratios, texts = {result.method: result}, None, [" ".join(t) for t in result.tokens]
         model, version, tokens = result.model, "", result.tokens
     else:
-        attrs, texts, model, version, tokens = result.attributions, result.texts, result.model, result.version, \
-            result.tokens
+        attrs, texts, model, version, tokens = (
+            result.attributions,
+            result.texts,
+            result.model,
+            result.version,
+            result.tokens,
+        )
         ratios = {v: result.mixing_ratio(v) for v in result.ratios}
     head_maps = head_maps or {}
     notes: list[str] = []
     shown = [min(len(t), max_tokens) for t in tokens]
     for b, t in enumerate(tokens):
         if len(t) > max_tokens:
-            notes.append(f"input {b + 1}: maps show the first {max_tokens} of {len(t)} tokens "
-                         "(mixing ratios use all tokens)")
-    inputs = [{"text": texts[b], "tokens": tokens[b][: shown[b]],
-               "ratios": None if ratios is None else {v: _flat(r[b]) for v, r in ratios.items()}}
-              for b in range(len(tokens))]
+            notes.append(
+                f"input {b + 1}: maps show the first {max_tokens} of {len(t)} tokens (mixing ratios use all tokens)"
+            )
+    inputs = [
+        {
+            "text": texts[b],
+            "tokens": tokens[b][: shown[b]],
+            "ratios": None if ratios is None else {v: _flat(r[b]) for v, r in ratios.items()},
+        }
+        for b in range(len(tokens))
+    ]
 
     plans = []
     for name, a in attrs.items():
         if a.dims[-2:] != ("target", "source"):
-            notes.append(f"'{name}' has axes ({', '.join(a.dims)}), not a token × token map: not shown here "
-                         "(see the JSON output)")
+            notes.append(
+                f"'{name}' has axes ({', '.join(a.dims)}), not a token × token map: not shown here "
+                "(see the JSON output)"
+            )
             continue
         lead = a.dims[:-2]
         per_head = a if "head" in lead else head_maps.get(name)
@@ -116,22 +138,36 @@ def build_payload(result: Analysis | Attribution, *, head_maps: dict[str, Attrib
     base = sum(size(a) for _, a, _ in plans)
     heads = sum(size(p) * p.values.shape[1 + p.dims.index("head")] for _, _, p in plans if p is not None)
     if plans and base + heads > max_values and heads:
-        notes.append(f"per-head maps left out to keep the file small ({base + heads:,} values > {max_values:,}); "
-                     "choose fewer methods/inputs, or `mixlens plot --head H`")
+        notes.append(
+            f"per-head maps left out to keep the file small ({base + heads:,} values > {max_values:,}); "
+            "choose fewer methods/inputs, or `mixlens plot --head H`"
+        )
         plans = [(n, a, None) for n, a, _ in plans]
     methods, used, dropped = [], 0, []
     for name, a, per_head in plans:
         if used + size(a) > max_values:
             dropped.append(name)
             continue
-        used += size(a) + (0 if per_head is None else size(per_head) * per_head.values.shape[
-            1 + per_head.dims.index("head")])
+        used += size(a) + (
+            0 if per_head is None else size(per_head) * per_head.values.shape[1 + per_head.dims.index("head")]
+        )
         methods.append(_method_entry(name, a, per_head, shown))
     if dropped:
-        notes.append(f"left out to keep the file small (over {max_values:,} values): {', '.join(dropped)}; "
-                     "choose them with --method")
-    return {"title": title or "mixlens report", "model": model, "version": version, "precision": PRECISION,
-            "notes": notes, "inputs": inputs, "methods": methods, "cmaps": _cmaps(), "max_links": MAX_LINKS}
+        notes.append(
+            f"left out to keep the file small (over {max_values:,} values): {', '.join(dropped)}; "
+            "choose them with --method"
+        )
+    return {
+        "title": title or "mixlens report",
+        "model": model,
+        "version": version,
+        "precision": PRECISION,
+        "notes": notes,
+        "inputs": inputs,
+        "methods": methods,
+        "cmaps": _cmaps(),
+        "max_links": MAX_LINKS,
+    }
 
 
 def _method_entry(name: str, a: Attribution, per_head: Attribution | None, shown: list[int]) -> dict[str, Any]:
@@ -149,25 +185,39 @@ def _method_entry(name: str, a: Attribution, per_head: Attribution | None, shown
             head_values.append(_flat(np.moveaxis(h, per_head.dims.index("head"), -3)))  # [*lead, head, n, n]
     n_heads = 0 if per_head is None else int(per_head.values.shape[1 + per_head.dims.index("head")])
     signed = bool(any(np.nanmin(a.input(b)) < 0 for b in range(len(shown))))
-    return {"name": name, "axes": axes, "heads": n_heads,
-            "all_label": "mean over heads" if own_head else "all heads",
-            "signed": signed, "values": values, "head_values": head_values if per_head is not None else None}
+    return {
+        "name": name,
+        "axes": axes,
+        "heads": n_heads,
+        "all_label": "mean over heads" if own_head else "all heads",
+        "signed": signed,
+        "values": values,
+        "head_values": head_values if per_head is not None else None,
+    }
 
 
 def _json_for_script(payload: dict) -> str:
     """JSON safe inside a <script> element (no `</script>`, no HTML comment openers)."""
-    return json.dumps(payload, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c").replace(
-        ">", "\\u003e").replace("&", "\\u0026")
+    return (
+        json.dumps(payload, separators=(",", ":"), allow_nan=False)
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+    )
 
 
 def _fragment(payload: dict) -> tuple[str, str]:
     """(markup, inline script) for one report view with a fresh unique id."""
     uid = f"mlx-{uuid.uuid4().hex[:12]}"
-    script = (f"(function(){{\n{asset('report.js')}\nvar root=document.getElementById({json.dumps(uid)});\n"
-              f"mlxMount(root, JSON.parse(document.getElementById({json.dumps(uid + '-data')}).textContent));\n}})();")
-    markup = (f'<div class="mlx-report" id="{uid}"><noscript>This mixlens report needs JavaScript.</noscript>'
-              f'</div>\n<style>{asset("report.css")}</style>\n'
-              f'<script type="application/json" id="{uid}-data">{_json_for_script(payload)}</script>\n')
+    script = (
+        f"(function(){{\n{asset('report.js')}\nvar root=document.getElementById({json.dumps(uid)});\n"
+        f"mlxMount(root, JSON.parse(document.getElementById({json.dumps(uid + '-data')}).textContent));\n}})();"
+    )
+    markup = (
+        f'<div class="mlx-report" id="{uid}"><noscript>This mixlens report needs JavaScript.</noscript>'
+        f"</div>\n<style>{asset('report.css')}</style>\n"
+        f'<script type="application/json" id="{uid}-data">{_json_for_script(payload)}</script>\n'
+    )
     return markup, script
 
 
@@ -185,14 +235,18 @@ def csp_hash(script: str) -> str:
 def page(body: str, scripts: list[str], title: str, connect: bool = False) -> str:
     """A whole HTML document whose CSP allows only the given inline scripts (by hash), inline styles, data:
     images and — with `connect` — requests to its own origin."""
-    csp = (f"default-src 'none'; script-src {' '.join(repr(csp_hash(s)) for s in scripts)}; "
-           f"style-src 'unsafe-inline'; img-src data:{'; connect-src ' + repr('self') if connect else ''}; "
-           "base-uri 'none'; form-action 'none'")
+    csp = (
+        f"default-src 'none'; script-src {' '.join(repr(csp_hash(s)) for s in scripts)}; "
+        f"style-src 'unsafe-inline'; img-src data:{'; connect-src ' + repr('self') if connect else ''}; "
+        "base-uri 'none'; form-action 'none'"
+    )
     tags = "".join(f"<script>{s}</script>\n" for s in scripts)
-    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">\n'
-            f'<meta http-equiv="Content-Security-Policy" content="{html.escape(csp, quote=False)}">\n'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f"<title>{html.escape(title)}</title></head>\n<body>\n{body}{tags}</body></html>\n")
+    return (
+        f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">\n'
+        f'<meta http-equiv="Content-Security-Policy" content="{html.escape(csp, quote=False)}">\n'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{html.escape(title)}</title></head>\n<body>\n{body}{tags}</body></html>\n"
+    )
 
 
 def render_report(analysis: Analysis | Attribution, **kwargs: Any) -> str:

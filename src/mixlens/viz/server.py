@@ -39,16 +39,20 @@ class ViewerConfig:
 
 def viewer_page(cfg: ViewerConfig) -> str:
     limits = json.dumps({"max_chars": cfg.max_chars, "max_tokens": cfg.max_tokens})
-    script = (f"(function(){{\n{asset('report.js')}\n{asset('viewer.js')}\n"
-              f"mlxViewer(document.getElementById('mlx-viewer'), {limits});\n}})();")
+    script = (
+        f"(function(){{\n{asset('report.js')}\n{asset('viewer.js')}\n"
+        f"mlxViewer(document.getElementById('mlx-viewer'), {limits});\n}})();"
+    )
     files = "".join(f'<li><a href="/files/{html.escape(n)}">{html.escape(n)}</a></li>' for n in cfg.files)
-    body = (f'<link rel="icon" href="data:,"><style>{asset("report.css")}\n'
-            "body{font:14px system-ui,sans-serif;margin:16px} textarea{font:inherit;max-width:100%}"
-            ".mlx-status[data-error='1']{color:#b00020;font-weight:600}</style>\n"
-            f"<h1 style='font-size:20px'>mixlens viewer — {html.escape(getattr(cfg.lens, 'name', ''))}</h1>\n"
-            f"<p>Methods: {html.escape(', '.join(cfg.methods))}. Runs locally; nothing leaves this machine.</p>\n"
-            + (f"<p>Reports:</p><ul>{files}</ul>\n" if files else "")
-            + '<div id="mlx-viewer"></div>\n')
+    body = (
+        f'<link rel="icon" href="data:,"><style>{asset("report.css")}\n'
+        "body{font:14px system-ui,sans-serif;margin:16px} textarea{font:inherit;max-width:100%}"
+        ".mlx-status[data-error='1']{color:#b00020;font-weight:600}</style>\n"
+        f"<h1 style='font-size:20px'>mixlens viewer — {html.escape(getattr(cfg.lens, 'name', ''))}</h1>\n"
+        f"<p>Methods: {html.escape(', '.join(cfg.methods))}. Runs locally; nothing leaves this machine.</p>\n"
+        + (f"<p>Reports:</p><ul>{files}</ul>\n" if files else "")
+        + '<div id="mlx-viewer"></div>\n'
+    )
     return page(body, [script], "mixlens viewer", connect=True)
 
 
@@ -94,7 +98,7 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
             if path in ("/", "/index.html"):
                 return self._send(HTTPStatus.OK, index, "text/html; charset=utf-8")
             if path.startswith("/files/"):
-                name = unquote(path[len("/files/"):])
+                name = unquote(path[len("/files/") :])
                 if name in cfg.files:  # exact names only: no path is ever joined onto a directory
                     try:
                         return self._send(HTTPStatus.OK, cfg.files[name].read_bytes(), "text/html; charset=utf-8")
@@ -110,7 +114,7 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
             if urlsplit(self.path).path != "/api/analyze":
                 return self._error(HTTPStatus.NOT_FOUND, "not found")
             if (self.headers.get("Content-Type") or "").split(";")[0].strip() != "application/json":
-                return self._error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "send JSON: {\"text\": \"...\"}")
+                return self._error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, 'send JSON: {"text": "..."}')
             try:
                 length = int(self.headers.get("Content-Length", ""))
             except ValueError:
@@ -118,22 +122,26 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
             limit = 4 * cfg.max_chars + 256  # UTF-8 and JSON escaping of max_chars characters
             if length > limit:
                 self.close_connection = True  # the body is left unread
-                return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                   f"request of {length} bytes is too large; the input limit is "
-                                   f"{cfg.max_chars} characters")
-            self.connection.settimeout(cfg.read_timeout)  # a client sending less than Content-Length can't hold a thread
+                return self._error(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"request of {length} bytes is too large; the input limit is {cfg.max_chars} characters",
+                )
+            self.connection.settimeout(
+                cfg.read_timeout
+            )  # a client sending less than Content-Length can't hold a thread
             try:
                 body = self.rfile.read(length)
             except TimeoutError:
                 self.close_connection = True
-                return self._error(HTTPStatus.REQUEST_TIMEOUT,
-                                   f"request body not received within {cfg.read_timeout:g} s")
+                return self._error(
+                    HTTPStatus.REQUEST_TIMEOUT, f"request body not received within {cfg.read_timeout:g} s"
+                )
             try:
                 text = json.loads(body)["text"]
                 if not isinstance(text, str):
                     raise TypeError
             except (ValueError, KeyError, TypeError, RecursionError):
-                return self._error(HTTPStatus.BAD_REQUEST, "send JSON: {\"text\": \"...\"}")
+                return self._error(HTTPStatus.BAD_REQUEST, 'send JSON: {"text": "..."}')
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
@@ -141,13 +149,16 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
             if not text.strip():
                 return self._error(HTTPStatus.BAD_REQUEST, "the input is empty")
             if len(text) > cfg.max_chars:
-                return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                   f"input has {len(text)} characters; the limit is {cfg.max_chars}")
+                return self._error(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"input has {len(text)} characters; the limit is {cfg.max_chars}",
+                )
             n_tok = len(cfg.lens.tokenizer(text)["input_ids"])
             if n_tok > cfg.max_tokens:
-                return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                   f"input has {n_tok} tokens; the limit is {cfg.max_tokens} "
-                                   "(restart with a larger --max-tokens)")
+                return self._error(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"input has {n_tok} tokens; the limit is {cfg.max_tokens} (restart with a larger --max-tokens)",
+                )
             try:
                 with lock:
                     res, head_maps = analyze_for_view(cfg.lens, [text], cfg.methods, heads=cfg.heads)

@@ -7,6 +7,7 @@ bounding box, 300 dpi for raster output.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib import rc_context
@@ -17,8 +18,16 @@ from mixlens.errors import MixlensError
 from mixlens.result import Analysis, Attribution, atomic_write
 
 FORMATS = ("png", "svg", "pdf")
-STYLE = {"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "xtick.labelsize": 8, "ytick.labelsize": 8,
-         "legend.fontsize": 8, "svg.fonttype": "none", "pdf.fonttype": 42}
+STYLE: dict[Any, Any] = {
+    "font.size": 9,
+    "axes.titlesize": 9,
+    "axes.labelsize": 9,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "legend.fontsize": 8,
+    "svg.fonttype": "none",
+    "pdf.fonttype": 42,
+}
 RATIO_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
 
 
@@ -29,7 +38,7 @@ def select_map(attr: Attribution, b: int, layer: int | None = None, head: int | 
     if attr.dims[-2:] != ("target", "source"):
         raise MixlensError(f"'{attr.method}' has axes ({', '.join(attr.dims)}), not a token × token map")
     v = attr.input(b)  # [*lead, n, n]
-    parts = []
+    parts: list[str] = []
     for d in attr.dims[:-2]:
         size = v.shape[0]
         if d == "layer":
@@ -63,8 +72,7 @@ def _tick_labels(ax, tokens: list[str], axis: str) -> None:
         ax.set_yticks(pos, labels)
 
 
-def heatmap_figure(attr: Attribution, inputs: list[int], layer: int | None = None,
-                   head: int | None = None) -> Figure:
+def heatmap_figure(attr: Attribution, inputs: list[int], layer: int | None = None, head: int | None = None) -> Figure:
     """One token×token panel per input (rows: target i, columns: source j) with its colour bar."""
     mats = [select_map(attr, b, layer, head) for b in inputs]
     n = max(m.shape[0] for m, _ in mats)
@@ -75,8 +83,14 @@ def heatmap_figure(attr: Attribution, inputs: list[int], layer: int | None = Non
         for ax, b, (m, desc) in zip(axes, inputs, mats, strict=True):
             signed = m.min() < 0
             lim = float(np.abs(m).max()) or 1.0
-            im = ax.imshow(m, cmap="RdBu_r" if signed else "viridis", vmin=-lim if signed else 0,
-                           vmax=lim, interpolation="nearest", aspect="equal")
+            im = ax.imshow(
+                m,
+                cmap="RdBu_r" if signed else "viridis",
+                vmin=-lim if signed else 0,
+                vmax=lim,
+                interpolation="nearest",
+                aspect="equal",
+            )
             _tick_labels(ax, attr.tokens[b], "x")
             _tick_labels(ax, attr.tokens[b], "y")
             ax.set_xlabel("source j")
@@ -86,8 +100,9 @@ def heatmap_figure(attr: Attribution, inputs: list[int], layer: int | None = Non
     return fig
 
 
-def bipartite_figure(attr: Attribution, inputs: list[int], layer: int | None = None,
-                     head: int | None = None, max_links: int = 3000) -> Figure:
+def bipartite_figure(
+    attr: Attribution, inputs: list[int], layer: int | None = None, head: int | None = None, max_links: int = 3000
+) -> Figure:
     """Sources on the left, targets on the right; line width and opacity ∝ |value| / max (red +, blue −)."""
     mats = [select_map(attr, b, layer, head) for b in inputs]
     n = max(m.shape[0] for m, _ in mats)
@@ -103,7 +118,7 @@ def bipartite_figure(attr: Attribution, inputs: list[int], layer: int | None = N
             segs = np.stack([np.stack([np.zeros_like(j), j], 1), np.stack([np.ones_like(i), i], 1)], 1)
             colors = np.where(m.flat[order][:, None] < 0, [[0.13, 0.4, 0.67]], [[0.7, 0.09, 0.17]])
             rgba = np.concatenate([colors, (0.1 + 0.9 * a.flat[order])[:, None]], 1)
-            ax.add_collection(LineCollection(segs, colors=rgba, linewidths=0.3 + 2.5 * a.flat[order]))
+            ax.add_collection(LineCollection(list(segs), colors=rgba, linewidths=0.3 + 2.5 * a.flat[order]))
             toks = attr.tokens[b]
             for r in range(k):
                 ax.text(-0.03, r, toks[r], ha="right", va="center")
@@ -111,8 +126,9 @@ def bipartite_figure(attr: Attribution, inputs: list[int], layer: int | None = N
             ax.set_xlim(-0.5, 1.5)
             ax.set_ylim(k - 0.5, -0.5)
             ax.axis("off")
-            ax.set_title(f"{attr.method} ({desc})" + (f" — input {b + 1}" if len(inputs) > 1 else "") +
-                         "\nsource j → target i")
+            ax.set_title(
+                f"{attr.method} ({desc})" + (f" — input {b + 1}" if len(inputs) > 1 else "") + "\nsource j → target i"
+            )
     return fig
 
 

@@ -1,0 +1,56 @@
+"""`mixlens patterns`: Kovaleva pattern types of the heads per layer over a dataset (docs/bertology.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from mixlens.commands.options import (
+    batch_size_option,
+    check_limit,
+    check_view,
+    data_option,
+    limit_option,
+    model_option,
+    pair_column_option,
+    read_examples,
+    text_column_option,
+)
+from mixlens.commands.output import TableFormat, print_frame, progress, write_table
+
+
+def register(app: typer.Typer) -> None:
+    app.command("patterns")(patterns)
+
+
+def patterns(
+    data: str = data_option(),
+    model: str | None = model_option(),
+    text_column: str | None = text_column_option(),
+    pair_column: str | None = pair_column_option(),
+    limit: int | None = limit_option(),
+    batch_size: int = batch_size_option(),
+    view: str = typer.Option("attn", "--view", help="attn or norm."),
+    fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f"),
+    out: Path = typer.Option(Path("mixlens-patterns"), "--out", "-o", help="Directory for table and figure."),
+) -> None:
+    """Share of each Kovaleva pattern type (vertical, diagonal, ...) per layer over a dataset."""
+    import pandas as pd
+
+    from mixlens.lens import load
+    from mixlens.stats.patterns import PATTERNS, classify_inputs, pattern_shares
+    from mixlens.viz.heads import pattern_shares_figure
+
+    check_view(view)
+    texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
+    lens = load(model)
+    with progress(len(texts), "patterns") as step:
+        labels = classify_inputs(lens, texts, view=view, batch_size=batch_size, on_batch=step)
+    shares = pattern_shares(labels)  # [layer, pattern]
+    df = pd.DataFrame(shares, columns=list(PATTERNS))
+    df.insert(0, "layer", range(len(df)))
+    write_table(df, fmt, out, "patterns")
+    if fmt is TableFormat.table:
+        print_frame(df, f"Pattern-type share per layer ({view}) — {lens.name}, {len(texts)} inputs")
+    pattern_shares_figure(shares, PATTERNS, f"pattern types ({view}, {len(texts)} inputs)", out / "patterns.png")

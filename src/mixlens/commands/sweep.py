@@ -1,0 +1,126 @@
+"""`mixlens sweep`: disable every head and every layer, report the change of a task metric (docs/bertology.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from mixlens.commands.options import (
+    batch_size_option,
+    check_limit,
+    data_option,
+    limit_option,
+    model_option,
+    pair_column_option,
+    read_examples,
+    text_column_option,
+)
+from mixlens.commands.output import progress
+from mixlens.errors import MixlensError
+
+METRICS = ("sts", "mlm", "accuracy")
+METRIC_FOR_HEAD = {"base": "sts", "masked-lm": "mlm", "sequence-classification": "accuracy"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sweep")(sweep_command)
+
+
+def sweep_command(
+    data: str = data_option(),
+    model: str | None = model_option(),
+    metric: str | None = typer.Option(
+        None,
+        "--metric",
+        help="sts (sentence-embedding model), mlm (masked LM) or accuracy (classifier); default from the model head.",
+    ),
+    mode: str = typer.Option("uniform", "--mode", help="uniform (Kovaleva), zero or mean."),
+    text_column: str | None = text_column_option(),
+    pair_column: str | None = pair_column_option(),
+    score_column: str = typer.Option("score", "--score-column", help="Gold similarity column (sts)."),
+    label_column: str = typer.Option("label", "--label-column", help="Gold label column (accuracy)."),
+    limit: int | None = limit_option(),
+    batch_size: int = batch_size_option(),
+    out: Path = typer.Option(Path("mixlens-sweep"), "--out", "-o", help="Directory for table and heatmap."),
+) -> None:
+    """Disable every single head and every whole layer; report the change of a task metric."""
+    import numpy as np
+    import pandas as pd
+
+    from mixlens.interventions import MODES, sweep, sweep_steps
+    from mixlens.lens import head_for, load
+    from mixlens.result import atomic_write
+    from mixlens.viz.heads import layer_head_heatmap
+
+    if mode not in MODES:
+        raise MixlensError(f"unknown ablation mode '{mode}'; valid: {', '.join(MODES)}")
+    if metric is not None and metric not in METRICS:
+        raise MixlensError(f"unknown metric '{metric}'; valid: {', '.join(METRICS)}")
+    examples = read_examples(data, text_column, pair_column, check_limit(limit))
+    lens = load(model)
+    metric = metric or METRIC_FOR_HEAD.get(head_for(lens.model.config), "sts")
+    task = make_task(lens, metric, examples, score_column, label_column, batch_size)
+    with progress(sweep_steps(lens, task, mode), f"sweep ({metric}, {mode})") as step:
+        res = sweep(lens, task, mode, on_step=step)
+    print(f"baseline {res.metric} (no ablation, {res.n_examples} examples): {res.baseline:.4f}")
+    n_layers, n_heads = res.heads.shape
+    rows: list[tuple[int, int | str, float, float]] = [
+        (la, h, res.heads[la, h], res.delta_heads[la, h]) for la in range(n_layers) for h in range(n_heads)
+    ]
+    rows += [(la, "all", res.layers[la], res.delta_layers[la]) for la in range(n_layers)]
+    df = pd.DataFrame(rows, columns=["layer", "head", res.metric, "delta"])
+    atomic_write(out / "sweep.csv", df.to_csv(index=False).encode())
+    print("largest harms (ablated − baseline):")
+    for name, d in res.top_changes(10):
+        print(f"  {name:8s} {d:+.4f}")
+    grid = np.concatenate([res.delta_heads, res.delta_layers[:, None]], 1)  # [layer, head + 1]
+    layer_head_heatmap(
+        grid,
+        f"Δ{res.metric} ({mode}; last column = whole layer; baseline {res.baseline:.3f})",
+        out / "sweep.png",
+        cmap="RdBu" if res.higher_is_better else "RdBu_r",
+        center=True,
+    )
+    typer.echo(f"wrote {out}/sweep.csv and sweep.png", err=True)
+
+
+def make_task(
+    lens: Any, metric: str, examples: list[Any], score_column: str, label_column: str, batch_size: int
+) -> Any:
+    """The sweep's task for `metric` over the examples, with gold values from their columns."""
+    from mixlens.interventions import ClassificationTask, MlmTask, StsTask
+
+    if metric == "sts":
+        if not isinstance(examples[0].text, tuple):
+            raise MixlensError(
+                "the sts metric needs sentence pairs (give --pair-column, or columns sentence1/sentence2)"
+            )
+        return StsTask(lens, [e.text for e in examples], column(examples, score_column, float), batch_size)
+    if metric == "mlm":
+        return MlmTask(lens, [e.text if isinstance(e.text, str) else e.text[0] for e in examples], batch_size)
+    labels = column(examples, label_column, lambda v: label_id(lens, v))
+    return ClassificationTask(lens, [e.text for e in examples], labels, batch_size)
+
+
+def label_id(lens: Any, value: object) -> int:
+    """A gold label as a class index: an integer, or a name from the model's label2id."""
+    s = str(value).strip()
+    if s.lstrip("-").isdigit():
+        return int(s)
+    l2i = getattr(lens.model.config, "label2id", None) or {}
+    if s in l2i:
+        return int(l2i[s])
+    raise MixlensError(f"label '{s}' is neither an integer nor one of the model's labels {sorted(l2i)}")
+
+
+def column(examples: list[Any], name: str, conv: Callable[[Any], Any]) -> list[Any]:
+    """Column `name` of every example, converted; a missing column or bad value is a user error."""
+    if name not in examples[0].fields:
+        raise MixlensError(f"no column '{name}' in the data; columns: {', '.join(examples[0].fields)}")
+    try:
+        return [conv(e.fields[name]) for e in examples]
+    except ValueError as e:
+        raise MixlensError(f"column '{name}': {e}") from None

@@ -1,0 +1,43 @@
+"""`mixlens syntax`: dependency-head accuracy of every head against UD trees (docs/bertology.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from mixlens.commands.options import batch_size_option, check_limit, check_view, model_option
+from mixlens.commands.output import TableFormat, print_frame, progress, write_table
+
+
+def register(app: typer.Typer) -> None:
+    app.command("syntax")(syntax)
+
+
+def syntax(
+    data: str = typer.Option(..., "--data", "-d", help="CoNLL-U file (e.g. UD English EWT dev)."),
+    model: str | None = model_option(),
+    limit: int | None = typer.Option(None, "--limit", "-n", help="Use only the first N sentences."),
+    batch_size: int = batch_size_option(),
+    view: str = typer.Option("attn", "--view", help="attn or norm."),
+    min_count: int = typer.Option(20, "--min-count", help="Report relations with at least this many arcs."),
+    fmt: TableFormat = typer.Option(
+        TableFormat.table, "--format", "-f", help="Format of the best-head table (csv/json to stdout)."
+    ),
+    out: Path = typer.Option(Path("mixlens-syntax"), "--out", "-o", help="Directory for tables."),
+) -> None:
+    """Dependency-head accuracy of every head per relation (both directions) with offset baselines."""
+    from mixlens.lens import load
+    from mixlens.result import atomic_write
+    from mixlens.stats.syntax import read_conllu, syntax_heads
+
+    check_view(view)
+    sents = list(read_conllu(data, check_limit(limit)))
+    lens = load(model)
+    with progress(len(sents), "syntax") as step:
+        rep = syntax_heads(lens, sents, view=view, batch_size=batch_size, on_batch=step)
+    best = rep.best(min_count)
+    atomic_write(out / "syntax_scores.csv", rep.scores.to_csv(index=False).encode())
+    write_table(best, fmt, out, "syntax_best")
+    if fmt is TableFormat.table:
+        print_frame(best, f"Best head per relation ({view}) — {lens.name}, {len(sents)} sentences")
