@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from mixlens.errors import MixlensError
@@ -28,7 +29,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @dataclass
 class ViewerConfig:
-    lens: object  # mixlens.Lens
+    lens: Any  # mixlens.Lens
     methods: Sequence[str]
     heads: bool = True
     max_chars: int = MAX_CHARS
@@ -84,7 +85,8 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
             self._send(status, json.dumps({"error": message}).encode(), "application/json")
 
         def _host_ok(self) -> bool:
-            bound = self.server.server_address[0]
+            address = self.server.server_address  # (host, port, ...) for an IP server
+            bound = str(address[0] if isinstance(address, tuple) else address)
             name = urlsplit("//" + (self.headers.get("Host") or "")).hostname or ""
             if bound in ("0.0.0.0", "::") or name in LOOPBACK or name == bound:
                 return True
@@ -126,9 +128,8 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
                     HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                     f"request of {length} bytes is too large; the input limit is {cfg.max_chars} characters",
                 )
-            self.connection.settimeout(
-                cfg.read_timeout
-            )  # a client sending less than Content-Length can't hold a thread
+            # a client sending less than Content-Length must not hold a thread
+            self.connection.settimeout(cfg.read_timeout)
             try:
                 body = self.rfile.read(length)
             except TimeoutError:
