@@ -260,7 +260,8 @@ def register(app: typer.Typer) -> None:
         """Disable every single head and every whole layer; report the change of a task metric."""
         import pandas as pd
 
-        from mixlens.interventions import MODES, sweep, sweep_steps
+        from mixlens.bertology.sweep import sweep, sweep_steps
+        from mixlens.interventions import MODES
         from mixlens.lens import _head_for, load
         from mixlens.result import atomic_write
 
@@ -321,7 +322,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _task(lens, metric: str, examples: list, score_column: str, label_column: str, batch_size: int):
-    from mixlens.interventions import ClassificationTask, MlmTask, StsTask
+    from mixlens.bertology.tasks import ClassificationTask, MlmTask, StsTask
 
     if metric == "sts":
         if not isinstance(examples[0].text, tuple):

@@ -5,61 +5,30 @@
   i.e. the input of the first layer (`input="embedding"`).
 - `head_attribution` (Pascual et al. 2021): the same for each head's context vector o^{l,h}_i = Σ_j α^h_ij v^h_j.
 
-Both come from one forward-mode pass: the model is run with a perturbation δ added at the input (a hook, so
-position embeddings and LayerNorm are applied exactly once), and `torch.func.jvp` under `vmap` pushes a batch of
-input directions u through it, giving J u for every layer, head and target at once. Exact mode uses the n·d_in
-unit directions (chunked); estimate mode uses k Rademacher probes per source position (Hutchinson:
-E‖J u‖² = ‖J‖_F²) and keeps their standard error.
+Both come from one forward-mode pass: the model is run with a perturbation δ added at the input (the engine's
+edit point `embed` or `blocks.0.resid_pre`, so position embeddings and LayerNorm are applied exactly once), and
+`torch.func.jvp` under `vmap` pushes a batch of input directions u through it, giving J u for every layer, head
+and target at once. Exact mode uses the n·d_in unit directions (chunked); estimate mode uses k Rademacher probes
+per source position (Hutchinson: E‖J u‖² = ‖J‖_F²) and keeps their standard error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.func import jvp, vmap
 
-from mixlens.adapters import Adapter
 from mixlens.errors import MixlensError
 from mixlens.methods.registry import LHTS, LTS, register
 from mixlens.trace import Trace, hooked
 
 INPUTS = ("word", "embedding")
+INPUT_POINTS = {"word": "embed", "embedding": "blocks.0.resid_pre"}  # the edit point that adds δ [B, n, d_in]
 MODES = ("exact", "estimate")
 OUTPUTS = ("share", "stderr")
 _CHUNK_BUDGET = 2**22  # floats of one tangent activation [chunk, batch, tokens, 4·d] per vmapped call
-
-
-@contextmanager
-def perturbed(adapter: Adapter, where: str, delta: torch.Tensor) -> Iterator[None]:
-    """Add delta [B, n, d_in] to the word-piece embeddings ('word') or to the first layer's input ('embedding')."""
-    fired = []  # perturb only the first call (GPT-2 also embeds token_type_ids with wte; ALBERT reuses layers)
-    if where == "word":
-
-        def post(m, a, o):
-            if fired:
-                return None
-            fired.append(True)
-            return o + delta
-
-        handle = adapter.base.get_input_embeddings().register_forward_hook(post)
-    else:
-
-        def pre(m, args, kwargs):
-            if fired:
-                return None
-            fired.append(True)
-            if args:
-                return (args[0] + delta, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + delta}
-
-        handle = adapter.layers[0].module.register_forward_pre_hook(pre, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def input_dim(trace: Trace, where: str) -> int:
@@ -80,7 +49,8 @@ def states_fn(trace: Trace, where: str) -> Callable[[torch.Tensor], tuple[torch.
             return z
 
         edits = {f"blocks.{k}.attn.z": keep for k in range(adapter.n_layers)}
-        with perturbed(adapter, where, delta), hooked(adapter, edits) as rec:
+        edits[INPUT_POINTS[where]] = lambda t: t + delta
+        with hooked(adapter, edits) as rec:
             adapter.base(**inputs)
         return torch.stack(rec["out"]), torch.stack(zs)
 

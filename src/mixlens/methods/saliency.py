@@ -2,23 +2,22 @@
 
 The scalar f is a class logit (sequence classifier), a token's logit at one position (masked LM: the [MASK];
 causal LM: the last token), or any function `target(model_output, inputs) -> [B]` given in Python. Attribution is
-at the word-embedding output e_j (a hook replaces that module's output, so position embeddings and LayerNorm
-are applied exactly once), reduced over hidden dims: ‖·‖₂ (default), ‖·‖₁ or the signed sum. Integrated
+at the word-embedding output e_j (the engine's edit point `embed` replaces it, so position embeddings and
+LayerNorm are applied exactly once), reduced over hidden dims: ‖·‖₂ (default), ‖·‖₁ or the signed sum. Integrated
 gradients come from captum; with reduction='sum' they satisfy Σ_j IG_j ≈ f(x) − f(baseline) up to the
 convergence delta captum reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mixlens.errors import MixlensError
 from mixlens.methods.registry import register
-from mixlens.trace import Trace
+from mixlens.trace import Trace, hooked
 
 REDUCTIONS = ("l2", "l1", "sum")
 KINDS = ("saliency", "grad_x_input", "integrated_gradients")
@@ -36,23 +35,6 @@ class OutputAttribution:
     target_value: torch.Tensor
     baseline_value: torch.Tensor | None = None
     delta: torch.Tensor | None = None
-
-
-@contextmanager
-def _replaced_embeddings(trace: Trace, emb: torch.Tensor) -> Iterator[None]:
-    fired = []  # only the token lookup (GPT-2 also embeds token_type_ids with the same module)
-
-    def hook(m, a, o):
-        if not fired:
-            fired.append(True)
-            return emb
-        return None
-
-    handle = trace.adapter.base.get_input_embeddings().register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _positions(trace: Trace, position: int | None) -> torch.Tensor:
@@ -109,7 +91,7 @@ def scalar_fn(trace: Trace, target: Target = "pred", position: int | None = None
 
     def f(emb: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         inputs = dict(zip(keys, args[: len(keys)], strict=True))
-        with _replaced_embeddings(trace, emb):
+        with hooked(trace.adapter, {"embed": lambda _: emb}):
             out = trace.model(**inputs)
         return select(out, inputs, *args[len(keys):])
 
