@@ -255,7 +255,7 @@ def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = F
 
     def skipping(inner: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return _hidden(args, kwargs) if s.layer < start else inner(*args, **kwargs)
+            return _hidden(args, kwargs) if _SESSION.get() is s and s.layer < start else inner(*args, **kwargs)
 
         return forward
 
