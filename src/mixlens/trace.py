@@ -278,7 +278,8 @@ def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = F
                 forwards.append((mod, vars(mod).get("forward")))
                 mod.forward = skipping(mod.forward)  # type: ignore[method-assign]
         if "embed" in edits:
-            handles.append(adapter.base.get_input_embeddings().register_forward_hook(embed))
+            lookup: nn.Module = adapter.base.get_input_embeddings()  # type: ignore[operator]
+            handles.append(lookup.register_forward_hook(embed))
         for lay in adapter.layers:
             capture(lay.o_proj, "attn_out", lambda a, o: _first(o))
             if (id(lay.ln_mix.module), "mix") not in seen:
@@ -325,9 +326,10 @@ def run_traced(
         output = model(**inputs)
     outs: list[torch.Tensor | None] = [*rec["out"], *([] if full else [None])]
     n = adapter.n_layers
-    for key, got in [*((k, rec[k]) for k in ("x", "attn_out", "mix_in", "mix_out", "alpha", "value")), ("out", outs)]:
-        if len(got) != n:
-            raise RuntimeError(f"capture of '{key}' fired {len(got)} times for {n} layers")
+    counts = {k: len(rec[k]) for k in ("x", "attn_out", "mix_in", "mix_out", "alpha", "value")} | {"out": len(outs)}
+    for key, count in counts.items():
+        if count != n:
+            raise RuntimeError(f"capture of '{key}' fired {count} times for {n} layers")
     opt = {k: rec[k] if len(rec.get(k, [])) == n else [None] * n for k in ("ffn_pre", "ffn_act", "ln_out_in",
                                                                              "ffn_gate")}
     layers = [

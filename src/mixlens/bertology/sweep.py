@@ -30,12 +30,12 @@ def _context_sums(trace: Trace) -> tuple[torch.Tensor, int]:
 @torch.no_grad()
 def head_means(lens, texts: Sequence, batch_size: int = 32, max_length: int | None = None) -> torch.Tensor:
     """Mean head context over the real tokens of `texts` (the reference for mode 'mean'): [L, H, d_h]."""
-    total, count = None, 0
+    if not len(texts):
+        raise MixlensError("no input text given")
+    total, count = torch.zeros(()), 0
     for start in range(0, len(texts), batch_size):
         s, c = _context_sums(lens.trace(lens.encode(texts[start : start + batch_size], max_length)))
-        total, count = (s if total is None else total + s), count + c
-    if total is None:
-        raise MixlensError("no input text given")
+        total, count = total + s, count + c
     return total / count
 
 
@@ -88,11 +88,13 @@ def sweep(lens, task: Task, mode: str = "uniform", on_step: Callable[[int], None
     groups: list[tuple[int, ...] | None] = [(h,) for h in range(n_heads)] + [None]
     k = len(groups)
     extra = {"use_cache": False} if adapter.family.causal else {}
-    base_parts, means, total, count = [], None, None, 0
+    base_parts: list[torch.Tensor] = []
+    means: torch.Tensor | None = None
     if mode == "mean":  # the reference contexts come from the same data, before any ablation
+        total, count = torch.zeros(()), 0
         for inputs in task.batches:
             s, c = _context_sums(run_traced(adapter, lens.model, inputs))
-            total, count = (s if total is None else total + s), count + c
+            total, count = total + s, count + c
             if on_step:
                 on_step(1)
         means = total / count
