@@ -26,7 +26,7 @@ import contextvars
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,7 +200,7 @@ def _check(adapter: Adapter, edits: dict[str, Edit], start: int, stop_after: int
 
 
 @contextmanager
-def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = False, *, start: int = 0,
+def hooked(adapter: Adapter, edits: Mapping[str, Edit] | None = None, ffn: bool = False, *, start: int = 0,
            resid_pre: torch.Tensor | None = None, stop_after: int | None = None,
            stop_at_mix: bool = False) -> Iterator[dict[str, list[torch.Tensor]]]:
     """Capture hooks and `edits` (edit point name → fn, see the module docstring) for ONE model call.
@@ -313,7 +313,7 @@ def run_traced(
     adapter: Adapter,
     model: nn.Module,
     inputs: dict[str, torch.Tensor],
-    edits: dict[str, Edit] | None = None,
+    edits: Mapping[str, Edit] | None = None,
     ffn: bool = False,
     tokenizer: object | None = None,
     full: bool = True,
