@@ -29,7 +29,7 @@ import mixlens
 from mixlens.methods import get
 from mixlens.methods.decompx import decompositions
 from mixlens.methods.rollout import FLOW_MAX_TOKENS
-from mixlens.methods.value_zeroing import _layer_calls
+from mixlens.trace import hooked
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.tsv"
 GLOBAL = ("globenc", "globenc_rollout", "alti", "alti_rollout")
@@ -78,14 +78,13 @@ def global_ratio(lens: mixlens.Lens, enc, repeats: int) -> dict[str, float]:
 def value_zeroing_ratio(lens: mixlens.Lens, enc, repeats: int) -> dict[str, float]:
     with torch.no_grad():
         tr = lens.trace(enc)
-        calls = _layer_calls(tr)
-        layers = [lay.module for lay in tr.adapter.layers]
+        n_layers = tr.adapter.n_layers
 
-        def one_pass(i: int) -> None:
-            args, kwargs = calls[i]
-            layers[i](tr.layers[i].x, *args[1:], **kwargs)
+        def one_pass(i: int) -> None:  # layer i alone on its captured input, as value zeroing runs it
+            with hooked(tr.adapter, start=i, resid_pre=tr.layers[i].x, stop_after=i):
+                lens.model(**enc.inputs)
 
-        single = statistics.median(sum(timed(lambda i=i: one_pass(i)) for i in range(len(layers)))
+        single = statistics.median(sum(timed(lambda i=i: one_pass(i)) for i in range(n_layers))
                                    for _ in range(repeats))
         vz = timed(lambda: get("value_zeroing")(lens.trace(enc)))
     n = enc.inputs["input_ids"].shape[1]

@@ -1,4 +1,4 @@
-"""Disabling heads and layers, and the ablation sweep (mixlens.interventions)."""
+"""Disabling heads and layers (mixlens.interventions), and the ablation sweep (mixlens.bertology.sweep)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from mixlens.interventions import (
-    Ablation,
-    ClassificationTask,
-    MlmTask,
-    StsTask,
-    ablated_trace,
-    head_contexts,
-    head_means,
-    merged_edits,
-    sweep,
-)
+from mixlens.bertology.sweep import head_means, sweep
+from mixlens.bertology.tasks import ClassificationTask, MlmTask, StsTask
+from mixlens.interventions import Ablation, ablated_trace, head_contexts, merged_edits
 from mixlens.trace import hooked
 from tests.conftest import SENTENCES, data_file, random_lens, run_cli
 

@@ -1,20 +1,32 @@
-"""Capture of one forward pass: hook points with obvious names → `Trace`.
+"""Capture of one forward pass, and the named edit points: the one place where mixlens touches a model.
 
-The attention probabilities and value vectors are taken inside the model's own eager attention
-function (we wrap it, never copy it), everything else by forward hooks on the modules the adapter names.
-Hook points for interventions (TransformerLens-style names), each `fn(tensor) -> tensor`:
+The attention probabilities and value vectors are taken inside the model's own eager attention function (we
+wrap it, never copy it), everything else by forward hooks on the modules the adapter names. A pre-hook on every
+layer module tells all other hooks the real index l of the layer that runs (ALBERT calls one shared module for
+several layers: each call takes the next of that module's indices), so edit points are named by layer, never by
+call order.
 
+Edit points (TransformerLens-style names), each `fn(tensor) -> tensor` of the same shape:
+
+- `embed`                    word-piece embeddings [batch, n, d_emb]: the input-embedding module's output for the
+                             token ids, before position embeddings and LayerNorm (d_emb ≠ d for ALBERT, ELECTRA)
+- `blocks.{l}.resid_pre`     residual stream entering layer l  [batch, n, d]
 - `blocks.{l}.attn.v`        value vectors   [batch, kv_head, source, d_head]
 - `blocks.{l}.attn.pattern`  attention α     [batch, head, target, source]
 - `blocks.{l}.attn.z`        head contexts   [batch, head, target, d_head]  (before the output projection)
+
+`hooked(..., start=l, resid_pre=x)` feeds x into layer l and runs layers ≥ l only (the modules of earlier layers
+return their input without computing; the embeddings are still computed, then replaced); `stop_after=l` ends the
+forward pass after layer l's output, `stop_at_mix=True` right after its ln_mix (its attention block).
 """
 
 from __future__ import annotations
 
 import contextvars
+import re
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +36,11 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mixlens.adapters import Adapter
+from mixlens.errors import MixlensError
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
+BLOCK_POINTS = ("resid_pre", "attn.v", "attn.pattern", "attn.z")
+_POINT = re.compile(r"blocks\.(\d+)\.(" + "|".join(re.escape(p) for p in BLOCK_POINTS) + ")")
 
 
 @dataclass
@@ -66,12 +81,39 @@ class Trace:
         return self.mask.sum(-1).tolist()
 
 
+class _Stop(Exception):
+    """Ends a forward pass early (`stop_after`, `stop_at_mix`); the `hooked` context that raised it swallows it."""
+
+    def __init__(self, session: _Session):
+        super().__init__("forward pass stopped")
+        self.session = session
+
+
 class _Session:
-    def __init__(self, edits: dict[str, Edit]):
+    """One hooked forward pass: the edits, the layers run (start..stop), the layer running now, the record."""
+
+    def __init__(self, adapter: Adapter, edits: dict[str, Edit], start: int, stop: int):
         self.edits = edits
-        self.calls = 0
-        self.alpha: list[torch.Tensor] = []
-        self.value: list[torch.Tensor] = []
+        self.start, self.stop = start, stop
+        self.layer = -1  # real index of the layer running now (-1: embeddings)
+        self.embedded = False
+        self.rec: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.indices: dict[int, list[int]] = defaultdict(list)  # id(layer module) → its layer indices, ascending
+        for i, lay in enumerate(adapter.layers):
+            self.indices[id(lay.module)].append(i)
+
+    def enter(self, module: nn.Module) -> int:
+        """The layer a call of `module` runs: the next of its indices after the layer that ran last."""
+        later = [i for i in self.indices[id(module)] if i > self.layer]
+        if not later:
+            raise RuntimeError("a layer ran again after the last layer: one model call per hooked() context")
+        self.layer = later[0]
+        return self.layer
+
+    @property
+    def active(self) -> bool:
+        """Whether the layer running now is one of the layers run."""
+        return self.start <= self.layer <= self.stop
 
     def edit(self, name: str, t: torch.Tensor) -> torch.Tensor:
         fn = self.edits.get(name)
@@ -81,29 +123,28 @@ class _Session:
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("mixlens_session", default=None)
 
 
-def _repeat_kv(v: torch.Tensor, n_heads: int) -> torch.Tensor:
+def repeat_kv(v: torch.Tensor, n_heads: int) -> torch.Tensor:
     """[B, H_kv, n, d_h] → [B, H, n, d_h] (grouped-query attention shares value heads)."""
     rep = n_heads // v.shape[1]
     return v if rep == 1 else v.repeat_interleave(rep, dim=1)
 
 
 def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-    """Wraps the family's own `eager_attention_forward`; records α and v and applies edits."""
+    """Wraps the family's own `eager_attention_forward`; records α and v and applies the attention edits."""
     eager = sys.modules[type(module).__module__].eager_attention_forward
     s = _SESSION.get()
     if s is None:
         return eager(module, query, key, value, attention_mask, **kwargs)
-    layer = s.calls
-    s.calls += 1
+    layer = s.layer
     value = s.edit(f"blocks.{layer}.attn.v", value)
     out, alpha = eager(module, query, key, value, attention_mask, **kwargs)
     p_name, z_name = f"blocks.{layer}.attn.pattern", f"blocks.{layer}.attn.z"
     if p_name in s.edits or z_name in s.edits:
         alpha = s.edit(p_name, alpha)
-        z = torch.matmul(alpha, _repeat_kv(value, alpha.shape[1]))  # [B, H, n, d_h]
+        z = torch.matmul(alpha, repeat_kv(value, alpha.shape[1]))  # [B, H, n, d_h]
         out = s.edit(z_name, z).transpose(1, 2).contiguous()
-    s.alpha.append(alpha)
-    s.value.append(value)
+    s.rec["alpha"].append(alpha)
+    s.rec["value"].append(value)
     return out, alpha
 
 
@@ -120,75 +161,159 @@ def _eager_wrapped() -> Iterator[None]:
             ALL_ATTENTION_FUNCTIONS["eager"] = prev
 
 
-def _first(out):
+def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-class _Stop(Exception):
-    """Raised by the hook that ends a partial forward pass after the last layer's ln_mix."""
+def _hidden(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The hidden states a layer module is called with (first positional argument or `hidden_states=`)."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def edit_point_names(n_layers: int) -> str:
+    """The valid edit point names of a model with `n_layers` layers, in words (for error messages)."""
+    return ", ".join(["embed", *(f"blocks.{{l}}.{p}" for p in BLOCK_POINTS)]) + f" (l = 0..{n_layers - 1})"
+
+
+def _check(adapter: Adapter, edits: dict[str, Edit], start: int, stop_after: int | None,
+           resid_pre: torch.Tensor | None) -> int:
+    """Validate the layer range and the edit point names → the last layer run."""
+    n = adapter.n_layers
+    if not 0 <= start < n:
+        raise MixlensError(f"start layer {start} out of range; the model has {n} layers (0..{n - 1})")
+    stop = n - 1 if stop_after is None else stop_after
+    if not start <= stop < n:
+        raise MixlensError(f"stop_after layer {stop_after} out of range; valid: {start}..{n - 1}")
+    if start > 0 and resid_pre is None:
+        raise MixlensError(f"start={start} needs resid_pre, the residual stream entering layer {start}")
+    for name in edits:
+        m = _POINT.fullmatch(name)
+        if name == "embed" and start > 0:
+            raise MixlensError(f"edit point 'embed' is not run when the forward pass starts at layer {start}")
+        if name != "embed" and m is None:
+            raise MixlensError(f"unknown edit point '{name}'; valid: {edit_point_names(n)}")
+        if m is not None and not 0 <= int(m[1]) < n:
+            raise MixlensError(f"layer {m[1]} out of range in edit point '{name}'; valid: {edit_point_names(n)}")
+        if m is not None and not start <= int(m[1]) <= stop:
+            raise MixlensError(f"edit point '{name}' is outside the layers run ({start}..{stop})")
+    return stop
 
 
 @contextmanager
-def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = False,
-           stop: bool = False) -> Iterator[dict]:
-    """Install capture hooks (and attention edits) for one forward call; yields the raw record. With `stop`,
-    the forward pass ends (raising `_Stop`) once the last layer's ln_mix has run."""
-    rec: dict[str, list[torch.Tensor]] = defaultdict(list)
-    handles = []
+def hooked(adapter: Adapter, edits: Mapping[str, Edit] | None = None, ffn: bool = False, *, start: int = 0,
+           resid_pre: torch.Tensor | None = None, stop_after: int | None = None,
+           stop_at_mix: bool = False) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Capture hooks and `edits` (edit point name → fn, see the module docstring) for ONE model call.
+
+    Yields the record, filled during the call: name → one tensor per layer run, in layer order (item k is layer
+    start + k): `x`, `out`, `attn_out`, `mix_in`, `mix_out`, `alpha`, `value`, with `ffn` also `ffn_pre`,
+    `ffn_act`, `ln_out_in`, `ffn_gate` (shapes as in `LayerTrace`).
+
+    - `start`, `resid_pre` [B, n, d]: feed resid_pre into layer `start` and run only the layers from it on
+      (resid_pre is needed when start > 0; at start 0 it replaces the embedding output).
+    - `stop_after`: end the forward pass right after the output of that layer; `stop_at_mix`: right after its
+      ln_mix instead (default layer: the last). A stopped forward pass leaves the `with` body at once (the
+      model call returns nothing): read the layer outputs from the record.
+    """
+    edits = dict(edits or {})
+    stop = _check(adapter, edits, start, stop_after, resid_pre)
+    s = _Session(adapter, edits, start, stop)
+    rec = s.rec
+    halt_out = stop_after is not None and not stop_at_mix
+    modules = list({id(lay.module): lay.module for lay in adapter.layers}.values())  # ALBERT shares them
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance `forward` or None) of skipped layers
     seen: set[tuple[int, str]] = set()
 
-    def add(mod: nn.Module | None, name: str, kind: str) -> None:
-        if mod is None or (id(mod), name) in seen:  # ALBERT: shared modules fire once per use
+    def enter(m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        layer = s.enter(m)
+        if not s.active:
+            return None
+        h = resid_pre if layer == start and resid_pre is not None else _hidden(args, kwargs)
+        h = s.edit(f"blocks.{layer}.resid_pre", h)
+        rec["x"].append(h)
+        return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+
+    def leave(m: nn.Module, args: tuple, out: Any) -> None:
+        if s.active:
+            rec["out"].append(_first(out))
+            if halt_out and s.layer == stop:
+                raise _Stop(s)
+
+    def mix(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if s.active:
+            rec["mix_in"].append(args[0])
+            rec["mix_out"].append(out)
+            if stop_at_mix and s.layer == stop:
+                raise _Stop(s)
+
+    def embed(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        if s.embedded:  # GPT-2 also embeds token_type_ids with the same module, after the token ids
+            return None
+        s.embedded = True
+        return s.edit("embed", out)
+
+    def skipping(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return _hidden(args, kwargs) if _SESSION.get() is s and s.layer < start else inner(*args, **kwargs)
+
+        return forward
+
+    def capture(mod: nn.Module | None, name: str, take: Callable[[tuple, Any], torch.Tensor]) -> None:
+        if mod is None or (id(mod), name) in seen:  # ALBERT: a shared module fires once per layer
             return
         seen.add((id(mod), name))
-        if kind == "pre":
-            handles.append(mod.register_forward_pre_hook(
-                lambda m, a, k: rec[name].append(a[0] if a else k["hidden_states"]), with_kwargs=True))
-        elif kind == "in":
-            handles.append(mod.register_forward_hook(lambda m, a, o: rec[name].append(a[0])))
-        elif kind == "out":
-            handles.append(mod.register_forward_hook(lambda m, a, o: rec[name].append(_first(o))))
-        else:  # both
 
-            def both(m: nn.Module, a: tuple, o: torch.Tensor) -> None:
-                rec[name + "_in"].append(a[0])
-                rec[name + "_out"].append(o)
+        def hook(m: nn.Module, args: tuple, out: Any) -> None:
+            if s.active:
+                rec[name].append(take(args, out))
 
-            handles.append(mod.register_forward_hook(both))
+        handles.append(mod.register_forward_hook(hook))
 
-    for lay in adapter.layers:
-        add(lay.module, "x", "pre")
-        add(lay.module, "out", "out")
-        add(lay.o_proj, "attn_out", "out")
-        add(lay.ln_mix.module, "mix", "both")
-        if ffn:
-            add(lay.ffn_in, "ffn_pre", "out")
-            add(lay.ffn_out, "ffn_act", "in")
-            add(lay.ln_out.module if lay.ln_out else None, "ln_out_in", "in")
-            add(lay.ffn_gate, "ffn_gate", "out")
-    if stop:
-        def halt(m: nn.Module, a: tuple, o: torch.Tensor) -> None:
-            if len(rec["mix_out"]) == adapter.n_layers:  # ALBERT's shared norm fires once per layer
-                raise _Stop
-
-        handles.append(adapter.layers[-1].ln_mix.module.register_forward_hook(halt))
-    session = _Session(edits or {})
-    token = _SESSION.set(session)
     try:
-        with _eager_wrapped():
-            yield rec
+        for mod in modules:
+            handles.append(mod.register_forward_pre_hook(enter, with_kwargs=True))
+            handles.append(mod.register_forward_hook(leave))
+            if s.indices[id(mod)][0] < start:
+                forwards.append((mod, vars(mod).get("forward")))
+                mod.forward = skipping(mod.forward)  # type: ignore[method-assign]
+        if "embed" in edits:
+            lookup: nn.Module = adapter.base.get_input_embeddings()  # type: ignore[operator]
+            handles.append(lookup.register_forward_hook(embed))
+        for lay in adapter.layers:
+            capture(lay.o_proj, "attn_out", lambda a, o: _first(o))
+            if (id(lay.ln_mix.module), "mix") not in seen:
+                seen.add((id(lay.ln_mix.module), "mix"))
+                handles.append(lay.ln_mix.module.register_forward_hook(mix))
+            if ffn:
+                capture(lay.ffn_in, "ffn_pre", lambda a, o: _first(o))
+                capture(lay.ffn_out, "ffn_act", lambda a, o: a[0])
+                capture(lay.ln_out.module if lay.ln_out else None, "ln_out_in", lambda a, o: a[0])
+                capture(lay.ffn_gate, "ffn_gate", lambda a, o: _first(o))
+        token = _SESSION.set(s)
+        try:
+            with _eager_wrapped():
+                yield rec
+        except _Stop as e:
+            if e.session is not s:
+                raise
+        finally:
+            _SESSION.reset(token)
     finally:
-        _SESSION.reset(token)
         for h in handles:
             h.remove()
-        rec["alpha"], rec["value"] = session.alpha, session.value
+        for mod, own in forwards:
+            if own is None:
+                del mod.forward
+            else:
+                mod.forward = own  # type: ignore[method-assign]
 
 
 def run_traced(
     adapter: Adapter,
     model: nn.Module,
     inputs: dict[str, torch.Tensor],
-    edits: dict[str, Edit] | None = None,
+    edits: Mapping[str, Edit] | None = None,
     ffn: bool = False,
     tokenizer: object | None = None,
     full: bool = True,
@@ -197,21 +322,19 @@ def run_traced(
     stops after the last layer's ln_mix: everything the attention-block methods use, without the last FFN and
     the model head (the last layer's `out` and the logits are then None)."""
     output = None
-    try:
-        with hooked(adapter, edits, ffn and full, stop=not full) as rec:
-            output = model(**inputs)
-    except _Stop:
-        rec["out"].append(None)
+    with hooked(adapter, edits, ffn and full, stop_at_mix=not full) as rec:
+        output = model(**inputs)
+    outs: list[torch.Tensor | None] = [*rec["out"], *([] if full else [None])]
     n = adapter.n_layers
-    for key in ("x", "out", "attn_out", "mix_in", "mix_out", "alpha", "value"):
-        if len(rec[key]) != n:
-            raise RuntimeError(f"capture of '{key}' fired {len(rec[key])} times for {n} layers")
+    counts = {k: len(rec[k]) for k in ("x", "attn_out", "mix_in", "mix_out", "alpha", "value")} | {"out": len(outs)}
+    for key, count in counts.items():
+        if count != n:
+            raise RuntimeError(f"capture of '{key}' fired {count} times for {n} layers")
     opt = {k: rec[k] if len(rec.get(k, [])) == n else [None] * n for k in ("ffn_pre", "ffn_act", "ln_out_in",
                                                                              "ffn_gate")}
     layers = [
         LayerTrace(x=rec["x"][i], alpha=rec["alpha"][i], value=rec["value"][i], attn_out=rec["attn_out"][i],
-                   mix_in=rec["mix_in"][i],
-                   mix_out=rec["mix_out"][i], out=rec["out"][i], ffn_pre=opt["ffn_pre"][i],
+                   mix_in=rec["mix_in"][i], mix_out=rec["mix_out"][i], out=outs[i], ffn_pre=opt["ffn_pre"][i],
                    ffn_act=opt["ffn_act"][i], ln_out_in=opt["ln_out_in"][i], ffn_gate=opt["ffn_gate"][i])
         for i in range(n)
     ]

@@ -50,7 +50,8 @@ def sweep_command(
     import numpy as np
     import pandas as pd
 
-    from mixlens.interventions import MODES, sweep, sweep_steps
+    from mixlens.bertology.sweep import sweep, sweep_steps
+    from mixlens.interventions import MODES
     from mixlens.lens import head_for, load
     from mixlens.result import atomic_write
     from mixlens.viz.heads import layer_head_heatmap
@@ -91,7 +92,7 @@ def make_task(
     lens: Any, metric: str, examples: list[Any], score_column: str, label_column: str, batch_size: int
 ) -> Any:
     """The sweep's task for `metric` over the examples, with gold values from their columns."""
-    from mixlens.interventions import ClassificationTask, MlmTask, StsTask
+    from mixlens.bertology.tasks import ClassificationTask, MlmTask, StsTask
 
     if metric == "sts":
         if not isinstance(examples[0].text, tuple):

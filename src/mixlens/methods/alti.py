@@ -14,7 +14,7 @@ from mixlens.adapters import Layer
 from mixlens.methods.norms import head_vectors
 from mixlens.methods.registry import register
 from mixlens.methods.rollout import pair_mask, rollout, row_normalize
-from mixlens.trace import LayerTrace, Trace, _repeat_kv
+from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 ROW_CHUNK_ELEMENTS = 1 << 20  # floats of T vectors held at once (4 MB: the chunk stays in cache)
 
@@ -41,7 +41,7 @@ def alti_vectors(trace: Trace, index: int) -> tuple[torch.Tensor, torch.Tensor]:
 def projected_head_vectors(lt: LayerTrace, lay: Layer, p) -> torch.Tensor:
     """P f^h(x_j) for a linear map P on the hidden axis: [B, H, n, d]. P is applied to the rows of W_O
     (P(v W_O) = v P(W_O)) instead of to the B·H·n vectors."""
-    v = _repeat_kv(lt.value, lay.n_heads).float()
+    v = repeat_kv(lt.value, lay.n_heads).float()
     w = p(lay.w_o.float()).reshape(lay.n_heads, lay.d_head, -1)
     return torch.einsum("bhjk,hkd->bhjd", v, w)
 

@@ -1,66 +1,34 @@
-"""Gradient attributions through the input embeddings (docs/DESIGN.md §3.7, §4).
+"""Gradient attributions through the input embeddings (DESIGN §3.7, §4).
 
 - `hta` (Brunner et al. 2020, Hidden Token Attribution): c^l_ij = ‖∂e^l_i/∂x_j‖_F / Σ_k ‖∂e^l_i/∂x_k‖_F,
   e^l = output of layer l, x = the word-piece embeddings (`input="word"`) or the embedding-layer output,
   i.e. the input of the first layer (`input="embedding"`).
 - `head_attribution` (Pascual et al. 2021): the same for each head's context vector o^{l,h}_i = Σ_j α^h_ij v^h_j.
 
-Both come from one forward-mode pass: the model is run with a perturbation δ added at the input (a hook, so
-position embeddings and LayerNorm are applied exactly once), and `torch.func.jvp` under `vmap` pushes a batch of
-input directions u through it, giving J u for every layer, head and target at once. Exact mode uses the n·d_in
-unit directions (chunked); estimate mode uses k Rademacher probes per source position (Hutchinson:
-E‖J u‖² = ‖J‖_F²) and keeps their standard error.
+Both come from one forward-mode pass: the model is run with a perturbation δ added at the input (the engine's
+edit point `embed` or `blocks.0.resid_pre`, so position embeddings and LayerNorm are applied exactly once), and
+`torch.func.jvp` under `vmap` pushes a batch of input directions u through it, giving J u for every layer, head
+and target at once. Exact mode uses the n·d_in unit directions (chunked); estimate mode uses k Rademacher probes
+per source position (Hutchinson: E‖J u‖² = ‖J‖_F²) and keeps their standard error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.func import jvp, vmap
 
-from mixlens.adapters import Adapter
 from mixlens.errors import MixlensError
 from mixlens.methods.registry import LHTS, LTS, register
-from mixlens.trace import Edit, Trace, hooked
+from mixlens.trace import Trace, hooked
 
 INPUTS = ("word", "embedding")
+INPUT_POINTS = {"word": "embed", "embedding": "blocks.0.resid_pre"}  # the edit point that adds δ [B, n, d_in]
 MODES = ("exact", "estimate")
 OUTPUTS = ("share", "stderr")
 _CHUNK_BUDGET = 2**22  # floats of one tangent activation [chunk, batch, tokens, 4·d] per vmapped call
-
-
-@contextmanager
-def perturbed(adapter: Adapter, where: str, delta: torch.Tensor) -> Iterator[None]:
-    """Add delta [B, n, d_in] to the word-piece embeddings ('word') or to the first layer's input ('embedding')."""
-    # perturb only the first call (GPT-2 also embeds token_type_ids with wte; ALBERT reuses layers)
-    fired: list[bool] = []
-    if where == "word":
-
-        def post(m, a, o):
-            if fired:
-                return None
-            fired.append(True)
-            return o + delta
-
-        handle = adapter.base.get_input_embeddings().register_forward_hook(post)
-    else:
-
-        def pre(m, args, kwargs):
-            if fired:
-                return None
-            fired.append(True)
-            if args:
-                return (args[0] + delta, *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + delta}
-
-        handle = adapter.layers[0].module.register_forward_pre_hook(pre, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def input_dim(trace: Trace, where: str) -> int:
@@ -80,8 +48,9 @@ def states_fn(trace: Trace, where: str) -> Callable[[torch.Tensor], tuple[torch.
             zs.append(z)
             return z
 
-        edits: dict[str, Edit] = {f"blocks.{k}.attn.z": keep for k in range(adapter.n_layers)}
-        with perturbed(adapter, where, delta), hooked(adapter, edits) as rec:
+        edits = {f"blocks.{k}.attn.z": keep for k in range(adapter.n_layers)}
+        edits[INPUT_POINTS[where]] = lambda t: t + delta
+        with hooked(adapter, edits) as rec:
             adapter.base(**inputs)
         return torch.stack(rec["out"]), torch.stack(zs)
 
@@ -104,7 +73,7 @@ def _push(f: Callable, primal: torch.Tensor, tangents: torch.Tensor) -> tuple[to
     ‖J_o u‖² summed over head dims [C, L, B, H, n]."""
 
     def one(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, (de, do) = jvp(f, (primal,), (u,))  # type: ignore[misc]  # the stub counts has_aux's third value
+        _, (de, do) = jvp(f, (primal,), (u,))
         return de.pow(2).sum(-1), do.pow(2).sum(-1)
 
     return vmap(one)(tangents)
@@ -132,7 +101,7 @@ def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", pr
         raise MixlensError(f"probes must be an integer ≥ 2, got {probes!r}")
     key = ("jacobian_norms", input, mode, probes if mode == "estimate" else 0, seed, tuple(sources or ()))
     if key in trace.cache:
-        return trace.cache[key]
+        return trace.cache[key]  # type: ignore[return-value]
     b, n, _ = trace.layers[0].x.shape
     cols = torch.tensor(sources if sources is not None else range(n), dtype=torch.long)
     d_in = input_dim(trace, input)
@@ -143,10 +112,8 @@ def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", pr
     with torch.no_grad():  # forward-mode AD ignores grad mode; no autograd graph may chain the chunks together
         if mode == "exact":
             total = len(cols) * d_in  # direction k: unit vector (cols[k // d_in], k % d_in), all inputs
-            se_h: torch.Tensor | None = None
-            se_o: torch.Tensor | None = None
-            acc_h: torch.Tensor | None = None
-            acc_o: torch.Tensor | None = None
+            se_h = se_o = None
+            acc_h = acc_o = None
             for k0 in range(0, total, step):
                 k = torch.arange(k0, min(total, k0 + step), device=primal.device)
                 u = torch.zeros(len(k), b, n, d_in, dtype=primal.dtype, device=primal.device)
@@ -155,10 +122,8 @@ def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", pr
                 if acc_h is None:
                     acc_h = sh.new_zeros(n, *sh.shape[1:])
                     acc_o = so.new_zeros(n, *so.shape[1:])
-                assert acc_o is not None
                 acc_h.index_add_(0, cols[k // d_in], sh)
                 acc_o.index_add_(0, cols[k // d_in], so)
-            assert acc_h is not None and acc_o is not None  # at least one source
             sq_h, sq_o = acc_h, acc_o  # [n(source), L, B, n(target)], [n(source), L, B, H, n(target)]
         else:
             gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -180,13 +145,14 @@ def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", pr
             se_o = so.new_zeros(n, *so.shape[2:]).index_copy_(0, cols, so.std(1) / probes**0.5)
     mask = trace.mask.to(primal.dtype)
 
-    def arrange(t: torch.Tensor, heads: bool) -> torch.Tensor:
+    def arrange(t: torch.Tensor | None, heads: bool) -> torch.Tensor | None:
+        if t is None:
+            return None
         t = t.permute(2, 1, 3, 4, 0) if heads else t.permute(2, 1, 3, 0)  # → [B, L, (H,) target, source]
         extra = (None,) * (2 if heads else 1)
         return t.detach() * mask[(slice(None), *extra, slice(None), None)] * mask[(slice(None), *extra, None)]
 
-    out = JacobianNorms(arrange(sq_h, False), arrange(sq_o, True), None if se_h is None else arrange(se_h, False),
-                        None if se_o is None else arrange(se_o, True))
+    out = JacobianNorms(arrange(sq_h, False), arrange(sq_o, True), arrange(se_h, False), arrange(se_o, True))
     trace.cache[key] = out
     return out
 
@@ -222,10 +188,7 @@ def hta(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int =
     _check_output(output, mode)
     jn = jacobian_norms(trace, input=input, mode=mode, probes=probes, seed=seed)
     c, se = shares(jn.hidden, jn.hidden_se)
-    if output == "share":
-        return c  # [B, L, target, source]
-    assert se is not None  # _check_output: standard errors come with mode 'estimate'
-    return se
+    return c if output == "share" else se  # [B, L, target, source]
 
 
 @register("head_attribution", dims=LHTS, extra_passes=True)
@@ -235,7 +198,4 @@ def head_attribution(trace: Trace, *, input: str = "word", mode: str = "exact", 
     _check_output(output, mode)
     jn = jacobian_norms(trace, input=input, mode=mode, probes=probes, seed=seed)
     c, se = shares(jn.heads, jn.heads_se)
-    if output == "share":
-        return c  # [B, L, H, target, source]
-    assert se is not None  # _check_output: standard errors come with mode 'estimate'
-    return se
+    return c if output == "share" else se  # [B, L, H, target, source]

@@ -22,7 +22,7 @@ from mixlens.adapters import Layer
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods._kernels import attention_pass, parallel, row_splits, token_pass, token_splits
 from mixlens.methods.registry import LHTS, register
-from mixlens.trace import LayerTrace, Trace, _repeat_kv
+from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
 TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
@@ -111,14 +111,14 @@ def quad_norm(alpha: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
 
 def head_vectors(lt: LayerTrace, lay: Layer) -> torch.Tensor:
     """f^h(x_j) = v^h_j W_O^h for every head and source: [B, H, n, d]."""
-    v = _repeat_kv(lt.value, lay.n_heads).float()
+    v = repeat_kv(lt.value, lay.n_heads).float()
     w = lay.w_o.float().reshape(lay.n_heads, lay.d_head, -1)
     return torch.einsum("bhjk,hkd->bhjd", v, w)
 
 
 def attn_sum(lt: LayerTrace, lay: Layer) -> torch.Tensor:
     """Σ_j Σ_h α^h_ij f^h(x_j) (the attention output without b_O): [B, n, d]."""
-    z = torch.matmul(lt.alpha.float(), _repeat_kv(lt.value, lay.n_heads).float())  # [B, H, n, d_h]
+    z = torch.matmul(lt.alpha.float(), repeat_kv(lt.value, lay.n_heads).float())  # [B, H, n, d_h]
     return z.transpose(1, 2).flatten(2) @ lay.w_o.float()
 
 
@@ -186,7 +186,7 @@ class _Pending:
     @classmethod
     def of(cls, lt: LayerTrace, lay: Layer, tok: _Tokens, index: int) -> _Pending:
         alpha = lt.alpha.float()
-        vh = tok.gather(_repeat_kv(lt.value, lay.n_heads).float().transpose(1, 2)).transpose(0, 1).contiguous()
+        vh = tok.gather(repeat_kv(lt.value, lay.n_heads).float().transpose(1, 2)).transpose(0, 1).contiguous()
         a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(1, 2)).T.contiguous()
         return cls(index, lt, lay, _weights(lay, index), alpha, vh, a_ii)
 

@@ -1,24 +1,23 @@
-"""Output saliency for one scalar per input (docs/DESIGN.md §3.7): gradient, gradient × input, integrated gradients.
+"""Output saliency for one scalar per input (DESIGN §3.7): gradient, gradient × input, integrated gradients.
 
 The scalar f is a class logit (sequence classifier), a token's logit at one position (masked LM: the [MASK];
 causal LM: the last token), or any function `target(model_output, inputs) -> [B]` given in Python. Attribution is
-at the word-embedding output e_j (a hook replaces that module's output, so position embeddings and LayerNorm
-are applied exactly once), reduced over hidden dims: ‖·‖₂ (default), ‖·‖₁ or the signed sum. Integrated
+at the word-embedding output e_j (the engine's edit point `embed` replaces it, so position embeddings and
+LayerNorm are applied exactly once), reduced over hidden dims: ‖·‖₂ (default), ‖·‖₁ or the signed sum. Integrated
 gradients come from captum; with reduction='sum' they satisfy Σ_j IG_j ≈ f(x) − f(baseline) up to the
 convergence delta captum reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mixlens.errors import MixlensError
 from mixlens.methods.registry import register
-from mixlens.trace import Trace
+from mixlens.trace import Trace, hooked
 
 REDUCTIONS = ("l2", "l1", "sum")
 KINDS = ("saliency", "grad_x_input", "integrated_gradients")
@@ -36,23 +35,6 @@ class OutputAttribution:
     target_value: torch.Tensor
     baseline_value: torch.Tensor | None = None
     delta: torch.Tensor | None = None
-
-
-@contextmanager
-def _replaced_embeddings(trace: Trace, emb: torch.Tensor) -> Iterator[None]:
-    fired: list[bool] = []  # only the token lookup (GPT-2 also embeds token_type_ids with the same module)
-
-    def hook(m, a, o):
-        if not fired:
-            fired.append(True)
-            return emb
-        return None
-
-    handle = trace.adapter.base.get_input_embeddings().register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _positions(trace: Trace, position: int | None) -> torch.Tensor:
@@ -87,13 +69,13 @@ def _selector(trace: Trace, target: Target, position: int | None) -> tuple[Calla
     if logits.dim() == 2:  # [B, classes]
         if isinstance(target, int) and not 0 <= target < logits.shape[-1]:
             raise MixlensError(f"class {target} out of range; the model has {logits.shape[-1]} classes")
-        cls = logits.argmax(-1) if target == "pred" else torch.full((logits.shape[0],), int(target), device=dev)
+        cls = logits.argmax(-1) if target == "pred" else torch.full((logits.shape[0],), target, device=dev)
         return (lambda out, inputs, c: out.logits.gather(1, c[:, None])[:, 0]), (cls,)
     pos = _positions(trace, position).to(dev)  # [B, n, vocab]
     rows = logits[torch.arange(logits.shape[0], device=dev), pos]
     if isinstance(target, int) and not 0 <= target < rows.shape[-1]:
         raise MixlensError(f"token id {target} out of range; the vocabulary has {rows.shape[-1]} entries")
-    tok = rows.argmax(-1) if target == "pred" else torch.full((rows.shape[0],), int(target), device=dev)
+    tok = rows.argmax(-1) if target == "pred" else torch.full((rows.shape[0],), target, device=dev)
 
     def pick(out, inputs, p, t):
         return out.logits[torch.arange(p.shape[0], device=p.device), p, t]
@@ -109,7 +91,7 @@ def scalar_fn(trace: Trace, target: Target = "pred", position: int | None = None
 
     def f(emb: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         inputs = dict(zip(keys, args[: len(keys)], strict=True))
-        with _replaced_embeddings(trace, emb):
+        with hooked(trace.adapter, {"embed": lambda _: emb}):
             out = trace.model(**inputs)
         return select(out, inputs, *args[len(keys):])
 

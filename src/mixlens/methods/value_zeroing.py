@@ -1,18 +1,16 @@
 """Value zeroing (Mohebbi et al. 2023; docs/DESIGN.md §3.5): re-run one layer with the value vector of token j zeroed.
 
-For layer l and source j, the layer module is called again on its captured input x (so FFN, both norms and the
-residuals act exactly as in the model) with v_j = 0 in every (key/value) head. α does not depend on the values,
-so it is the original one. C_ij = cosine distance between the new and the real output of token i, rows
-normalised to 1; global = rollout. The n zeroed copies of a batch are stacked along the batch axis and run in as
-few calls as the memory bound allows. Causal models need no special case: zeroing v_j cannot reach i < j.
+For layer l and source j, the model runs layer l alone again on its captured input x (the engine's start/stop
+options; FFN, both norms and the residuals act exactly as in the model) with v_j = 0 in every (key/value) head
+(edit point `blocks.{l}.attn.v`). α does not depend on the values, so it is the original one. C_ij = cosine
+distance between the new and the real output of token i, rows normalised to 1; global = rollout. The n zeroed
+copies of a batch are stacked along the batch axis and run in as few calls as the memory bound allows. Causal
+models need no special case: zeroing v_j cannot reach i < j.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import nn
 
 from mixlens.methods.registry import register
 from mixlens.methods.rollout import pair_mask, rollout, row_normalize
@@ -21,60 +19,23 @@ from mixlens.trace import Trace, hooked
 MAX_TOKENS_PER_CALL = 1 << 13  # examples·copies·n tokens in one layer call (activations stay near cache)
 
 
-def _layer_calls(trace: Trace) -> list[tuple[tuple, dict[str, Any]]]:
-    """(args, kwargs) each layer module was called with, recorded in one plain forward pass (cached)."""
-    if "layer_calls" not in trace.cache:
-        calls: list[tuple[tuple, dict[str, Any]]] = []
-        modules = list({id(lay.module): lay.module for lay in trace.adapter.layers}.values())  # ALBERT shares
-
-        def pre(_m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-            calls.append((args, dict(kwargs)))
-
-        handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in modules]
-        try:
-            with torch.no_grad():
-                trace.model(**trace.inputs)
-        finally:
-            for h in handles:
-                h.remove()
-        if len(calls) != trace.adapter.n_layers:
-            raise RuntimeError(f"layer modules were called {len(calls)} times for {trace.adapter.n_layers} layers")
-        trace.cache["layer_calls"] = calls
-    return trace.cache["layer_calls"]
-
-
-def _expand(obj: Any, batch: int, rows: torch.Tensor, copies: int) -> Any:
-    """Keep the examples `rows` of every per-example tensor (leading axis = batch) and repeat each `copies`
-    times, example-major; caches are dropped."""
-    if isinstance(obj, torch.Tensor):
-        return obj[rows].repeat_interleave(copies, dim=0) if obj.dim() and obj.shape[0] == batch else obj
-    if isinstance(obj, tuple):
-        return tuple(_expand(o, batch, rows, copies) for o in obj)
-    if type(obj).__name__.endswith("Cache"):
-        return None
-    return obj
-
-
 def _zeroed_outputs(trace: Trace, index: int, rows: torch.Tensor, sources: range) -> torch.Tensor:
     """Output of layer `index` for the examples `rows` with v_j = 0, for each j in `sources`:
-    [len(rows), len(sources), n, d]."""
-    args, kwargs = _layer_calls(trace)[index]
+    [len(rows), len(sources), n, d]. The model runs layer `index` alone on its captured input x, over the rows
+    repeated len(sources) times (example-major)."""
     x = trace.layers[index].x
-    b, n, d = x.shape
+    _, n, d = x.shape
     m = len(sources)
     keep = torch.ones(m, n, dtype=x.dtype, device=x.device)
     keep[torch.arange(m), torch.arange(sources.start, sources.stop)] = 0
-    keep = keep.repeat(len(rows), 1)[:, None, :, None]  # [R·m, 1, n, 1], example-major like _expand
-
-    args = tuple(_expand(a, b, rows, m) for a in (x, *args[1:]))
-    kwargs = {k: _expand(v, b, rows, m) for k, v in kwargs.items() if k != "hidden_states"}
-    if "use_cache" in kwargs:
-        kwargs["use_cache"] = False
-    # a direct call of one layer module makes exactly one attention call, named blocks.0 by the engine
-    with hooked(trace.adapter, {"blocks.0.attn.v": lambda v: v * keep}):
-        out = trace.adapter.layers[index].module(*args, **kwargs)
-    out = out[0] if isinstance(out, tuple) else out
-    return out.reshape(len(rows), m, n, d)
+    keep = keep.repeat(len(rows), 1)[:, None, :, None]  # [R·m, 1, n(source), 1]
+    inputs = {k: v[rows.to(v.device)].repeat_interleave(m, dim=0) for k, v in trace.inputs.items()}
+    extra = {"use_cache": False} if trace.adapter.family.causal else {}
+    x_in = x[rows.to(x.device)].repeat_interleave(m, dim=0)  # [R·m, n, d]
+    with hooked(trace.adapter, {f"blocks.{index}.attn.v": lambda v: v * keep}, start=index, resid_pre=x_in,
+                stop_after=index) as rec:
+        trace.model(**inputs, **extra)
+    return rec["out"][0].reshape(len(rows), m, n, d)
 
 
 def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

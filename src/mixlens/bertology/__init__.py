@@ -1,0 +1,1 @@
+"""BERTology studies: head statistics beyond the engine, head/layer disabling sweeps."""
