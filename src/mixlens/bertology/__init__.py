@@ -1,0 +1,1 @@
+"""BERTology studies over datasets (docs/bertology.md)."""
