@@ -46,3 +46,31 @@ def test_subwords_take_their_words_frequency(bundled):
 def test_unknown_words_only(bundled):
     with pytest.raises(MixlensError, match="no token has a known word frequency"):
         frequency_study(bundled, ["qzxwv"])
+
+
+def test_mixing_profile_matches_analysis(bundled):
+    from mixlens.bertology.mixing_disabling import mixing_profile
+
+    ratio, share = mixing_profile(bundled, SENTENCES, batch_size=2)
+    an = bundled.analyze(SENTENCES, ["attention"])
+    per_token = an.mixing_ratio("ResLN-N", per_token=True)  # [B, L, n], padding 0
+    n_tokens = sum(len(t) for t in an.tokens)
+    np.testing.assert_allclose(ratio, per_token.sum((0, 2)) / n_tokens, rtol=1e-5)
+    np.testing.assert_allclose(share.sum(1), 1.0, rtol=1e-5)
+    assert share.shape == (bundled.adapter.n_layers, bundled.adapter.n_heads) and np.all(share > 0)
+
+
+def test_mixing_vs_disabling_on_a_small_model(tokenizer):
+    from mixlens.bertology.mixing_disabling import mixing_vs_disabling
+    from mixlens.interventions import StsTask, sweep
+    from tests.conftest import random_lens
+
+    lens = random_lens("bert", tokenizer, num_hidden_layers=3)
+    pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[1], SENTENCES[2]), (SENTENCES[0], SENTENCES[2]),
+             ("A cat.", "A dog sat.")]
+    task = StsTask(lens, pairs, [1.0, 2.0, 3.0, 0.5])
+    rep = mixing_vs_disabling(lens, task, [s for p in pairs for s in p], modes=("zero",))
+    direct = sweep(lens, task, "zero")
+    np.testing.assert_allclose(rep.layer_harm["zero"], -direct.delta_layers)  # Spearman: higher is better
+    np.testing.assert_allclose(rep.head_harm["zero"], -direct.delta_heads)
+    assert rep.ratio.shape == (3,) and rep.share.shape == direct.heads.shape
