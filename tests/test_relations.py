@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from mixlens.bertology.relations import (
@@ -106,3 +107,16 @@ def test_weights_match_word_level_attention(bundled):
                                    wmap[:, :, a, a + delta].mean(-1), atol=1e-5)
     norm = rep.table[rep.table["view"] == "norm"]
     assert np.all(norm["mean"] > 0) and np.all(norm["mean"] < 1)
+
+
+def test_cli_from_conllu_writes_table_figure_and_pairs(tmp_path, capsys):
+    f = tmp_path / "t.conllu"
+    f.write_text(CONLLU)
+    out = tmp_path / "o"
+    code, _, err = run_cli(["relations", "--from-conllu", str(f), "--permutations", "20", "-o", str(out),
+                            "--save-pairs", str(tmp_path / "p.jsonl")], capsys)
+    assert code == 0, err
+    assert (out / "relations.png").stat().st_size > 0
+    t = pd.read_csv(out / "relations.csv")
+    assert set(t["relation"]) == {"nsubj", "obj", "advmod"} and len(t) == 3 * 2 * 72
+    assert len(read_relations(tmp_path / "p.jsonl")[0].pairs) == 3
