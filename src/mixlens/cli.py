@@ -35,6 +35,7 @@ COMMAND_MODULES: list[str] = [
     "mixlens.commands.patterns",
     "mixlens.commands.sweep",
     "mixlens.commands.gradients",
+    "mixlens.commands.studies",
 ]
 
 for _module in COMMAND_MODULES:
