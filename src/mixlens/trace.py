@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from mixlens.adapters import Adapter
+from mixlens.adapters import Adapter, _get
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -42,6 +42,13 @@ class LayerTrace:
     ffn_act: torch.Tensor | None = None  # [B, n, d_ff] FFN activation (ffn_out input)
     ln_out_in: torch.Tensor | None = None  # [B, n, d] post-LN: input of LN2
     ffn_gate: torch.Tensor | None = None  # [B, n, d_ff] gated FFN: gate projection output
+    post_scale: torch.Tensor | None = None  # [B, n] sandwich norm (Gemma): s^post_i of the output projection's output
+
+    @property
+    def alpha_mix(self) -> torch.Tensor:
+        """α as the norm decomposition mixes it: α^h_ij / s^post_i with a sandwich norm (γ_post is in W_O), else α.
+        [B, H, n(target), n(source)]."""
+        return self.alpha if self.post_scale is None else self.alpha / self.post_scale[:, None, :, None]
 
 
 @dataclass
@@ -119,6 +126,38 @@ def _eager_wrapped() -> Iterator[None]:
             ALL_ATTENTION_FUNCTIONS["eager"] = prev
 
 
+def _module_route(adapter: Adapter, s: _Session) -> list:
+    """Capture and edits for attention that does not go through ALL_ATTENTION_FUNCTIONS (MPNet): v from the value
+    projection's output, α from the output of the module `family.probs` (the attention dropout, identity in eval), z
+    from the output projection's input. Calls are named in order like the eager route. Returns the hook handles."""
+    fam, handles = adapter.family, []
+    current = [0]
+
+    def value(m: nn.Module, a: tuple, o: torch.Tensor, h: int) -> torch.Tensor:
+        current[0] = s.calls
+        s.calls += 1
+        v = s.edit(f"blocks.{current[0]}.attn.v", o.unflatten(-1, (h, -1)).transpose(1, 2))  # [B, H, n, d_h]
+        s.value.append(v)
+        return v.transpose(1, 2).flatten(2)
+
+    def pattern(m: nn.Module, a: tuple, o: torch.Tensor) -> torch.Tensor:
+        alpha = s.edit(f"blocks.{current[0]}.attn.pattern", o)
+        s.alpha.append(alpha)
+        return alpha
+
+    def z(m: nn.Module, a: tuple, d_h: int) -> tuple:
+        ctx = a[0].unflatten(-1, (-1, d_h)).transpose(1, 2)  # [B, H, n, d_h]
+        return (s.edit(f"blocks.{current[0]}.attn.z", ctx).transpose(1, 2).flatten(2), *a[1:])
+
+    for lay in adapter.layers:
+        handles.append(_get(lay.module, fam.v_proj).register_forward_hook(
+            lambda m, a, o, h=lay.n_heads: value(m, a, o, h)))
+        handles.append(_get(lay.module, fam.probs).register_forward_hook(pattern))
+        if any(k.endswith(".attn.z") for k in s.edits):
+            handles.append(lay.o_proj.register_forward_pre_hook(lambda m, a, d_h=lay.d_head: z(m, a, d_h)))
+    return handles
+
+
 def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
@@ -155,11 +194,15 @@ def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = F
 
             handles.append(mod.register_forward_hook(both))
 
+    session = _Session(edits or {})
+    if adapter.family.probs is not None:
+        handles += _module_route(adapter, session)
     for lay in adapter.layers:
         add(lay.module, "x", "pre")
         add(lay.module, "out", "out")
         add(lay.o_proj, "attn_out", "out")
         add(lay.ln_mix.module, "mix", "both")
+        add(lay.proj, "post_raw", "out")
         if ffn:
             add(lay.ffn_in, "ffn_pre", "out")
             add(lay.ffn_out, "ffn_act", "in")
@@ -171,7 +214,6 @@ def hooked(adapter: Adapter, edits: dict[str, Edit] | None = None, ffn: bool = F
                 raise _Stop
 
         handles.append(adapter.layers[-1].ln_mix.module.register_forward_hook(halt))
-    session = _Session(edits or {})
     token = _SESSION.set(session)
     try:
         with _eager_wrapped():
@@ -206,12 +248,14 @@ def run_traced(
         if len(rec[key]) != n:
             raise RuntimeError(f"capture of '{key}' fired {len(rec[key])} times for {n} layers")
     opt = {k: rec[k] if len(rec.get(k, [])) == n else [None] * n for k in ("ffn_pre", "ffn_act", "ln_out_in",
-                                                                             "ffn_gate")}
+                                                                             "ffn_gate", "post_raw")}
+    post = [None if raw is None else lay.ln_post.scale(raw.float()) for raw, lay in zip(opt["post_raw"],
+                                                                                       adapter.layers, strict=True)]
     layers = [
         LayerTrace(x=rec["x"][i], alpha=rec["alpha"][i], value=rec["value"][i], attn_out=rec["attn_out"][i],
                    mix_in=rec["mix_in"][i],
                    mix_out=rec["mix_out"][i], out=rec["out"][i], ffn_pre=opt["ffn_pre"][i],
-                   ffn_act=opt["ffn_act"][i], ln_out_in=opt["ln_out_in"][i], ffn_gate=opt["ffn_gate"][i])
+                   ffn_act=opt["ffn_act"][i], ln_out_in=opt["ln_out_in"][i], ffn_gate=opt["ffn_gate"][i], post_scale=post[i])
         for i in range(n)
     ]
     logits = getattr(output, "logits", None)

@@ -137,7 +137,7 @@ def _head(model: nn.Module, family: str) -> tuple[list[tuple[nn.Module, Act]], N
         return [(pooler.dense, torch.tanh), (model.classifier, None)], None, False
     if family == "albert":
         return [(model.albert.pooler, torch.tanh), (model.classifier, None)], None, False
-    if family == "roberta":
+    if family in ("roberta", "mpnet"):  # the same classification head
         return [(model.classifier.dense, torch.tanh), (model.classifier.out_proj, None)], None, False
     if family == "electra":
         head = model.classifier
