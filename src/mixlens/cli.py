@@ -76,6 +76,8 @@ def analyze(
                                      "`mixlens methods` lists each method's options."),
     head: str | None = typer.Option(None, "--head", help="Model head to load: base, masked-lm, "
                                     "sequence-classification, causal-lm (default: from the model config)."),
+    gguf_file: str | None = typer.Option(None, "--gguf-file", help="A GGUF file inside the --model directory "
+                                         "(de-quantised to float32; needs pip install \"mixlens[gguf]\")."),
 ) -> None:
     """Decompose the attention blocks of TEXT and report the context-mixing ratio per layer."""
     from mixlens.lens import DEFAULT_METHODS, load
@@ -85,7 +87,7 @@ def analyze(
     for m in methods:
         get(m)  # unknown names fail before the model loads
     opts = parse_options(option)
-    lens = load(model, head=head)
+    lens = load(model, head=head, gguf_file=gguf_file)
     res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate,
                        options=opts)
     if fmt is Format.html:
