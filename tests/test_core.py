@@ -74,7 +74,8 @@ def assert_exact(lens: mixlens.Lens) -> None:
         assert torch.allclose(bn.n_resln[:, layer], g.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
         f_norm = head_vectors(lt, tr.adapter.layers[layer]).norm(dim=-1) * m[:, None]
         assert torch.allclose(bn.f_norm[:, layer], f_norm, atol=1e-4, rtol=1e-4)
-        assert torch.allclose(mixlens.methods.registry.get("attention")(tr)[:, layer], lt.alpha.float().mean(1) * pair, atol=1e-6)
+        alpha_mean = mixlens.methods.registry.get("attention")(tr)[:, layer]
+        assert torch.allclose(alpha_mean, lt.alpha.float().mean(1) * pair, atol=1e-6)
         for v, want in brute_ratios(t, g, lt.x.float(), lt.alpha.float()).items():
             assert torch.allclose(bn.ratio[v][:, layer][m], want[m], atol=1e-4), v
 

@@ -50,6 +50,7 @@ def test_reconstruction_and_batching(real):
                                        atol=1e-4, err_msg=name)
 
 
+@torch.no_grad()
 def _brute_force(lens: mixlens.Lens, text: str) -> dict[str, torch.Tensor]:
     """N, N-Res and N-ResLN [L, n, n] from explicit vectors: α from the model's own `output_attentions`, v, the real
     W_O and the norms' inputs from hooks on the model's modules; no mixlens capture or kernel involved."""
@@ -65,8 +66,7 @@ def _brute_force(lens: mixlens.Lens, text: str) -> dict[str, torch.Tensor]:
         hooks.append(proj.register_forward_hook(lambda m, a, o: rec["proj"].append(o)))
         hooks.append(lay.ln_mix.module.register_forward_hook(lambda m, a, o: rec["mix"].append(a[0])))
     try:
-        with torch.no_grad():
-            out = lens.model(**enc, output_attentions=True)
+        out = lens.model(**enc, output_attentions=True)
     finally:
         for h in hooks:
             h.remove()

@@ -77,7 +77,8 @@ def load(model: str | Path | None = None, *, head: str | None = None, device: st
     """Load a model for analysis: None = the bundled all-MiniLM-L6-v2, else a local dir or hub id.
 
     `gguf_file`: a GGUF file inside the directory `model`, de-quantised to float32 by transformers (needs the
-    `gguf` and `accelerate` packages). `head` picks the AutoModel class ('base', 'masked-lm', 'sequence-classification', 'causal-lm');
+    `gguf` and `accelerate` packages). `head` picks the AutoModel class ('base', 'masked-lm',
+    'sequence-classification', 'causal-lm');
     by default it follows `config.architectures`. Always eager attention, eval mode, fp32.
     """
     import transformers

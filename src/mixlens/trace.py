@@ -255,7 +255,8 @@ def run_traced(
         LayerTrace(x=rec["x"][i], alpha=rec["alpha"][i], value=rec["value"][i], attn_out=rec["attn_out"][i],
                    mix_in=rec["mix_in"][i],
                    mix_out=rec["mix_out"][i], out=rec["out"][i], ffn_pre=opt["ffn_pre"][i],
-                   ffn_act=opt["ffn_act"][i], ln_out_in=opt["ln_out_in"][i], ffn_gate=opt["ffn_gate"][i], post_scale=post[i])
+                   ffn_act=opt["ffn_act"][i], ln_out_in=opt["ln_out_in"][i], ffn_gate=opt["ffn_gate"][i],
+                   post_scale=post[i])
         for i in range(n)
     ]
     logits = getattr(output, "logits", None)

@@ -1,8 +1,8 @@
 """Per-family adapter table: where each canonical piece of a Transformer layer lives.
 
 An adapter never copies modeling code. It names module paths (relative to one layer) and says how the
-block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm, Gemma's sandwich norm). `resolve(model)` turns the
-table entry into concrete modules and weight matrices in the canonical `x @ W` orientation.
+block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm, Gemma's sandwich norm).
+`resolve(model)` turns the table entry into concrete modules and weight matrices in the canonical `x @ W` orientation.
 """
 
 from __future__ import annotations
