@@ -49,11 +49,11 @@ def timed(fn, repeats: int) -> float:
 
 def peak_rss(name: str, n_tokens: int) -> float:
     """Peak RSS (GiB) of a fresh process: load + one analysis."""
-    code = ("import resource, sys; sys.path.insert(0, %r); import bench_models as b, mixlens; "
-            "lens = mixlens.load(b.ROOT / %r, head='base'); "
-            "lens.analyze([b.text_of(lens, %d)], b.METHODS, max_length=%d); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)") % (str(Path(__file__).parent), name,
-                                                                           n_tokens, n_tokens)
+    here = str(Path(__file__).parent)
+    code = (f"import resource, sys; sys.path.insert(0, {here!r}); import bench_models as b, mixlens; "
+            f"lens = mixlens.load(b.ROOT / {name!r}, head='base'); "
+            f"lens.analyze([b.text_of(lens, {n_tokens})], b.METHODS, max_length={n_tokens}); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return int(out.split()[-1]) / 2**20
 
