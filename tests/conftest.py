@@ -25,7 +25,15 @@ CONFIGS = {
     "albert": lambda: T.AlbertConfig(embedding_size=32, num_hidden_groups=1, **{**_SMALL, "num_hidden_layers": 3}),
     "gpt2": lambda: T.GPT2Config(n_embd=64, n_layer=2, n_head=4),
     "llama": lambda: T.LlamaConfig(num_key_value_heads=2, **_SMALL),
+    "mpnet": lambda: T.MPNetConfig(**_SMALL),
+    "gemma3_text": lambda: T.Gemma3TextConfig(
+        num_key_value_heads=1, head_dim=24, query_pre_attn_scalar=24, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], **_SMALL),
+    "gemma2": lambda: T.Gemma2Config(
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, attn_logit_softcapping=5.0,
+        **_SMALL),
 }
+_ZERO_NORMS = ("gemma3_text", "gemma2")  # (1 + w) norms initialised at w = 0: randomised so that w matters
 FAMILIES = list(CONFIGS)
 
 
@@ -50,7 +58,13 @@ def random_model(family: str, tokenizer, head: str = "AutoModel", seed: int = 0,
     cfg.pad_token_id = tokenizer.pad_token_id
     for k, v in overrides.items():
         setattr(cfg, k, v)
-    return getattr(T, head).from_config(cfg, attn_implementation="eager")
+    model = getattr(T, head).from_config(cfg, attn_implementation="eager")
+    if family in _ZERO_NORMS:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.3)
+    return model
 
 
 def random_lens(family: str, tokenizer, head: str = "AutoModel", seed: int = 0, **overrides) -> mixlens.Lens:

@@ -20,8 +20,16 @@ METHODS = ["attention", "norm", "norm_res", "norm_resln"]
 def explicit_vectors(tr: mixlens.trace.Trace, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Brute force: t_ij [B, n, n, d], g_i(t_ij) [B, n, n, d] and the bias term [B, n, d]."""
     lt, lay = tr.layers[layer], tr.adapter.layers[layer]
-    f = head_vectors(lt, lay)  # [B, H, n, d]
-    t = torch.einsum("bhij,bhjd->bijd", lt.alpha.float(), f)
+    if lay.ln_post is None:
+        f = head_vectors(lt, lay)  # [B, H, n, d]
+        t = torch.einsum("bhij,bhjd->bijd", lt.alpha.float(), f)
+    else:  # sandwich norm, from the modules themselves: (1 + w) ⊙ u_ij / rms_i(Σ_j u_ij) with the raw W_O
+        post = lay.ln_post.module
+        w = lay.proj.weight.float().T.reshape(lay.n_heads, lay.d_head, -1)
+        v = lt.value.float().repeat_interleave(lay.n_heads // lt.value.shape[1], dim=1)
+        t = torch.einsum("bhij,bhjk,hkd->bijd", lt.alpha.float(), v, w)
+        s = torch.sqrt(t.sum(2).pow(2).mean(-1) + post.eps)  # [B, n]
+        t = t * (1 + post.weight.float()) / s[:, :, None, None]
     n = t.shape[1]
     t = t + torch.eye(n)[None, :, :, None] * lt.x.float()[:, :, None, :]
     norm = lay.ln_mix
@@ -66,7 +74,8 @@ def assert_exact(lens: mixlens.Lens) -> None:
         assert torch.allclose(bn.n_resln[:, layer], g.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
         f_norm = head_vectors(lt, tr.adapter.layers[layer]).norm(dim=-1) * m[:, None]
         assert torch.allclose(bn.f_norm[:, layer], f_norm, atol=1e-4, rtol=1e-4)
-        assert torch.allclose(tr.cache["alpha_mean"][:, layer], lt.alpha.float().mean(1) * pair, atol=1e-6)
+        alpha_mean = mixlens.methods.registry.get("attention")(tr)[:, layer]
+        assert torch.allclose(alpha_mean, lt.alpha.float().mean(1) * pair, atol=1e-6)
         for v, want in brute_ratios(t, g, lt.x.float(), lt.alpha.float()).items():
             assert torch.allclose(bn.ratio[v][:, layer][m], want[m], atol=1e-4), v
 

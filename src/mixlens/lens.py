@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -48,12 +49,23 @@ def _head_for(config) -> str:
 head_for = _head_for  # public: the head `load` picks for a model config (the CLI's `sweep` asks for it)
 
 
-def _resolve_source(model: str | Path | None) -> tuple[str, bool]:
-    """(source, is_local); errors for paths that do not exist or are not model directories."""
+def _resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tuple[str, bool]:
+    """(source, is_local); errors for paths that do not exist or are not model directories, and for a GGUF file
+    that is not in the directory or cannot be read without the `gguf`/`accelerate` packages."""
     if model is None:
         return str(default_model_path()), True
     src = str(model)
     p = Path(src).expanduser()
+    if gguf_file is not None:
+        for extra in ("gguf", "accelerate"):
+            if importlib.util.find_spec(extra) is None:
+                raise MixlensError(f"reading GGUF files needs the '{extra}' package: pip install \"mixlens[gguf]\"")
+        if not p.is_dir():
+            raise MixlensError(f"'{src}' is not a directory (with gguf_file, the model is the folder holding it)")
+        if not (p / gguf_file).is_file():
+            present = sorted(f.name for f in p.glob("*.gguf"))
+            raise MixlensError(f"no GGUF file '{gguf_file}' in '{src}'; present: {', '.join(present) or 'none'}")
+        return str(p), True
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
             raise MixlensError(f"'{src}' is not a Hugging Face model directory (no config.json)")
@@ -63,23 +75,27 @@ def _resolve_source(model: str | Path | None) -> tuple[str, bool]:
     return src, False
 
 
-def load(model: str | Path | None = None, *, head: str | None = None, device: str = "cpu") -> Lens:
+def load(model: str | Path | None = None, *, head: str | None = None, device: str = "cpu",
+         gguf_file: str | None = None) -> Lens:
     """Load a model for analysis: None = the bundled all-MiniLM-L6-v2, else a local dir or hub id.
 
-    `head` picks the AutoModel class ('base', 'masked-lm', 'sequence-classification', 'causal-lm');
+    `gguf_file`: a GGUF file inside the directory `model`, de-quantised to float32 by transformers (needs the
+    `gguf` and `accelerate` packages). `head` picks the AutoModel class ('base', 'masked-lm',
+    'sequence-classification', 'causal-lm');
     by default it follows `config.architectures`. Always eager attention, eval mode, fp32.
     """
     import transformers
 
-    src, local = _resolve_source(model)
+    src, local = _resolve_source(model, gguf_file)
+    gguf = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if head is not None and head not in _HEADS:
         raise MixlensError(f"unknown head '{head}'; valid: {', '.join(_HEADS)}")
     try:
-        config = transformers.AutoConfig.from_pretrained(src, local_files_only=local)
+        config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
         family_for(config.model_type)  # fail fast on unsupported families
         cls = getattr(transformers, _HEADS[head or _head_for(config)])
-        net = cls.from_pretrained(src, attn_implementation="eager", dtype=torch.float32)
-        tok = transformers.AutoTokenizer.from_pretrained(src)
+        net = cls.from_pretrained(src, attn_implementation="eager", dtype=torch.float32, **gguf)
+        tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
     except MixlensError:
         raise
     except (OSError, ValueError) as e:

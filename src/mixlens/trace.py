@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from mixlens.adapters import Adapter
+from mixlens.adapters import Adapter, get_path
 from mixlens.errors import MixlensError
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
@@ -58,6 +58,13 @@ class LayerTrace:
     ffn_act: torch.Tensor | None = None  # [B, n, d_ff] FFN activation (ffn_out input)
     ln_out_in: torch.Tensor | None = None  # [B, n, d] post-LN: input of LN2
     ffn_gate: torch.Tensor | None = None  # [B, n, d_ff] gated FFN: gate projection output
+    post_scale: torch.Tensor | None = None  # [B, n] sandwich norm (Gemma): s^post_i of the output projection's output
+
+    @property
+    def alpha_mix(self) -> torch.Tensor:
+        """α as the norm decomposition mixes it: α^h_ij / s^post_i with a sandwich norm (γ_post is in W_O), else α.
+        [B, H, n(target), n(source)]."""
+        return self.alpha if self.post_scale is None else self.alpha / self.post_scale[:, None, :, None]
 
 
 @dataclass
@@ -159,6 +166,43 @@ def _eager_wrapped() -> Iterator[None]:
             del ALL_ATTENTION_FUNCTIONS["eager"]
         else:
             ALL_ATTENTION_FUNCTIONS["eager"] = prev
+
+
+def _module_route(adapter: Adapter, s: _Session) -> list[torch.utils.hooks.RemovableHandle]:
+    """Capture and edits for attention that does not go through ALL_ATTENTION_FUNCTIONS (MPNet): v from the value
+    projection's output, α from the output of the module `family.probs` (the attention dropout, identity in eval),
+    z from the output projection's input; all named by the layer running now. Returns the hook handles."""
+    fam = adapter.family
+    assert fam.probs is not None
+    handles = []
+
+    def value(o: torch.Tensor, h: int) -> torch.Tensor | None:
+        if not s.active:
+            return None
+        v = s.edit(f"blocks.{s.layer}.attn.v", o.unflatten(-1, (h, -1)).transpose(1, 2))  # [B, H, n, d_h]
+        s.rec["value"].append(v)
+        return v.transpose(1, 2).flatten(2)
+
+    def pattern(m: nn.Module, a: tuple, o: torch.Tensor) -> torch.Tensor | None:
+        if not s.active:
+            return None
+        alpha = s.edit(f"blocks.{s.layer}.attn.pattern", o)  # [B, H, n, n]
+        s.rec["alpha"].append(alpha)
+        return alpha
+
+    def z(a: tuple, d_h: int) -> tuple | None:
+        if not s.active:
+            return None
+        ctx = a[0].unflatten(-1, (-1, d_h)).transpose(1, 2)  # [B, H, n, d_h]
+        return (s.edit(f"blocks.{s.layer}.attn.z", ctx).transpose(1, 2).flatten(2), *a[1:])
+
+    for lay in adapter.layers:
+        v_proj, probs = get_path(lay.module, fam.v_proj), get_path(lay.module, fam.probs)
+        handles.append(v_proj.register_forward_hook(lambda m, a, o, h=lay.n_heads: value(o, h)))
+        handles.append(probs.register_forward_hook(pattern))
+        if any(k.endswith(".attn.z") for k in s.edits):
+            handles.append(lay.o_proj.register_forward_pre_hook(lambda m, a, d_h=lay.d_head: z(a, d_h)))
+    return handles
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -280,8 +324,11 @@ def hooked(adapter: Adapter, edits: Mapping[str, Edit] | None = None, ffn: bool 
         if "embed" in edits:
             lookup: nn.Module = adapter.base.get_input_embeddings()  # type: ignore[operator]
             handles.append(lookup.register_forward_hook(embed))
+        if adapter.family.probs is not None:
+            handles += _module_route(adapter, s)
         for lay in adapter.layers:
             capture(lay.o_proj, "attn_out", lambda a, o: _first(o))
+            capture(lay.proj, "post_raw", lambda a, o: _first(o))
             if (id(lay.ln_mix.module), "mix") not in seen:
                 seen.add((id(lay.ln_mix.module), "mix"))
                 handles.append(lay.ln_mix.module.register_forward_hook(mix))
@@ -331,11 +378,14 @@ def run_traced(
         if count != n:
             raise RuntimeError(f"capture of '{key}' fired {count} times for {n} layers")
     opt = {k: rec[k] if len(rec.get(k, [])) == n else [None] * n for k in ("ffn_pre", "ffn_act", "ln_out_in",
-                                                                             "ffn_gate")}
+                                                                             "ffn_gate", "post_raw")}
+    post = [None if raw is None or lay.ln_post is None else lay.ln_post.scale(raw.float())
+            for raw, lay in zip(opt["post_raw"], adapter.layers, strict=True)]
     layers = [
         LayerTrace(x=rec["x"][i], alpha=rec["alpha"][i], value=rec["value"][i], attn_out=rec["attn_out"][i],
                    mix_in=rec["mix_in"][i], mix_out=rec["mix_out"][i], out=outs[i], ffn_pre=opt["ffn_pre"][i],
-                   ffn_act=opt["ffn_act"][i], ln_out_in=opt["ln_out_in"][i], ffn_gate=opt["ffn_gate"][i])
+                   ffn_act=opt["ffn_act"][i], ln_out_in=opt["ln_out_in"][i], ffn_gate=opt["ffn_gate"][i],
+                   post_scale=post[i])
         for i in range(n)
     ]
     logits = getattr(output, "logits", None)

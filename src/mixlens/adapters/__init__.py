@@ -1,8 +1,8 @@
 """Per-family adapter table: where each canonical piece of a Transformer layer lives.
 
 An adapter never copies modeling code. It names module paths (relative to one layer) and says how the
-block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm). `resolve(model)` turns the
-table entry into concrete modules and weight matrices in the canonical `x @ W` orientation.
+block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm, Gemma's sandwich norm).
+`resolve(model)` turns the table entry into concrete modules and weight matrices in the canonical `x @ W` orientation.
 """
 
 from __future__ import annotations
@@ -32,8 +32,14 @@ class Family:
     ln_in: str | None = None  # pre-LN only: the norm applied to x before attention
     ln_out: str | None = None  # post-LN only: the norm after the FFN residual sum (LN2)
     ffn_gate: str | None = None  # gated FFN (Llama)
+    ln_post: str | None = None  # sandwich norm on the attention output before the residual sum (Gemma 2/3)
+    norm_offset: bool = False  # norms scale by (1 + w) (Gemma)
     causal: bool = False
     fused_qkv: bool = False
+    probs: str | None = None  # attention not routed through ALL_ATTENTION_FUNCTIONS: the module whose output is α
+    # (MPNet's attention dropout); α, v and z are then captured and edited by hooks on probs, v_proj and o_proj
+    refuses: tuple[str, ...] = ()  # methods whose math does not cover this family's block
+    why: str = ""  # one line: why those methods refuse
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -57,6 +63,12 @@ FAMILIES: tuple[Family, ...] = (
         ffn_out="ffn_output", ln_out="full_layer_layer_norm",
     ),
     Family(
+        "mpnet", ("mpnet",), layers="encoder.layer", pre_ln=False, rms=False, attn="attention.attn",
+        v_proj="attention.attn.v", o_proj="attention.attn.o", ln_mix="attention.LayerNorm",
+        ffn_in="intermediate.dense", ffn_out="output.dense", ln_out="output.LayerNorm",
+        probs="attention.attn.dropout",
+    ),
+    Family(
         "gpt2", ("gpt2",), layers="h", pre_ln=True, rms=False, attn="attn", v_proj="attn.c_attn",
         o_proj="attn.c_proj", ln_mix="ln_2", ffn_in="mlp.c_fc", ffn_out="mlp.c_proj", ln_in="ln_1",
         causal=True, fused_qkv=True,
@@ -66,6 +78,14 @@ FAMILIES: tuple[Family, ...] = (
         v_proj="self_attn.v_proj", o_proj="self_attn.o_proj", ln_mix="post_attention_layernorm",
         ffn_in="mlp.up_proj", ffn_out="mlp.down_proj", ln_in="input_layernorm", ffn_gate="mlp.gate_proj",
         causal=True,
+    ),
+    Family(
+        "gemma", ("gemma2", "gemma3_text"), layers="layers", pre_ln=True, rms=True, attn="self_attn",
+        v_proj="self_attn.v_proj", o_proj="self_attn.o_proj", ln_mix="pre_feedforward_layernorm",
+        ffn_in="mlp.up_proj", ffn_out="mlp.down_proj", ln_in="input_layernorm", ffn_gate="mlp.gate_proj",
+        ln_post="post_attention_layernorm", norm_offset=True, causal=True,
+        refuses=("alti", "alti_rollout", "globenc", "globenc_rollout", "decompx", "decompx_classes"),
+        why="their vector decompositions assume x + Attn(LN(x)) and x + FFN(LN(x)), without Gemma's sandwich norms",
     ),
 )
 
@@ -83,7 +103,7 @@ def family_for(model_type: str) -> Family:
     )
 
 
-def _linear_xw(mod: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_xw(mod: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(W [in, out], b [out] | None) such that mod(x) = x @ W + b; handles nn.Linear and GPT-2 Conv1D."""
     if isinstance(mod, nn.Linear):
         return mod.weight.T, mod.bias
@@ -96,10 +116,19 @@ class Norm:
 
     module: nn.Module
     rms: bool
+    offset: bool = False  # the module scales by (1 + weight) (Gemma)
+    _shifted: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def weight(self) -> torch.Tensor:
-        return cast(torch.Tensor, self.module.weight)
+        """γ: the module's weight, or 1 + weight for (1 + w) norms (one tensor per weight version)."""
+        w = self.module.weight
+        if not self.offset:
+            return w
+        key = (w.data_ptr(), w._version)
+        if self._shifted is None or self._shifted[0] != key:
+            self._shifted = (key, w.detach() + 1)
+        return self._shifted[1]
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -138,8 +167,9 @@ class Layer:
     n_heads: int
     n_kv_heads: int
     d_head: int
-    o_proj: nn.Module  # attention output projection (its output is the real attention output)
-    w_o: torch.Tensor  # [H * d_head, d]
+    o_proj: nn.Module  # the module whose output is the real attention output: the output projection, or the
+    # sandwich norm after it (Gemma)
+    w_o: torch.Tensor  # [H * d_head, d]  W_O, or W_O diag(γ_post) with a sandwich norm
     b_o: torch.Tensor | None  # [d]
     w_v: torch.Tensor  # [d, H_kv * d_head]
     b_v: torch.Tensor | None
@@ -149,6 +179,8 @@ class Layer:
     ln_in: Norm | None
     ln_out: Norm | None
     ffn_gate: nn.Module | None
+    ln_post: Norm | None = None  # sandwich norm: attention output = g^post(o_proj output) (its s_i is traced)
+    proj: nn.Module | None = None  # the output projection itself when `o_proj` is the sandwich norm after it
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # weight-derived tensors of methods
 
 
@@ -167,7 +199,7 @@ class Adapter:
         return self.layers[0].n_heads
 
 
-def _get(root: nn.Module, path: str) -> Any:
+def get_path(root: nn.Module, path: str) -> Any:
     """The submodule at a dotted path (HF modules: attributes and list indices)."""
     mod: Any = root
     for part in path.split("."):
@@ -177,9 +209,9 @@ def _get(root: nn.Module, path: str) -> Any:
 
 def _layer_modules(fam: Family, base: Any) -> list[nn.Module]:
     if fam.name != "albert":
-        return list(_get(base, fam.layers))
+        return list(get_path(base, fam.layers))
     cfg = base.config  # ALBERT: groups of shared layers, each called L/G times in order
-    groups = _get(base, fam.layers)
+    groups = get_path(base, fam.layers)
     n, g = cfg.num_hidden_layers, cfg.num_hidden_groups
     return [m for i in range(n) for m in groups[int(i / (n / g))].albert_layers]
 
@@ -192,22 +224,31 @@ def resolve(model: Any) -> Adapter:
     n_heads = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     layers = []
+
+    def norm(mod: nn.Module, path: str | None) -> Norm | None:
+        return Norm(get_path(mod, path), fam.rms, fam.norm_offset) if path else None
+
     for mod in _layer_modules(fam, base):
-        o_proj = _get(mod, fam.o_proj)
-        w_o, b_o = _linear_xw(o_proj)
-        w_v, b_v = _linear_xw(_get(mod, fam.v_proj))
+        proj = get_path(mod, fam.o_proj)
+        w_o, b_o = linear_xw(proj)
+        w_v, b_v = linear_xw(get_path(mod, fam.v_proj))
         d = w_o.shape[1]
         if fam.fused_qkv:  # GPT-2 c_attn: [q | k | v]
             w_v, b_v = w_v[:, 2 * d :], (b_v[2 * d :] if b_v is not None else None)
+        ln_post = norm(mod, fam.ln_post)
+        if ln_post is not None:  # g^post_i(Σ α f) = Σ (α / s_i) (γ_post ⊙ f): γ_post goes into W_O, 1/s_i into α
+            if b_o is not None:
+                raise MixlensError(f"'{cfg.model_type}' with an attention output bias before the sandwich norm "
+                                   "is not supported")
+            w_o = w_o * ln_post.weight
         layers.append(
             Layer(
-                module=mod, attn=_get(mod, fam.attn), n_heads=n_heads, n_kv_heads=n_kv,
-                d_head=w_o.shape[0] // n_heads, o_proj=o_proj, w_o=w_o, b_o=b_o, w_v=w_v, b_v=b_v,
-                ln_mix=Norm(_get(mod, fam.ln_mix), fam.rms), ffn_in=_get(mod, fam.ffn_in),
-                ffn_out=_get(mod, fam.ffn_out),
-                ln_in=Norm(_get(mod, fam.ln_in), fam.rms) if fam.ln_in else None,
-                ln_out=Norm(_get(mod, fam.ln_out), fam.rms) if fam.ln_out else None,
-                ffn_gate=_get(mod, fam.ffn_gate) if fam.ffn_gate else None,
+                module=mod, attn=get_path(mod, fam.attn), n_heads=n_heads, n_kv_heads=n_kv,
+                d_head=w_o.shape[0] // n_heads, o_proj=proj if ln_post is None else ln_post.module, w_o=w_o, b_o=b_o,
+                w_v=w_v, b_v=b_v, ln_mix=norm(mod, fam.ln_mix), ffn_in=get_path(mod, fam.ffn_in),
+                ffn_out=get_path(mod, fam.ffn_out), ln_in=norm(mod, fam.ln_in), ln_out=norm(mod, fam.ln_out),
+                ffn_gate=get_path(mod, fam.ffn_gate) if fam.ffn_gate else None, ln_post=ln_post,
+                proj=None if ln_post is None else proj,
             )
         )
     return Adapter(family=fam, base=base, layers=layers)

@@ -29,7 +29,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from mixlens.adapters import Layer, Norm, _linear_xw
+from mixlens.adapters import Layer, Norm, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.registry import register
 from mixlens.trace import LayerTrace, Trace
@@ -70,7 +70,7 @@ def _apply_norm(parts: torch.Tensor, norm: Norm, real_in: torch.Tensor) -> torch
 
 def _linearised(parts: torch.Tensor, lin: nn.Module, act: Act) -> torch.Tensor:
     """A linear layer (bias shared) then, optionally, an activation linearised at the real pre-activation."""
-    w, b = _linear_xw(lin)
+    w, b = linear_xw(lin)
     out = share(parts @ w.float(), b)
     if act is None:
         return out
@@ -111,12 +111,12 @@ def _rows(n: int, width: int) -> list[slice]:
 
 def _ffn(parts: torch.Tensor, lt: LayerTrace, lay: Layer, b: int, n: int, rows: slice) -> torch.Tensor:
     """FFN output parts [r, k, d] for the target rows `rows` (parts = the FFN input parts of those rows)."""
-    w_in, b_in = _linear_xw(lay.ffn_in)
+    w_in, b_in = linear_xw(lay.ffn_in)
     assert lt.ffn_pre is not None and lt.ffn_act is not None  # decompx traces with ffn=True
     pre, act = lt.ffn_pre[b, :n][rows].float(), lt.ffn_act[b, :n][rows].float()
     theta = torch.where(pre != 0, act / torch.where(pre != 0, pre, torch.ones_like(pre)), torch.zeros_like(pre))
     h = share(parts @ w_in.float(), b_in) * theta[:, None, :]
-    w_out, b_out = _linear_xw(lay.ffn_out)
+    w_out, b_out = linear_xw(lay.ffn_out)
     return share(h @ w_out.float(), b_out)
 
 
@@ -161,7 +161,7 @@ def _head(model: Any, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | 
         return [(pooler.dense, torch.tanh), (model.classifier, None)], None, False
     if family == "albert":
         return [(model.albert.pooler, torch.tanh), (model.classifier, None)], None, False
-    if family == "roberta":
+    if family in ("roberta", "mpnet"):  # the same classification head
         return [(model.classifier.dense, torch.tanh), (model.classifier.out_proj, None)], None, False
     if family == "electra":
         head = model.classifier

@@ -185,7 +185,7 @@ class _Pending:
 
     @classmethod
     def of(cls, lt: LayerTrace, lay: Layer, tok: _Tokens, index: int) -> _Pending:
-        alpha = lt.alpha.float()
+        alpha = lt.alpha_mix.float()  # α / s^post_i with a sandwich norm
         vh = tok.gather(repeat_kv(lt.value, lay.n_heads).float().transpose(1, 2)).transpose(0, 1).contiguous()
         a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(1, 2)).T.contiguous()
         return cls(index, lt, lay, _weights(lay, index), alpha, vh, a_ii)
@@ -369,7 +369,13 @@ def block_norms(trace: Trace) -> BlockNorms:
         _token_passes(pending, tok, outs)
         _attention_passes(pending, tok, causal, outs)
         error = _check(pending, tok)
-        trace.cache["alpha_mean"] = outs["alpha_mean"]
+        sandwich = [i for i, lt in enumerate(trace.layers) if lt.post_scale is not None]
+        if sandwich:  # the passes saw α / s^post: the weight-based ratios come from α itself
+            for i in sandwich:
+                w = (1 - trace.layers[i].alpha.float().diagonal(dim1=2, dim2=3).mean(1)) * trace.mask
+                outs["ratio"][0, :, i], outs["ratio"][2, :, i] = w, w / 2
+        else:
+            trace.cache["alpha_mean"] = outs["alpha_mean"]
         trace.cache["block_norms"] = BlockNorms(
             f_norm=outs["f_norm"], n=outs["n"], n_res=outs["n_res"], n_resln=outs["n_resln"],
             ratio=dict(zip(RATIO_VARIANTS, outs["ratio"], strict=True)), error=error, scale=outs["scale"],
@@ -384,7 +390,7 @@ def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     bn = block_norms(trace)
     if not heads:
         return bn.n
-    alpha = torch.stack([lt.alpha for lt in trace.layers], dim=1).float()
+    alpha = torch.stack([lt.alpha_mix for lt in trace.layers], dim=1).float()
     return alpha * bn.f_norm[:, :, :, None, :] * trace.mask[:, None, None, :, None]
 
 

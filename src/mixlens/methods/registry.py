@@ -43,6 +43,9 @@ class Method:
         return {k: p.default for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY and k != "heads"}
 
     def __call__(self, trace: Trace, heads: bool = False, **options: object) -> torch.Tensor:
+        fam = trace.adapter.family
+        if self.name in fam.refuses:
+            raise MixlensError(f"method '{self.name}' does not support the {fam.name} family: {fam.why}")
         unknown = set(options) - set(self.options())
         if unknown:
             raise MixlensError(f"method '{self.name}' has no option {sorted(unknown)}; options: "

@@ -1,0 +1,97 @@
+"""End-to-end cost on the real checkpoints of scripts/fetch_models.py (absent ones are skipped).
+
+    python benchmarks/bench_models.py [--repeats 3]
+
+Per case: `mixlens.load` + `lens.analyze(text, ["norm", "norm_res", "norm_resln"])` (maps + mixing ratios + the
+per-run check) against a plain forward pass with `output_attentions=True` of the same model and input, for the
+compiled passes and the torch passes (`mixlens.methods.norms.COMPILED = False`); the peak RSS of a fresh process
+that loads the model and runs one analysis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import mixlens
+import mixlens.methods.norms as norms
+
+ROOT = Path(os.environ.get("MIXLENS_MODELS", Path.home() / ".cache" / "mixlens" / "models")).expanduser()
+METHODS = ["norm", "norm_res", "norm_resln"]
+CASES = (("all-mpnet-base-v2", 128), ("all-mpnet-base-v2", 512), ("smollm2-135m-instruct", 2048))
+FILLER = ("the film is a charming and often affecting journey through memory , loss and the small mercies of "
+          "ordinary life , told with wit and without sentimentality . ")
+
+
+def text_of(lens: mixlens.Lens, n_tokens: int) -> str:
+    """A text of exactly `n_tokens` tokens (special tokens included)."""
+    ids = lens.tokenizer(FILLER * (n_tokens // 10), add_special_tokens=False)["input_ids"]
+    special = len(lens.tokenizer("a")["input_ids"]) - len(lens.tokenizer("a", add_special_tokens=False)["input_ids"])
+    return lens.tokenizer.decode(ids[: n_tokens - special])
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up (numba compilation, allocator)
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
+
+
+def peak_rss(name: str, n_tokens: int) -> float:
+    """Peak RSS (GiB) of a fresh process: load + one analysis."""
+    here = str(Path(__file__).parent)
+    code = (f"import resource, sys; sys.path.insert(0, {here!r}); import bench_models as b, mixlens; "
+            f"lens = mixlens.load(b.ROOT / {name!r}, head='base'); "
+            f"lens.analyze([b.text_of(lens, {n_tokens})], b.METHODS, max_length={n_tokens}); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[-1]) / 2**20
+
+
+def run_case(lens: mixlens.Lens, n_tokens: int, repeats: int) -> tuple[float, dict[bool, float]]:
+    """(plain forward seconds, {compiled: analyze seconds}) for one input of `n_tokens` tokens."""
+    text = text_of(lens, n_tokens)
+    enc = lens.encode([text], max_length=n_tokens)
+    assert len(enc.tokens[0]) == n_tokens, len(enc.tokens[0])
+
+    def forward() -> None:
+        with torch.no_grad():
+            lens.model(**enc.inputs, output_attentions=True)
+
+    t_fwd = timed(forward, repeats)
+    res = {}
+    for compiled in (True, False):
+        norms.COMPILED = compiled
+        res[compiled] = timed(lambda: lens.analyze([text], METHODS, max_length=n_tokens), repeats)
+    norms.COMPILED = True
+    return t_fwd, res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(f"torch threads {torch.get_num_threads()}")
+    print("model | tokens | forward s | analyze s (compiled) | ratio | analyze s (torch) | ratio | peak RSS GiB")
+    for name, n_tokens in CASES:
+        if not (ROOT / name / "config.json").is_file():
+            print(f"{name}: not fetched, skipped")
+            continue
+        t_fwd, res = run_case(mixlens.load(ROOT / name, head="base"), n_tokens, args.repeats)
+        rss = peak_rss(name, n_tokens)
+        print(f"{name} | {n_tokens} | {t_fwd:.3f} | {res[True]:.3f} | {res[True] / t_fwd:.2f}x | {res[False]:.3f} | "
+              f"{res[False] / t_fwd:.2f}x | {rss:.2f}")
+
+
+if __name__ == "__main__":
+    main()
