@@ -58,7 +58,7 @@ def value_head_vectors(lt: LayerTrace, lay: Layer, pre_ln: bool) -> torch.Tensor
     if lay.b_v is not None:
         v = v + lay.b_v.float()
     v = v.view(b, n, lay.n_kv_heads, lay.d_head).transpose(1, 2)  # [B, H_kv, n, d_h]
-    v = v.repeat_interleave(lay.n_heads // lay.n_kv_heads, dim=1)  # [B, H, n, d_h]: query head h reads value head
+    v = v.repeat_interleave(lay.n_heads // lay.n_kv_heads, dim=1)  # [B, H, n, d_h]: head h reads h // (H / H_kv)
     w_o = lay.w_o.float().view(lay.n_heads, lay.d_head, d)  # [H, d_h, d]  W_O^h
     return torch.einsum("bhjk,hkd->bhjd", v, w_o)
 
