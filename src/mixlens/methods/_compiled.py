@@ -1,6 +1,6 @@
 """The compiled (CPU) passes of the norm engine: torch computes the head vectors C f in blocks, the numba kernels of
 `_kernels` do the rest on torch's threads (`parallel`). Inputs and outputs are the named structures built by
-`norms`; here they only become numpy views (`numpy_views`).
+`norms`; here they only become plain tuples of numpy views (`_kernels.kernel_args`).
 
 torch's OpenMP workers spin for about 10 ms after each torch call, so each group's torch work goes first and its
 compiled work after it.
@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from mixlens.methods._kernels import Maps, TokenResults, attention_pass, token_pass
+from mixlens.methods._kernels import Maps, TokenResults, attention_pass, kernel_args, token_pass
 
 if TYPE_CHECKING:
     from mixlens.methods.norms import LayerState, RealTokens
@@ -24,21 +24,13 @@ if TYPE_CHECKING:
 PAIRS_PER_CALL = 32768  # (target, source) pairs per attention-pass call when a layer is split over threads
 TOKENS_PER_CALL = 32  # tokens per token-pass call when a block is split over threads
 
-S = TypeVar("S", bound=NamedTuple)
-
-
-def numpy_views(group: S) -> S:
-    """The same named structure with every tensor as a numpy view of its memory (CPU tensors only)."""
-    return type(group)(*(v.numpy() if isinstance(v, torch.Tensor) else v for v in group))
-
-
 def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int, cf_budget: int) -> None:
     """Everything per token of every layer (sets each layer's `results` and writes f_norm, ratio and scale of `maps`).
 
     C f = v W_O^h C by torch for blocks of `token_block` tokens of many layers first (up to `cf_budget` floats), then
     `token_pass` over all those blocks on torch's threads, so that torch's spinning OpenMP workers are in the way
     only once per group."""
-    where, out = numpy_views(tok.layout), numpy_views(maps)
+    where, out = kernel_args(tok.layout), kernel_args(maps)
     args, jobs = {}, []
     for st in layers:
         h, t_len, _ = st.inputs.vh.shape
@@ -46,8 +38,8 @@ def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_bl
         new = st.inputs.vh.new_empty
         st.results = TokenResults(grams=new(2, h * (h + 1) // 2, t_len), probe_f=new(h, p, t_len), diag=new(2, t_len),
                                   total_r=new(t_len, p), check=new(2, t_len), probe_err=new(t_len))
-        args[st.index] = (st.index, numpy_views(st.inputs), numpy_views(st.weights.consts), where,
-                          numpy_views(st.results), out)
+        args[st.index] = (st.index, kernel_args(st.inputs), kernel_args(st.weights.consts), where,
+                          kernel_args(st.results), out)
         jobs += [(st, s, min(s + token_block, t_len)) for s in range(0, t_len, token_block)]
     for group in _groups(jobs, cf_budget):
         sizes = [st.inputs.vh.shape[0] * (e - s) * st.weights.w_c.shape[-1] for st, s, e in group]
@@ -63,9 +55,9 @@ def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_bl
 def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, causal: bool) -> None:
     """The per-(target, source) part of every layer: writes n, n_res, n_resln and alpha_mean of `maps` and each
     layer's results.probe_err. All layers' row ranges go to the threads of `parallel` at once."""
-    where, out = numpy_views(tok.layout), numpy_views(maps)
-    splits = row_splits(where.lengths, tok.mask.shape[1], causal)
-    parallel([(attention_pass, r0, r1, st.index, causal, numpy_views(st.inputs), where, numpy_views(st.results), out)
+    where, out = kernel_args(tok.layout), kernel_args(maps)
+    splits = row_splits(tok.layout.lengths.numpy(), tok.mask.shape[1], causal)
+    parallel([(attention_pass, r0, r1, st.index, causal, kernel_args(st.inputs), where, kernel_args(st.results), out)
               for st in layers for r0, r1 in splits])
 
 

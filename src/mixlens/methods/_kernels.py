@@ -1,7 +1,8 @@
 """Compiled inner loops of the norm decomposition (numba): one pass over the tokens and one over the attention maps
 of a layer. Both release the GIL and write disjoint parts of their outputs (`_compiled.parallel` spreads the calls
-over threads). Their arguments are the named structures below, numpy views of torch tensors built by
-`norms.block_norms` (T = real tokens of the batch, P = probes of the check, float32 unless said otherwise).
+over threads). Their arguments are the named structures below (T = real tokens of the batch, P = probes of the check,
+float32 unless said otherwise), built as torch tensors by `norms.block_norms` and passed as plain tuples of numpy
+views (`kernel_args`); each kernel names them again on its first line.
 
 For every real target i and source j the attention pass evaluates the two Gram quadratic forms
 ‖Σ_h α^h_ij F_k^h(x_j)‖² = Σ_{h,h'} α^h_ij α^h'_ij G_k[h, h', j] (k = plain f, LayerNorm-projected f), the head
@@ -18,6 +19,12 @@ import torch
 from numba import njit
 
 Array = np.ndarray | torch.Tensor  # torch tensors when built, numpy views when passed to a kernel
+
+
+def kernel_args(group: NamedTuple) -> tuple:
+    """A named structure as the plain tuple of numpy views (CPU tensors only) that a kernel takes: numba types a
+    plain tuple of arrays in C, a named tuple in Python (about 15 µs more per call)."""
+    return tuple(v.numpy() if isinstance(v, torch.Tensor) else v for v in group)
 
 
 class Layout(NamedTuple):
@@ -80,15 +87,19 @@ class Maps(NamedTuple):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def token_pass(cf: np.ndarray, start: int, t0: int, t1: int, layer: int, inp: LayerInputs, wt: LayerWeights,
-               where: Layout, res: TokenResults, out: Maps) -> None:  # pragma: no cover - compiled
+def token_pass(cf: np.ndarray, start: int, t0: int, t1: int, layer: int, inputs: tuple, weights: tuple, layout: tuple,
+               results: tuple, maps: tuple) -> None:  # pragma: no cover - compiled
     """Everything per token of one layer, for tokens start + t0 .. start + t1 - 1 of one block, where cf [H, c, d] =
-    C f^h = v^h W_O^h C of the block's tokens start .. start + c - 1.
+    C f^h = v^h W_O^h C of the block's tokens start .. start + c - 1. The structures come as plain tuples (see
+    `kernel_args`): LayerInputs, LayerWeights, Layout, TokenResults, Maps.
 
-    Writes per token t the fields of `res` but probe_err, and at (b, layer, ·, i) of `out`: f_norm, ratio, scale.
+    Writes per token t the fields of TokenResults but probe_err, and at (b, layer, ·, i) of Maps: f_norm, ratio,
+    scale.
 
     With μ^h = v^h·mean(W_O^h): f^h·f^h' = C f^h·C f^h' + d μ^h μ^h'. With total = attention output − b_O and
     u_ii = Σ_h α^h_ii f^h: t_ii = u_ii + x_i and off_i = total − u_ii = Σ_{j≠i} t_ij."""
+    inp, wt, where, res, out = (LayerInputs(*inputs), LayerWeights(*weights), Layout(*layout), TokenResults(*results),
+                                Maps(*maps))
     vh, a_ii, x, attn_out, mix_in, mix_out = inp.vh, inp.a_ii, inp.x, inp.attn_out, inp.mix_in, inp.mix_out
     mean_w, gamma, gamma2, beta, b_o = wt.mean_w, wt.gamma, wt.gamma2, wt.beta, wt.b_o
     probes, w_probe, rms = wt.probes, wt.w_probe, wt.rms
@@ -198,12 +209,14 @@ def token_pass(cf: np.ndarray, start: int, t0: int, t1: int, layer: int, inp: La
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def attention_pass(r0: int, r1: int, layer: int, causal: bool, inp: LayerInputs, where: Layout, res: TokenResults,
-                   out: Maps) -> None:  # pragma: no cover - compiled
-    """Rows r0 .. r1 - 1 of the flattened [B·n] targets of one layer, from α and the token pass's `res`. Writes the
-    maps n, n_res, n_resln, alpha_mean of `out` at `layer` (norms square-rooted, N-ResLN divided by s_i from
-    out.scale, the N-Res and N-ResLN diagonals from res.diag) and res.probe_err. Padded cells are not written.
-    Two Gram rows per inner loop halve the accumulator traffic."""
+def attention_pass(r0: int, r1: int, layer: int, causal: bool, inputs: tuple, layout: tuple, results: tuple,
+                   maps: tuple) -> None:  # pragma: no cover - compiled
+    """Rows r0 .. r1 - 1 of the flattened [B·n] targets of one layer, from α and the token pass's TokenResults (the
+    structures as plain tuples: LayerInputs, Layout, TokenResults, Maps). Writes the maps n, n_res, n_resln,
+    alpha_mean at `layer` (norms square-rooted, N-ResLN divided by s_i from Maps.scale, the N-Res and N-ResLN
+    diagonals from TokenResults.diag) and TokenResults.probe_err. Padded cells are not written. Two Gram rows per
+    inner loop halve the accumulator traffic."""
+    inp, where, res, out = LayerInputs(*inputs), Layout(*layout), TokenResults(*results), Maps(*maps)
     alpha, grams, probe_f, diag, total_r = inp.alpha, res.grams, res.probe_f, res.diag, res.total_r
     offsets, lengths = where.offsets, where.lengths
     heads, n = alpha.shape[1], alpha.shape[2]
