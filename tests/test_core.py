@@ -10,92 +10,62 @@ import transformers as T
 import mixlens
 import mixlens.stats.mixing
 from mixlens.errors import ReconstructionError
-from mixlens.methods._kernels import parallel, row_splits
-from mixlens.methods.norms import head_vectors
+from mixlens.methods._compiled import parallel, row_splits
+from mixlens.methods.norms import RATIO_VARIANTS
+from mixlens.methods.reference import decompose
 from tests.conftest import SENTENCES, random_lens, random_model
 
 METHODS = ["attention", "norm", "norm_res", "norm_resln"]
 
 
-def explicit_vectors(tr: mixlens.trace.Trace, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Brute force: t_ij [B, n, n, d], g_i(t_ij) [B, n, n, d] and the bias term [B, n, d]."""
-    lt, lay = tr.layers[layer], tr.adapter.layers[layer]
-    if lay.ln_post is None:
-        f = head_vectors(lt, lay)  # [B, H, n, d]
-        t = torch.einsum("bhij,bhjd->bijd", lt.alpha.float(), f)
-    else:  # sandwich norm, from the modules themselves: (1 + w) ⊙ u_ij / rms_i(Σ_j u_ij) with the raw W_O
-        post = lay.ln_post.module
-        w = lay.proj.weight.float().T.reshape(lay.n_heads, lay.d_head, -1)
-        v = lt.value.float().repeat_interleave(lay.n_heads // lt.value.shape[1], dim=1)
-        t = torch.einsum("bhij,bhjk,hkd->bijd", lt.alpha.float(), v, w)
-        s = torch.sqrt(t.sum(2).pow(2).mean(-1) + post.eps)  # [B, n]
-        t = t * (1 + post.weight.float()) / s[:, :, None, None]
-    n = t.shape[1]
-    t = t + torch.eye(n)[None, :, :, None] * lt.x.float()[:, :, None, :]
-    norm = lay.ln_mix
-    s = norm.scale(lt.mix_in.float())
-    g = norm.project(t) / s[:, :, None, None]
-    b_o = lay.b_o.float() if lay.b_o is not None else torch.zeros(t.shape[-1])
-    bias = norm.project(b_o) / s[..., None] + norm.shift()
-    return t, g, bias
-
-
-def brute_ratios(t: torch.Tensor, g: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Context-mixing ratios r_i [B, n] of DESIGN §3.4 from explicit vectors (norms of summed vectors)."""
-    eye = torch.eye(t.shape[1])[None, :, :, None]
-    u = t - eye * x[:, :, None]
-
-    def r(vecs: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-        other = ((1 - eye) * vecs).sum(2).norm(dim=-1)
-        return other / (other + own.norm(dim=-1))
-
-    w = 1 - alpha.diagonal(dim1=2, dim2=3).mean(1)
-    return {"W": w, "Res-W": w / 2, "N": r(u, (eye * u).sum(2)), "Res-N": r(t, (eye * t).sum(2)),
-            "ResLN-N": r(g, (eye * g).sum(2))}
-
-
 def assert_exact(lens: mixlens.Lens) -> None:
-    """Brute-force vectors rebuild the real LN outputs; the Gram-path norms, ratios, head norms and bias term
-    equal what the explicit vectors give."""
+    """The engine's maps, per-head norms, ratios, scale and bias term equal the explicit vectors of the package
+    reference (`methods.reference`), which itself rebuilds the real norm inputs and outputs."""
     tr = lens.trace(SENTENCES)
     bn = mixlens.methods.norms.block_norms(tr)
-    assert bn.error.max() <= 1e-4
+    ref = decompose(tr)
+    assert bn.error.max() <= 1e-4 and ref.error.max() <= 1e-4
     m = tr.mask
-    pair = (m[:, :, None] & m[:, None, :]).float()
-    for layer in range(lens.adapter.n_layers):
-        lt = tr.layers[layer]
-        t, g, bias = explicit_vectors(tr, layer)
-        rebuilt = g.sum(2) + bias  # Σ_j g_i(t_ij) + g_i(b_O) + β
-        assert (rebuilt - lt.mix_out)[m].abs().max() <= 1e-4
-        assert torch.allclose(bn.bias[:, layer][m], bias[m], atol=1e-5)
-        u = t - torch.eye(t.shape[1])[None, :, :, None] * lt.x[:, :, None]  # drop the residual
-        assert torch.allclose(bn.n[:, layer], u.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
-        assert torch.allclose(bn.n_res[:, layer], t.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
-        assert torch.allclose(bn.n_resln[:, layer], g.norm(dim=-1) * pair, atol=1e-4, rtol=1e-4)
-        f_norm = head_vectors(lt, tr.adapter.layers[layer]).norm(dim=-1) * m[:, None]
-        assert torch.allclose(bn.f_norm[:, layer], f_norm, atol=1e-4, rtol=1e-4)
-        alpha_mean = mixlens.methods.registry.get("attention")(tr)[:, layer]
-        assert torch.allclose(alpha_mean, lt.alpha.float().mean(1) * pair, atol=1e-6)
-        for v, want in brute_ratios(t, g, lt.x.float(), lt.alpha.float()).items():
-            assert torch.allclose(bn.ratio[v][:, layer][m], want[m], atol=1e-4), v
+    close = dict(atol=1e-4, rtol=1e-4)
+    for key in ("n", "n_res", "n_resln"):
+        torch.testing.assert_close(getattr(bn, key), getattr(ref, key), **close, msg=key)
+    torch.testing.assert_close(bn.f_norm, ref.f.norm(dim=-1), **close)
+    torch.testing.assert_close(mixlens.methods.get("norm")(tr, heads=True), ref.n_head, **close)
+    torch.testing.assert_close(bn.scale, ref.s, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bn.bias, ref.bias, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixlens.methods.get("attention")(tr), ref.w.mean(2), atol=1e-6, rtol=0)
+    for v in RATIO_VARIANTS:
+        torch.testing.assert_close(bn.ratio[v], ref.ratio[v], atol=1e-4, rtol=0, msg=v)
+    assert not torch.any(bn.n_resln * ~(m[:, None, :, None] & m[:, None, None, :]))  # padding stays 0
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
-def test_every_family_reconstructs(family_lens, compiled, monkeypatch):
-    """Both implementations of the passes (compiled CPU kernels, plain torch for other devices) are exact."""
+def small_blocks(monkeypatch, compiled: bool) -> None:
+    """Engine settings that exercise every path on small inputs."""
     monkeypatch.setattr(mixlens.methods.norms, "COMPILED", compiled)
     monkeypatch.setattr(mixlens.methods.norms, "TOKEN_BLOCK", 7)  # several token blocks, the last one partial
     monkeypatch.setattr(mixlens.methods.norms, "CF_BUDGET", 2000)  # several groups of blocks
-    monkeypatch.setattr(mixlens.methods._kernels, "TOKENS_PER_CALL", 3)  # blocks split over threads
-    monkeypatch.setattr(mixlens.methods._kernels, "PAIRS_PER_CALL", 5)  # many row ranges, on several threads
+    monkeypatch.setattr(mixlens.methods._compiled, "TOKENS_PER_CALL", 3)  # blocks split over threads
+    monkeypatch.setattr(mixlens.methods._compiled, "PAIRS_PER_CALL", 5)  # many row ranges, on several threads
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
+def test_every_family_equals_the_reference(family_lens, compiled, monkeypatch):
+    """Both implementations of the passes (compiled CPU kernels, plain torch for other devices) are exact."""
+    small_blocks(monkeypatch, compiled)
     assert_exact(family_lens)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
+def test_bundled_model_equals_the_reference(bundled, compiled, monkeypatch):
+    small_blocks(monkeypatch, compiled)
+    assert_exact(bundled)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_row_splits_partition_the_rows(causal, monkeypatch):
     """The attention pass's row ranges cover every row once, in order, with about equal work."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(mixlens.methods._kernels, "PAIRS_PER_CALL", 50)
+    monkeypatch.setattr(mixlens.methods._compiled, "PAIRS_PER_CALL", 50)
     lengths = np.array([17, 3, 20, 0])
     splits = row_splits(lengths, 20, causal)
     assert splits[0][0] == 0 and splits[-1][1] == 80

@@ -8,7 +8,7 @@ block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm, Gemma's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn

@@ -1,5 +1,8 @@
 """Compiled inner loops of the norm decomposition (numba): one pass over the tokens and one over the attention maps
-of a layer. Both release the GIL and write disjoint parts of their outputs; `parallel` spreads calls over threads.
+of a layer. Both release the GIL and write disjoint parts of their outputs (`_compiled.parallel` spreads the calls
+over threads). Their arguments are the named structures below (T = real tokens of the batch, P = probes of the check,
+float32 unless said otherwise), built as torch tensors by `norms.block_norms` and passed as plain tuples of numpy
+views (`kernel_args`); each kernel names them again on its first line.
 
 For every real target i and source j the attention pass evaluates the two Gram quadratic forms
 ‖Σ_h α^h_ij F_k^h(x_j)‖² = Σ_{h,h'} α^h_ij α^h'_ij G_k[h, h', j] (k = plain f, LayerNorm-projected f), the head
@@ -9,41 +12,105 @@ mean of α and the probe sums Σ_h Σ_j α^h_ij (f^h(x_j)·r_p) of the exactness
 
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from numba import njit
 
+Array = np.ndarray | torch.Tensor  # torch tensors when built, numpy views when passed to a kernel
+
+
+def kernel_args(group: NamedTuple) -> tuple:
+    """A named structure as the plain tuple of numpy views (CPU tensors only) that a kernel takes: numba types a
+    plain tuple of arrays in C but a named tuple in Python, several times slower per call."""
+    return tuple(v.numpy() if isinstance(v, torch.Tensor) else v for v in group)
+
+
+class Layout(NamedTuple):
+    """Where the T real tokens of a right-padded [B, n] batch are (int64)."""
+
+    rows: Array  # [T]  row of each real token in the flattened [B·n] layout
+    offsets: Array  # [B]  index of (b, 0) among the T real tokens
+    lengths: Array  # [B]  real tokens per input
+
+
+class LayerInputs(NamedTuple):
+    """What the trace gives for one layer."""
+
+    alpha: Array  # [B, H, n, n]  α^h_ij
+    vh: Array  # [H, T, d_h]  value vectors v^h_j of the real tokens (pre-LN: of LN(x_j))
+    a_ii: Array  # [H, T]  α^h_ii
+    x: Array  # [B·n, d]  layer input (the residual)
+    attn_out: Array  # [B·n, d]  real attention output, b_O included
+    mix_in: Array  # [B·n, d]  real input of the norm after attention
+    mix_out: Array  # [B·n, d]  real output of that norm
+
+
+class LayerWeights(NamedTuple):
+    """Weight-derived constants of one layer (cached per weight version)."""
+
+    mean_w: Array  # [H, d_h]  row means of W_O^h (empty [0, d_h] for RMSNorm: f is then not centred)
+    gamma: Array  # [d]  γ
+    gamma2: Array  # [d]  γ²
+    beta: Array  # [d]  β (zeros for RMSNorm)
+    b_o: Array  # [d]  b_O (zeros without an output bias)
+    probes: Array  # [P, d]  random directions r_p of the check (fixed seed per layer)
+    w_probe: Array  # [H, P, d_h]  (W_O^h r_p)ᵀ
+    eps: float  # the norm's ε
+    rms: bool  # RMSNorm: no centring
+
+
+class TokenResults(NamedTuple):
+    """Per-token quantities of one layer: written by the token pass, read by the attention pass (which writes
+    probe_err)."""
+
+    grams: Array  # compiled: [2, H(H+1)/2, T] packed upper triangles h ≤ h' row-major, off-diagonal entries doubled;
+    # torch: full [2, H, H, T]. [0]: f^h·f^h', [1]: P f^h·P f^h' with P f = γ ⊙ C f
+    probe_f: Array  # [H, P, T]  f^h(x_j)·r_p
+    diag: Array  # [2, T]  ‖t_ii‖, ‖P t_ii‖/s_i
+    total_r: Array  # [T, P]  (attention output − b_O)·r_p
+    check: Array  # [2, T]  reconstruction error of the norm input and output; output scale
+    probe_err: Array  # [T]  max_p |Σ_h Σ_j α^h_ij f^h(x_j)·r_p − total_i·r_p|
+
+
+class Maps(NamedTuple):
+    """The [batch, layer, ...] outputs of every layer; the kernels write each real cell and never padding."""
+
+    f_norm: Array  # [B, L, H, n(source)]  ‖f^h(x_j)‖
+    ratio: Array  # [5, B, L, n(target)]  r_i: W, N, Res-W, Res-N, ResLN-N (RATIO_VARIANTS order)
+    scale: Array  # [B, L, n]  s_i
+    n: Array  # [B, L, n, n]  ‖u_ij‖
+    n_res: Array  # [B, L, n, n]  ‖t_ij‖
+    n_resln: Array  # [B, L, n, n]  ‖g_i(t_ij)‖
+    alpha_mean: Array  # [B, L, n, n]  head mean of α
+
 
 @njit(nogil=True, cache=True, fastmath=True)
-def token_pass(cf, start, t0, t1, vh, a_ii, rows, x, attn_out, mix_in, mix_out, mean_w, gamma2, w_probe, b_o, gamma,
-               beta, probes, eps, rms, layer, grams, probe_f, diag, total_r, check, f_norm_out, ratio_out,
-               scale_out):  # pragma: no cover - compiled
-    """Everything per token of one layer, for tokens start + t0 .. start + t1 - 1 of one block.
+def token_pass(cf: np.ndarray, start: int, t0: int, t1: int, layer: int, inputs: tuple, weights: tuple, layout: tuple,
+               results: tuple, maps: tuple) -> None:  # pragma: no cover - compiled
+    """Everything per token of one layer, for tokens start + t0 .. start + t1 - 1 of one block, where cf [H, c, d] =
+    C f^h = v^h W_O^h C of the block's tokens start .. start + c - 1. The structures come as plain tuples (see
+    `kernel_args`): LayerInputs, LayerWeights, Layout, TokenResults, Maps.
 
-    Inputs: cf [H, c, d] = C f^h = v^h W_O^h C of the block's tokens start .. start + c - 1; vh [H, T, d_h];
-    a_ii [H, T]; rows [T] (row of token t in the flattened [B·n] layout); x (layer input), attn_out (real attention
-    output, b_O included), mix_in, mix_out (real norm input and output) [B·n, d]; mean_w [H, d_h] row means of
-    W_O^h (empty for RMSNorm: f is then not centred); gamma2 [d] = γ²; w_probe [H, P, d_h] = (W_O^h r_p)ᵀ;
-    b_o, gamma, beta [d]; probes [P, d].
-
-    Writes per token t: grams [2, H(H+1)/2, T], the Gram matrices of f and of P f = γ ⊙ C f (upper triangles
-    h ≤ h' row-major, off-diagonal entries doubled); probe_f [H, P, T] = f^h·r_p; diag [2, T] = ‖t_ii‖,
-    ‖P t_ii‖/s_i; total_r [T, P] = total·r_p; check [2, T] = reconstruction error of the norm input and output,
-    output scale; and at (b, layer, ·, i): f_norm_out [B, L, H, n] = ‖f^h‖, ratio_out [5, B, L, n] = W, N, Res-W,
-    Res-N, ResLN-N, scale_out [B, L, n] = s_i.
+    Writes per token t the fields of TokenResults but probe_err, and at (b, layer, ·, i) of Maps: f_norm, ratio,
+    scale.
 
     With μ^h = v^h·mean(W_O^h): f^h·f^h' = C f^h·C f^h' + d μ^h μ^h'. With total = attention output − b_O and
     u_ii = Σ_h α^h_ii f^h: t_ii = u_ii + x_i and off_i = total − u_ii = Σ_{j≠i} t_ij."""
+    inp, wt, where, res, out = (LayerInputs(*inputs), LayerWeights(*weights), Layout(*layout), TokenResults(*results),
+                                Maps(*maps))
+    vh, a_ii, x, attn_out, mix_in, mix_out = inp.vh, inp.a_ii, inp.x, inp.attn_out, inp.mix_in, inp.mix_out
+    mean_w, gamma, gamma2, beta, b_o = wt.mean_w, wt.gamma, wt.gamma2, wt.beta, wt.b_o
+    probes, w_probe, rms = wt.probes, wt.w_probe, wt.rms
+    grams, probe_f, diag, total_r, check = res.grams, res.probe_f, res.diag, res.total_r, res.check
+    rows = where.rows
     heads, d = cf.shape[0], cf.shape[2]
-    n = f_norm_out.shape[3]
+    n = out.f_norm.shape[3]
     n_probes = probes.shape[0]
     zero = np.float32(0.0)
     tiny = np.float32(1e-30)
-    fd, eps32 = np.float32(d), np.float32(eps)
+    fd, eps32 = np.float32(d), np.float32(wt.eps)
     w = np.empty(d, np.float32)
     u = np.empty(d, np.float32)
     mu = np.zeros(heads, np.float32)
@@ -80,7 +147,7 @@ def token_pass(cf, start, t0, t1, vh, a_ii, rows, x, attn_out, mix_in, mix_out, 
                     s1 += w[k] * f2[k]
                 s0 += fd * mu[h] * mu[h2]
                 if h2 == h:
-                    f_norm_out[b, layer, h, i] = np.sqrt(max(s0, zero))
+                    out.f_norm[b, layer, h, i] = np.sqrt(max(s0, zero))
                     grams[0, p, tt] = s0
                     grams[1, p, tt] = s1
                 else:
@@ -133,23 +200,25 @@ def token_pass(cf, start, t0, t1, vh, a_ii, rows, x, attn_out, mix_in, mix_out, 
         diag[1, tt] = ptn / s
         check[0, tt] = max(err_in, err_out)
         check[1, tt] = top
-        scale_out[b, layer, i] = s
-        ratio_out[0, b, layer, i] = w_mix
-        ratio_out[1, b, layer, i] = on / max(on + un, tiny)
-        ratio_out[2, b, layer, i] = w_mix / 2
-        ratio_out[3, b, layer, i] = on / max(on + tn, tiny)
-        ratio_out[4, b, layer, i] = pon / max(pon + ptn, tiny)
+        out.scale[b, layer, i] = s
+        out.ratio[0, b, layer, i] = w_mix
+        out.ratio[1, b, layer, i] = on / max(on + un, tiny)
+        out.ratio[2, b, layer, i] = w_mix / 2
+        out.ratio[3, b, layer, i] = on / max(on + tn, tiny)
+        out.ratio[4, b, layer, i] = pon / max(pon + ptn, tiny)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def attention_pass(alpha, grams, probe_f, offsets, lengths, scale, diag, total_r, causal, layer, r0, r1, n_out,
-                   nres_out, resln_out, mean_out, probe_err):  # pragma: no cover - compiled
-    """Rows r0 .. r1 - 1 of the flattened [B·n] targets of one layer. alpha [B, H, n, n]; grams [2, H(H+1)/2, T],
-    probe_f [H, P, T], diag [2, T], total_r [T, P] as written by `token_pass`, per real token t = offsets[b] + j;
-    offsets, lengths [B]; scale [B, L, n] (s_i). Writes the maps [B, L, n, n] at `layer` (norms square-rooted,
-    N-ResLN divided by s_i, the N-Res and N-ResLN diagonals from diag) and probe_err [T] = max_p |Σ_h Σ_j α^h_ij
-    f^h(x_j)·r_p − total_i·r_p|. Padded cells are not written. Two Gram rows per inner loop halve the accumulator
-    traffic."""
+def attention_pass(r0: int, r1: int, layer: int, causal: bool, inputs: tuple, layout: tuple, results: tuple,
+                   maps: tuple) -> None:  # pragma: no cover - compiled
+    """Rows r0 .. r1 - 1 of the flattened [B·n] targets of one layer, from α and the token pass's TokenResults (the
+    structures as plain tuples: LayerInputs, Layout, TokenResults, Maps). Writes the maps n, n_res, n_resln,
+    alpha_mean at `layer` (norms square-rooted, N-ResLN divided by s_i from Maps.scale, the N-Res and N-ResLN
+    diagonals from TokenResults.diag) and TokenResults.probe_err. Padded cells are not written. Two Gram rows per
+    inner loop halve the accumulator traffic."""
+    inp, where, res, out = LayerInputs(*inputs), Layout(*layout), TokenResults(*results), Maps(*maps)
+    alpha, grams, probe_f, diag, total_r = inp.alpha, res.grams, res.probe_f, res.diag, res.total_r
+    offsets, lengths = where.offsets, where.lengths
     heads, n = alpha.shape[1], alpha.shape[2]
     n_probes = probe_f.shape[1]
     zero = np.float32(0.0)
@@ -207,71 +276,17 @@ def attention_pass(alpha, grams, probe_f, offsets, lengths, scale, diag, total_r
                 for j in range(end):
                     acc += ah[j] * fp[j]
                 probed[k] += acc
-        inv = 1 / scale[b, layer, i]
+        inv = 1 / out.scale[b, layer, i]
         for j in range(end):
             v = np.sqrt(max(plain[j], zero))
-            n_out[b, layer, i, j] = v
-            nres_out[b, layer, i, j] = v
-            resln_out[b, layer, i, j] = np.sqrt(max(proj[j], zero)) * inv
-            mean_out[b, layer, i, j] = mean[j] / heads
+            out.n[b, layer, i, j] = v
+            out.n_res[b, layer, i, j] = v
+            out.n_resln[b, layer, i, j] = np.sqrt(max(proj[j], zero)) * inv
+            out.alpha_mean[b, layer, i, j] = mean[j] / heads
         t = o + i
-        nres_out[b, layer, i, i] = diag[0, t]
-        resln_out[b, layer, i, i] = diag[1, t]
+        out.n_res[b, layer, i, i] = diag[0, t]
+        out.n_resln[b, layer, i, i] = diag[1, t]
         err = zero
         for k in range(n_probes):
             err = max(err, abs(probed[k] - total_r[t, k]))
-        probe_err[t] = err
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}  # helper threads by count
-os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of the parent's threads
-PAIRS_PER_CALL = 32768  # (target, source) pairs per attention-pass call when a layer is split over threads
-TOKENS_PER_CALL = 32  # tokens per token-pass call when a block is split over threads
-
-
-def parallel(calls: list[tuple]) -> None:
-    """Run kernel calls (fn, *args) on torch.get_num_threads() threads, the calling one included, each thread taking
-    the next call when it is free (a core still held by torch's spinning OpenMP workers then simply takes fewer).
-    Each call must write its own part of the outputs."""
-    threads = min(torch.get_num_threads(), len(calls))
-    if threads <= 1:
-        for fn, *args in calls:
-            fn(*args)
-        return
-    if threads - 1 not in _POOLS:
-        _POOLS[threads - 1] = ThreadPoolExecutor(threads - 1, thread_name_prefix="mixlens")
-    todo = iter(calls)
-    lock = threading.Lock()
-
-    def work() -> None:
-        while True:
-            with lock:
-                call = next(todo, None)
-            if call is None:
-                return
-            call[0](*call[1:])
-
-    helpers = [_POOLS[threads - 1].submit(work) for _ in range(threads - 1)]
-    try:
-        work()
-    finally:
-        for fut in helpers:
-            fut.result()
-
-
-def token_splits(count: int) -> list[tuple[int, int]]:
-    """[0, count) in ranges of TOKENS_PER_CALL (one range when torch runs on one thread)."""
-    step = count if torch.get_num_threads() == 1 else TOKENS_PER_CALL
-    return [(a, min(a + step, count)) for a in range(0, count, step)]
-
-
-def row_splits(lengths: np.ndarray, n: int, causal: bool) -> list[tuple[int, int]]:
-    """Split the flattened [B·n] target rows into ranges of about PAIRS_PER_CALL (target, source) pairs each (one range
-    when torch runs on one thread)."""
-    i = np.arange(n)
-    cost = np.where(i[None] < lengths[:, None], (i[None] + 1) if causal else lengths[:, None], 0).ravel()
-    total = int(cost.sum())
-    parts = 1 if torch.get_num_threads() == 1 else max(1, total // PAIRS_PER_CALL)
-    edges = np.searchsorted(np.cumsum(cost), np.linspace(0, total, parts + 1)[1:-1])
-    bounds = [0, *sorted(set(int(e) + 1 for e in edges)), cost.size]
-    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        res.probe_err[t] = err

@@ -1,0 +1,112 @@
+"""The plain-torch passes of the norm engine (any device; what runs on GPUs): the same quantities as the compiled
+kernels of `_kernels`, from the same named structures, with full Gram matrices [2, H, H, T] and `quad_norms`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from mixlens.methods._kernels import Maps, TokenResults
+
+if TYPE_CHECKING:
+    from mixlens.methods.norms import LayerState, RealTokens
+
+CHUNK_ELEMENTS = 1 << 20  # floats per block of sources in the quadratic form (bounds memory)
+
+
+def quad_norms(alpha: torch.Tensor, grams: torch.Tensor) -> torch.Tensor:
+    """‖Σ_h α^h_ij F_k^h(x_j)‖ for K linear images at once, from α [B, H, n, n] and the per-source Gram
+    matrices G_k[h, h', j] as grams [K, B, H, H, n] → [K, B, n(target), n(source)]. Plain torch (any device):
+    α is transposed source-major in blocks so that each source's Gram matrix is one small matmul."""
+    k, b, h, _, n_s = grams.shape
+    n_t = alpha.shape[2]
+    g = grams.permute(1, 4, 0, 2, 3).reshape(b, n_s, k * h, h)  # [B, j, K·H, H]
+    out = alpha.new_empty(b, n_s, k, n_t)
+    step = max(1, CHUNK_ELEMENTS // max(1, b * (k + 1) * h * n_t))
+    for s in range(0, n_s, step):
+        a = alpha[..., s : s + step].transpose(-1, -2).contiguous().transpose(1, 2)  # [B, j, H, i]
+        ag = torch.matmul(g[:, s : s + step], a).unflatten(2, (k, h))  # [B, j, K, H, i]
+        torch.sum(ag.mul_(a.unsqueeze(2)), dim=3, out=out[:, s : s + step])
+    return out.clamp_min_(0).sqrt_().permute(2, 0, 3, 1)
+
+
+def quad_norm(alpha: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """‖Σ_h α^h_ij F^h_j‖ from α [B, H, n, n] and one per-source Gram G_j [B, n, H, H] → [B, n, n]."""
+    return quad_norms(alpha, gram.permute(0, 2, 3, 1).unsqueeze(0))[0]
+
+
+def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int) -> None:
+    """Everything per token of every layer: sets each layer's `results` and writes f_norm, ratio and scale of
+    `maps`."""
+    for st in layers:
+        _token_pass(st, tok, maps, token_block)
+
+
+def _token_pass(st: LayerState, tok: RealTokens, maps: Maps, token_block: int) -> None:
+    """One layer. C is folded into the weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) comes back as a rank-one
+    term), so P f·P f' = (γ² ⊙ C f)·C f'."""
+    inp, wt, cst, index = st.inputs, st.weights, st.weights.consts, st.index
+    vh, a_ii = inp.vh, inp.a_ii
+    norm, (h, t_len, _), d = st.layer.ln_mix, vh.shape, wt.w_c.shape[-1]
+    raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
+    u_ii = vh.new_empty(t_len, d)
+    buf = vh.new_empty(2 * h, min(token_block, t_len), d)
+    for s in range(0, t_len, token_block):
+        e = min(s + token_block, t_len)
+        cf, pf = buf[:h, : e - s], buf[h:, : e - s]
+        torch.matmul(vh[:, s:e], wt.w_c, out=cf)  # [H, c, d]
+        torch.mul(cf, cst.gamma2, out=pf)
+        torch.matmul(cf.transpose(0, 1), buf[:, : e - s].permute(1, 2, 0), out=raw[s:e])
+        torch.sum(cf.mul_(a_ii[:, s:e, None]), dim=0, out=u_ii[s:e])  # Σ_h α_ii C f (clobbers cf)
+    grams = raw.view(t_len, h, 2, h).permute(2, 1, 3, 0).contiguous()  # [2, H, H, T]
+    if not cst.rms:
+        mu = torch.matmul(cst.mean_w[:, None], vh.transpose(1, 2))[:, 0]  # [H, T] mean of f^h over the hidden axis
+        grams[0].add_(mu[:, None] * mu[None, :], alpha=d)
+        u_ii += (a_ii * mu).sum(0)[:, None]
+    f_norm = grams[0].diagonal(dim1=0, dim2=1).clamp_min(0).sqrt()  # [T, H]
+
+    x, attn_out, mix_in, mix_out = (tok.gather(t) for t in (inp.x, inp.attn_out, inp.mix_in, inp.mix_out))
+    total = attn_out - cst.b_o
+    t_ii, off = u_ii + x, total - u_ii
+    s = norm.scale(mix_in)
+    y = attn_out + x
+    rebuilt = norm.project(y) / s[:, None] + cst.beta
+    tn, ptn, on, un, pon = (v.norm(dim=-1) for v in (t_ii, norm.project(t_ii), off, u_ii, norm.project(off)))
+
+    def r(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a / (a + b).clamp_min(1e-30)
+
+    w_mix = 1 - a_ii.mean(0)
+    ratios = torch.stack([w_mix, r(on, un), w_mix / 2, r(on, tn), r(pon, ptn)], -1)  # [T, 5] in RATIO_VARIANTS order
+    maps.f_norm[:, index] = tok.scatter(f_norm).transpose(1, 2)
+    maps.ratio[:, :, index] = tok.scatter(ratios).permute(2, 0, 1)
+    maps.scale[:, index] = tok.scatter(s)
+    err = torch.maximum((y - mix_in).abs().amax(-1), (rebuilt - mix_out).abs().amax(-1))
+    top = torch.maximum(mix_in.abs().amax(-1), rebuilt.abs().amax(-1))
+    st.results = TokenResults(grams=grams, probe_f=torch.matmul(cst.w_probe, vh.transpose(1, 2)),
+                              diag=torch.stack([tn, ptn / s]), total_r=total @ cst.probes.T,
+                              check=torch.stack([err, top]), probe_err=vh.new_empty(t_len))
+
+
+def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps) -> None:
+    """The per-(target, source) part of every layer: writes n, n_res, n_resln and alpha_mean of `maps` and each
+    layer's results.probe_err."""
+    mask, (offsets, lengths) = tok.mask, tok.layout[1:]
+    pair = (mask[:, :, None] & mask[:, None, :]).float()
+    pair_maps = (maps.n, maps.n_res, maps.n_resln, maps.alpha_mean)
+    for st in layers:
+        alpha, res = st.inputs.alpha, st.results
+        b, h, n, _ = alpha.shape
+        full = res.grams.new_zeros(2, b, h, h, n)
+        for k in range(b):  # back to the padded layout of the batch
+            o, m = int(offsets[k]), int(lengths[k])
+            full[:, k, :, :, :m] = res.grams[..., o : o + m]
+        n_n, n_resln = quad_norms(alpha, full) * pair
+        inv_s = torch.where(mask, 1 / maps.scale[:, st.index], 0)  # [B, n]
+        for m, v in zip(pair_maps, (n_n, n_n, n_resln * inv_s[:, :, None], alpha.mean(1) * pair), strict=True):
+            m[:, st.index] = v
+        for m, v in zip(pair_maps[1:3], res.diag, strict=True):
+            m[:, st.index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(v))
+        fp = tok.scatter(res.probe_f.permute(2, 0, 1)).permute(0, 2, 1, 3)  # [B, H, n, P]
+        res.probe_err.copy_((tok.gather(torch.matmul(alpha, fp).sum(1).flatten(0, 1)) - res.total_r).abs().amax(-1))
