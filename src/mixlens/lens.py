@@ -21,6 +21,7 @@ from mixlens.result import Analysis, Attribution, Blocks
 from mixlens.trace import Edit, Trace, run_traced
 
 DEFAULT_METHODS = ("attention", "norm", "norm_res", "norm_resln")
+CELLS_PER_INPUT = 64 * 64  # analyze's batches hold ≤ batch_size · 64² token pairs: a 512-token input runs alone
 Text = str | tuple[str, str]  # a single text or a sentence pair
 _HEADS = {
     "base": "AutoModel",
@@ -216,22 +217,24 @@ class Lens:
 
     def batches(self, texts: Sequence[Text | list[str]], batch_size: int = 32, max_length: int | None = None, *,
                 truncate: bool = True, order: str = "input", max_tokens: int | None = None,
-                trace: bool | Sequence[str] = False) -> Iterator[Batch]:
+                max_cells: int | None = None, trace: bool | Sequence[str] = False) -> Iterator[Batch]:
         """Batches of `texts`, each tokenized once: `order='input'` cuts the inputs in order into batches of
         `batch_size`; `order='length'` tokenizes all inputs first and packs them longest first into batches of
-        ≤ `batch_size` inputs and ≤ `max_tokens` padded tokens (`Batch.index` says where each input came from).
+        ≤ `batch_size` inputs, ≤ `max_tokens` padded tokens and ≤ `max_cells` padded token pairs (inputs · n², which
+        bounds the [.., n, n] maps); `Batch.index` says where each input came from.
         `trace`: False (no forward pass), True (a full trace) or registry method names (a trace with the FFN
         activations / whole forward pass those methods need)."""
         texts = _check_texts(texts)
         if order not in ("input", "length"):
             raise MixlensError(f"unknown batch order '{order}'; valid: input, length")
-        if batch_size < 1 or (max_tokens is not None and max_tokens < 1):
-            raise MixlensError(f"batch_size and max_tokens must be at least 1 (got {batch_size}, {max_tokens})")
+        if min([batch_size, *(x for x in (max_tokens, max_cells) if x is not None)]) < 1:
+            raise MixlensError(f"batch_size, max_tokens and max_cells must be at least 1 (got {batch_size}, "
+                               f"{max_tokens}, {max_cells})")
         limit = self.limit(max_length)
         ffn, full = (False, True) if isinstance(trace, bool) else trace_flags(trace)
         if order == "length":
             tok = _Tokenized(self, texts, limit, truncate)
-            plan = [(tok, rows, rows) for rows in plan_batches(tok.lengths, batch_size, max_tokens)]
+            plan = [(tok, rows, rows) for rows in plan_batches(tok.lengths, batch_size, max_tokens, max_cells)]
         else:
             plan = ((None, range(s, min(s + batch_size, len(texts))), None) for s in range(0, len(texts), batch_size))
         for tok, rows, local in plan:
@@ -265,7 +268,8 @@ class Lens:
         """Run `methods` (registry names) on `texts`; returns an `Analysis` with values
         `[batch, layer, (head), target, source]` (in input order), and the mixing ratios and reconstruction
         self-check when a method used the norm engine. Inputs are batched by token length and every result is
-        stored per batch, padded only to its batch's longest input."""
+        stored per batch, padded only to its batch's longest input (batches hold at most `batch_size` · 64² token
+        pairs, so long inputs run in small batches)."""
         texts = _check_texts([texts] if isinstance(texts, (str, tuple)) else list(texts))
         names = list(dict.fromkeys(methods))
         specs = [method_registry.get(m) for m in names]
@@ -276,8 +280,9 @@ class Lens:
         errors: np.ndarray | None = None
         tokens: list[list[str]] = [[] for _ in range(n_in)]
         words: list[list[int | None]] = [[] for _ in range(n_in)]
-        for batch in self.batches(texts, max(1, int(batch_size)), max_length, truncate=truncate, order="length",
-                                  trace=names):
+        batch_size = max(1, int(batch_size))
+        for batch in self.batches(texts, batch_size, max_length, truncate=truncate, order="length",
+                                  max_cells=batch_size * CELLS_PER_INPUT, trace=names):
             enc, idx = batch.enc, np.asarray(batch.index)
             for k, n in enumerate(enc.truncated):
                 if n:

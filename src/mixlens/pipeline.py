@@ -17,14 +17,18 @@ from mixlens.methods.norms import BlockNorms, block_norms
 from mixlens.trace import Trace
 
 
-def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None) -> list[list[int]]:
-    """Positions grouped into batches, longest first: ≤ batch_size items and ≤ max_tokens padded tokens
-    (an input longer than max_tokens gets a batch of its own). Ties keep input order (deterministic)."""
+def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None,
+                 max_cells: int | None = None) -> list[list[int]]:
+    """Positions grouped into batches, longest first: ≤ batch_size items, ≤ max_tokens padded tokens and ≤ max_cells
+    padded token pairs (items · n², what the [.., n, n] maps hold); an input over a limit gets a batch of its own.
+    Ties keep input order (deterministic)."""
     order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
     batches: list[list[int]] = []
     for k in order:
         b = batches[-1] if batches else None
-        if b is not None and len(b) < batch_size and (max_tokens is None or (len(b) + 1) * lengths[b[0]] <= max_tokens):
+        n, m = (lengths[b[0]], len(b) + 1) if b else (0, 1)
+        if b and m <= batch_size and (max_tokens is None or m * n <= max_tokens) and \
+                (max_cells is None or m * n * n <= max_cells):
             b.append(k)
         else:
             batches.append([k])
