@@ -193,3 +193,12 @@ def test_cli_refuses_too_short_max_length(capsys):
     with pytest.raises(SystemExit) as e:
         main(["analyze", "A text.", "--max-length", "2"])
     assert e.value.code == 2 and "at least 3 tokens" in capsys.readouterr().err
+
+
+def test_corpus_reader_skips_invisible_texts(tmp_path):
+    from mixlens.corpus import ReadStats, iter_examples
+
+    (tmp_path / "t.tsv").write_text("text\tlabel\nhello\t1\n\u200b\u2060\t0\n\x01\t0\n")
+    stats = ReadStats()
+    assert [e.text for e in iter_examples(tmp_path / "t.tsv", stats=stats)] == ["hello"]
+    assert stats.empty == 2

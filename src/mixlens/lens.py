@@ -322,7 +322,7 @@ def _text_of(t: Text | list[str]) -> str:
     return t if isinstance(t, str) else " [PAIR] ".join(t) if isinstance(t, tuple) else " ".join(t)
 
 
-def _visible(s: str) -> bool:
+def has_visible(s: str) -> bool:
     """Has a character that is neither whitespace nor a control / zero-width format character."""
     if s.strip() and s.isprintable():
         return True
@@ -338,10 +338,10 @@ def _check_texts(texts: Sequence[Text | list[str]]) -> list[Text | list[str]]:
         raise MixlensError("mix of single texts, sentence pairs and word lists in one call")
     for k, t in enumerate(texts):
         if isinstance(t, list):  # pre-split words
-            if not all(isinstance(w, str) for w in t) or not any(_visible(w) for w in t):
+            if not all(isinstance(w, str) for w in t) or not any(has_visible(w) for w in t):
                 raise MixlensError(f"input {k + 1} is an empty word list or holds no visible word")
             continue
         parts = t if isinstance(t, tuple) else (t,)
-        if any(not isinstance(p, str) or not _visible(p) for p in parts):
+        if any(not isinstance(p, str) or not has_visible(p) for p in parts):
             raise MixlensError(f"input {k + 1} is empty or whitespace only")
     return texts
