@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"'{method}' has no per-head values; drop --head")
         opts = parse_options(option)
         lens = load(model)
-        res = lens.analyze(text, ["attention"] if view is View.ratio else [method], heads=head is not None,
+        res = lens.analyze(text, ["norm"] if view is View.ratio else [method], heads=head is not None,
                            options=opts, max_length=max_length)
         inputs = list(range(len(text)))
         if view is View.ratio:

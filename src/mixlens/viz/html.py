@@ -85,7 +85,7 @@ def build_payload(result: Analysis | Attribution, *, head_maps: dict[str, Attrib
     else:
         attrs, texts, model, version, tokens = result.attributions, result.texts, result.model, result.version, \
             result.tokens
-        ratios = {v: result.mixing_ratio(v) for v in result.ratios}
+        ratios = {v: result.mixing_ratio(v) for v in result.ratios} or None  # None: no norm-engine method
     head_maps = head_maps or {}
     notes: list[str] = []
     shown = [min(len(t), max_tokens) for t in tokens]
