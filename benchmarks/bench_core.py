@@ -1,10 +1,11 @@
-"""Core benchmark: cost of the four norm-family methods + mixing ratios relative to a plain forward pass.
+"""Core benchmark: the public API, `lens.analyze(texts)` with the default methods (attention, norm, norm_res,
+norm_resln + mixing ratios, reconstruction check, result assembly), relative to a plain forward pass.
 
-Ratio = time(traced forward + attention, norm, norm_res, norm_resln + mixing ratios, all layers) /
-time(plain forward with output_attentions=True), medians of interleaved repeats in one run; the
-"decomposition alone" ratio leaves out the traced forward pass. The traced forward is the one `analyze`
-runs for these methods: it stops after the last attention block (they never use the last FFN or the head).
-Peak RSS of the 512-token cases is measured in fresh subprocesses.
+Ratio = time(`lens.analyze(texts)`, end to end: tokenisation, traced forward, decomposition, results) /
+time(plain forward with output_attentions=True on already tokenised inputs), medians of interleaved repeats in
+one run. "internal" leaves out tokenisation and result assembly (traced forward + `run_methods`); "vs
+tokenize+forward" also counts the tokenizer call in the plain side. Peak RSS of the 512-token cases is
+measured in fresh subprocesses.
 
     python benchmarks/bench_core.py [--repeats 7]
 """
@@ -25,8 +26,7 @@ import torch
 
 import mixlens
 from mixlens.lens import DEFAULT_METHODS
-from mixlens.methods import get
-from mixlens.methods.norms import block_norms
+from mixlens.pipeline import run_methods, trace_flags
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.tsv"
 
@@ -47,42 +47,35 @@ def long_text(lens: mixlens.Lens, n_tokens: int) -> str:
     return lens.tokenizer.decode(ids)
 
 
-FULL = any(get(m).needs_output for m in DEFAULT_METHODS)  # False: the trace stops after the last attention block
-
-
-def analysis(lens: mixlens.Lens, enc) -> None:
-    decompose(lens.trace(enc, full=FULL))
-
-
-def decompose(tr) -> None:
-    """The four methods and the mixing ratios on an existing trace."""
-    with torch.no_grad():
-        bn = block_norms(tr)
-        for name in DEFAULT_METHODS:
-            get(name)(tr)
-        _ = {v: r.sum() for v, r in bn.ratio.items()}
+def analysis(lens: mixlens.Lens, texts: list[str]) -> None:
+    lens.analyze(texts)
 
 
 def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float]:
     enc = lens.encode(texts)
-    fwd, ana, dec = [], [], []
+    fwd, tok_fwd, ana, internal = [], [], [], []
+    ffn, full = trace_flags(DEFAULT_METHODS)
     with torch.no_grad():
         lens.model(**enc.inputs, output_attentions=True)
-        analysis(lens, enc)
+        analysis(lens, texts)
         for _ in range(repeats):
             t0 = time.perf_counter()
             lens.model(**enc.inputs, output_attentions=True)
             t1 = time.perf_counter()
-            tr = lens.trace(enc, full=FULL)
+            lens.analyze(texts)
             t2 = time.perf_counter()
-            decompose(tr)
+            run_methods(lens.trace(enc, ffn=ffn, full=full), DEFAULT_METHODS)
             t3 = time.perf_counter()
+            inputs = lens.tokenizer(texts, padding=True, return_tensors="pt")
+            lens.model(**inputs, output_attentions=True)
+            t4 = time.perf_counter()
             fwd.append(t1 - t0)
-            ana.append(t3 - t1)
-            dec.append(t3 - t2)
-    f, a, d = statistics.median(fwd), statistics.median(ana), statistics.median(dec)
-    return {"tokens": enc.inputs["input_ids"].shape[1], "batch": len(texts), "forward_s": f, "analysis_s": a,
-            "ratio": a / f, "decomposition_ratio": d / f}
+            ana.append(t2 - t1)
+            internal.append(t3 - t2)
+            tok_fwd.append(t4 - t3)
+    f, a, i, tf = (statistics.median(x) for x in (fwd, ana, internal, tok_fwd))
+    return {"tokens": enc.inputs["input_ids"].shape[1], "batch": len(texts), "forward_s": f, "analyze_s": a,
+            "ratio": a / f, "internal_ratio": i / f, "ratio_vs_tokenize_forward": a / tf}
 
 
 def peak_rss(model: str, n_tokens: int) -> float:
@@ -97,9 +90,9 @@ if {model!r} == "bert-base-random":
     lens = mixlens.Lens(T.AutoModel.from_config(cfg, attn_implementation="eager"), mixlens.load().tokenizer)
 else:
     lens = mixlens.load()
-enc = lens.encode([long_text(lens, {n_tokens})])
-assert enc.inputs["input_ids"].shape[1] == {n_tokens}
-analysis(lens, enc)
+text = long_text(lens, {n_tokens})
+assert lens.encode([text]).inputs["input_ids"].shape[1] == {n_tokens}
+analysis(lens, [text])
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -123,8 +116,8 @@ def main() -> None:
     }
     for name, r in rows.items():
         print(f"{name:32s} tokens={r['tokens']:4d} forward={1e3 * r['forward_s']:8.1f} ms "
-              f"analysis={1e3 * r['analysis_s']:8.1f} ms  ratio={r['ratio']:.2f}  "
-              f"(decomposition alone {r['decomposition_ratio']:.2f})")
+              f"analyze={1e3 * r['analyze_s']:8.1f} ms  ratio={r['ratio']:.2f}  (internal {r['internal_ratio']:.2f}, "
+              f"vs tokenize+forward {r['ratio_vs_tokenize_forward']:.2f})")
     rss = {} if args.no_rss else {"bundled 512": peak_rss("bundled", 512),
                                   "bert-base 512": peak_rss("bert-base-random", 512)}
     for k, v in rss.items():

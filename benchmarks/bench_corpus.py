@@ -19,42 +19,36 @@ import torch
 
 import mixlens
 from mixlens.corpus import iter_examples
-from mixlens.corpus.runner import plan_batches, run_corpus
-from mixlens.methods import get
-from mixlens.methods.norms import block_norms
+from mixlens.corpus.runner import run_corpus
+from mixlens.pipeline import run_methods
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.tsv"
 METHODS = ["norm", "norm_res", "norm_resln"]
 
 
-def planned_batches(lens: mixlens.Lens, texts: list[str], batch_size: int, max_tokens: int, shard_size: int):
-    """The corpus runner's own batches (same shards, same sort), tokenized."""
+def planned_batches(lens: mixlens.Lens, texts: list[str], batch_size: int, max_tokens: int, shard_size: int,
+                    methods: list[str] | None = None):
+    """The corpus runner's own batches (same shards, same sort), each tokenized once; traced for `methods`."""
     for s in range(0, len(texts), shard_size):
-        shard = texts[s : s + shard_size]
-        lengths = [len(ids) for ids in lens.tokenizer(shard, truncation=True)["input_ids"]]
-        for batch in plan_batches(lengths, batch_size, max_tokens):
-            yield lens.encode([shard[k] for k in batch])
+        yield from lens.batches(texts[s : s + shard_size], batch_size, order="length", max_tokens=max_tokens,
+                                trace=methods or False)
 
 
 def forward_only(lens: mixlens.Lens, texts: list[str], batch_size: int, max_tokens: int, shard_size: int) -> float:
     """Seconds for tokenize + plain forward over the corpus runner's own batches."""
     t0 = time.perf_counter()
     with torch.no_grad():
-        for enc in planned_batches(lens, texts, batch_size, max_tokens, shard_size):
-            lens.model(**enc.inputs)
+        for bt in planned_batches(lens, texts, batch_size, max_tokens, shard_size):
+            lens.model(**bt.enc.inputs)
     return time.perf_counter() - t0
 
 
 def engine_only(lens: mixlens.Lens, texts: list[str], batch_size: int, max_tokens: int, shard_size: int) -> float:
-    """Seconds for tokenize + traced forward + the norm family on the same batches, without the corpus machinery
-    (reading, statistics, Parquet, manifest): separates the runner's overhead from the engine's cost."""
+    """Seconds for tokenize + traced forward + the norm family (`run_methods`) on the same batches, without the
+    corpus machinery (reading, statistics, Parquet, manifest): separates the runner's overhead from the engine's."""
     t0 = time.perf_counter()
-    with torch.no_grad():
-        for enc in planned_batches(lens, texts, batch_size, max_tokens, shard_size):
-            tr = lens.trace(enc, full=False)  # as the runner: the norm family never needs the last FFN
-            block_norms(tr)
-            for m in METHODS:
-                get(m)(tr)
+    for bt in planned_batches(lens, texts, batch_size, max_tokens, shard_size, METHODS):
+        run_methods(bt.trace, METHODS)
     return time.perf_counter() - t0
 
 

@@ -19,15 +19,18 @@ _EXPORTS = {
     "load": "mixlens.lens",
     "MixlensError": "mixlens.errors",
     "ReconstructionError": "mixlens.errors",
+    "run_methods": "mixlens.pipeline",
 }
 
 if TYPE_CHECKING:
     from mixlens import methods
     from mixlens.errors import MixlensError, ReconstructionError
     from mixlens.lens import Lens, load
+    from mixlens.pipeline import run_methods
     from mixlens.result import Analysis, Attribution
 
-__all__ = ["Analysis", "Attribution", "Lens", "MixlensError", "ReconstructionError", "load", "methods", "__version__"]
+__all__ = ["Analysis", "Attribution", "Lens", "MixlensError", "ReconstructionError", "load", "methods", "run_methods",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:

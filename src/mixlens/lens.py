@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import unicodedata
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,12 @@ import torch
 from mixlens import methods as method_registry
 from mixlens.adapters import Adapter, family_for, resolve
 from mixlens.errors import MixlensError
-from mixlens.methods.norms import RATIO_VARIANTS, block_norms
-from mixlens.result import Analysis, Attribution
+from mixlens.pipeline import plan_batches, run_methods, trace_flags
+from mixlens.result import Analysis, Attribution, Blocks
 from mixlens.trace import Edit, Trace, run_traced
 
 DEFAULT_METHODS = ("attention", "norm", "norm_res", "norm_resln")
+CELLS_PER_INPUT = 64 * 64  # analyze's batches hold ≤ batch_size · 64² token pairs: a 512-token input runs alone
 Text = str | tuple[str, str]  # a single text or a sentence pair
 _HEADS = {
     "base": "AutoModel",
@@ -109,10 +111,70 @@ def load(model: str | Path | None = None, *, head: str | None = None, device: st
 class Encoded:
     """A tokenized, right-padded batch with per-input token strings and word ids."""
 
-    inputs: dict[str, torch.Tensor]
+    inputs: dict[str, torch.Tensor]  # input_ids, attention_mask (, token_type_ids): [batch, n]
     tokens: list[list[str]]
     words: list[list[int | None]]
     truncated: list[int]  # original length of each truncated input (0 if not truncated)
+
+
+@dataclass
+class Batch:
+    """One batch of `Lens.batches`: `index[k]` is the position in the call's inputs of the batch's input k."""
+
+    index: list[int]
+    enc: Encoded
+    trace: Trace | None  # one forward pass, when asked for
+
+
+class _Tokenized:
+    """Inputs tokenized once, without padding: ids, token type ids, word ids and original lengths per input."""
+
+    def __init__(self, lens: Lens, texts: list[Text | list[str]], limit: int, truncate: bool):
+        tok = lens.tokenizer
+        split = isinstance(texts[0], list)
+        firsts = [t[0] if isinstance(t, tuple) else t for t in texts]
+        pairs = [t[1] for t in texts] if isinstance(texts[0], tuple) else None
+        need = tok.num_special_tokens_to_add(pair=pairs is not None) + (2 if pairs is not None else 1)
+        if limit < need:
+            raise MixlensError(f"max_length {limit} is too short: this model needs at least {need} tokens per "
+                               f"input ({need - (2 if pairs is not None else 1)} special)")
+        enc = tok(firsts, pairs, truncation=False, is_split_into_words=split)
+        self.ids: list[list[int]] = enc["input_ids"]
+        self.types: list[list[int]] | None = enc.get("token_type_ids")
+        self.words = [enc.word_ids(b) for b in range(len(texts))]
+        self.lengths = [len(x) for x in self.ids]
+        self.truncated = [n if n > limit else 0 for n in self.lengths]
+        over = [b for b, n in enumerate(self.lengths) if n > limit]
+        if over and not truncate:
+            b = over[0]
+            raise MixlensError(f"input {b + 1} has {self.lengths[b]} tokens, more than the limit of {limit} "
+                               "(allow truncation or raise --max-length)")
+        if over:  # the rare over-long inputs once more, cut the tokenizer's way (pairs: longest first)
+            cut = tok([firsts[b] for b in over], [pairs[b] for b in over] if pairs is not None else None,
+                      truncation=True, max_length=limit, is_split_into_words=split)
+            for k, b in enumerate(over):
+                self.ids[b] = cut["input_ids"][k]
+                if self.types is not None:
+                    self.types[b] = cut["token_type_ids"][k]
+                self.words[b] = cut.word_ids(k)
+                self.lengths[b] = len(self.ids[b])
+
+    def batch(self, lens: Lens, rows: Sequence[int]) -> Encoded:
+        """The inputs `rows` as one right-padded batch on the model's device."""
+        n = max(self.lengths[b] for b in rows)
+        ids = np.full((len(rows), n), lens.tokenizer.pad_token_id, np.int64)
+        mask = np.zeros((len(rows), n), np.int64)
+        types = np.full((len(rows), n), lens.tokenizer.pad_token_type_id, np.int64) if self.types else None
+        for k, b in enumerate(rows):
+            m = self.lengths[b]
+            ids[k, :m], mask[k, :m] = self.ids[b], 1
+            if types is not None:
+                types[k, :m] = self.types[b]
+        inputs = {"input_ids": ids, "attention_mask": mask} | ({"token_type_ids": types} if types is not None else {})
+        convert = lens.tokenizer.convert_ids_to_tokens
+        return Encoded({k: torch.from_numpy(v).to(lens.device) for k, v in inputs.items()},
+                       [convert(self.ids[b]) for b in rows], [self.words[b] for b in rows],
+                       [self.truncated[b] for b in rows])
 
 
 class Lens:
@@ -158,28 +220,47 @@ class Lens:
                 by_id.setdefault(tid, role)
         return [by_id.get(int(i)) for i in ids]
 
-    def encode(self, texts: Sequence[Text], max_length: int | None = None, truncate: bool = True) -> Encoded:
-        """Tokenize a batch (right padding). Over-long inputs are truncated, or refused if not `truncate`."""
+    def limit(self, max_length: int | None = None) -> int:
+        """The token limit of a call: `max_length` (at most the model's), else the model's."""
+        if max_length is not None and max_length < 1:
+            raise MixlensError(f"max_length must be at least 1 (got {max_length})")
+        return self.max_length if max_length is None else min(max_length, self.max_length)
+
+    def encode(self, texts: Sequence[Text | list[str]], max_length: int | None = None,
+               truncate: bool = True) -> Encoded:
+        """Tokenize a batch once (right padding). Inputs are texts, `(text, text)` pairs, or pre-split words
+        (`list[str]`, e.g. a UD sentence; `words` then maps tokens to these words). Over-long inputs are
+        truncated, or refused if not `truncate`; a limit below what the special tokens need is refused."""
         texts = _check_texts(texts)
-        limit = min(max_length or self.max_length, self.max_length)
-        firsts = [t[0] if isinstance(t, tuple) else t for t in texts]
-        pairs = [t[1] for t in texts] if isinstance(texts[0], tuple) else None
-        full = self.tokenizer(firsts, pairs, truncation=False)["input_ids"]
-        lengths = [len(ids) for ids in full]
-        too_long = [(b, n) for b, n in enumerate(lengths) if n > limit]
-        if too_long and not truncate:
-            b, n = too_long[0]
-            raise MixlensError(f"input {b + 1} has {n} tokens, more than the limit of {limit} "
-                               "(allow truncation or raise --max-length)")
-        enc = self.tokenizer(firsts, pairs, truncation=True, max_length=limit, padding=True, padding_side="right",
-                             return_tensors="pt")
-        ids = enc["input_ids"]
-        mask = enc["attention_mask"].bool()
-        tokens = [self.tokenizer.convert_ids_to_tokens(ids[b][mask[b]].tolist()) for b in range(len(texts))]
-        words = [enc.word_ids(b)[: len(tokens[b])] for b in range(len(texts))]
-        inputs = {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask",
-                                                                       "token_type_ids")}
-        return Encoded(inputs, tokens, words, [n if n > limit else 0 for n in lengths])
+        return _Tokenized(self, texts, self.limit(max_length), truncate).batch(self, range(len(texts)))
+
+    def batches(self, texts: Sequence[Text | list[str]], batch_size: int = 32, max_length: int | None = None, *,
+                truncate: bool = True, order: str = "input", max_tokens: int | None = None,
+                max_cells: int | None = None, trace: bool | Sequence[str] = False) -> Iterator[Batch]:
+        """Batches of `texts`, each tokenized once: `order='input'` cuts the inputs in order into batches of
+        `batch_size`; `order='length'` tokenizes all inputs first and packs them longest first into batches of
+        ≤ `batch_size` inputs, ≤ `max_tokens` padded tokens and ≤ `max_cells` padded token pairs (inputs · n², which
+        bounds the [.., n, n] maps); `Batch.index` says where each input came from.
+        `trace`: False (no forward pass), True (a full trace) or registry method names (a trace with the FFN
+        activations / whole forward pass those methods need)."""
+        texts = _check_texts(texts)
+        if order not in ("input", "length"):
+            raise MixlensError(f"unknown batch order '{order}'; valid: input, length")
+        if min([batch_size, *(x for x in (max_tokens, max_cells) if x is not None)]) < 1:
+            raise MixlensError(f"batch_size, max_tokens and max_cells must be at least 1 (got {batch_size}, "
+                               f"{max_tokens}, {max_cells})")
+        limit = self.limit(max_length)
+        ffn, full = (False, True) if isinstance(trace, bool) else trace_flags(trace)
+        if order == "length":
+            tok = _Tokenized(self, texts, limit, truncate)
+            plan = [(tok, rows, rows) for rows in plan_batches(tok.lengths, batch_size, max_tokens, max_cells)]
+        else:
+            plan = ((None, range(s, min(s + batch_size, len(texts))), None) for s in range(0, len(texts), batch_size))
+        for tok, rows, local in plan:
+            if tok is None:  # input order: tokenize each batch when it is reached (streams long lists)
+                tok, local = _Tokenized(self, [texts[b] for b in rows], limit, truncate), range(len(rows))
+            enc = tok.batch(self, local)
+            yield Batch(list(rows), enc, self.trace(enc, ffn=ffn, full=full) if trace is not False else None)
 
     @torch.no_grad()
     def trace(self, enc: Encoded | Sequence[Text], edits: dict[str, Edit] | None = None,
@@ -193,7 +274,7 @@ class Lens:
 
     def analyze(
         self,
-        texts: Text | Sequence[Text],
+        texts: Text | Sequence[Text | list[str]],
         methods: Sequence[str] = DEFAULT_METHODS,
         *,
         heads: bool = False,
@@ -204,73 +285,82 @@ class Lens:
         on_batch: Callable[[int], None] | None = None,
     ) -> Analysis:
         """Run `methods` (registry names) on `texts`; returns an `Analysis` with values
-        `[batch, layer, (head), target, source]`, mixing ratios and the reconstruction self-check."""
+        `[batch, layer, (head), target, source]` (in input order), and the mixing ratios and reconstruction
+        self-check when a method used the norm engine. Inputs are batched by token length and every result is
+        stored per batch, padded only to its batch's longest input (batches hold at most `batch_size` · 64² token
+        pairs, so long inputs run in small batches)."""
         texts = _check_texts([texts] if isinstance(texts, (str, tuple)) else list(texts))
-        specs = [method_registry.get(m) for m in dict.fromkeys(methods)]
-        options = options or {}
-        for name in options:
-            if name not in [s.name for s in specs]:
-                raise MixlensError(f"options given for '{name}', which is not among the methods")
+        names = list(dict.fromkeys(methods))
+        specs = [method_registry.get(m) for m in names]
+        n_in = len(texts)
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {s.name: [] for s in specs}
+        ratios: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        biases: list[tuple[np.ndarray, np.ndarray]] = []
+        errors: np.ndarray | None = None
+        tokens: list[list[str]] = [[] for _ in range(n_in)]
+        words: list[list[int | None]] = [[] for _ in range(n_in)]
         batch_size = max(1, int(batch_size))
-        parts: dict[str, list[np.ndarray]] = {s.name: [] for s in specs}
-        ratios: dict[str, list[np.ndarray]] = {v: [] for v in RATIO_VARIANTS}
-        errors, biases, tokens, words = [], [], [], []
-        for start in range(0, len(texts), batch_size):
-            enc = self.encode(texts[start : start + batch_size], max_length, truncate)
+        for batch in self.batches(texts, batch_size, max_length, truncate=truncate, order="length",
+                                  max_cells=batch_size * CELLS_PER_INPUT, trace=names):
+            enc, idx = batch.enc, np.asarray(batch.index)
             for k, n in enumerate(enc.truncated):
                 if n:
-                    print(f"warning: input {start + k + 1} truncated from {n} to {len(enc.tokens[k])} tokens",
+                    print(f"warning: input {batch.index[k] + 1} truncated from {n} to {len(enc.tokens[k])} tokens",
                           file=sys.stderr)
-            tr = self.trace(enc, ffn=any(s.needs_ffn for s in specs), full=any(s.needs_output for s in specs))
-            with torch.no_grad():
-                bn = block_norms(tr)  # also the per-run exactness check
-                for s in specs:
-                    parts[s.name].append(s(tr, heads=heads, **options.get(s.name, {})).detach().cpu().numpy())
-            for v in RATIO_VARIANTS:
-                ratios[v].append(bn.ratio[v].cpu().numpy())
-            errors.append(bn.error.amax(1).cpu().numpy())
-            biases.append(bn.bias.cpu().numpy())
-            tokens += enc.tokens
-            words += enc.words
+            step = run_methods(batch.trace, names, heads=heads, options=options)
+            for name, v in step.values.items():
+                parts[name].append((idx, v.detach().cpu().numpy()))
+            if step.norms is not None:
+                for v, r in step.norms.ratio.items():
+                    ratios.setdefault(v, []).append((idx, r.cpu().numpy()))
+                errors = np.zeros(n_in, np.float32) if errors is None else errors
+                errors[idx] = step.norms.error.amax(1).cpu().numpy()
+                biases.append((idx, step.norms.bias.cpu().numpy()))
+            for k, b in enumerate(batch.index):
+                tokens[b], words[b] = enc.tokens[k], enc.words[k]
             if on_batch:
-                on_batch(len(enc.tokens))
-        n_max = max(len(t) for t in tokens)
+                on_batch(len(batch.index))
+        lengths = [len(t) for t in tokens]
         attributions = {
-            s.name: Attribution(_cat_padded(parts[s.name], s.dims_for(heads), n_max), s.dims_for(heads), tokens,
-                                s.name, self.name, {"heads": heads, **options.get(s.name, {})}, words)
+            s.name: Attribution(Blocks(parts[s.name], s.dims_for(heads), lengths), s.dims_for(heads), tokens, s.name,
+                                self.name, {"heads": heads, **(options or {}).get(s.name, {})}, words)
             for s in specs
         }
         from mixlens import __version__
 
         return Analysis(
             model=self.name, version=__version__,
-            texts=[t if isinstance(t, str) else " [PAIR] ".join(t) for t in texts], tokens=tokens,
-            attributions=attributions,
-            ratios={v: _cat_padded(ratios[v], ("layer", "target"), n_max) for v in RATIO_VARIANTS},
-            reconstruction_error=np.concatenate(errors),
-            bias=_cat_padded(biases, ("layer", "target", "hidden"), n_max),
+            texts=[_text_of(t) for t in texts], tokens=tokens, attributions=attributions,
+            ratios={v: Blocks(p, ("layer", "target"), lengths) for v, p in ratios.items()},
+            reconstruction_error=errors,
+            bias=Blocks(biases, ("layer", "target", "hidden"), lengths) if biases else None,
         )
 
 
-def _check_texts(texts: Sequence[Text]) -> list[Text]:
+def _text_of(t: Text | list[str]) -> str:
+    return t if isinstance(t, str) else " [PAIR] ".join(t) if isinstance(t, tuple) else " ".join(t)
+
+
+def has_visible(s: str) -> bool:
+    """Has a character that is neither whitespace nor a control / zero-width format character."""
+    if s.strip() and s.isprintable():
+        return True
+    return any(not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf") for c in s)
+
+
+def _check_texts(texts: Sequence[Text | list[str]]) -> list[Text | list[str]]:
     texts = list(texts)
     if not texts:
         raise MixlensError("no input text given")
-    kinds = {isinstance(t, tuple) for t in texts}
+    kinds = {type(t) for t in texts}
     if len(kinds) > 1:
-        raise MixlensError("mix of single texts and sentence pairs in one call")
+        raise MixlensError("mix of single texts, sentence pairs and word lists in one call")
     for k, t in enumerate(texts):
+        if isinstance(t, list):  # pre-split words
+            if not all(isinstance(w, str) for w in t) or not any(has_visible(w) for w in t):
+                raise MixlensError(f"input {k + 1} is an empty word list or holds no visible word")
+            continue
         parts = t if isinstance(t, tuple) else (t,)
-        if any(not isinstance(p, str) or not p.strip() for p in parts):
+        if any(not isinstance(p, str) or not has_visible(p) for p in parts):
             raise MixlensError(f"input {k + 1} is empty or whitespace only")
     return texts
-
-
-def _cat_padded(chunks: list[np.ndarray], dims: tuple[str, ...], n: int) -> np.ndarray:
-    """Concatenate batches along axis 0, zero-padding token axes to length n."""
-    out = []
-    for c in chunks:
-        pad = [(0, 0)] + [(0, n - c.shape[k + 1]) if d in ("target", "source") else (0, 0)
-                          for k, d in enumerate(dims)]
-        out.append(np.pad(c, pad))
-    return np.concatenate(out, axis=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,26 +31,91 @@ def atomic_write(path: str | Path, data: bytes) -> None:
         raise
 
 
-@dataclass
+TOKEN_AXES = ("target", "source", "token")
+
+
+class Blocks:
+    """Per-input rows stored per batch: block k holds the inputs `parts[k][0]` (original input numbers) as an array
+    [rows, *dims] whose token axes are padded only to the longest input of that block, so memory follows the work,
+    not the longest input of the whole call. `lengths[b]` is the number of real tokens of input b."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray]], dims: tuple[str, ...], lengths: list[int]):
+        self.parts = [(np.asarray(i, dtype=np.int64), a) for i, a in parts]
+        self.dims = tuple(dims)
+        self.lengths = list(lengths)
+        self._where = np.zeros((len(self.lengths), 2), np.int64)  # input → (block, row)
+        for k, (idx, a) in enumerate(self.parts):
+            if a.ndim != len(self.dims) + 1 or len(a) != len(idx):
+                raise ValueError(f"block {k}: shape {a.shape} does not fit {len(idx)} rows of axes {self.dims}")
+            self._where[idx, 0], self._where[idx, 1] = k, np.arange(len(idx))
+        self._full: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, values: np.ndarray, dims: tuple[str, ...], lengths: list[int]) -> Blocks:
+        """One block holding every input (an already padded [batch, *dims] array)."""
+        return cls([(np.arange(len(values)), values)], dims, lengths)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, a in self.parts)
+
+    def row(self, b: int) -> np.ndarray:
+        """Input b without padding: axes `dims` (a view)."""
+        k, r = self._where[b]
+        n = self.lengths[b]
+        return self.parts[k][1][r][tuple(slice(0, n) if d in TOKEN_AXES else slice(None) for d in self.dims)]
+
+    def full(self) -> np.ndarray:
+        """All inputs as one [batch, *dims] array, token axes zero-padded to the longest input (built once)."""
+        if self._full is None:
+            if len(self.parts) == 1 and np.array_equal(self.parts[0][0], np.arange(len(self.lengths))):
+                self._full = self.parts[0][1]
+            else:
+                shape = [max(a.shape[k + 1] for _, a in self.parts) for k in range(len(self.dims))]
+                out = np.zeros((len(self.lengths), *shape), self.parts[0][1].dtype)
+                for idx, a in self.parts:
+                    out[(idx, *(slice(0, s) for s in a.shape[1:]))] = a
+                self._full = out
+        return self._full
+
+    def map(self, fn: Callable[[np.ndarray], np.ndarray], dims: tuple[str, ...]) -> Blocks:
+        """Apply `fn` to every block (axes [rows, *self.dims] → [rows, *dims])."""
+        return Blocks([(i, fn(a)) for i, a in self.parts], dims, self.lengths)
+
+
 class Attribution:
     """Values of one method for a batch of inputs.
 
     `values` has axes `("batch", *dims)`; `target`/`source` axes are padded to the longest input and
     padded entries are 0. `tokens[b]` lists the real tokens of input b (special tokens included), and
-    `words[b][k]` the word index of token k (None for special tokens).
+    `words[b][k]` the word index of token k (None for special tokens). Results of `Lens.analyze` are stored per
+    batch (`store`, a `Blocks`); `values` is then built on first use (a convenience for small results: it pads
+    every input to the longest one) — `input(b)`, `sel`, `mean`, `to_words`, `to_dataframe`, `save` never build it.
     """
 
-    values: np.ndarray
-    dims: tuple[str, ...]
-    tokens: list[list[str]]
-    method: str
-    model: str = ""
-    params: dict[str, Any] = field(default_factory=dict)
-    words: list[list[int | None]] | None = None
+    def __init__(self, values: np.ndarray | Blocks, dims: tuple[str, ...], tokens: list[list[str]], method: str,
+                 model: str = "", params: dict[str, Any] | None = None, words: list[list[int | None]] | None = None):
+        self.dims = tuple(dims)
+        self.tokens = tokens
+        self.method = method
+        self.model = model
+        self.params = params or {}
+        self.words = words
+        if isinstance(values, Blocks):
+            self.store = values
+        else:
+            if values.ndim != len(self.dims) + 1:
+                raise ValueError(f"values have {values.ndim} axes, dims name {len(self.dims) + 1}")
+            self.store = Blocks.of(values, self.dims, self.lengths)
 
-    def __post_init__(self) -> None:
-        if self.values.ndim != len(self.dims) + 1:
-            raise ValueError(f"values have {self.values.ndim} axes, dims name {len(self.dims) + 1}")
+    @property
+    def values(self) -> np.ndarray:
+        return self.store.full()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values held (the per-batch blocks)."""
+        return self.store.nbytes
 
     @property
     def lengths(self) -> list[int]:
@@ -59,28 +124,27 @@ class Attribution:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def _like(self, store: Blocks, dims: tuple[str, ...], params: dict[str, Any]) -> Attribution:
+        return Attribution(store, dims, self.tokens, self.method, self.model, {**self.params, **params}, self.words)
+
     def input(self, b: int) -> np.ndarray:
         """Values of input b without padding: axes `dims`."""
-        n = self.lengths[b]
-        idx = tuple(slice(0, n) if d in ("target", "source", "token") else slice(None) for d in self.dims)
-        return self.values[b][idx]
+        return self.store.row(b)
 
     def sel(self, **index: int) -> Attribution:
         """Pick one position on named axes, e.g. `sel(layer=-1, head=3)`; those axes are dropped."""
         bad = set(index) - set(self.dims)
         if bad:
             raise MixlensError(f"no axis {sorted(bad)}; axes: {self.dims}")
-        idx = tuple(index.get(d, slice(None)) for d in self.dims)
+        idx = (slice(None), *(index.get(d, slice(None)) for d in self.dims))
         dims = tuple(d for d in self.dims if d not in index)
-        return Attribution(self.values[(slice(None), *idx)], dims, self.tokens, self.method, self.model,
-                           {**self.params, **{f"sel_{k}": v for k, v in index.items()}}, self.words)
+        return self._like(self.store.map(lambda a: a[idx], dims), dims, {f"sel_{k}": v for k, v in index.items()})
 
     def mean(self, dim: str) -> Attribution:
         """Average over one named axis (e.g. heads)."""
         ax = self.dims.index(dim) + 1
         dims = tuple(d for d in self.dims if d != dim)
-        return Attribution(self.values.mean(ax), dims, self.tokens, self.method, self.model,
-                           {**self.params, f"mean_{dim}": True}, self.words)
+        return self._like(self.store.map(lambda a: a.mean(ax), dims), dims, {f"mean_{dim}": True})
 
     def to_words(self) -> Attribution:
         """Word-level maps (docs/DESIGN.md §3.8): attention *to* a word sums its pieces, *from* a word averages.
@@ -90,20 +154,22 @@ class Attribution:
         if self.words is None or self.dims[-2:] != ("target", "source"):
             raise MixlensError("word grouping needs token→word ids and [..., target, source] axes")
         groups = [_word_groups(w) for w in self.words]
-        m = max(len(g) for g in groups)
-        out = np.zeros((*self.values.shape[:-2], m, m), dtype=self.values.dtype)
-        toks = []
-        for b, g in enumerate(groups):
-            n = len(self.words[b])
-            onehot = np.zeros((len(g), n), dtype=self.values.dtype)
-            for k, members in enumerate(g):
-                onehot[k, members] = 1.0
-            frm = onehot / onehot.sum(1, keepdims=True)
-            out[b, ..., : len(g), : len(g)] = frm @ self.values[b, ..., :n, :n] @ onehot.T
-            toks.append(["".join(t.removeprefix("##") if i else t for i, t in
-                                 enumerate(self.tokens[b][j] for j in members)) for members in g])
-        return Attribution(out, self.dims, toks, self.method, self.model, {**self.params, "words": True},
-                           [list(range(len(g))) for g in groups])
+        parts = []
+        for idx, a in self.store.parts:
+            m = max(len(groups[b]) for b in idx)
+            out = np.zeros((*a.shape[:-2], m, m), dtype=a.dtype)
+            for r, b in enumerate(idx.tolist()):
+                g, n = groups[b], len(self.words[b])
+                onehot = np.zeros((len(g), n), dtype=a.dtype)
+                for k, members in enumerate(g):
+                    onehot[k, members] = 1.0
+                frm = onehot / onehot.sum(1, keepdims=True)
+                out[r, ..., : len(g), : len(g)] = frm @ a[r, ..., :n, :n] @ onehot.T
+            parts.append((idx, out))
+        toks = [["".join(t.removeprefix("##") if i else t for i, t in enumerate(self.tokens[b][j] for j in members))
+                 for members in g] for b, g in enumerate(groups)]
+        return Attribution(Blocks(parts, self.dims, [len(g) for g in groups]), self.dims, toks, self.method,
+                           self.model, {**self.params, "words": True}, [list(range(len(g))) for g in groups])
 
     def to_dataframe(self):  # -> pandas.DataFrame
         """Long table of real (non-pad) entries: one column per axis, token strings, and `value`."""
@@ -136,11 +202,18 @@ class Attribution:
                 "tokens": self.tokens, "words": self.words, "params": self.params}
 
     def save(self, path: str | Path) -> None:
-        """`path.safetensors` (values) + `path.json` (manifest). No pickles."""
+        """`path.safetensors` (values: one padded array `values`, or per-batch blocks `values.k` with the input
+        numbers `index.k`) + `path.json` (manifest). No pickles."""
         from safetensors.numpy import save
 
         path = Path(path)
-        atomic_write(path.with_suffix(".safetensors"), save({"values": np.ascontiguousarray(self.values)}))
+        parts = self.store.parts
+        if len(parts) == 1 and np.array_equal(parts[0][0], np.arange(len(self))):
+            tensors = {"values": np.ascontiguousarray(parts[0][1])}
+        else:
+            tensors = {f"{key}.{k}": np.ascontiguousarray(x) for k, (i, a) in enumerate(parts)
+                       for key, x in (("values", a), ("index", i))}
+        atomic_write(path.with_suffix(".safetensors"), save(tensors))
         atomic_write(path.with_suffix(".json"), json.dumps(self.manifest()).encode())
 
     @classmethod
@@ -150,11 +223,14 @@ class Attribution:
         path = Path(path)
         try:
             man = json.loads(path.with_suffix(".json").read_text())
-            values = load_file(str(path.with_suffix(".safetensors")))["values"]
+            t = load_file(str(path.with_suffix(".safetensors")))
+            dims = tuple(man["dims"][1:])
+            values = t["values"] if "values" in t else Blocks(
+                [(t[f"index.{k}"], t[f"values.{k}"]) for k in range(len(t) // 2)], dims,
+                [len(x) for x in man["tokens"]])
         except (OSError, KeyError, ValueError) as e:
             raise MixlensError(f"cannot load attribution from {path}: {e}") from None
-        return cls(values, tuple(man["dims"][1:]), man["tokens"], man["method"], man["model"], man["params"],
-                   man.get("words"))
+        return cls(values, dims, man["tokens"], man["method"], man["model"], man["params"], man.get("words"))
 
 
 def _word_groups(words: list[int | None]) -> list[list[int]]:
@@ -169,18 +245,41 @@ def _word_groups(words: list[int | None]) -> list[list[int]]:
     return groups
 
 
-@dataclass
 class Analysis:
-    """Everything one `Lens.analyze` call computed: methods by name, mixing ratios and self-checks."""
+    """Everything one `Lens.analyze` call computed: methods by name, mixing ratios and self-checks.
 
-    model: str
-    version: str
-    texts: list[str]
-    tokens: list[list[str]]
-    attributions: dict[str, Attribution]
-    ratios: dict[str, np.ndarray]  # variant → [batch, layer, target] (padding 0)
-    reconstruction_error: np.ndarray  # [batch] max abs over layers
-    bias: np.ndarray | None = None  # [batch, layer, target, d] g_i(b_O) + β
+    `ratios` (variant → [batch, layer, target]) and `bias` ([batch, layer, target, d], g_i(b_O) + β) are stored per
+    batch like the attributions and padded to the longest input only when read; both are empty / None and
+    `reconstruction_error` ([batch], max abs over layers) is None when no requested method used the norm engine.
+    """
+
+    def __init__(self, model: str, version: str, texts: list[str], tokens: list[list[str]],
+                 attributions: dict[str, Attribution], ratios: dict[str, np.ndarray | Blocks],
+                 reconstruction_error: np.ndarray | None, bias: np.ndarray | Blocks | None = None):
+        self.model, self.version, self.texts, self.tokens = model, version, texts, tokens
+        self.attributions = attributions
+        self.reconstruction_error = reconstruction_error
+        lengths = [len(t) for t in tokens]
+        self.ratio_store = {v: r if isinstance(r, Blocks) else Blocks.of(r, ("layer", "target"), lengths)
+                            for v, r in ratios.items()}
+        self.bias_store = bias if bias is None or isinstance(bias, Blocks) else \
+            Blocks.of(bias, ("layer", "target", "hidden"), lengths)
+
+    @property
+    def ratios(self) -> dict[str, np.ndarray]:
+        """variant → [batch, layer, target] per-token mixing ratios, padding 0 (built on first use)."""
+        return {v: r.full() for v, r in self.ratio_store.items()}
+
+    @property
+    def bias(self) -> np.ndarray | None:
+        """[batch, layer, target, d] g_i(b_O) + β, padding 0 (built on first use)."""
+        return None if self.bias_store is None else self.bias_store.full()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of per-input arrays held (attributions, ratios, bias)."""
+        stores = [a.store for a in self.attributions.values()] + list(self.ratio_store.values())
+        return sum(s.nbytes for s in stores) + (self.bias_store.nbytes if self.bias_store is not None else 0)
 
     def __getitem__(self, method: str) -> Attribution:
         try:
@@ -194,13 +293,18 @@ class Analysis:
     def mixing_ratio(self, variant: str = "ResLN-N", per_token: bool = False) -> np.ndarray:
         """Context-mixing ratio r (Kobayashi 2021): [batch, layer], mean over real tokens, or
         [batch, layer, target] per token (padding 0)."""
-        if variant not in self.ratios:
-            raise MixlensError(f"unknown mixing-ratio variant '{variant}'; valid: {', '.join(self.ratios)}")
-        r = self.ratios[variant]
+        if not self.ratio_store:
+            raise MixlensError("no mixing ratios: none of the methods used the norm engine (e.g. add 'norm')")
+        if variant not in self.ratio_store:
+            raise MixlensError(f"unknown mixing-ratio variant '{variant}'; valid: {', '.join(self.ratio_store)}")
+        store = self.ratio_store[variant]
         if per_token:
-            return r
-        lengths = np.array([len(t) for t in self.tokens], dtype=r.dtype)
-        return r.sum(-1) / lengths[:, None]
+            return store.full()
+        lengths = np.array([len(t) for t in self.tokens])
+        out = np.zeros((len(self.tokens), store.parts[0][1].shape[1]), store.parts[0][1].dtype)
+        for idx, r in store.parts:
+            out[idx] = r.sum(-1) / lengths[idx, None].astype(r.dtype)
+        return out
 
     def _repr_html_(self) -> str:
         """Interactive report view in notebooks (offline; unique ids, so several outputs share a page)."""
@@ -210,7 +314,8 @@ class Analysis:
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON contract (README, 'JSON output')."""
-        means = {v: self.mixing_ratio(v) for v in self.ratios}
+        means = {v: self.mixing_ratio(v) for v in self.ratio_store}
+        err = self.reconstruction_error
         return {
             "model": self.model,
             "version": self.version,
@@ -220,7 +325,7 @@ class Analysis:
                     "tokens": self.tokens[b],
                     "methods": {k: a.to_json_dict(b) for k, a in self.attributions.items()},
                     "mixing_ratio": {v: means[v][b].tolist() for v in means},
-                    "reconstruction_error": float(self.reconstruction_error[b]),
+                    "reconstruction_error": None if err is None else float(err[b]),
                 }
                 for b in range(len(self.texts))
             ],

@@ -92,6 +92,8 @@ def print_ratios(res: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    if not res.ratios:  # no requested method used the norm engine
+        return
     means = {v: res.mixing_ratio(v).mean(0) for v in res.ratios}
     table = Table(title=f"Context-mixing ratio (%), mean over tokens and inputs — {res.model}")
     table.add_column("layer", justify="right")

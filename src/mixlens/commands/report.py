@@ -87,7 +87,7 @@ def register(app: typer.Typer) -> None:
         lens = load(model)
         res = lens.analyze(
             text,
-            ["attention"] if view is View.ratio else [method],
+            ["norm"] if view is View.ratio else [method],
             heads=head is not None,
             options=opts,
             max_length=max_length,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mixlens.errors import MixlensError
+from mixlens.lens import has_visible
 
 Text = str | tuple[str, str]
 FORMATS = ("tsv", "csv", "jsonl", "parquet", "text")
@@ -316,7 +317,7 @@ def examples_from(records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str
             if a is None or b is None:
                 rec = _Bad("malformed", f"record {index} has no value in column "
                            f"'{tcol if a is None else pcol}'")
-            elif not a or (pcol is not None and not b):
+            elif not has_visible(a) or (pcol is not None and not has_visible(b)):
                 rec = _Bad("empty", f"record {index} has an empty text")
         if isinstance(rec, _Bad):
             if strict:

@@ -117,8 +117,8 @@ def compare_local_global(lens, texts: Iterable, *, batch_size: int = 8, max_leng
 
     def flush() -> None:
         nonlocal n_inputs, n_rows
-        enc = lens.encode(batch, max_length)
-        tr = lens.trace(enc)
+        [bt] = lens.batches(batch, len(batch), max_length, trace=True)
+        tr = bt.trace
         attn = stacked_alpha(tr)  # [B, L, H, n, n]
         glob = head_attribution(tr, input=input, mode=mode, probes=probes, seed=seed)
         mask = tr.mask

@@ -1,4 +1,4 @@
-"""Per-head BERTology statistics over a dataset (Clark et al. 2019; Kovaleva et al. 2019; docs/DESIGN.md §3.8).
+"""Per-head BERTology statistics over a dataset (Clark et al. 2019; Kovaleva et al. 2019; DESIGN §3.8).
 
 Every statistic is computed on two views of each head's map, both with rows summing to 1:
 
@@ -126,35 +126,26 @@ def head_statistics(
     for v in views:
         if v not in VIEWS:
             raise MixlensError(f"unknown view '{v}'; valid: {', '.join(VIEWS)}")
-    texts = list(texts)
-    if not texts:
-        raise MixlensError("no input text given")
-    lengths = [len(ids) for ids in lens.tokenizer([t if isinstance(t, str) else t[0] for t in texts],
-                                                  [t[1] for t in texts] if isinstance(texts[0], tuple) else None,
-                                                  truncation=False)["input_ids"]]
-    order = np.argsort(lengths, kind="stable")  # less padding; the means do not care about order
-    in_js = order < cluster_limit  # JS on the first `cluster_limit` inputs of the data only
-    texts = [texts[i] for i in order]
     means = {v: _Mean() for v in views}
-    js: dict[str, torch.Tensor | None] = {v: None for v in views}  # [L, H] sums of JS divergences per view
+    js = {v: None for v in views}
     rows = 0
-    for start in range(0, len(texts), max(1, batch_size)):
-        enc = lens.encode(texts[start : start + batch_size], max_length)
-        tr = lens.trace(enc)
-        mask = tr.mask.cpu()
-        kinds = token_kinds(lens, enc.inputs["input_ids"], mask)
+    n_inputs = 0
+    # longest first, less padding; the means do not care about order. JS on the first `cluster_limit` inputs only
+    for bt in lens.batches(list(texts), max(1, batch_size), max_length, order="length", trace=["attention"]):
+        mask = bt.trace.mask.cpu()
+        kinds = token_kinds(lens, bt.enc.inputs["input_ids"], mask)
+        sel = torch.as_tensor(bt.index) < cluster_limit
         with torch.no_grad():
             for v in views:
-                maps = view_maps(tr, v).cpu()
+                maps = view_maps(bt.trace, v).cpu()
                 means[v].add(input_statistics(maps, kinds, mask))
-                sel = torch.as_tensor(in_js[start : start + batch_size])
                 if clustering and sel.any():
                     s = js_divergence_sums(maps[sel].flatten(1, 2), mask[sel]).sum(0)
-                    prev = js[v]
-                    js[v] = s if prev is None else prev + s
-        rows += int(mask[torch.as_tensor(in_js[start : start + batch_size])].sum())
+                    js[v] = s if js[v] is None else js[v] + s
+        rows += int(mask[sel].sum())
+        n_inputs += len(bt.index)
         if on_batch:
-            on_batch(len(enc.tokens))
+            on_batch(len(bt.index))
     first = next(iter(means.values())).mean()
     n_layers, n_heads = first["cls"].shape
     table = pd.DataFrame({"layer": np.repeat(np.arange(n_layers), n_heads),
@@ -163,8 +154,8 @@ def head_statistics(
         stats = means[v].mean()
         for k in (*STATISTICS, *(f"{t}_colmax" for t in COLMAX_TYPES)):
             table[f"{v}_{k}"] = stats[k].reshape(-1)
-    js_mean = {v: (sums / rows).numpy() for v, sums in js.items() if sums is not None}
-    return HeadReport(table, js_mean, len(texts), lens.name)
+    js_mean = {v: (js[v] / rows).numpy() for v in views if js[v] is not None}
+    return HeadReport(table, js_mean, n_inputs, lens.name)
 
 
 @torch.no_grad()
@@ -178,17 +169,13 @@ def attention_similarity(lens_a, lens_b, texts: Sequence, *, batch_size: int = 3
                            f"{b_l.n_layers}×{b_l.n_heads} (layers × heads)")
     if lens_a.tokenizer.get_vocab() != lens_b.tokenizer.get_vocab():
         raise MixlensError("the two models use different vocabularies; their attention maps cannot be compared")
-    texts = list(texts)
-    if not texts:
-        raise MixlensError("no input text given")
-    total: torch.Tensor | None = None  # [L, H]
-    for start in range(0, len(texts), max(1, batch_size)):
-        enc = lens_a.encode(texts[start : start + batch_size], max_length)
-        ma = stacked_alpha(lens_a.trace(enc)).flatten(-2)  # [B, L, H, n·n]; pad rows/columns are 0 in both
-        mb = stacked_alpha(lens_b.trace(enc)).flatten(-2)
+    total, n_inputs = None, 0
+    for bt in lens_a.batches(list(texts), max(1, batch_size), max_length, order="length", trace=["attention"]):
+        ma = stacked_alpha(bt.trace).flatten(-2)  # [B, L, H, n·n]; pad rows/columns are 0 in both
+        mb = stacked_alpha(lens_b.trace(bt.enc, full=False)).flatten(-2)
         s = torch.nn.functional.cosine_similarity(ma, mb, dim=-1).sum(0)
         total = s if total is None else total + s
+        n_inputs += len(bt.index)
         if on_batch:
-            on_batch(len(enc.tokens))
-    assert total is not None, "no texts"
-    return (total / len(texts)).numpy()
+            on_batch(len(bt.index))
+    return (total / n_inputs).numpy()

@@ -101,17 +101,15 @@ def classify_inputs(lens, texts, *, view: str = "attn", batch_size: int = 32, ma
     from mixlens.stats.heads import view_maps
     from mixlens.stats.tokens import token_kinds
 
-    out = []
-    for start in range(0, len(texts), max(1, batch_size)):
-        enc = lens.encode(texts[start : start + batch_size], max_length)
-        tr = lens.trace(enc)
+    out: list = [None] * len(texts)
+    for bt in lens.batches(list(texts), max(1, batch_size), max_length, order="length", trace=["attention"]):
         with torch.no_grad():
-            maps = view_maps(tr, view).cpu().numpy()
-        seps = token_kinds(lens, enc.inputs["input_ids"], tr.mask)["sep"].numpy()
-        for b, n in enumerate(tr.lengths):
-            seg = segments_from_separators(seps[b, :n].tolist())
-            out.append([[classify(maps[b, la, h, :n, :n], seg, th) for h in range(maps.shape[2])]
-                        for la in range(maps.shape[1])])
+            maps = view_maps(bt.trace, view).cpu().numpy()
+        seps = token_kinds(lens, bt.enc.inputs["input_ids"], bt.trace.mask)["sep"].numpy()
+        for b, n in enumerate(bt.trace.lengths):
+            seg = segments_from_separators(seps[b, :n])
+            out[bt.index[b]] = [[classify(maps[b, la, h, :n, :n], seg, th) for h in range(maps.shape[2])]
+                                for la in range(maps.shape[1])]
         if on_batch:
-            on_batch(len(enc.tokens))
+            on_batch(len(bt.index))
     return np.array(out, dtype=object)

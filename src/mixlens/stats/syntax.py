@@ -136,28 +136,17 @@ def syntax_heads(
     on_batch: Callable[[int], None] | None = None,
 ) -> SyntaxReport:
     """Dependency accuracy of every head (and offset baselines) over UD `sentences`."""
-    from mixlens.lens import Encoded
     from mixlens.stats.heads import view_maps
 
     if not sentences:
         raise MixlensError("no sentences given")
-    tok = lens.tokenizer
-    limit = min(max_length or lens.max_length, lens.max_length)
     correct: dict[str, np.ndarray] = {}  # rel → [2, L, H]
     base: dict[str, np.ndarray] = {}  # rel → [2, len(OFFSETS)]
     counts: dict[str, int] = {}
-    for start in range(0, len(sentences), max(1, batch_size)):
-        batch = sentences[start : start + batch_size]
-        enc = tok([s.words for s in batch], is_split_into_words=True, truncation=True, max_length=limit,
-                  padding=True, padding_side="right", return_tensors="pt")
-        mask = enc["attention_mask"].bool()
-        inputs = {k: v.to(lens.device) for k, v in enc.items() if k in ("input_ids", "attention_mask",
-                                                                       "token_type_ids")}
-        tokens = [tok.convert_ids_to_tokens(enc["input_ids"][b][mask[b]].tolist()) for b in range(len(batch))]
-        words = [enc.word_ids(b)[: len(tokens[b])] for b in range(len(batch))]
-        tr = lens.trace(Encoded(inputs, tokens, words, [0] * len(batch)))
+    for bt in lens.batches([s.words for s in sentences], max(1, batch_size), max_length, trace=["attention"]):
+        batch, tokens, words = [sentences[k] for k in bt.index], bt.enc.tokens, bt.enc.words
         with torch.no_grad():
-            maps = view_maps(tr, view).cpu()
+            maps = view_maps(bt.trace, view).cpu()
         for b, sent in enumerate(batch):
             n = len(tokens[b])
             wmap, has = word_maps(maps[b, :, :, :n, :n], words[b], len(sent.words))

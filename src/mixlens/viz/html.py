@@ -99,7 +99,7 @@ def build_payload(
             result.version,
             result.tokens,
         )
-        ratios = {v: result.mixing_ratio(v) for v in result.ratios}
+        ratios = {v: result.mixing_ratio(v) for v in result.ratios} or None  # None: no norm-engine method
     head_maps = head_maps or {}
     notes: list[str] = []
     shown = [min(len(t), max_tokens) for t in tokens]

@@ -1,0 +1,60 @@
+"""What a corpus run computes (`Job`, its identity for resuming) and where its input is cut into shards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from mixlens.corpus.readers import Example
+
+STORES = ("summary", "full")
+BACKENDS = ("local", "ray")
+# Keys of the job that change results: a rerun with other values is refused unless --overwrite.
+IDENTITY = ("model", "head", "data", "fmt", "text_column", "pair_column", "methods", "heads", "options", "store",
+            "shard_size", "max_length")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to compute. `model` is what workers load (None = bundled); `model_name` identifies it."""
+
+    model: str | None
+    model_name: str
+    data: str
+    fmt: str | None
+    text_column: str
+    pair_column: str | None
+    methods: tuple[str, ...]
+    heads: bool = False
+    options: dict[str, dict[str, object]] = field(default_factory=dict)
+    store: str = "summary"
+    shard_size: int = 256
+    max_length: int | None = None
+    batch_size: int = 32
+    max_tokens: int = 8192
+    head: str | None = None  # model head class for `mixlens.load`
+    device: str = "cpu"
+
+    def identity(self) -> dict[str, object]:
+        d = asdict(self)
+        d["model"] = self.model_name
+        d["methods"] = list(self.methods)
+        return {k: d[k] for k in IDENTITY}
+
+    @property
+    def job_id(self) -> str:
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def chunks(examples: Iterator[Example], size: int) -> Iterator[list[Example]]:
+    """The input stream cut into shards of `size` examples, in input order (the last one may be shorter)."""
+    chunk: list[Example] = []
+    for e in examples:
+        chunk.append(e)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

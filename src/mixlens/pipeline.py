@@ -1,0 +1,69 @@
+"""The one compute step every loop shares: registry methods on one `Trace`, plus the batch plan by token length.
+
+Loops (`Lens.analyze`, the corpus runner, the head statistics) iterate `Lens.batches(...)` and call
+`run_methods` on each batch's trace; nothing else drives the engine internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mixlens.errors import MixlensError
+from mixlens.methods import get as get_method
+from mixlens.methods.norms import BlockNorms, block_norms
+from mixlens.trace import Trace
+
+
+def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None,
+                 max_cells: int | None = None) -> list[list[int]]:
+    """Positions grouped into batches, longest first: ≤ batch_size items, ≤ max_tokens padded tokens and ≤ max_cells
+    padded token pairs (items · n², what the [.., n, n] maps hold); an input over a limit gets a batch of its own.
+    Ties keep input order (deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+    batches: list[list[int]] = []
+    for k in order:
+        b = batches[-1] if batches else None
+        n, m = (lengths[b[0]], len(b) + 1) if b else (0, 1)
+        if b and m <= batch_size and (max_tokens is None or m * n <= max_tokens) and \
+                (max_cells is None or m * n * n <= max_cells):
+            b.append(k)
+        else:
+            batches.append([k])
+    return batches
+
+
+@dataclass
+class Step:
+    """What `run_methods` computed on one trace. `values[name]` [batch, *dims] (padding 0); `norms` is the norm
+    engine's result (mixing ratios `norms.ratio`, reconstruction error `norms.error`, `norms.bias`) when a
+    requested method used it, else None."""
+
+    values: dict[str, torch.Tensor]
+    norms: BlockNorms | None
+
+
+@torch.no_grad()
+def run_methods(trace: Trace, methods: Sequence[str], *, heads: bool = False,
+                options: dict[str, dict[str, object]] | None = None) -> Step:
+    """Run registry `methods` (names) on `trace` (options per method name; checked by the registry). The norm
+    engine (`block_norms`, with its exactness check) runs only when one of the methods uses it: the norm
+    engine's own methods run it first, so its by-products (the head-mean α) are shared."""
+    specs = [get_method(m) for m in dict.fromkeys(methods)]
+    options = options or {}
+    for name in options:
+        if name not in [s.name for s in specs]:
+            raise MixlensError(f"options given for '{name}', which is not among the methods")
+    if any(s.fn.__module__ == block_norms.__module__ for s in specs):
+        block_norms(trace)
+    values = {s.name: s(trace, heads=heads, **options.get(s.name, {})) for s in specs}
+    norms = trace.cache.get("block_norms")
+    return Step(values, norms if isinstance(norms, BlockNorms) else None)
+
+
+def trace_flags(methods: Sequence[str]) -> tuple[bool, bool]:
+    """(ffn, full) of the trace that `methods` need: FFN activations, and the whole forward pass."""
+    specs = [get_method(m) for m in methods]
+    return any(s.needs_ffn for s in specs), any(s.needs_output for s in specs)
