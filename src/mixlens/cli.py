@@ -21,7 +21,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   rich_markup_mode=None, help="Show how a Transformer mixes information between tokens.")
 
 COMMAND_MODULES: list[str] = ["mixlens.commands.corpus", "mixlens.commands.report", "mixlens.commands.heads",
-                                 "mixlens.commands.gradients"]
+                                 "mixlens.commands.gradients", "mixlens.commands.explain"]
 
 
 class Format(str, Enum):

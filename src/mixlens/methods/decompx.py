@@ -180,6 +180,27 @@ def decompose(trace: Trace, b: int) -> Decomposition:
     return Decomposition(classes=scores, layers=torch.stack(norms), sums=torch.stack(sums), error=err)
 
 
+@torch.no_grad()
+def final_parts(trace: Trace, b: int, pos: int) -> torch.Tensor:
+    """Per-source parts [n(source), d] of input b's final hidden state at position `pos` (after the final norm of
+    pre-LN decoders; the head's input). Σ over sources equals the real state. Trace captured with ffn=True."""
+    adapter = trace.adapter
+    if trace.layers[0].ffn_pre is None:
+        raise RuntimeError("decompx needs a trace captured with ffn=True")
+    n = int(trace.mask[b].sum())
+    x0 = trace.layers[0].x[b, :n].float()
+    x = torch.zeros(n, n, x0.shape[-1])
+    x[torch.arange(n), torch.arange(n)] = x0
+    for lt, lay in zip(trace.layers, adapter.layers, strict=True):
+        x = _layer(x, lt, lay, adapter.family.pre_ln, b)
+    h = x[pos : pos + 1]  # [1, k, d]
+    if adapter.family.pre_ln:
+        base = adapter.base
+        final = Norm(base.ln_f if adapter.family.name == "gpt2" else base.norm, adapter.family.rms)
+        h = _apply_norm(h, final, trace.layers[-1].out[b, pos : pos + 1])
+    return h[0]
+
+
 def decompositions(trace: Trace) -> list[Decomposition]:
     """DecompX of every input of the trace (cached); raises ReconstructionError past the tolerance."""
     if "decompx" not in trace.cache:
