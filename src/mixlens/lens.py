@@ -233,6 +233,12 @@ class Lens:
         )
 
 
+    def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: object):
+        """One score per token and method for a prediction target; see `mixlens.explain.explain`."""
+        from mixlens.explain import explain
+
+        return explain(self, texts, methods, **kwargs)
+
 def _check_texts(texts: Sequence[Text]) -> list[Text]:
     texts = list(texts)
     if not texts:

@@ -126,8 +126,9 @@ def attribute(lens, inputs: dict[str, torch.Tensor], ro: Readout, methods: list[
         from captum.attr import IntegratedGradients
 
         def ig() -> torch.Tensor:
-            a = IntegratedGradients(scalar).attribute(emb, baselines=torch.zeros_like(emb), additional_forward_args=args,
-                                                      n_steps=IG_STEPS, internal_batch_size=max(1, TOKEN_BUDGET // n))
+            a = IntegratedGradients(scalar).attribute(emb, baselines=torch.zeros_like(emb),
+                                                      additional_forward_args=args, n_steps=IG_STEPS,
+                                                      internal_batch_size=max(1, TOKEN_BUDGET // n))
             return a.sum(-1)
 
         timed("integrated_gradients", ig)
@@ -207,7 +208,6 @@ def _gradient_shap(lens, scalar: nn.Module, emb: torch.Tensor, args: tuple[torch
 
 def _lime(scalar: nn.Module, emb: torch.Tensor, args: tuple[torch.Tensor, ...], mask: torch.Tensor,
           seed: int) -> torch.Tensor:
-    from captum._utils.models.model import Model
     from captum.attr import Lime
     from captum.attr._core.lime import get_exp_kernel_similarity_function
 

@@ -233,7 +233,7 @@ def evaluate(lens, texts: Sequence[str], methods: Sequence[str] | None = None, *
         e0 = ro.e0 if ro.e0 is not None else torch.zeros(len(batch), 1)
         fs = _forward_f(lens, ro.kind, ro.pool, [s for s, _ in keys], [b for _, b in keys], ro.index, e0)
         timings["forward"] += time.perf_counter() - t0
-        for b, e in enumerate(batch):
+        for e in batch:
             e.removed = {m: np.zeros(len(LEVELS)) for m in all_methods}
             e.kept = {m: np.zeros(len(KS)) for m in all_methods}
         for b, m, keep, k, row in plan:

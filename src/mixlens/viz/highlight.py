@@ -82,7 +82,7 @@ def print_terminal(expl, console=None) -> None:
         console.print(Text(f"{k + 1}. {e.text}", style="bold"))
         console.print(f"   {_header(e)}")
         label = max(len(m) for m in e.scores) + 1
-        cols = [max(7, min(16, len(t)) + 1) for t in e.tokens]
+        cols = [max(9, min(16, len(t)) + 1) for t in e.tokens]
         start = 0
         while start < len(e.tokens):
             stop, used = start, label
@@ -99,7 +99,8 @@ def print_terminal(expl, console=None) -> None:
                 for j in range(start, stop):
                     r, g, b = _rgb(float(scaled[j]))
                     fg = "white" if abs(scaled[j]) > 0.6 else "black"
-                    row.append(f"{float(s[j]):+.2g}"[: cols[j] - 1].rjust(cols[j] - 1), style=f"{fg} on rgb({r},{g},{b})")
+                    cell = f"{float(s[j]):+.2g}"[: cols[j] - 1].rjust(cols[j] - 1)
+                    row.append(cell, style=f"{fg} on rgb({r},{g},{b})")
                     row.append(" ")
                 console.print(row)
             start = stop
