@@ -14,10 +14,6 @@ from mixlens.errors import MixlensError
 FORMATS = ("table", "json", "html")
 
 
-def _target(value: str | None) -> str | int | None:
-    return int(value) if value is not None and value.strip().lstrip("-").isdigit() else value
-
-
 def register(app: typer.Typer) -> None:
     from mixlens.cli import model_option
 
@@ -48,7 +44,7 @@ def register(app: typer.Typer) -> None:
         if fmt not in FORMATS:
             raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
         lens = load(model, head=head)
-        res = explain(lens, text, method or None, target=_target(target), foil=_target(foil), generate=generate,
+        res = explain(lens, text, method or None, target=target, foil=foil, generate=generate,
                       seed=seed)
         if fmt == "html":
             dest = out or Path("mixlens-explain.html")
