@@ -60,6 +60,17 @@ def _f(lens, ids: list[int], cls: int) -> float:
     return float(out.logits[0].softmax(-1)[cls])
 
 
+def _top(s: np.ndarray, inner: list[int], pct: float) -> list[int]:
+    k = math.ceil(pct * len(inner) / 100 - 1e-9)
+    return sorted(sorted(inner, key=lambda j: (-s[j], j))[:k])
+
+
+def _without(ids: list[int], drop: list[int], removal: str, mask_id: int) -> list[int]:
+    if removal == "delete":
+        return [t for j, t in enumerate(ids) if j not in drop]
+    return [mask_id if j in drop else t for j, t in enumerate(ids)]
+
+
 @pytest.mark.parametrize("removal", ["delete", "mask"])
 def test_metrics_match_a_direct_recomputation(classifier, removal):
     ev = evaluate(classifier, TEXTS, ["attention", "grad_x_input"], removal=removal, batch_size=2)
@@ -77,18 +88,11 @@ def test_metrics_match_a_direct_recomputation(classifier, removal):
         s = np.asarray(e.scores["attention"])
         inner = list(range(1, len(ids) - 1))  # [CLS] and [SEP] are never removed
 
-        def top(pct: float) -> list[int]:
-            k = math.ceil(pct * len(inner) / 100 - 1e-9)
-            return sorted(sorted(inner, key=lambda j: (-s[j], j))[:k])
-
-        def without(drop: list[int]) -> list[int]:
-            if removal == "delete":
-                return [t for j, t in enumerate(ids) if j not in drop]
-            return [mask_id if j in drop else t for j, t in enumerate(ids)]
-
-        comp = np.mean([f0 - _f(classifier, without(top(k)), cls) for k in KS])
-        suff = np.mean([f0 - _f(classifier, without([j for j in inner if j not in top(k)]), cls) for k in KS])
-        aopc = np.mean([f0 - _f(classifier, without(top(k)), cls) for k in AOPC_KS])
+        comp = np.mean([f0 - _f(classifier, _without(ids, _top(s, inner, k), removal, mask_id), cls) for k in KS])
+        suff = np.mean([f0 - _f(classifier, _without(ids, [j for j in inner if j not in _top(s, inner, k)], removal,
+                                                     mask_id), cls) for k in KS])
+        aopc = np.mean([f0 - _f(classifier, _without(ids, _top(s, inner, k), removal, mask_id), cls)
+                        for k in AOPC_KS])
         for name, v in (("comprehensiveness", comp), ("sufficiency", suff), ("aopc", aopc)):
             per_metric[name].append(v)
     for name, vals in per_metric.items():

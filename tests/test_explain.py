@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,8 @@ def test_decompx_logit_sums_to_the_target_logit(tokenizer, family):
     want = rows[torch.arange(3), tok] - torch.where(foil >= 0, rows[torch.arange(3), foil.clamp_min(0)], 0.0)
     torch.testing.assert_close(s.sum(-1), want, rtol=1e-4, atol=1e-5)
     assert (s[tr.mask == 0] == 0).all()
+    via_registry = lens.analyze(SENTENCES, ["decompx_logit"])["decompx_logit"].values  # registry: top token
+    np.testing.assert_allclose(via_registry.sum(-1), rows.max(-1).values.numpy(), rtol=1e-4, atol=1e-5)
 
 
 def test_classifier_targets_and_exact_decompx_row(classifier):
