@@ -163,3 +163,13 @@ def test_cli_bad_input(saved, tmp_path, capsys):
                       (["--data", str(empty), "--removal", "zap"], "unknown removal")):
         rc, _, err = run_cli(["evaluate", "--model", str(saved), "--out", str(dest), *args], capsys)
         assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1 and not dest.exists()
+
+
+def test_an_emptied_input_is_read_as_the_start_token(tokenizer):
+    from mixlens.explain.evaluate import _forward_f
+
+    lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM", seed=2)
+    start = next(t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.cls_token_id) if t is not None)
+    idx = torch.tensor([5])
+    f = _forward_f(lens, "causal", "", [(), (start,)], [0, 0], idx, torch.zeros(1, 1))
+    assert f[0] == f[1] and 0 < f[0] < 1

@@ -102,6 +102,7 @@ class Evaluation:
     seed: int
     timings: dict[str, float]  # seconds: per method, and 'forward', 'total', 'own'
     notes: list[str]
+    _metrics: tuple[int, dict[str, dict[str, object]]] | None = field(default=None, repr=False)
 
     def per_example(self, method: str) -> dict[str, np.ndarray]:
         """Each metric per example [E]."""
@@ -118,6 +119,9 @@ class Evaluation:
         }
 
     def metrics(self) -> dict[str, dict[str, object]]:
+        """Each metric's mean over examples and its 95 % bootstrap interval, per method (computed once)."""
+        if self._metrics is not None and self._metrics[0] == len(self.examples):
+            return self._metrics[1]
         out: dict[str, dict[str, object]] = {}
         for m in self.methods:
             per = self.per_example(m)
@@ -125,6 +129,7 @@ class Evaluation:
                                       for k, v in per.items()}
             row["ci95"] = {k: bootstrap(v, self.seed) for k, v in per.items()}
             out[m] = row
+        self._metrics = (len(self.examples), out)
         return out
 
     def curves(self) -> dict[str, dict[str, list[float]]]:
@@ -163,12 +168,15 @@ def _special_mask(lens, ids: list[int]) -> np.ndarray:
 
 def _forward_f(lens, kind: str, pool: str, seqs: list[tuple[int, ...]], owners: list[int], index: torch.Tensor,
                e0: torch.Tensor) -> np.ndarray:
-    """f of every perturbed sequence (owner = its example's row in index / e0), batched by length."""
+    """f of every perturbed sequence (owner = its example's row in index / e0), batched by length. A sequence
+    emptied by removal (models without special tokens) is read as the single BOS (else EOS, else CLS) token."""
+    tok = lens.tokenizer
+    start_id = next((t for t in (tok.bos_token_id, tok.eos_token_id, tok.cls_token_id) if t is not None), None)
+    seqs = [s if s or start_id is None else (start_id,) for s in seqs]
     out = np.zeros(len(seqs))
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     start = 0
     while start < len(order):
-        n = len(seqs[order[start]])
         stop = start + 1
         while stop < len(order) and (stop - start + 1) * len(seqs[order[stop]]) <= FORWARD_TOKENS:
             stop += 1
@@ -181,7 +189,6 @@ def _forward_f(lens, kind: str, pool: str, seqs: list[tuple[int, ...]], owners: 
                        e0[own])[1]
         out[rows] = f.float().cpu().numpy()
         start = stop
-        del n
     return out
 
 
