@@ -36,6 +36,7 @@ COMMAND_MODULES: list[str] = [
     "mixlens.commands.sweep",
     "mixlens.commands.gradients",
     "mixlens.commands.studies",
+    "mixlens.commands.explain",
 ]
 
 for _module in COMMAND_MODULES:

@@ -337,6 +337,13 @@ class Lens:
         )
 
 
+    def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: object):
+        """One score per token and method for a prediction target; see `mixlens.explain.explain`."""
+        from mixlens.explain import explain
+
+        return explain(self, texts, methods, **kwargs)
+
+
 def _text_of(t: Text | list[str]) -> str:
     return t if isinstance(t, str) else " [PAIR] ".join(t) if isinstance(t, tuple) else " ".join(t)
 

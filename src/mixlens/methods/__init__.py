@@ -4,6 +4,7 @@ from mixlens.methods import (  # noqa: F401  (registration side effects)
     alti,
     attention,
     decompx,
+    decompx_logit,
     globenc,
     gradients,
     norms,

@@ -22,7 +22,7 @@ Position-wise steps run in chunks of target rows: one 256-token input peaks at ~
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -184,16 +184,9 @@ def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> Decompo
     _check(value_bias)
     adapter = trace.adapter
     steps, final, last = _head(trace.model, adapter.family.name)
-    if trace.layers[0].ffn_pre is None:
-        raise RuntimeError("decompx needs a trace captured with ffn=True")
     n = int(trace.mask[b].sum())
-    x0 = trace.layers[0].x[b, :n].float()
-    d = x0.shape[-1]
-    x = torch.zeros(n, n, d)
-    x[torch.arange(n), torch.arange(n)] = x0
     norms, sums = [], []
-    for layer, (lt, lay) in enumerate(zip(trace.layers, adapter.layers, strict=True)):
-        x = _layer(x, lt, lay, adapter.family.pre_ln, b, own_bias=layer == 0 and value_bias == "values")
+    for x in _propagated(trace, b, value_bias):
         norms.append(x.norm(dim=-1))
         sums.append(x.sum(1))
     pos = n - 1 if last else 0
@@ -211,6 +204,35 @@ def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> Decompo
     top = logits.abs().max().clamp_min(torch.finfo(logits.dtype).tiny)
     err = ((scores.sum(-1) - logits).abs().max() / top).item()
     return Decomposition(classes=scores, layers=torch.stack(norms), sums=torch.stack(sums), error=err)
+
+
+def _propagated(trace: Trace, b: int, value_bias: ValueBias) -> Iterator[torch.Tensor]:
+    """Per-source vectors x_{i⇐k} [n(target), n(source), d] of input b after each layer, in layer order."""
+    if trace.layers[0].ffn_pre is None:
+        raise RuntimeError("decompx needs a trace captured with ffn=True")
+    n = int(trace.mask[b].sum())
+    x0 = trace.layers[0].x[b, :n].float()
+    x = torch.zeros(n, n, x0.shape[-1])
+    x[torch.arange(n), torch.arange(n)] = x0
+    pre_ln = trace.adapter.family.pre_ln
+    for layer, (lt, lay) in enumerate(zip(trace.layers, trace.adapter.layers, strict=True)):
+        x = _layer(x, lt, lay, pre_ln, b, own_bias=layer == 0 and value_bias == "values")
+        yield x
+
+
+@torch.no_grad()
+def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values") -> torch.Tensor:
+    """Per-source parts [n(source), d] of input b's final hidden state at position `pos` (after the final norm of
+    pre-LN decoders; the head's input). Σ over sources equals the real state. Trace captured with ffn=True."""
+    _check(value_bias)
+    adapter = trace.adapter
+    *_, x = _propagated(trace, b, value_bias)
+    h = x[pos : pos + 1]  # [1, k, d]
+    if adapter.family.pre_ln:
+        base = adapter.base
+        final = Norm(base.ln_f if adapter.family.name == "gpt2" else base.norm, adapter.family.rms)
+        h = _apply_norm(h, final, trace.layers[-1].out[b, pos : pos + 1])
+    return h[0]
 
 
 def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decomposition]:

@@ -1,0 +1,143 @@
+"""CLI: `mixlens explain` (one score per token and method for a prediction) and `mixlens evaluate` (faithfulness)."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import sys
+from pathlib import Path
+
+import typer
+
+from mixlens.errors import MixlensError
+
+FORMATS = ("table", "json", "html")
+
+
+def register(app: typer.Typer) -> None:
+    from mixlens.cli import model_option
+
+    @app.command("explain")
+    def explain_cmd(
+        text: list[str] = typer.Argument(..., help="One or more texts."),
+        model: str | None = model_option(),
+        head: str | None = typer.Option(None, "--head", help="Model head: sequence-classification, causal-lm, base "
+                                        "(default: from the model config)."),
+        method: list[str] = typer.Option(None, "--method", help="Method (repeatable); default: every applicable "
+                                         "method but exact HTA."),
+        target: str | None = typer.Option(None, "--target", help="Class index or label name (classifiers), or a "
+                                          "token (causal LMs); default: the prediction."),
+        foil: str | None = typer.Option(None, "--foil", help="Contrast token/class: explain logit(target) − "
+                                        "logit(foil)."),
+        generate: int = typer.Option(0, "--generate", min=0, help="Causal LMs: generate N tokens greedily and "
+                                     "explain each."),
+        fmt: str = typer.Option("table", "--format", "-f", help="table (terminal), json or html."),
+        out: Path | None = typer.Option(None, "--out", "-o", help="Output file (json: default stdout; html: default "
+                                        "mixlens-explain.html)."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the sampling methods (gradient_shap, lime)."),
+    ) -> None:
+        """Explain a prediction: each token's score for the target, per method."""
+        from mixlens.explain import explain
+        from mixlens.lens import load
+        from mixlens.result import atomic_write
+
+        if fmt not in FORMATS:
+            raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
+        lens = load(model, head=head)
+        res = explain(lens, text, method or None, target=target, foil=foil, generate=generate,
+                      seed=seed)
+        if fmt == "html":
+            dest = out or Path("mixlens-explain.html")
+            atomic_write(dest, res.html().encode())
+            typer.echo(f"wrote {dest}", err=True)
+        elif fmt == "json":
+            if out is None:
+                sys.stdout.write(res.dumps() + "\n")
+            else:
+                atomic_write(out, res.dumps().encode())
+                typer.echo(f"wrote {out}", err=True)
+        else:
+            res.show()
+            if out is not None:
+                atomic_write(out, res.dumps().encode())
+                typer.echo(f"wrote {out}", err=True)
+
+    @app.command("evaluate")
+    def evaluate_cmd(
+        model: str | None = model_option(),
+        data: Path = typer.Option(..., "--data", help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per "
+                                  "record."),
+        head: str | None = typer.Option(None, "--head", help="Model head (default: from the model config)."),
+        text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
+        method: list[str] = typer.Option(None, "--method", help="Method (repeatable); default: every applicable "
+                                         "method but exact HTA. A seeded 'random' baseline is always added."),
+        skip: int = typer.Option(0, "--skip", min=0, help="Skip the first N records (e.g. the training part)."),
+        limit: int = typer.Option(0, "--limit", min=0, help="Evaluate at most N records (0 = all)."),
+        removal: str = typer.Option("delete", "--removal", help="delete (drop the tokens) or mask (mask token)."),
+        fmt: str = typer.Option("table", "--format", "-f", help="table or json (json: evaluation.json on stdout)."),
+        out: Path | None = typer.Option(None, "--out", "-o", help="Directory for evaluation.json and "
+                                        "evaluation.png (default: mixlens-evaluation)."),
+        batch_size: int = typer.Option(8, "--batch-size", min=1),
+        seed: int = typer.Option(0, "--seed", help="Seed of the random baseline, samplers and bootstrap."),
+    ) -> None:
+        """Measure how faithful each explanation method is (comprehensiveness, sufficiency, AOPC, agreement)."""
+        from mixlens.corpus.readers import iter_examples
+        from mixlens.explain.evaluate import REMOVALS, evaluate, stderr_progress
+        from mixlens.lens import load
+        from mixlens.result import atomic_write
+
+        if fmt not in ("table", "json"):
+            raise MixlensError(f"unknown format '{fmt}'; valid: table, json")
+        if removal not in REMOVALS:
+            raise MixlensError(f"unknown removal '{removal}'; valid: {', '.join(REMOVALS)}")
+        if not data.is_file():
+            raise MixlensError(f"data file '{data}' does not exist")
+        rows = iter_examples(data, text_column=text_column)
+        rows = itertools.islice(rows, skip, skip + limit if limit else None)
+        texts = [ex.text for ex in rows]
+        if any(not isinstance(t, str) for t in texts):
+            raise MixlensError("evaluate takes single texts, not sentence pairs")
+        if not texts:
+            raise MixlensError(f"no examples to evaluate in '{data}'" + (f" after skipping {skip}" if skip else ""))
+        lens = load(model, head=head)
+        if removal == "mask" and lens.tokenizer.mask_token_id is None:
+            raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
+        ev = evaluate(lens, texts, method or None, removal=removal, batch_size=batch_size, seed=seed,
+                      progress=stderr_progress)
+        dest = out or Path("mixlens-evaluation")
+        dest.mkdir(parents=True, exist_ok=True)
+        payload = ev.dumps()
+        atomic_write(dest / "evaluation.json", payload.encode())
+        from mixlens.viz.evaluation import plot
+
+        plot(ev, dest / "evaluation.png")
+        if fmt == "json":
+            sys.stdout.write(payload + "\n")
+        else:
+            _print(ev)
+        typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)
+
+
+def _print(ev) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    met = ev.metrics()
+    table = Table(title=f"Faithfulness ({ev.removal}), {len(ev.examples)} examples — {ev.model}; ranked by AOPC")
+    for col in ("method", "AOPC", "comprehensiveness", "sufficiency ↓", "Spearman G×I", "time (s)"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for m in ev.ranking():
+        r = met[m]
+
+        def cell(k: str, r=r) -> str:
+            lo, hi = r["ci95"][k]
+            return f"{r[k]:.3f} [{lo:.3f}, {hi:.3f}]"
+
+        table.add_row(m, cell("aopc"), cell("comprehensiveness"), cell("sufficiency"), cell("spearman_gxi"),
+                      f"{ev.timings.get(m, 0.0):.1f}")
+    Console(width=max(140, shutil.get_terminal_size((140, 24)).columns)).print(table)
+    t = ev.timings
+    print(f"time: total {t['total']:.1f} s, attributions {t['attributions']:.1f} s, perturbed forward passes "
+          f"{t['forward']:.1f} s, evaluation's own {t['own']:.1f} s ({100 * t['own'] / t['total']:.1f} %)")
+    for note in ev.notes:
+        print(f"note: {note}")

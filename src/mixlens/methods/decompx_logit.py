@@ -1,0 +1,66 @@
+"""DecompX for causal LMs: the next-token logit decomposed over the source tokens (DESIGN §3.5).
+
+The final hidden state at the last real token, h = Σ_k h_{⇐k} (DecompX propagation, `decompx.final_parts`), enters
+the unembedding linearly, so logit_t = Σ_k h_{⇐k} · W_U[t] (+ the head bias shared by AbsDot, if any) exactly; a
+contrastive score logit_t − logit_foil decomposes the same way with W_U[t] − W_U[foil]. The sum is checked against
+the real logits on every input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.methods.decompx import TOLERANCE, final_parts, share
+from mixlens.methods.registry import register
+from mixlens.trace import Trace
+
+
+def _unembedding(trace: Trace) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W_U [V, d], bias [V] or None) of a causal LM head."""
+    if not trace.adapter.family.causal or trace.logits is None or trace.logits.dim() != 3:
+        raise MixlensError("decompx_logit needs a causal language model (load it with head='causal-lm'); "
+                           f"got {type(trace.model).__name__}")
+    head = trace.model.get_output_embeddings()
+    return head.weight, getattr(head, "bias", None)
+
+
+@torch.no_grad()
+def logit_scores(trace: Trace, tokens: torch.Tensor, foils: torch.Tensor | None = None) -> torch.Tensor:
+    """Signed per-source scores [B, n] of logit(tokens[b]) (− logit(foils[b]) where foils[b] ≥ 0) at each input's
+    last real token; padding 0. Raises ReconstructionError when a sum misses the real score."""
+    w_u, bias = _unembedding(trace)
+    bsz, n = trace.mask.shape
+    out = torch.zeros(bsz, n)
+    for b in range(bsz):
+        pos = int(trace.mask[b].sum()) - 1
+        t, f = int(tokens[b]), int(foils[b]) if foils is not None else -1
+        direction = w_u[t].float() - (w_u[f].float() if f >= 0 else 0)
+        parts = final_parts(trace, b, pos)  # [k, d]
+        scores = parts @ direction
+        real = trace.logits[b, pos].float()
+        want = real[t] - (real[f] if f >= 0 else 0)
+        if bias is not None:  # the head bias, shared among the sources by AbsDot like every other bias
+            const = bias[t].float() - (bias[f].float() if f >= 0 else 0)
+            scores = share(scores[:, None], const.reshape(1))[:, 0]
+        err = (scores.sum() - want).abs().item() / max(real.abs().max().item(), torch.finfo(real.dtype).tiny)
+        if err > TOLERANCE:
+            raise ReconstructionError(f"input {b + 1}: DecompX logit scores differ from the logit by {err:.3g} "
+                                      f"(relative; tolerance {TOLERANCE})")
+        out[b, : pos + 1] = scores
+    return out
+
+
+@register("decompx_logit", dims=("source",), needs_ffn=True)
+def decompx_logit(trace: Trace, *, target: int | str = "pred") -> torch.Tensor:
+    """DecompX next-token logit (causal LMs): signed contribution of each token to the target logit; sums = logit."""
+    _unembedding(trace)
+    last = trace.mask.sum(-1) - 1
+    rows = trace.logits[torch.arange(last.shape[0]), last.to(trace.logits.device)]
+    if target == "pred":
+        tokens = rows.argmax(-1)
+    elif isinstance(target, int) and not isinstance(target, bool) and 0 <= target < rows.shape[-1]:
+        tokens = torch.full((rows.shape[0],), target)
+    else:
+        raise MixlensError(f"decompx_logit target must be 'pred' or a token id below {rows.shape[-1]}, got {target!r}")
+    return logit_scores(trace, tokens)

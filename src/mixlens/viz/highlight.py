@@ -1,0 +1,107 @@
+"""Text-highlight views of `mixlens.explain.Explanation`: terminal (rich) and self-contained HTML.
+
+Scores are signed, so both views use a diverging scale per method and input: red = toward the target, blue =
+against it, white = 0, full colour at that method's max |score| on the input.
+"""
+
+from __future__ import annotations
+
+import html
+import shutil
+
+import numpy as np
+
+_CSS = """
+.mlx-report .mlx-hl { border-collapse: collapse; margin: 4px 0 12px; }
+.mlx-report .mlx-hl th { text-align: right; font-weight: 600; padding: 2px 8px 2px 0; white-space: nowrap; }
+.mlx-report .mlx-hl td { padding: 0; }
+.mlx-report .mlx-tok { display: inline-block; padding: 1px 3px; margin: 1px; border-radius: 3px; cursor: default;
+  font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 12px; }
+.mlx-report .mlx-target { font-weight: 600; }
+"""
+
+
+def _rgb(v: float) -> tuple[int, int, int]:
+    """v in [-1, 1] → white-centred diverging colour (blue < 0 < red)."""
+    v = max(-1.0, min(1.0, v))
+    end = (178, 24, 43) if v >= 0 else (33, 102, 172)
+    a = abs(v)
+    return tuple(round(255 + (c - 255) * a) for c in end)  # type: ignore[return-value]
+
+
+def _scaled(s: np.ndarray) -> np.ndarray:
+    top = float(np.abs(s).max()) if s.size else 0.0
+    return s / top if top > 0 else np.zeros_like(s)
+
+
+def _header(e) -> str:
+    t = e.target
+    what = f"{t.kind} '{t.label}'" + (f" vs foil '{t.foil_label}'" if t.foil is not None else "")
+    name = "logit difference" if t.foil is not None else ("cosine" if t.kind == "embedding" else "probability")
+    return f"target: {what}, {name} {e.score:.4f}"
+
+
+def render_fragment(expl) -> str:
+    """An HTML fragment (own CSS) with one table per input: one row per method, tokens coloured by score."""
+    parts = [f'<div class="mlx-report"><style>{_CSS}</style>',
+             f'<h2>Explanations — {html.escape(expl.model)}</h2>',
+             '<p class="mlx-meta">red: toward the target, blue: against it; colour scaled to each method\'s '
+             'max |score| on the input; hover a token for its value</p>']
+    for k, e in enumerate(expl.inputs):
+        parts.append(f'<p class="mlx-text">{k + 1}. {html.escape(e.text)} — '
+                     f'<span class="mlx-target">{html.escape(_header(e))}</span></p><table class="mlx-hl">')
+        for m, s in e.scores.items():
+            cells = []
+            for tok, v, w in zip(e.tokens, s, _scaled(np.asarray(s, dtype=float)), strict=True):
+                r, g, b = _rgb(float(w))
+                fg = "#fff" if abs(w) > 0.6 else "#1d1d1f"
+                cells.append(f'<span class="mlx-tok" style="background:rgb({r},{g},{b});color:{fg}" '
+                             f'title="{html.escape(m)} · {html.escape(tok)}: {float(v):.4g}">{html.escape(tok)}</span>')
+            parts.append(f"<tr><th>{html.escape(m)}</th><td>{''.join(cells)}</td></tr>")
+        parts.append("</table>")
+    parts.append("</div>")
+    return "\n".join(parts)
+
+
+def render_page(expl) -> str:
+    """A self-contained HTML page (no scripts, no external resources)."""
+    return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+            f"<title>mixlens explain — {html.escape(expl.model)}</title></head>\n<body>\n"
+            f"{render_fragment(expl)}\n</body></html>\n")
+
+
+def print_terminal(expl, console=None) -> None:
+    """Each input: the target, then the tokens in aligned columns with one coloured score row per method,
+    wrapped to the terminal width."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = console or Console(width=shutil.get_terminal_size((120, 24)).columns)
+    width = console.width
+    for k, e in enumerate(expl.inputs):
+        console.print(Text(f"{k + 1}. {e.text}", style="bold"))
+        console.print(f"   {_header(e)}")
+        label = max(len(m) for m in e.scores) + 1
+        cols = [max(9, min(16, len(t)) + 1) for t in e.tokens]
+        start = 0
+        while start < len(e.tokens):
+            stop, used = start, label
+            while stop < len(e.tokens) and (stop == start or used + cols[stop] <= width):
+                used += cols[stop]
+                stop += 1
+            head = Text(" " * label)
+            for t, c in zip(e.tokens[start:stop], cols[start:stop], strict=True):
+                head.append(t[: c - 1].rjust(c - 1) + " ", style="bold")
+            console.print(head)
+            for m, s in e.scores.items():
+                row = Text(m.ljust(label))
+                scaled = _scaled(np.asarray(s, dtype=float))
+                for j in range(start, stop):
+                    r, g, b = _rgb(float(scaled[j]))
+                    fg = "white" if abs(scaled[j]) > 0.6 else "black"
+                    cell = f"{float(s[j]):+.2g}"[: cols[j] - 1].rjust(cols[j] - 1)
+                    row.append(cell, style=f"{fg} on rgb({r},{g},{b})")
+                    row.append(" ")
+                console.print(row)
+            start = stop
+        console.print()

@@ -1,0 +1,175 @@
+"""`mixlens evaluate`: top-k selection, perturbations, metrics against a direct re-computation, JSON, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+from mixlens.errors import MixlensError
+from mixlens.explain.evaluate import AOPC_KS, KS, bootstrap, evaluate, perturb, spearman, top_k
+from tests.conftest import random_lens, run_cli
+
+TEXTS = ["a charming and often affecting journey .", "unflinchingly bleak and desperate",
+         "the keys to the cabinet are on the table ."]
+
+
+@pytest.fixture(scope="module")
+def classifier(tokenizer):
+    return random_lens("bert", tokenizer, head="AutoModelForSequenceClassification", seed=1)
+
+
+def test_top_k_ties_rounding_and_specials():
+    score = np.array([9.0, 1.0, 3.0, 3.0, 0.5, 3.0, 9.0])
+    special = np.array([True, False, False, False, False, False, True])
+    assert top_k(score, special, 1).tolist() == [2]  # ⌈0.05⌉ = 1; tie among 2, 3, 5 → earliest
+    assert top_k(score, special, 40).tolist() == [2, 3]  # ⌈2.0⌉ = 2
+    assert top_k(score, special, 41).tolist() == [2, 3, 5]  # ⌈2.05⌉ = 3
+    assert top_k(score, special, 70).tolist() == [1, 2, 3, 5]  # ⌈3.5⌉ = 4; the 9.0 scores are special
+    assert top_k(score, special, 100).tolist() == [1, 2, 3, 4, 5]
+
+
+def test_perturb_delete_mask_keep():
+    ids, special = [101, 7, 8, 9, 102], np.array([True, False, False, False, True])
+    chosen = np.array([2])
+    assert perturb(ids, chosen, special, False, "delete", 103) == (101, 7, 9, 102)
+    assert perturb(ids, chosen, special, False, "mask", 103) == (101, 7, 103, 9, 102)
+    assert perturb(ids, chosen, special, True, "delete", 103) == (101, 8, 102)
+    assert perturb(ids, chosen, special, True, "mask", 103) == (101, 103, 8, 103, 102)
+
+
+def test_spearman_and_bootstrap():
+    rng = np.random.default_rng(0)
+    a, b = rng.random(12), rng.random(12)
+    b[3] = b[4]
+    assert spearman(a, b) == pytest.approx(spearmanr(a, b).statistic)
+    assert math.isnan(spearman(a, np.ones(12)))
+    v = rng.random(50)
+    lo, hi = bootstrap(v, seed=0)
+    assert lo < v.mean() < hi and bootstrap(v, seed=0) == [lo, hi]
+
+
+def _f(lens, ids: list[int], cls: int) -> float:
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        out = lens.model(input_ids=x, attention_mask=torch.ones_like(x), token_type_ids=torch.zeros_like(x))
+    return float(out.logits[0].softmax(-1)[cls])
+
+
+def _top(s: np.ndarray, inner: list[int], pct: float) -> list[int]:
+    k = math.ceil(pct * len(inner) / 100 - 1e-9)
+    return sorted(sorted(inner, key=lambda j: (-s[j], j))[:k])
+
+
+def _without(ids: list[int], drop: list[int], removal: str, mask_id: int) -> list[int]:
+    if removal == "delete":
+        return [t for j, t in enumerate(ids) if j not in drop]
+    return [mask_id if j in drop else t for j, t in enumerate(ids)]
+
+
+@pytest.mark.parametrize("removal", ["delete", "mask"])
+def test_metrics_match_a_direct_recomputation(classifier, removal):
+    ev = evaluate(classifier, TEXTS[:2], ["attention", "grad_x_input"], removal=removal, batch_size=2)
+    assert ev.methods == ["attention", "grad_x_input", "random"]
+    met = ev.metrics()
+    mask_id = classifier.tokenizer.mask_token_id
+    per_metric: dict[str, list[float]] = {k: [] for k in ("comprehensiveness", "sufficiency", "aopc")}
+    for e in ev.examples:
+        enc = classifier.tokenizer(e.text)
+        ids = enc["input_ids"]
+        assert e.ids == ids
+        cls = int(np.argmax([_f(classifier, ids, c) for c in range(2)]))
+        f0 = _f(classifier, ids, cls)
+        assert e.f == pytest.approx(f0, abs=1e-5)
+        s = np.asarray(e.scores["attention"])
+        inner = list(range(1, len(ids) - 1))  # [CLS] and [SEP] are never removed
+
+        comp = np.mean([f0 - _f(classifier, _without(ids, _top(s, inner, k), removal, mask_id), cls) for k in KS])
+        suff = np.mean([f0 - _f(classifier, _without(ids, [j for j in inner if j not in _top(s, inner, k)], removal,
+                                                     mask_id), cls) for k in KS])
+        aopc = np.mean([f0 - _f(classifier, _without(ids, _top(s, inner, k), removal, mask_id), cls)
+                        for k in AOPC_KS])
+        for name, v in (("comprehensiveness", comp), ("sufficiency", suff), ("aopc", aopc)):
+            per_metric[name].append(v)
+    for name, vals in per_metric.items():
+        assert met["attention"][name] == pytest.approx(float(np.mean(vals)), abs=1e-5), name
+        lo, hi = met["attention"]["ci95"][name]
+        assert lo <= met["attention"][name] <= hi
+    rho = np.mean([spearmanr(e.scores["grad_x_input"][1:-1], e.reference[1:-1]).statistic for e in ev.examples])
+    assert met["grad_x_input"]["spearman_gxi"] == pytest.approx(float(rho), abs=1e-6)
+
+
+def test_causal_lm_evaluation(tokenizer):
+    lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM", seed=2)
+    ev = evaluate(lens, TEXTS[:2], ["decompx_logit", "saliency", "attention"])
+    enc = lens.encode(TEXTS[:1])
+    with torch.no_grad():
+        p = lens.model(**enc.inputs).logits[0, -1].softmax(-1)
+    assert ev.examples[0].f == pytest.approx(float(p.max()), abs=1e-6)
+    assert ev.examples[0].target["label"] == tokenizer.convert_ids_to_tokens(int(p.argmax()))
+    assert set(ev.metrics()) == {"decompx_logit", "saliency", "attention", "random"}
+
+
+def test_mask_removal_needs_a_mask_token(classifier):
+    from copy import deepcopy
+
+    tok = deepcopy(classifier.tokenizer)
+    tok.mask_token = None
+    lens = type(classifier)(classifier.model, tok, name="no-mask")
+    with pytest.raises(MixlensError, match="needs a model with a mask token"):
+        evaluate(lens, TEXTS, ["attention"], removal="mask")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, classifier):
+    d = tmp_path_factory.mktemp("clf")
+    classifier.model.save_pretrained(d)
+    classifier.tokenizer.save_pretrained(d)
+    return d
+
+
+def test_cli_json_schema(saved, tmp_path, capsys):
+    data = tmp_path / "d.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{t}\t1\n" for t in TEXTS))
+    out = tmp_path / "ev"
+    rc, stdout, _ = run_cli(["evaluate", "--model", str(saved), "--data", str(data), "--method", "attention",
+                             "--skip", "1", "--format", "json", "--out", str(out)], capsys)
+    assert rc == 0
+    doc = json.loads(stdout)
+    assert doc == json.loads((out / "evaluation.json").read_text()) and (out / "evaluation.png").is_file()
+    assert {"model", "version", "removal", "metrics", "examples"} <= set(doc)
+    assert set(doc["metrics"]) == {"attention", "random"}
+    for row in doc["metrics"].values():
+        assert {"comprehensiveness", "sufficiency", "aopc", "spearman_gxi", "ci95"} <= set(row)
+        assert set(row["ci95"]) == {"comprehensiveness", "sufficiency", "aopc", "spearman_gxi"}
+    assert [e["text"] for e in doc["examples"]] == TEXTS[1:]
+    for e in doc["examples"]:
+        assert {"text", "tokens", "target", "f", "scores"} <= set(e)
+        assert all(len(v) == len(e["tokens"]) for v in e["scores"].values())
+    rc, stdout, _ = run_cli(["evaluate", "--model", str(saved), "--data", str(data), "--method", "attention",
+                             "--limit", "1", "--out", str(out)], capsys)
+    assert rc == 0 and "AOPC" in stdout and "own" in stdout
+
+
+def test_cli_bad_input(saved, tmp_path, capsys):
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    dest = tmp_path / "never"
+    for args, msg in ((["--data", str(empty)], "empty"), (["--data", str(tmp_path / "nope.tsv")], "does not exist"),
+                      (["--data", str(empty), "--removal", "zap"], "unknown removal")):
+        rc, _, err = run_cli(["evaluate", "--model", str(saved), "--out", str(dest), *args], capsys)
+        assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1 and not dest.exists()
+
+
+def test_an_emptied_input_is_read_as_the_start_token(tokenizer):
+    from mixlens.explain.evaluate import _forward_f
+
+    lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM", seed=2)
+    start = next(t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.cls_token_id) if t is not None)
+    idx = torch.tensor([5])
+    f = _forward_f(lens, "causal", "", [(), (start,)], [0, 0], idx, torch.zeros(1, 1))
+    assert f[0] == f[1] and 0 < f[0] < 1
