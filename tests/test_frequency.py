@@ -52,7 +52,7 @@ def test_mixing_profile_matches_analysis(bundled):
     from mixlens.bertology.mixing_disabling import mixing_profile
 
     ratio, share = mixing_profile(bundled, SENTENCES, batch_size=2)
-    an = bundled.analyze(SENTENCES, ["attention"])
+    an = bundled.analyze(SENTENCES, ["norm"])
     per_token = an.mixing_ratio("ResLN-N", per_token=True)  # [B, L, n], padding 0
     n_tokens = sum(len(t) for t in an.tokens)
     np.testing.assert_allclose(ratio, per_token.sum((0, 2)) / n_tokens, rtol=1e-5)
@@ -62,7 +62,8 @@ def test_mixing_profile_matches_analysis(bundled):
 
 def test_mixing_vs_disabling_on_a_small_model(tokenizer):
     from mixlens.bertology.mixing_disabling import mixing_vs_disabling
-    from mixlens.interventions import StsTask, sweep
+    from mixlens.bertology.sweep import sweep
+    from mixlens.bertology.tasks import StsTask
     from tests.conftest import random_lens
 
     lens = random_lens("bert", tokenizer, num_hidden_layers=3)
