@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from mixlens.commands.options import check_methods, model_option, parse_options
+from mixlens.commands.options import check_methods, gguf_file_option, model_option, parse_options
 
 
 class Format(str, Enum):
@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
 def analyze(
     text: list[str] = typer.Argument(..., help="One or more texts to analyse."),
     model: str | None = model_option(),
+    gguf_file: str | None = gguf_file_option(),
     method: list[str] = typer.Option(
         None,
         "--method",
@@ -67,7 +68,7 @@ def analyze(
 
     methods = check_methods(method)
     opts = parse_options(option)
-    lens = load(model, head=head)
+    lens = load(model, head=head, gguf_file=gguf_file)
     res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts)
     if fmt is Format.html:
         from mixlens.viz.html import render_report

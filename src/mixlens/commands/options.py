@@ -22,6 +22,13 @@ def model_option() -> Any:
     )
 
 
+def gguf_file_option() -> Any:
+    """`--gguf-file`: a GGUF weights file inside the --model directory (needs the `gguf` extra)."""
+    return typer.Option(
+        None, "--gguf-file", help="Load a GGUF file of the --model directory (pip install \"mixlens[gguf]\")."
+    )
+
+
 def data_option() -> Any:
     return typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file.")
 
