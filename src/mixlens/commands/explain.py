@@ -9,14 +9,13 @@ from pathlib import Path
 
 import typer
 
+from mixlens.commands.options import gguf_file_option, model_option
 from mixlens.errors import MixlensError
 
 FORMATS = ("table", "json", "html")
 
 
 def register(app: typer.Typer) -> None:
-    from mixlens.cli import model_option
-
     @app.command("explain")
     def explain_cmd(
         text: list[str] = typer.Argument(..., help="One or more texts."),
