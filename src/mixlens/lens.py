@@ -63,11 +63,14 @@ def _resolve_source(model: str | Path | None) -> tuple[str, bool]:
     return src, False
 
 
-def load(model: str | Path | None = None, *, head: str | None = None, device: str = "cpu") -> Lens:
+def load(
+    model: str | Path | None = None, *, head: str | None = None, device: str = "cpu", allow_random_head: bool = False
+) -> Lens:
     """Load a model for analysis: None = the bundled all-MiniLM-L6-v2, else a local dir or hub id.
 
     `head` picks the AutoModel class ('base', 'masked-lm', 'sequence-classification', 'causal-lm');
-    by default it follows `config.architectures`. Always eager attention, eval mode, fp32.
+    by default it follows `config.architectures`. Always eager attention, eval mode, fp32. Weights missing
+    from the checkpoint (a head transformers would initialise at random) are refused unless `allow_random_head`.
     """
     import transformers
 
@@ -78,7 +81,7 @@ def load(model: str | Path | None = None, *, head: str | None = None, device: st
         config = transformers.AutoConfig.from_pretrained(src, local_files_only=local)
         family_for(config.model_type)  # fail fast on unsupported families
         cls = getattr(transformers, _HEADS[head or _head_for(config)])
-        net = cls.from_pretrained(src, attn_implementation="eager", dtype=torch.float32)
+        net = _pretrained_without_random_weights(cls, src, head or _head_for(config), allow_random_head)
         tok = transformers.AutoTokenizer.from_pretrained(src)
     except MixlensError:
         raise
@@ -87,6 +90,21 @@ def load(model: str | Path | None = None, *, head: str | None = None, device: st
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MixlensError(f"cannot load model '{src}' as a {where}: {first}") from None
     return Lens(net.to(device), tok, name=str(model) if model is not None else "all-MiniLM-L6-v2")
+
+
+def _pretrained_without_random_weights(cls: Any, src: str, head: str, allow_random_head: bool) -> Any:
+    """`cls.from_pretrained(src)`; newly initialised weights (missing or size-mismatched in the checkpoint) are a
+    `MixlensError` naming them, unless `allow_random_head`: explaining a random head explains noise."""
+    net, info = cls.from_pretrained(src, attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+    new = sorted({*info.get("missing_keys", ()), *(k[0] if isinstance(k, tuple) else k for k in
+                                                 info.get("mismatched_keys", ()))})
+    if new and not allow_random_head:
+        shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
+        raise MixlensError(
+            f"the {head} model's weights {shown} are not in the checkpoint and would be random (newly initialised);"
+            " use a model trained for this head, or pass --allow-random-head (allow_random_head=True)"
+        )
+    return net
 
 
 @dataclass

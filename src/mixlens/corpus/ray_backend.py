@@ -76,7 +76,7 @@ class _ShardActor:
         self.job = job
         self.lens: Any  # the loaded Lens, or the MixlensError that loading raised
         try:
-            self.lens = load(job.model, head=job.head, device=job.device)
+            self.lens = load(job.model, head=job.head, device=job.device, allow_random_head=job.allow_random_head)
         except MixlensError as e:  # raised again by each task, where the driver turns it into one line
             self.lens = e
 
