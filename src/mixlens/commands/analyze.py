@@ -89,9 +89,11 @@ def analyze(
     precheck_model(model, model_head, methods, text, max_length)
     lens = load(model, head=model_head, allow_random_head=allow_random_head)
     slow = [m for m in methods if get(m).extra_passes or m == "attention_flow"]
-    with progress(None if len(text) <= 1 else len(text), f"analyze ({', '.join(slow)})") if slow else nullcontext(
-        lambda n: None
-    ) as step:
+    with (
+        progress(None if len(text) <= 1 else len(text), f"analyze ({', '.join(slow)})")
+        if slow
+        else nullcontext(lambda n: None) as step
+    ):
         res = lens.analyze(
             text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts, on_batch=step
         )
@@ -202,6 +204,8 @@ def print_ratios(res: Any) -> None:
     rows.append(["mean", *(f"{100 * means[v].mean():.1f}" for v in means)])
     print_table(f"Context-mixing ratio (%), mean over tokens and inputs — {res.model}", ["layer", *means], rows)
     print(f"reconstruction error (max abs): {res.reconstruction_error.max():.2e}")
+
+
 def list_methods() -> None:
     """List the registered methods with their axes and options."""
     from mixlens.methods import REGISTRY

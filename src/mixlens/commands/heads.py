@@ -43,7 +43,8 @@ def heads(
     out: Path = typer.Option(Path("mixlens-heads"), "--out", "-o", help="Directory for tables and figures."),
     no_cluster: bool = typer.Option(False, "--no-cluster", help="Skip the JS distances and MDS plot."),
     cluster_limit: int = typer.Option(200, "--cluster-limit", min=1, help="Inputs used for JS distances."),
-    no_figures: bool = typer.Option(False, "--no-figures", help="Skip the figures."),
+    figures: bool = typer.Option(False, "--figures", help="Also write PNG figures (heatmaps, MDS maps) to --out."),
+    no_figures: bool = typer.Option(False, "--no-figures", hidden=True, help="Deprecated: figures are now opt-in."),
 ) -> None:
     """Per-head token-type masses, Kovaleva column maxima and entropy on attention and norm views."""
     from mixlens.lens import load
@@ -69,18 +70,19 @@ def heads(
         summary = rep.layer_summary()
         cols = ["layer", *[f"{v}_{s}" for v in views for s in STATISTICS]]
         print_frame(summary[cols], f"Per-layer mean over heads — {lens.name}, {len(texts)} inputs")
-    if no_figures:
+    if not figures or no_figures:
         return
+    written: list[Path] = []
     for v in views:
         for s in (*STATISTICS, "cls_colmax", "sep_colmax", "punct_colmax"):
-            layer_head_heatmap(
-                rep.grid(f"{v}_{s}"), f"{v}_{s} ({lens.name}, {len(texts)} inputs)", out / f"heatmap_{v}_{s}.png"
-            )
+            written.append(out / f"heatmap_{v}_{s}.png")
+            layer_head_heatmap(rep.grid(f"{v}_{s}"), f"{v}_{s} ({lens.name}, {len(texts)} inputs)", written[-1])
     if not no_cluster:
         t = rep.table.sort_values(["layer", "head"])
         for v in views:
             coords = classical_mds(js_distance(rep.js[v]))
             behaviours = dominant_behaviour({b: t[f"{v}_{b}"].to_numpy() for b in BEHAVIOURS})
+            written.append(out / f"mds_{v}.png")
             head_mds_figure(
                 coords,
                 t["layer"].to_numpy(),
@@ -88,9 +90,9 @@ def heads(
                 behaviours,
                 [*BEHAVIOURS, "broad"],
                 f"Heads, MDS of Jensen–Shannon distances ({v}); label = layer-head",
-                out / f"mds_{v}.png",
+                written[-1],
             )
-    typer.echo(f"wrote figures to {out}/", err=True)
+    typer.echo(f"wrote {len(written)} figures to {out}/: {', '.join(p.name for p in written)}", err=True)
 
 
 def head_diff(
@@ -103,6 +105,7 @@ def head_diff(
     batch_size: int = batch_size_option(),
     fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f"),
     out: Path = typer.Option(Path("mixlens-head-diff"), "--out", "-o", help="Directory for table and heatmap."),
+    figures: bool = typer.Option(False, "--figures", help="Also write the heatmap head_diff.png to --out."),
 ) -> None:
     """Per (layer, head) cosine similarity of the attention maps of two checkpoints (fine-tuning change)."""
     import pandas as pd
@@ -123,4 +126,6 @@ def head_diff(
     if fmt is TableFormat.table:
         per = df.groupby("layer")["cosine"].agg(["mean", "min"]).reset_index()
         print_frame(per, f"Attention cosine similarity {a.name} vs {b.name}, {len(texts)} inputs")
-    layer_head_heatmap(sim, f"attention cosine: {a.name} vs {b.name}", out / "head_diff.png", cmap="magma")
+    if figures:
+        layer_head_heatmap(sim, f"attention cosine: {a.name} vs {b.name}", out / "head_diff.png", cmap="magma")
+        typer.echo(f"wrote {out / 'head_diff.png'}", err=True)

@@ -34,6 +34,7 @@ def patterns(
     view: str = typer.Option("attn", "--view", help="attn or norm."),
     fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f"),
     out: Path = typer.Option(Path("mixlens-patterns"), "--out", "-o", help="Directory for table and figure."),
+    figures: bool = typer.Option(False, "--figures", help="Also write the figure patterns.png to --out."),
 ) -> None:
     """Share of each Kovaleva pattern type (vertical, diagonal, ...) per layer over a dataset."""
     import pandas as pd
@@ -53,4 +54,6 @@ def patterns(
     write_table(df, fmt, out, "patterns")
     if fmt is TableFormat.table:
         print_frame(df, f"Pattern-type share per layer ({view}) — {lens.name}, {len(texts)} inputs")
-    pattern_shares_figure(shares, PATTERNS, f"pattern types ({view}, {len(texts)} inputs)", out / "patterns.png")
+    if figures:
+        pattern_shares_figure(shares, PATTERNS, f"pattern types ({view}, {len(texts)} inputs)", out / "patterns.png")
+        typer.echo(f"wrote {out / 'patterns.png'}", err=True)

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import typer
 
-from mixlens.commands.options import check_methods, model_option, parse_options
+from mixlens.commands.options import (
+    allow_random_head_option,
+    check_methods,
+    max_length_option,
+    model_head_option,
+    model_option,
+    parse_options,
+    precheck_model,
+)
 from mixlens.errors import MixlensError
 
 
@@ -31,7 +39,7 @@ def register(app: typer.Typer) -> None:
         ),
         heads: bool = typer.Option(True, "--heads/--no-heads", help="Also embed per-head maps (head selector)."),
         option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
-        max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit (default: the model's)."),
+        max_length: int | None = max_length_option(),
         max_values: int = typer.Option(
             4_000_000,
             "--max-values",
@@ -41,8 +49,11 @@ def register(app: typer.Typer) -> None:
             "page).",
         ),
         title: str | None = typer.Option(None, "--title", help="Page title."),
+        model_head: str | None = model_head_option(),
+        allow_random_head: bool = allow_random_head_option(),
     ) -> None:
-        """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios."""
+        """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios,
+        highlighted text for per-token methods."""
         from mixlens.lens import load
         from mixlens.result import atomic_write
         from mixlens.viz.html import analyze_for_view, render_report
@@ -51,7 +62,10 @@ def register(app: typer.Typer) -> None:
         opts = parse_options(option)
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
-        lens = load(model)
+        if out.is_dir():
+            raise MixlensError(f"cannot write '{out}': it is a directory; give a file name")
+        precheck_model(model, model_head, methods, text, max_length)
+        lens = load(model, head=model_head, allow_random_head=allow_random_head)
         res, head_maps = analyze_for_view(lens, text, methods, heads=heads, options=opts, max_length=max_length)
         atomic_write(out, render_report(res, head_maps=head_maps, title=title, max_values=max_values).encode())
         typer.echo(f"wrote report to {out}", err=True)
@@ -64,43 +78,57 @@ def register(app: typer.Typer) -> None:
         view: View = typer.Option(View.heatmap, "--view", help="heatmap, bipartite or ratio."),
         method: str = typer.Option("norm_resln", "--method", help="Method for heatmap/bipartite."),
         layer: int = typer.Option(-1, "--layer", help="Layer (0-based; negative counts from the end)."),
-        head: int | None = typer.Option(
-            None, "--head", min=0, help="One head (0-based) instead of the method's own map."
+        attention_head: int | None = typer.Option(
+            None, "--attention-head", min=0, help="One attention head (0-based) instead of the method's own map."
         ),
+        old_head: str | None = typer.Option(None, "--head", hidden=True, help="Renamed: --attention-head."),
         option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
-        max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit."),
+        max_length: int | None = max_length_option(),
+        model_head: str | None = model_head_option(),
+        allow_random_head: bool = allow_random_head_option(),
     ) -> None:
-        """Save a publication figure (matplotlib) of the heatmap, bipartite or mixing-ratio view."""
+        """Save a publication figure (matplotlib) of the heatmap, bipartite or mixing-ratio view; per-token methods
+        (saliency, decompx_classes, ...) are drawn as highlighted text."""
         from mixlens.lens import load
         from mixlens.methods import get
         from mixlens.viz import static
 
+        if old_head is not None:
+            raise MixlensError(
+                "plot's --head is now --attention-head (an attention head number); --model-head picks the model's "
+                "output head"
+            )
+        head = attention_head
         suffix = out.suffix.lower().lstrip(".")
         if suffix not in static.FORMATS:
             raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
+        if out.is_dir():
+            raise MixlensError(f"cannot write '{out}': it is a directory; give a file name")
         if view is not View.ratio and len(text) > MAX_PANELS:
             raise MixlensError(f"{len(text)} texts: a {view.value} figure holds at most {MAX_PANELS} panels")
         spec = get(method)
+        vector = spec.dims[-1] == "source" and spec.dims[-2:] != ("target", "source")
         if head is not None and view is not View.ratio and not spec.head_dims:
-            raise MixlensError(f"'{method}' has no per-head values; drop --head")
+            raise MixlensError(f"'{method}' has no per-head values; drop --attention-head")
         opts = parse_options(option)
-        lens = load(model)
-        res = lens.analyze(
-            text,
-            ["attention"] if view is View.ratio else [method],
-            heads=head is not None,
-            options=opts,
-            max_length=max_length,
-        )
+        methods = ["attention"] if view is View.ratio else [method]
+        precheck_model(model, model_head, methods, text, max_length)
+        lens = load(model, head=model_head, allow_random_head=allow_random_head)
+        res = lens.analyze(text, methods, heads=head is not None, options=opts, max_length=max_length)
         inputs = list(range(len(text)))
         if view is View.ratio:
             fig = static.ratio_figure(res)
+        elif vector:
+            fig = static.token_scores_figure(res[method], inputs)
         elif view is View.heatmap:
             fig = static.heatmap_figure(res[method], inputs, layer, head)
         else:
             fig = static.bipartite_figure(res[method], inputs, layer, head)
         static.save_figure(fig, out)
-        typer.echo(f"wrote {view.value} figure to {out}", err=True)
+        shown = "highlighted-text" if vector and view is not View.ratio else view.value
+        typer.echo(
+            f"wrote {shown} figure of {methods[0] if view is not View.ratio else 'mixing ratios'} to {out}", err=True
+        )
 
     @app.command()
     def serve(

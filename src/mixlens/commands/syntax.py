@@ -38,6 +38,7 @@ def syntax(
         rep = syntax_heads(lens, sents, view=view, batch_size=batch_size, on_batch=step)
     best = rep.best(min_count)
     atomic_write(out / "syntax_scores.csv", rep.scores.to_csv(index=False).encode())
+    typer.echo(f"wrote {out / 'syntax_scores.csv'}", err=True)
     write_table(best, fmt, out, "syntax_best")
     if fmt is TableFormat.table:
         print_frame(best, f"Best head per relation ({view}) — {lens.name}, {len(sents)} sentences")
