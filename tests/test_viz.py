@@ -250,7 +250,7 @@ def test_report_and_plot_cli(tmp_path):
                     "attention",
                     "--layer",
                     "1",
-                    "--head",
+                    "--attention-head",
                     "0",
                 ]
             )
@@ -265,7 +265,8 @@ def test_report_and_plot_cli(tmp_path):
         (["report", "x", "--out", "r.txt"], "--out must end in .html"),
         (["report", "x", "--method", "nope", "--out", "r.html"], "unknown method 'nope'"),
         (["plot", "x", "--out", "f.gif"], "must end in .png, .svg or .pdf"),
-        (["plot", "x", "--out", "f.png", "--method", "norm_res", "--head", "1"], "no per-head values"),
+        (["plot", "x", "--out", "f.png", "--method", "norm_res", "--attention-head", "1"], "no per-head values"),
+        (["plot", "x", "--out", "f.png", "--head", "1"], "plot's --head is now --attention-head"),
         (["plot", "x", "--out", "f.png", "--layer", "6"], "layer 6 out of range"),
         (["plot", "a", "b", "c", "d", "e", "--out", "f.png"], "at most 4 panels"),
         (["serve", "missing.html"], "no such report file"),

@@ -82,8 +82,11 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary table."),
     ) -> None:
         """Run methods over every example of a dataset; resumable, sharded, in-process or on Ray."""
+        from mixlens.corpus.readers import HF_PREFIX, iter_examples
         from mixlens.corpus.runner import run_corpus
 
+        if not data.startswith(HF_PREFIX):  # a file without one usable row fails before the model and --out
+            next(iter_examples(data, text_column, pair_column, strict, fmt=fmt))
         try:
             res = run_corpus(
                 data,

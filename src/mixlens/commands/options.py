@@ -123,8 +123,8 @@ def check_limit(limit: int | None) -> int | None:
 
 
 def read_examples(data: str, text_column: str | None, pair_column: str | None, limit: int | None) -> list[Any]:
-    """The first `limit` examples of a data file (through the shared corpus readers); none at all is an error
-    (before any model loads)."""
+    """The first `limit` examples of a data file (through the shared corpus readers, which refuse a file without
+    one usable row)."""
     from mixlens.corpus.readers import iter_examples
 
     out: list[Any] = []
@@ -132,8 +132,6 @@ def read_examples(data: str, text_column: str | None, pair_column: str | None, l
         if limit is not None and len(out) >= limit:
             break
         out.append(ex)
-    if not out:
-        raise MixlensError(f"{data} holds no usable examples (only a header, or every row empty or unreadable)")
     return out
 
 
@@ -153,9 +151,10 @@ def check_argv(args: Sequence[str]) -> None:
 def precheck_model(
     model: str | None, head: str | None, methods: Sequence[str], texts: Sequence[Any], max_length: int | None
 ) -> None:
-    """Errors that need only the config and the tokenizer, before the weights load: decompx_classes without a
+    """Errors that need only the config and the tokenizer, before the weights load: decompx without a
     sequence-classification head, attention_flow over its token limit."""
-    if "decompx_classes" not in methods and "attention_flow" not in methods:
+    decompx = [m for m in methods if m in ("decompx", "decompx_classes")]
+    if not decompx and "attention_flow" not in methods:
         return
     import transformers
 
@@ -167,10 +166,10 @@ def precheck_model(
     except (OSError, ValueError):
         return  # `load` says why, with its own message
     chosen = head or head_for(config)
-    if "decompx_classes" in methods and chosen != "sequence-classification":
+    if decompx and chosen != "sequence-classification":
         raise MixlensError(
-            f"decompx_classes needs a sequence-classification model; this one loads as {chosen} "
-            "(give --model-head sequence-classification for a classifier checkpoint)"
+            f"decompx needs a sequence-classification model ({', '.join(decompx)}); this one loads as {chosen}: "
+            "give a classifier checkpoint, or --model-head sequence-classification"
         )
     if "attention_flow" in methods:
         from mixlens.methods.rollout import FLOW_MAX_TOKENS
