@@ -164,7 +164,8 @@ def test_cli_without_classification_head(capsys):
 
 def test_cli_unknown_value_bias(capsys):
     code, _, err = run_cli(["analyze", "A fine film.", "--method", "decompx_classes", "--model-head",
-                            "sequence-classification", "--allow-random-head", "--option", "decompx_classes.value_bias=zero"], capsys)
+                            "sequence-classification", "--allow-random-head", "--option",
+                            "decompx_classes.value_bias=zero"], capsys)
     assert code == 2
     assert "unknown value_bias 'zero'; valid: values, absdot" in err and len(err.strip().splitlines()) == 1
 
