@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from mixlens.commands.options import (
     pick_model_head,
     precheck_model,
 )
-from mixlens.commands.output import progress
+from mixlens.commands.output import method_progress
 from mixlens.errors import MixlensError
 
 
@@ -77,7 +76,6 @@ def analyze(
 ) -> None:
     """Decompose TEXT with each method and print what it found (mixing ratios, top sources, token scores)."""
     from mixlens.lens import load
-    from mixlens.methods import get
     from mixlens.result import atomic_write
 
     methods = check_methods(method)
@@ -88,12 +86,7 @@ def analyze(
         raise MixlensError(f"cannot write '{dest}': it is a directory; give a file name")
     precheck_model(model, model_head, methods, text, max_length)
     lens = load(model, head=model_head, allow_random_head=allow_random_head)
-    slow = [m for m in methods if get(m).extra_passes or m == "attention_flow"]
-    with (
-        progress(None if len(text) <= 1 else len(text), f"analyze ({', '.join(slow)})")
-        if slow
-        else nullcontext(lambda n: None) as step
-    ):
+    with method_progress(methods, len(text)) as step:
         res = lens.analyze(
             text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts, on_batch=step
         )

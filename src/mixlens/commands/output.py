@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,20 @@ def progress(total: int | None, what: str) -> Iterator[Callable[[int], None]]:
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+SLOW_METHODS = ("attention_flow",)  # besides every method that runs extra passes (value zeroing, gradients)
+
+
+def method_progress(methods: list[str], n_inputs: int) -> AbstractContextManager[Callable[[int], None]]:
+    """`progress` over the inputs when a slow method is requested (a spinner for one input), else a no-op;
+    yields `advance(n)` for `Lens.analyze(on_batch=...)`."""
+    from mixlens.methods import get
+
+    slow = [m for m in methods if get(m).extra_passes or m in SLOW_METHODS]
+    if not slow:
+        return nullcontext(lambda n: None)
+    return progress(None if n_inputs <= 1 else n_inputs, f"{', '.join(slow)}")
 
 
 def write_table(df: Any, fmt: TableFormat, out_dir: Path, stem: str) -> None:

@@ -16,6 +16,7 @@ from mixlens.commands.options import (
     parse_options,
     precheck_model,
 )
+from mixlens.commands.output import method_progress
 from mixlens.errors import MixlensError
 
 
@@ -66,7 +67,10 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"cannot write '{out}': it is a directory; give a file name")
         precheck_model(model, model_head, methods, text, max_length)
         lens = load(model, head=model_head, allow_random_head=allow_random_head)
-        res, head_maps = analyze_for_view(lens, text, methods, heads=heads, options=opts, max_length=max_length)
+        with method_progress(methods, len(text)) as step:
+            res, head_maps = analyze_for_view(
+                lens, text, methods, heads=heads, options=opts, max_length=max_length, on_batch=step
+            )
         atomic_write(out, render_report(res, head_maps=head_maps, title=title, max_values=max_values).encode())
         typer.echo(f"wrote report to {out}", err=True)
 
@@ -114,7 +118,10 @@ def register(app: typer.Typer) -> None:
         methods = ["attention"] if view is View.ratio else [method]
         precheck_model(model, model_head, methods, text, max_length)
         lens = load(model, head=model_head, allow_random_head=allow_random_head)
-        res = lens.analyze(text, methods, heads=head is not None, options=opts, max_length=max_length)
+        with method_progress(methods, len(text)) as step:
+            res = lens.analyze(
+                text, methods, heads=head is not None, options=opts, max_length=max_length, on_batch=step
+            )
         inputs = list(range(len(text)))
         if view is View.ratio:
             fig = static.ratio_figure(res)
