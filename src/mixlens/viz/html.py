@@ -236,7 +236,7 @@ def _scores_markup(payload: dict) -> str:
                     f'<span title="{x:.4g}" style="background:{colour};padding:1px 3px;margin:1px;'
                     f'border-radius:3px;display:inline-block">{html.escape(t)}</span>'
                 )
-            parts.append(f'<p><b>{html.escape(row["label"])}</b>: {"".join(spans)}</p>')
+            parts.append(f"<p><b>{html.escape(row['label'])}</b>: {''.join(spans)}</p>")
     parts.append("</div>\n")
     return "".join(parts)
 

@@ -196,8 +196,15 @@ def token_scores_figure(attr: Attribution, inputs: list[int], width_in: float = 
         for y, label in titles:
             ax.text(0, y, label, fontweight="bold", va="center")
         for x, y, t, a in placed:
-            ax.text(x, y, t, family="monospace", va="center", ha="left",
-                    bbox={"boxstyle": "round,pad=0.2", "facecolor": cmap(0.5 + 0.5 * a), "edgecolor": "none"})
+            ax.text(
+                x,
+                y,
+                t,
+                family="monospace",
+                va="center",
+                ha="left",
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": cmap(0.5 + 0.5 * a), "edgecolor": "none"},
+            )
         ax.set_title(f"{attr.method} — colour: score / max |score| per row (red +, blue −)")
     return fig
 
