@@ -114,12 +114,16 @@ def corrupt_parquet(path) -> None:
     assert pq.ParquetFile(path).metadata.num_rows == 200  # the footer still reads
 
 
-@pytest.mark.parametrize("command", ["heads", "patterns"])
-def test_parquet_with_corrupt_data_pages(command, tmp_path, capsys, no_model):
+@pytest.mark.parametrize(
+    "command, message",
+    [("heads", "the Parquet data cannot be read"), ("patterns", "the Parquet data cannot be read"),
+     ("syntax", "is not valid UTF-8")],  # syntax reads CoNLL-U only: binary input is refused as such
+)
+def test_parquet_with_corrupt_data_pages(command, message, tmp_path, capsys, no_model):
     f = tmp_path / "bad.parquet"
     corrupt_parquet(f)
     code, _, err = run_cli([command, "-d", str(f), "-o", str(tmp_path / "o")], capsys)
-    assert one_line_error(code, err) and "the Parquet data cannot be read" in err
+    assert one_line_error(code, err) and message in err
     assert not (tmp_path / "o").exists()
 
 
