@@ -232,8 +232,9 @@ def _scores_markup(payload: dict) -> str:
             spans = []
             for t, x in zip(toks, row["values"], strict=False):
                 colour = cmap[min(255, max(0, round(127.5 + 127.5 * x / lim)))]
+                ink = "#fff" if abs(x) > 0.6 * lim else "#000"  # readable on the dark ends of the scale
                 spans.append(
-                    f'<span title="{x:.4g}" style="background:{colour};padding:1px 3px;margin:1px;'
+                    f'<span title="{x:.4g}" style="background:{colour};color:{ink};padding:1px 3px;margin:1px;'
                     f'border-radius:3px;display:inline-block">{html.escape(t)}</span>'
                 )
             parts.append(f"<p><b>{html.escape(row['label'])}</b>: {''.join(spans)}</p>")

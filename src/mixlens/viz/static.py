@@ -203,6 +203,7 @@ def token_scores_figure(attr: Attribution, inputs: list[int], width_in: float = 
                 family="monospace",
                 va="center",
                 ha="left",
+                color="white" if abs(a) > 0.6 else "black",  # readable on the dark ends of the scale
                 bbox={"boxstyle": "round,pad=0.2", "facecolor": cmap(0.5 + 0.5 * a), "edgecolor": "none"},
             )
         ax.set_title(f"{attr.method} — colour: score / max |score| per row (red +, blue −)")
