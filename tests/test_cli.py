@@ -112,7 +112,7 @@ def test_heads_and_out_file(capsys, tmp_path):
         (["analyze", "x", "--option", "norm.heads"], "METHOD.KEY=VALUE"),
         (["analyze", "x", "--frobnicate"], "No such option"),
         (["analyze", "x", "--format", "xml"], "xml"),
-        (["analyze", "x", "--head", "tail"], "unknown head"),
+        (["analyze", "x", "--model-head", "tail"], "unknown head"),
     ],
 )
 def test_bad_input_one_line_exit_2(args, message, capsys):

@@ -44,7 +44,7 @@ def test_scores_sum_to_logits_every_family(family, value_bias, tokenizer):
 @pytest.fixture(scope="module")
 def classifier() -> mixlens.Lens:
     torch.manual_seed(0)  # the classification head is randomly initialised
-    return mixlens.load(head="sequence-classification")
+    return mixlens.load(head="sequence-classification", allow_random_head=True)  # random classifier on purpose
 
 
 @pytest.mark.parametrize("value_bias", dx.VALUE_BIAS)
@@ -165,15 +165,16 @@ def test_cli_without_classification_head(capsys):
 
 
 def test_cli_unknown_value_bias(capsys):
-    code, _, err = run_cli(["analyze", "A fine film.", "--method", "decompx_classes", "--head",
-                            "sequence-classification", "--option", "decompx_classes.value_bias=zero"], capsys)
+    code, _, err = run_cli(["analyze", "A fine film.", "--method", "decompx_classes", "--model-head",
+                            "sequence-classification", "--allow-random-head", "--option",
+                            "decompx_classes.value_bias=zero"], capsys)
     assert code == 2
     assert "unknown value_bias 'zero'; valid: values, absdot" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_with_classification_head(capsys):
-    code, out, err = run_cli(["analyze", "A fine film.", "--method", "decompx_classes", "--head",
-                          "sequence-classification", "--format", "json"], capsys)
+    code, out, err = run_cli(["analyze", "A fine film.", "--method", "decompx_classes", "--model-head",
+                          "sequence-classification", "--allow-random-head", "--format", "json"], capsys)
     assert code == 0, err
     m = json.loads(out)["inputs"][0]["methods"]["decompx_classes"]
     assert m["dims"] == ["class", "source"] and len(m["values"]) == 2

@@ -126,7 +126,7 @@ def test_cli_heads_csv_on_sst2(capsys):
 def test_cli_heads_figures(tmp_path, capsys):
     f = tmp_path / "t.txt"
     f.write_text("\n".join(SENTENCES) + "\n")
-    code, _, err = run_cli(["heads", "-d", str(f), "-o", str(tmp_path / "o"), "--view", "attn"], capsys)
+    code, _, err = run_cli(["heads", "-d", str(f), "-o", str(tmp_path / "o"), "--view", "attn", "--figures"], capsys)
     assert code == 0, err
     assert (tmp_path / "o" / "heads.parquet").is_file() and (tmp_path / "o" / "mds_attn.png").is_file()
     assert (tmp_path / "o" / "heatmap_attn_sep.png").is_file()
@@ -149,7 +149,7 @@ def test_cli_head_diff(tmp_path, capsys):
 
     f = data_file("sst2", "dev.tsv")
     code, out, err = run_cli(["head-diff", "-d", str(f), "--limit", "3", "--other", str(default_model_path()),
-                              "--format", "csv", "-o", str(tmp_path)], capsys)
+                              "--format", "csv", "-o", str(tmp_path), "--figures"], capsys)
     assert code == 0, err
     df = pd.read_csv(io.StringIO(out))
     assert len(df) == 72 and np.allclose(df["cosine"], 1.0, atol=1e-5)

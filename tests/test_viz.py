@@ -135,17 +135,27 @@ def test_caps_are_stated(views):
     np.testing.assert_allclose(vals, res["attention"].input(0)[:, :5, :5], rtol=6e-4, atol=1e-7)
 
 
-def test_non_map_methods_are_named_not_shown():
+def test_non_map_methods_are_scores_or_named():
+    """Per-token methods become highlighted-text rows (one per class); other non-map axes are named in a note."""
     toks = [["[CLS]", "a", "[SEP]"]]
-    per_class = Attribution(np.ones((1, 2, 3)), ("class", "source"), toks, "decompx_classes")
+    scores = np.array([[[1.0, 2.0, 3.0], [-1.0, 0.0, 0.5]]])  # [batch, class, source]
+    per_class = Attribution(scores, ("class", "source"), toks, "decompx_classes")
+    per_layer = Attribution(np.ones((1, 2)), ("layer",), toks, "scalar")
     signed = Attribution(
         np.array([[[[0.5, -1.0, 0], [0, 1, 0], [0, 0, 2.0]]]]), ("class", "target", "source"), toks, "signed"
     )
-    res = Analysis("m", "0", ["a"], toks, {"decompx_classes": per_class, "signed": signed}, {}, np.zeros(1))
+    attrs = {"decompx_classes": per_class, "signed": signed, "scalar": per_layer}
+    res = Analysis("m", "0", ["a"], toks, attrs, {}, np.zeros(1))
     p = vh.build_payload(res)
     assert [m["name"] for m in p["methods"]] == ["signed"]
     assert p["methods"][0]["signed"] and p["methods"][0]["axes"] == [{"name": "class", "size": 1}]
-    assert any("decompx_classes" in t and "class, source" in t for t in p["notes"])
+    rows = p["scores"][0]["rows"]
+    assert p["scores"][0]["name"] == "decompx_classes" and [r["label"] for r in rows] == ["input 1, class 0",
+                                                                                        "input 1, class 1"]
+    assert rows[0]["values"] == [1.0, 2.0, 3.0] and rows[1]["values"] == [-1.0, 0.0, 0.5]
+    assert any("'scalar' has axes (layer)" in t and "--format json" in t for t in p["notes"])
+    markup = vh.render_report(res)
+    assert markup.count('<span title="') == 6 and 'title="-1"' in markup
 
 
 def test_page_is_self_contained_and_csp_pins_the_script(views):
@@ -250,7 +260,7 @@ def test_report_and_plot_cli(tmp_path):
                     "attention",
                     "--layer",
                     "1",
-                    "--head",
+                    "--attention-head",
                     "0",
                 ]
             )
@@ -265,7 +275,8 @@ def test_report_and_plot_cli(tmp_path):
         (["report", "x", "--out", "r.txt"], "--out must end in .html"),
         (["report", "x", "--method", "nope", "--out", "r.html"], "unknown method 'nope'"),
         (["plot", "x", "--out", "f.gif"], "must end in .png, .svg or .pdf"),
-        (["plot", "x", "--out", "f.png", "--method", "norm_res", "--head", "1"], "no per-head values"),
+        (["plot", "x", "--out", "f.png", "--method", "norm_res", "--attention-head", "1"], "no per-head values"),
+        (["plot", "x", "--out", "f.png", "--head", "1"], "plot's --head is now --attention-head"),
         (["plot", "x", "--out", "f.png", "--layer", "6"], "layer 6 out of range"),
         (["plot", "a", "b", "c", "d", "e", "--out", "f.png"], "at most 4 panels"),
         (["serve", "missing.html"], "no such report file"),

@@ -62,8 +62,13 @@ def main(argv: list[str] | None = None) -> None:
     for sub in getattr(cmd, "commands", {}).values():
         if sub.callback is not None:
             sub.callback = quieted(sub.callback)
+    from mixlens.commands import options
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    options.INVOCATION[:] = args
     try:
-        rc = cmd.main(args=argv, prog_name="mixlens", standalone_mode=False)
+        options.check_argv(args)
+        rc = cmd.main(args=args, prog_name="mixlens", standalone_mode=False)
     except typer.Exit as e:
         rc = e.exit_code
     except typer.Abort:

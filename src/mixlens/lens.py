@@ -51,7 +51,7 @@ def _head_for(config) -> str:
 head_for = _head_for  # public: the head `load` picks for a model config (the CLI's `sweep` asks for it)
 
 
-def _resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tuple[str, bool]:
+def resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tuple[str, bool]:
     """(source, is_local); errors for paths that do not exist or are not model directories, and for a GGUF file
     that is not in the directory or cannot be read without the `gguf`/`accelerate` packages."""
     if model is None:
@@ -77,18 +77,25 @@ def _resolve_source(model: str | Path | None, gguf_file: str | None = None) -> t
     return src, False
 
 
-def load(model: str | Path | None = None, *, head: str | None = None, device: str = "cpu",
-         gguf_file: str | None = None) -> Lens:
+def load(
+    model: str | Path | None = None,
+    *,
+    head: str | None = None,
+    device: str = "cpu",
+    gguf_file: str | None = None,
+    allow_random_head: bool = False,
+) -> Lens:
     """Load a model for analysis: None = the bundled all-MiniLM-L6-v2, else a local dir or hub id.
 
     `gguf_file`: a GGUF file inside the directory `model`, de-quantised to float32 by transformers (needs the
     `gguf` and `accelerate` packages). `head` picks the AutoModel class ('base', 'masked-lm',
-    'sequence-classification', 'causal-lm');
-    by default it follows `config.architectures`. Always eager attention, eval mode, fp32.
+    'sequence-classification', 'causal-lm'); by default it follows `config.architectures`. Always eager attention,
+    eval mode, fp32. Weights missing from the checkpoint (a head transformers would initialise at random) are
+    refused unless `allow_random_head`.
     """
     import transformers
 
-    src, local = _resolve_source(model, gguf_file)
+    src, local = resolve_source(model, gguf_file)
     gguf = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if head is not None and head not in _HEADS:
         raise MixlensError(f"unknown head '{head}'; valid: {', '.join(_HEADS)}")
@@ -96,7 +103,7 @@ def load(model: str | Path | None = None, *, head: str | None = None, device: st
         config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
         family_for(config.model_type)  # fail fast on unsupported families
         cls = getattr(transformers, _HEADS[head or _head_for(config)])
-        net = cls.from_pretrained(src, attn_implementation="eager", dtype=torch.float32, **gguf)
+        net = _pretrained_without_random_weights(cls, src, head or _head_for(config), allow_random_head, **gguf)
         tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
     except MixlensError:
         raise
@@ -105,6 +112,22 @@ def load(model: str | Path | None = None, *, head: str | None = None, device: st
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MixlensError(f"cannot load model '{src}' as a {where}: {first}") from None
     return Lens(net.to(device), tok, name=str(model) if model is not None else "all-MiniLM-L6-v2")
+
+
+def _pretrained_without_random_weights(cls: Any, src: str, head: str, allow_random_head: bool, **kwargs: Any) -> Any:
+    """`cls.from_pretrained(src)`; newly initialised weights (missing or size-mismatched in the checkpoint) are a
+    `MixlensError` naming them, unless `allow_random_head`: explaining a random head explains noise."""
+    net, info = cls.from_pretrained(src, attn_implementation="eager", dtype=torch.float32, output_loading_info=True,
+                                    **kwargs)
+    new = sorted({*info.get("missing_keys", ()), *(k[0] if isinstance(k, tuple) else k for k in
+                                                 info.get("mismatched_keys", ()))})
+    if new and not allow_random_head:
+        shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
+        raise MixlensError(
+            f"the {head} model's weights {shown} are not in the checkpoint and would be random (newly initialised);"
+            " use a model trained for this head, or pass --allow-random-head (allow_random_head=True)"
+        )
+    return net
 
 
 @dataclass

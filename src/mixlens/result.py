@@ -15,19 +15,26 @@ from mixlens.errors import MixlensError
 
 
 def atomic_write(path: str | Path, data: bytes) -> None:
-    """Write to a temp file beside `path`, then rename: a crash never leaves a half file."""
+    """Write to a temp file beside `path`, then rename: a crash never leaves a half file. A directory at `path`
+    or a failing filesystem (read-only, full, no permission) is a `MixlensError` naming the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    if path.is_dir():
+        raise MixlensError(f"cannot write '{path}': it is a directory; give a file name")
+    tmp: str | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the user's usual mode
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise MixlensError(f"cannot write '{path}': {e.strerror or e}") from None
         raise
 
 

@@ -10,7 +10,20 @@ from typing import Any
 
 import typer
 
-from mixlens.commands.options import check_methods, gguf_file_option, model_option, parse_options
+from mixlens.commands.options import (
+    allow_random_head_option,
+    check_methods,
+    deprecated_head_option,
+    gguf_file_option,
+    max_length_option,
+    model_head_option,
+    model_option,
+    parse_options,
+    pick_model_head,
+    precheck_model,
+)
+from mixlens.commands.output import method_progress
+from mixlens.errors import MixlensError
 
 
 class Format(str, Enum):
@@ -22,6 +35,10 @@ class Format(str, Enum):
 def register(app: typer.Typer) -> None:
     app.command("analyze")(analyze)
     app.command("methods")(list_methods)
+
+
+NORM_FAMILY = ("attention", "norm", "norm_res", "norm_resln")  # the methods the mixing-ratio table describes
+TOP_SOURCES = 3  # sources listed per token for map methods
 
 
 def analyze(
@@ -39,14 +56,14 @@ def analyze(
         Format.table,
         "--format",
         "-f",
-        help="table: print mixing ratios and write "
+        help="table: print what each method found and write "
         "JSON to --out; json: print the JSON to stdout (or --out); html: write a "
         "self-contained report to --out (default mixlens-report.html).",
     ),
     out: Path | None = typer.Option(
         None, "--out", "-o", help="Where to write the JSON (default for --format table: mixlens-analysis.json)."
     ),
-    max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit (default: the model's)."),
+    max_length: int | None = max_length_option(),
     no_truncate: bool = typer.Option(
         False, "--no-truncate", help="Refuse over-long inputs instead of truncating them."
     ),
@@ -55,25 +72,29 @@ def analyze(
         "--option",
         help="Method option METHOD.KEY=VALUE (repeatable); `mixlens methods` lists each method's options.",
     ),
-    head: str | None = typer.Option(
-        None,
-        "--head",
-        help="Model head to load: base, masked-lm, "
-        "sequence-classification, causal-lm (default: from the model config).",
-    ),
+    model_head: str | None = model_head_option(),
+    head: str | None = deprecated_head_option(),
+    allow_random_head: bool = allow_random_head_option(),
 ) -> None:
-    """Decompose the attention blocks of TEXT and report the context-mixing ratio per layer."""
+    """Decompose TEXT with each method and print what it found (mixing ratios, top sources, token scores)."""
     from mixlens.lens import load
     from mixlens.result import atomic_write
 
     methods = check_methods(method)
     opts = parse_options(option)
-    lens = load(model, head=head, gguf_file=gguf_file)
-    res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts)
+    model_head = pick_model_head(model_head, head)
+    dest = out or Path("mixlens-report.html" if fmt is Format.html else "mixlens-analysis.json")
+    if dest.is_dir() and (fmt is not Format.json or out is not None):
+        raise MixlensError(f"cannot write '{dest}': it is a directory; give a file name")
+    precheck_model(model, model_head, methods, text, max_length, gguf_file)
+    lens = load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+    with method_progress(methods, len(text)) as step:
+        res = lens.analyze(
+            text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts, on_batch=step
+        )
     if fmt is Format.html:
         from mixlens.viz.html import render_report
 
-        dest = out or Path("mixlens-report.html")
         atomic_write(dest, render_report(res).encode())
         typer.echo(f"wrote report to {dest}", err=True)
         return
@@ -81,29 +102,104 @@ def analyze(
     if fmt is Format.json and out is None:
         sys.stdout.write(payload + "\n")
         return
-    dest = out or Path("mixlens-analysis.json")
     atomic_write(dest, payload.encode())
     if fmt is Format.table:
+        print_results(res, methods)
+    written = "; ".join(f"{m} ({describe(res[m])})" for m in methods)
+    typer.echo(f"wrote {written} for {len(text)} input(s) to {dest}", err=True)
+
+
+def describe(attr: Any) -> str:
+    """What an `Attribution` holds, in words (for the 'wrote …' line)."""
+    dims = attr.dims
+    if dims[-2:] == ("target", "source"):
+        per = [f"per {d}" for d in dims[:-2]]
+        return " ".join(["token × token maps", *per])
+    if dims[-1] == "source":
+        return "a score per " + " and ".join([*dims[:-1], "token"])
+    return "values over " + ", ".join(dims)
+
+
+def print_results(res: Any, methods: list[str]) -> None:
+    """Per requested method what a reader can use: the mixing-ratio table for the norm family, each token's top
+    sources at the last layer for token × token maps, the tokens with their scores for per-token methods."""
+    from rich.console import Console
+
+    console = Console()
+    if any(m in NORM_FAMILY for m in methods):
         print_ratios(res)
-    typer.echo(f"wrote {', '.join(methods)} matrices for {len(text)} input(s) to {dest}", err=True)
+    for m in methods:
+        attr = res[m]
+        if attr.dims[-2:] == ("target", "source"):
+            print_top_sources(attr)
+        elif attr.dims[-1] == "source":
+            print_scores(attr, console)
+        else:
+            console.print(f"{m}: {describe(attr)} (see the JSON)")
+
+
+def _last_layer_map(attr: Any, b: int) -> tuple[Any, str]:
+    """Input b's [target, source] map: last layer, mean over heads, index 0 of any other leading axis."""
+    v = attr.input(b)
+    where: list[str] = []
+    for d in attr.dims[:-2]:
+        if d == "layer":
+            where.append(f"layer {v.shape[0] - 1}")
+            v = v[-1]
+        elif d == "head":
+            where.append("mean over heads")
+            v = v.mean(0)
+        else:
+            v = v[0]
+    return v, ", ".join(where)
+
+
+def print_top_sources(attr: Any) -> None:
+    """For each token of each input, its strongest sources (by |value|) in the method's last-layer map."""
+    import numpy as np
+
+    from mixlens.commands.output import print_table
+
+    for b, toks in enumerate(attr.tokens):
+        m, where = _last_layer_map(attr, b)
+        rows = []
+        for i, t in enumerate(toks):
+            order = np.argsort(-np.abs(m[i]), kind="stable")[:TOP_SOURCES]
+            rows.append([t, "  ".join(f"{toks[j]} {m[i, j]:.2f}" for j in order)])
+        what = f"{attr.method}: top {TOP_SOURCES} sources of each token" + (f" ({where})" if where else "")
+        print_table(what + (f" — input {b + 1}" if len(attr.tokens) > 1 else ""), ["token", "sources"], rows, left=(1,))
+
+
+def print_scores(attr: Any, console: Any) -> None:
+    """The tokens of each input with their scores; the strongest |score| tokens highlighted (red +, blue −)."""
+    import numpy as np
+    from rich.text import Text
+
+    for b, toks in enumerate(attr.tokens):
+        v = attr.input(b)  # [*lead, n]
+        rows = v.reshape(-1, v.shape[-1])
+        labels = [""] if v.ndim == 1 else [f"{attr.dims[0]} {k}: " for k in range(rows.shape[0])]
+        console.print(f"{attr.method}" + (f" — input {b + 1}" if len(attr.tokens) > 1 else "") + ":")
+        for label, r in zip(labels, rows, strict=True):
+            top = set(np.argsort(-np.abs(r), kind="stable")[:TOP_SOURCES].tolist())
+            line = Text("  " + label)
+            for j, t in enumerate(toks):
+                style = ("bold white on red" if r[j] >= 0 else "bold white on blue") if j in top else ""
+                line.append(f"{t}", style=style)
+                line.append(f" {r[j]:.3g}  ", style="dim")
+            console.print(line)
 
 
 def print_ratios(res: Any) -> None:
-    """The mean mixing ratio per layer of each variant of an `Analysis`, as a rich table."""
-    from rich.console import Console
-    from rich.table import Table
+    """The mean mixing ratio per layer of each variant of an `Analysis`, as a table that fits the terminal."""
+    from mixlens.commands.output import print_table
 
     if not res.ratios:  # no requested method used the norm engine
         return
     means = {v: res.mixing_ratio(v).mean(0) for v in res.ratios}
-    table = Table(title=f"Context-mixing ratio (%), mean over tokens and inputs — {res.model}")
-    table.add_column("layer", justify="right")
-    for v in means:
-        table.add_column(v, justify="right")
-    for layer in range(len(means["W"])):
-        table.add_row(str(layer), *(f"{100 * means[v][layer]:.1f}" for v in means))
-    table.add_row("mean", *(f"{100 * means[v].mean():.1f}" for v in means), style="bold")
-    Console().print(table)
+    rows = [[str(layer), *(f"{100 * means[v][layer]:.1f}" for v in means)] for layer in range(len(means["W"]))]
+    rows.append(["mean", *(f"{100 * means[v].mean():.1f}" for v in means)])
+    print_table(f"Context-mixing ratio (%), mean over tokens and inputs — {res.model}", ["layer", *means], rows)
     print(f"reconstruction error (max abs): {res.reconstruction_error.max():.2e}")
 
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from mixlens.commands.options import parse_options
+from mixlens.commands.options import (
+    allow_random_head_option,
+    deprecated_head_option,
+    max_length_option,
+    model_head_option,
+    parse_options,
+    pick_model_head,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -52,11 +60,7 @@ def register(app: typer.Typer) -> None:
         option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
         batch_size: int = typer.Option(32, "--batch-size", help="Most examples per forward pass."),
         max_tokens: int = typer.Option(8192, "--max-tokens", help="Most padded tokens per forward pass."),
-        max_length: int | None = typer.Option(
-            None,
-            "--max-length",
-            help="Token limit per example (default: the model's); longer rows are truncated and counted.",
-        ),
+        max_length: int | None = max_length_option(),
         shard_size: int = typer.Option(
             256, "--shard-size", help="Examples per shard (also the length-sorting window and the unit of resumption)."
         ),
@@ -71,39 +75,53 @@ def register(app: typer.Typer) -> None:
             "--workers",
             help="Local worker processes, or Ray actors (default: 1 local; one per cluster CPU on Ray).",
         ),
-        head: str | None = typer.Option(
-            None, "--head", help="Model head to load: base, masked-lm, sequence-classification, causal-lm."
-        ),
+        model_head: str | None = model_head_option(),
+        head: str | None = deprecated_head_option(),
+        allow_random_head: bool = allow_random_head_option(),
         device: str = typer.Option("cpu", "--device", help="torch device for the model (e.g. cuda)."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary table."),
     ) -> None:
         """Run methods over every example of a dataset; resumable, sharded, in-process or on Ray."""
+        from mixlens.corpus.readers import HF_PREFIX, iter_examples
         from mixlens.corpus.runner import run_corpus
 
-        res = run_corpus(
-            data,
-            out,
-            list(method) if method else None,
-            model=model,
-            text_column=text_column,
-            pair_column=pair_column,
-            fmt=fmt,
-            heads=heads,
-            options=parse_options(option),
-            store=store,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
-            max_length=max_length,
-            shard_size=shard_size,
-            strict=strict,
-            overwrite=overwrite,
-            backend=backend,
-            workers=workers,
-            address=address,
-            head=head,
-            device=device,
-            progress=not quiet,
-        )
+        if not data.startswith(HF_PREFIX):  # a file without one usable row fails before the model and --out
+            next(iter_examples(data, text_column, pair_column, strict, fmt=fmt))
+        try:
+            res = run_corpus(
+                data,
+                out,
+                list(method) if method else None,
+                model=model,
+                text_column=text_column,
+                pair_column=pair_column,
+                fmt=fmt,
+                heads=heads,
+                options=parse_options(option),
+                store=store,
+                batch_size=batch_size,
+                max_tokens=max_tokens,
+                max_length=max_length,
+                shard_size=shard_size,
+                strict=strict,
+                overwrite=overwrite,
+                backend=backend,
+                workers=workers,
+                address=address,
+                head=pick_model_head(model_head, head),
+                device=device,
+                progress=not quiet,
+                allow_random_head=allow_random_head,
+            )
+        except KeyboardInterrupt:
+            from mixlens.commands.options import INVOCATION
+
+            typer.echo(
+                f"mixlens: interrupted; finished shards in {out} are kept. Resume with the same command: "
+                f"{shlex.join(['mixlens', *INVOCATION])}",
+                err=True,
+            )
+            raise typer.Exit(130) from None
         c = res.manifest["counts"]
         if not quiet:
             print_summary(res)
@@ -118,16 +136,11 @@ def register(app: typer.Typer) -> None:
 
 
 def print_summary(res: Any) -> None:
-    """The mean mixing ratio per layer and method of a corpus run, as a rich table on stderr."""
-    from rich.console import Console
-    from rich.table import Table
+    """The mean mixing ratio per layer and method of a corpus run, as a table on stderr that fits the terminal."""
+    from mixlens.commands.output import print_table
 
     agg = res.aggregate()
     r = agg[agg["stat"] == "mixing_ratio"].pivot(index="layer", columns="method", values="mean")
-    table = Table(title=f"Mean context-mixing ratio (%) over all tokens — {res.manifest['model']}")
-    table.add_column("layer", justify="right")
-    for v in r.columns:
-        table.add_column(str(v), justify="right")
-    for layer, row in r.iterrows():
-        table.add_row(str(layer), *(f"{100 * x:.1f}" for x in row))
-    Console(stderr=True).print(table)
+    rows = [[str(layer), *(f"{100 * x:.1f}" for x in row)] for layer, row in r.iterrows()]
+    title = f"Mean context-mixing ratio (%) over all tokens — {res.manifest['model']}"
+    print_table(title, ["layer", *map(str, r.columns)], rows, stderr=True)

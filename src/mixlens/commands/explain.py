@@ -20,19 +20,30 @@ def register(app: typer.Typer) -> None:
     def explain_cmd(
         text: list[str] = typer.Argument(..., help="One or more texts."),
         model: str | None = model_option(),
-        head: str | None = typer.Option(None, "--head", help="Model head: sequence-classification, causal-lm, base "
-                                        "(default: from the model config)."),
-        method: list[str] = typer.Option(None, "--method", help="Method (repeatable); default: every applicable "
-                                         "method but exact HTA."),
-        target: str | None = typer.Option(None, "--target", help="Class index or label name (classifiers), or a "
-                                          "token (causal LMs); default: the prediction."),
-        foil: str | None = typer.Option(None, "--foil", help="Contrast token/class: explain logit(target) − "
-                                        "logit(foil)."),
-        generate: int = typer.Option(0, "--generate", min=0, help="Causal LMs: generate N tokens greedily and "
-                                     "explain each."),
+        gguf_file: str | None = gguf_file_option(),
+        head: str | None = typer.Option(
+            None,
+            "--head",
+            help="Model head: sequence-classification, causal-lm, base (default: from the model config).",
+        ),
+        method: list[str] = typer.Option(
+            None, "--method", help="Method (repeatable); default: every applicable method but exact HTA."
+        ),
+        target: str | None = typer.Option(
+            None,
+            "--target",
+            help="Class index or label name (classifiers), or a token (causal LMs); default: the prediction.",
+        ),
+        foil: str | None = typer.Option(
+            None, "--foil", help="Contrast token/class: explain logit(target) − logit(foil)."
+        ),
+        generate: int = typer.Option(
+            0, "--generate", min=0, help="Causal LMs: generate N tokens greedily and explain each."
+        ),
         fmt: str = typer.Option("table", "--format", "-f", help="table (terminal), json or html."),
-        out: Path | None = typer.Option(None, "--out", "-o", help="Output file (json: default stdout; html: default "
-                                        "mixlens-explain.html)."),
+        out: Path | None = typer.Option(
+            None, "--out", "-o", help="Output file (json: default stdout; html: default mixlens-explain.html)."
+        ),
         seed: int = typer.Option(0, "--seed", help="Seed of the sampling methods (gradient_shap, lime)."),
     ) -> None:
         """Explain a prediction: each token's score for the target, per method."""
@@ -42,9 +53,8 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in FORMATS:
             raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
-        lens = load(model, head=head)
-        res = explain(lens, text, method or None, target=target, foil=foil, generate=generate,
-                      seed=seed)
+        lens = load(model, gguf_file=gguf_file, head=head)
+        res = explain(lens, text, method or None, target=target, foil=foil, generate=generate, seed=seed)
         if fmt == "html":
             dest = out or Path("mixlens-explain.html")
             atomic_write(dest, res.html().encode())
@@ -64,18 +74,25 @@ def register(app: typer.Typer) -> None:
     @app.command("evaluate")
     def evaluate_cmd(
         model: str | None = model_option(),
-        data: Path = typer.Option(..., "--data", help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per "
-                                  "record."),
+        gguf_file: str | None = gguf_file_option(),
+        data: Path = typer.Option(
+            ..., "--data", help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record."
+        ),
         head: str | None = typer.Option(None, "--head", help="Model head (default: from the model config)."),
         text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
-        method: list[str] = typer.Option(None, "--method", help="Method (repeatable); default: every applicable "
-                                         "method but exact HTA. A seeded 'random' baseline is always added."),
+        method: list[str] = typer.Option(
+            None,
+            "--method",
+            help="Method (repeatable); default: every applicable "
+            "method but exact HTA. A seeded 'random' baseline is always added.",
+        ),
         skip: int = typer.Option(0, "--skip", min=0, help="Skip the first N records (e.g. the training part)."),
         limit: int = typer.Option(0, "--limit", min=0, help="Evaluate at most N records (0 = all)."),
         removal: str = typer.Option("delete", "--removal", help="delete (drop the tokens) or mask (mask token)."),
         fmt: str = typer.Option("table", "--format", "-f", help="table or json (json: evaluation.json on stdout)."),
-        out: Path | None = typer.Option(None, "--out", "-o", help="Directory for evaluation.json and "
-                                        "evaluation.png (default: mixlens-evaluation)."),
+        out: Path | None = typer.Option(
+            None, "--out", "-o", help="Directory for evaluation.json and evaluation.png (default: mixlens-evaluation)."
+        ),
         batch_size: int = typer.Option(8, "--batch-size", min=1),
         seed: int = typer.Option(0, "--seed", help="Seed of the random baseline, samplers and bootstrap."),
     ) -> None:
@@ -98,11 +115,12 @@ def register(app: typer.Typer) -> None:
             raise MixlensError("evaluate takes single texts, not sentence pairs")
         if not texts:
             raise MixlensError(f"no examples to evaluate in '{data}'" + (f" after skipping {skip}" if skip else ""))
-        lens = load(model, head=head)
+        lens = load(model, gguf_file=gguf_file, head=head)
         if removal == "mask" and lens.tokenizer.mask_token_id is None:
             raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
-        ev = evaluate(lens, texts, method or None, removal=removal, batch_size=batch_size, seed=seed,
-                      progress=stderr_progress)
+        ev = evaluate(
+            lens, texts, method or None, removal=removal, batch_size=batch_size, seed=seed, progress=stderr_progress
+        )
         dest = out or Path("mixlens-evaluation")
         dest.mkdir(parents=True, exist_ok=True)
         payload = ev.dumps()
@@ -132,11 +150,19 @@ def _print(ev) -> None:
             lo, hi = r["ci95"][k]
             return f"{r[k]:.3f} [{lo:.3f}, {hi:.3f}]"
 
-        table.add_row(m, cell("aopc"), cell("comprehensiveness"), cell("sufficiency"), cell("spearman_gxi"),
-                      f"{ev.timings.get(m, 0.0):.1f}")
+        table.add_row(
+            m,
+            cell("aopc"),
+            cell("comprehensiveness"),
+            cell("sufficiency"),
+            cell("spearman_gxi"),
+            f"{ev.timings.get(m, 0.0):.1f}",
+        )
     Console(width=max(140, shutil.get_terminal_size((140, 24)).columns)).print(table)
     t = ev.timings
-    print(f"time: total {t['total']:.1f} s, attributions {t['attributions']:.1f} s, perturbed forward passes "
-          f"{t['forward']:.1f} s, evaluation's own {t['own']:.1f} s ({100 * t['own'] / t['total']:.1f} %)")
+    print(
+        f"time: total {t['total']:.1f} s, attributions {t['attributions']:.1f} s, perturbed forward passes "
+        f"{t['forward']:.1f} s, evaluation's own {t['own']:.1f} s ({100 * t['own'] / t['total']:.1f} %)"
+    )
     for note in ev.notes:
         print(f"note: {note}")

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from mixlens.commands.options import model_option
+from mixlens.commands.options import (
+    allow_random_head_option,
+    deprecated_head_option,
+    gguf_file_option,
+    max_length_option,
+    model_head_option,
+    model_option,
+    pick_model_head,
+    read_examples,
+)
+from mixlens.commands.output import print_table, progress
 from mixlens.errors import MixlensError
 
 
@@ -18,6 +27,7 @@ def register(app: typer.Typer) -> None:
     def compare_local_global_cmd(
         data: Path = typer.Argument(..., help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record."),
         model: str | None = model_option(),
+        gguf_file: str | None = gguf_file_option(),
         text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
         pair_column: str | None = typer.Option(None, "--pair-column", help="Column with the second text of a pair."),
         limit: int = typer.Option(64, "--limit", min=0, help="Use the first N records (0 = all)."),
@@ -29,12 +39,11 @@ def register(app: typer.Typer) -> None:
             help="Differentiate w.r.t. 'word' (word-piece) embeddings or the 'embedding'-layer output.",
         ),
         batch_size: int = typer.Option(8, "--batch-size", min=1),
-        max_length: int | None = typer.Option(None, "--max-length", min=1),
+        max_length: int | None = max_length_option(),
         out: Path = typer.Option(Path("local-global.json"), "--out", "-o", help="JSON with all per-head numbers."),
         figure: Path | None = typer.Option(None, "--figure", help="Also write a PNG/SVG figure here."),
     ) -> None:
         """Compare what each head attends to (attention) with which inputs its output depends on (gradients)."""
-        from mixlens.corpus.readers import iter_examples
         from mixlens.lens import load
         from mixlens.methods.gradients import MODES
         from mixlens.result import atomic_write
@@ -45,15 +54,22 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"unknown mode '{mode}'; valid: {', '.join(MODES)}")
         if not data.is_file():
             raise MixlensError(f"data file '{data}' does not exist")
-        texts: Iterable[str | tuple[str, str]] = (
-            ex.text for ex in iter_examples(data, text_column=text_column, pair_column=pair_column)
-        )
-        if limit:
-            texts = itertools.islice(texts, limit)
-        lens = load(model)
-        res = compare_local_global(
-            lens, texts, batch_size=batch_size, max_length=max_length, input=input, mode=mode, probes=probes
-        )
+        for path in (out, figure):
+            if path is not None and path.is_dir():
+                raise MixlensError(f"cannot write '{path}': it is a directory; give a file name")
+        texts = [ex.text for ex in read_examples(str(data), text_column, pair_column, limit or None)]
+        lens = load(model, gguf_file=gguf_file)
+        with progress(len(texts), f"compare-local-global ({mode})") as step:
+            res = compare_local_global(
+                lens,
+                texts,
+                batch_size=batch_size,
+                max_length=max_length,
+                input=input,
+                mode=mode,
+                probes=probes,
+                on_batch=step,
+            )
         atomic_write(out, res.dumps().encode())
         if figure:
             local_global_figure(res, figure)
@@ -64,11 +80,10 @@ def register(app: typer.Typer) -> None:
     def saliency_cmd(
         text: list[str] = typer.Argument(..., help="One or more texts."),
         model: str | None = model_option(),
-        head: str | None = typer.Option(
-            None,
-            "--head",
-            help="Model head: sequence-classification, masked-lm, causal-lm (default: from the model config).",
-        ),
+        gguf_file: str | None = gguf_file_option(),
+        model_head: str | None = model_head_option(),
+        head: str | None = deprecated_head_option(),
+        allow_random_head: bool = allow_random_head_option(),
         kind: str = typer.Option("saliency", "--kind", help="saliency, grad_x_input or integrated_gradients."),
         target: str = typer.Option(
             "pred", "--target", help="'pred' (predicted class/token) or a class index / token id."
@@ -87,11 +102,20 @@ def register(app: typer.Typer) -> None:
         from mixlens.methods.saliency import output_attribution
 
         tgt: int | str = int(target) if target.lstrip("-").isdigit() else target
-        lens = load(model, head=head)
-        enc = lens.encode(text)
-        res = output_attribution(
-            lens.trace(enc), kind, target=tgt, position=position, reduction=reduction, steps=steps, baseline=baseline
+        lens = load(
+            model, gguf_file=gguf_file, head=pick_model_head(model_head, head), allow_random_head=allow_random_head
         )
+        enc = lens.encode(text)
+        with progress(None, kind) if kind == "integrated_gradients" else nullcontext():
+            res = output_attribution(
+                lens.trace(enc),
+                kind,
+                target=tgt,
+                position=position,
+                reduction=reduction,
+                steps=steps,
+                baseline=baseline,
+            )
         for b, toks in enumerate(enc.tokens):
             line = f"input {b + 1}: f(x) = {res.target_value[b]:.4f}"
             if res.delta is not None and res.baseline_value is not None:
@@ -103,20 +127,18 @@ def register(app: typer.Typer) -> None:
 def print_agreement(res: Any) -> None:
     """Per-layer agreement of attention and head attribution (a `LocalGlobal`) as a rich table, then the
     persistent token-type patterns."""
-    from rich.console import Console
-    from rich.table import Table
-
     from mixlens.stats.tokens import TOKEN_TYPES
 
-    table = Table(title=f"Attention (local) vs head attribution (global), {res.n_inputs} inputs, mean over heads")
-    for col in ("layer", "JS", "Pearson", "Spearman", *[f"{t} loc/glob" for t in TOKEN_TYPES]):
-        table.add_column(col, justify="right")
+    columns = ["layer", "JS", "Pearson", "Spearman", *[f"{t} loc/glob" for t in TOKEN_TYPES]]
+    rows = []
     for layer in range(res.scores["js"].shape[0]):
         masses = [f"{res.local[t][layer].mean():.2f}/{res.global_[t][layer].mean():.2f}" for t in TOKEN_TYPES]
-        table.add_row(
-            str(layer), *(f"{res.scores[k][layer].mean():.3f}" for k in ("js", "pearson", "spearman")), *masses
+        rows.append(
+            [str(layer), *(f"{res.scores[k][layer].mean():.3f}" for k in ("js", "pearson", "spearman")), *masses]
         )
-    Console().print(table)
+    print_table(
+        f"Attention (local) vs head attribution (global), {res.n_inputs} inputs, mean over heads", columns, rows
+    )
     pers = res.persistent_patterns()
     print(
         f"patterns dominating a head in at least half the layers - attention: {', '.join(pers['local']) or 'none'};"

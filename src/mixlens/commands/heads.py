@@ -12,6 +12,7 @@ from mixlens.commands.options import (
     check_limit,
     check_view,
     data_option,
+    gguf_file_option,
     limit_option,
     model_option,
     pair_column_option,
@@ -29,6 +30,7 @@ def register(app: typer.Typer) -> None:
 def heads(
     data: str = data_option(),
     model: str | None = model_option(),
+    gguf_file: str | None = gguf_file_option(),
     text_column: str | None = text_column_option(),
     pair_column: str | None = pair_column_option(),
     limit: int | None = limit_option(),
@@ -43,7 +45,8 @@ def heads(
     out: Path = typer.Option(Path("mixlens-heads"), "--out", "-o", help="Directory for tables and figures."),
     no_cluster: bool = typer.Option(False, "--no-cluster", help="Skip the JS distances and MDS plot."),
     cluster_limit: int = typer.Option(200, "--cluster-limit", min=1, help="Inputs used for JS distances."),
-    no_figures: bool = typer.Option(False, "--no-figures", help="Skip the figures."),
+    figures: bool = typer.Option(False, "--figures", help="Also write PNG figures (heatmaps, MDS maps) to --out."),
+    no_figures: bool = typer.Option(False, "--no-figures", hidden=True, help="Deprecated: figures are now opt-in."),
 ) -> None:
     """Per-head token-type masses, Kovaleva column maxima and entropy on attention and norm views."""
     from mixlens.lens import load
@@ -53,7 +56,7 @@ def heads(
 
     views = [check_view(v) for v in view] if view else list(VIEWS)
     texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
-    lens = load(model)
+    lens = load(model, gguf_file=gguf_file)
     with progress(len(texts), "heads") as step:
         rep = head_statistics(
             lens,
@@ -69,18 +72,19 @@ def heads(
         summary = rep.layer_summary()
         cols = ["layer", *[f"{v}_{s}" for v in views for s in STATISTICS]]
         print_frame(summary[cols], f"Per-layer mean over heads — {lens.name}, {len(texts)} inputs")
-    if no_figures:
+    if not figures or no_figures:
         return
+    written: list[Path] = []
     for v in views:
         for s in (*STATISTICS, "cls_colmax", "sep_colmax", "punct_colmax"):
-            layer_head_heatmap(
-                rep.grid(f"{v}_{s}"), f"{v}_{s} ({lens.name}, {len(texts)} inputs)", out / f"heatmap_{v}_{s}.png"
-            )
+            written.append(out / f"heatmap_{v}_{s}.png")
+            layer_head_heatmap(rep.grid(f"{v}_{s}"), f"{v}_{s} ({lens.name}, {len(texts)} inputs)", written[-1])
     if not no_cluster:
         t = rep.table.sort_values(["layer", "head"])
         for v in views:
             coords = classical_mds(js_distance(rep.js[v]))
             behaviours = dominant_behaviour({b: t[f"{v}_{b}"].to_numpy() for b in BEHAVIOURS})
+            written.append(out / f"mds_{v}.png")
             head_mds_figure(
                 coords,
                 t["layer"].to_numpy(),
@@ -88,14 +92,15 @@ def heads(
                 behaviours,
                 [*BEHAVIOURS, "broad"],
                 f"Heads, MDS of Jensen–Shannon distances ({v}); label = layer-head",
-                out / f"mds_{v}.png",
+                written[-1],
             )
-    typer.echo(f"wrote figures to {out}/", err=True)
+    typer.echo(f"wrote {len(written)} figures to {out}/: {', '.join(p.name for p in written)}", err=True)
 
 
 def head_diff(
     data: str = data_option(),
     model: str | None = model_option(),
+    gguf_file: str | None = gguf_file_option(),
     other: str = typer.Option(..., "--other", help="The second checkpoint (e.g. a fine-tuned model dir)."),
     text_column: str | None = text_column_option(),
     pair_column: str | None = pair_column_option(),
@@ -103,6 +108,7 @@ def head_diff(
     batch_size: int = batch_size_option(),
     fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f"),
     out: Path = typer.Option(Path("mixlens-head-diff"), "--out", "-o", help="Directory for table and heatmap."),
+    figures: bool = typer.Option(False, "--figures", help="Also write the heatmap head_diff.png to --out."),
 ) -> None:
     """Per (layer, head) cosine similarity of the attention maps of two checkpoints (fine-tuning change)."""
     import pandas as pd
@@ -112,7 +118,7 @@ def head_diff(
     from mixlens.viz.heads import layer_head_heatmap
 
     texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
-    a, b = load(model), load(other)
+    a, b = load(model, gguf_file=gguf_file), load(other)
     with progress(len(texts), "head-diff") as step:
         sim = attention_similarity(a, b, texts, batch_size=batch_size, on_batch=step)  # [layer, head]
     df = pd.DataFrame(
@@ -123,4 +129,6 @@ def head_diff(
     if fmt is TableFormat.table:
         per = df.groupby("layer")["cosine"].agg(["mean", "min"]).reset_index()
         print_frame(per, f"Attention cosine similarity {a.name} vs {b.name}, {len(texts)} inputs")
-    layer_head_heatmap(sim, f"attention cosine: {a.name} vs {b.name}", out / "head_diff.png", cmap="magma")
+    if figures:
+        layer_head_heatmap(sim, f"attention cosine: {a.name} vs {b.name}", out / "head_diff.png", cmap="magma")
+        typer.echo(f"wrote {out / 'head_diff.png'}", err=True)

@@ -25,8 +25,46 @@ def model_option() -> Any:
 def gguf_file_option() -> Any:
     """`--gguf-file`: a GGUF weights file inside the --model directory (needs the `gguf` extra)."""
     return typer.Option(
-        None, "--gguf-file", help="Load a GGUF file of the --model directory (pip install \"mixlens[gguf]\")."
+        None, "--gguf-file", help='Load a GGUF file of the --model directory (pip install "mixlens[gguf]").'
     )
+
+
+def model_head_option() -> Any:
+    """`--model-head`: the model's output head class (not an attention head)."""
+    return typer.Option(
+        None,
+        "--model-head",
+        help="Model output head to load: base, masked-lm, sequence-classification, causal-lm "
+        "(default: from the model config).",
+    )
+
+
+def deprecated_head_option() -> Any:
+    """`--head`: the old name of `--model-head`, kept working (hidden, warns)."""
+    return typer.Option(None, "--head", hidden=True, help="Deprecated: use --model-head.")
+
+
+def allow_random_head_option() -> Any:
+    return typer.Option(
+        False,
+        "--allow-random-head",
+        help="Accept a model head whose weights are not in the checkpoint (random, newly initialised).",
+    )
+
+
+def pick_model_head(model_head: str | None, head: str | None) -> str | None:
+    """`--model-head`, or the deprecated `--head` (with a warning); both at once is an error."""
+    if head is None:
+        return model_head
+    if model_head is not None and model_head != head:
+        raise MixlensError("give the model head once: --model-head (--head is its deprecated old name)")
+    typer.echo("warning: --head is deprecated here; use --model-head", err=True)
+    return head
+
+
+def max_length_option() -> Any:
+    """`--max-length`: the same bound and message in every command."""
+    return typer.Option(None, "--max-length", min=1, help="Token limit per input (default: the model's).")
 
 
 def data_option() -> Any:
@@ -92,7 +130,8 @@ def check_limit(limit: int | None) -> int | None:
 
 
 def read_examples(data: str, text_column: str | None, pair_column: str | None, limit: int | None) -> list[Any]:
-    """The first `limit` examples of a data file (through the shared corpus readers)."""
+    """The first `limit` examples of a data file (through the shared corpus readers, which refuse a file without
+    one usable row)."""
     from mixlens.corpus.readers import iter_examples
 
     out: list[Any] = []
@@ -101,6 +140,65 @@ def read_examples(data: str, text_column: str | None, pair_column: str | None, l
             break
         out.append(ex)
     return out
+
+
+def check_argv(args: Sequence[str]) -> None:
+    """Refuse arguments that are not valid text: Python decodes argv with surrogateescape, so invalid UTF-8
+    bytes arrive as lone surrogates that would fail far later (tokenizer, JSON, file names)."""
+    for k, arg in enumerate(args):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            prev = args[k - 1] if k and args[k - 1].startswith("-") else None
+            what = f"the value of {prev}" if prev else f"argument {k + 1}"
+            raise MixlensError(f"{what} is not valid UTF-8 text: '{shown}'") from None
+
+
+def precheck_model(
+    model: str | None,
+    head: str | None,
+    methods: Sequence[str],
+    texts: Sequence[Any],
+    max_length: int | None,
+    gguf_file: str | None = None,
+) -> None:
+    """Errors that need only the config and the tokenizer, before the weights load: decompx without a
+    sequence-classification head, attention_flow over its token limit."""
+    decompx = [m for m in methods if m in ("decompx", "decompx_classes")]
+    if not decompx and "attention_flow" not in methods:
+        return
+    import transformers
+
+    from mixlens.lens import head_for, resolve_source
+
+    src, local = resolve_source(model, gguf_file)
+    gguf = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
+    except (OSError, ValueError):
+        return  # `load` says why, with its own message
+    chosen = head or head_for(config)
+    if decompx and chosen != "sequence-classification":
+        raise MixlensError(
+            f"decompx needs a sequence-classification model ({', '.join(decompx)}); this one loads as {chosen}: "
+            "give a classifier checkpoint, or --model-head sequence-classification"
+        )
+    if "attention_flow" in methods:
+        from mixlens.methods.rollout import FLOW_MAX_TOKENS
+
+        tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
+        for k, text in enumerate(texts):
+            pair = text if isinstance(text, tuple) else (text,)
+            n = len(tok(*pair, truncation=max_length is not None, max_length=max_length)["input_ids"])
+            if n > FLOW_MAX_TOKENS:
+                raise MixlensError(
+                    f"attention_flow is limited to {FLOW_MAX_TOKENS} tokens (it runs n² max-flows per layer); "
+                    f"input {k + 1} has {n}: shorten it or use attention_rollout"
+                )
+
+
+INVOCATION: list[str] = []  # the command line of this run (set by `mixlens.cli.main`), e.g. to say how to resume
 
 
 def quiet_libraries() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -20,21 +20,45 @@ class TableFormat(str, Enum):
 
 
 @contextmanager
-def progress(total: int, what: str) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar on stderr; yields `advance(n)`."""
+def progress(total: int | None, what: str) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr, only when stderr is a terminal (never into piped or JSON output); yields
+    `advance(n)`. `total=None`: a spinner with the elapsed time, for work whose size is not known in advance."""
+    if not sys.stderr.isatty():
+        yield lambda n: None
+        return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as bar:
+    columns = (
+        [SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()]
+        if total is None
+        else [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+SLOW_METHODS = ("attention_flow",)  # besides every method that runs extra passes (value zeroing, gradients)
+
+
+def method_progress(methods: list[str], n_inputs: int) -> AbstractContextManager[Callable[[int], None]]:
+    """`progress` over the inputs when a slow method is requested (a spinner for one input), else a no-op;
+    yields `advance(n)` for `Lens.analyze(on_batch=...)`."""
+    from mixlens.methods import get
+
+    slow = [m for m in methods if get(m).extra_passes or m in SLOW_METHODS]
+    if not slow:
+        return nullcontext(lambda n: None)
+    return progress(None if n_inputs <= 1 else n_inputs, f"{', '.join(slow)}")
 
 
 def write_table(df: Any, fmt: TableFormat, out_dir: Path, stem: str) -> None:
@@ -56,13 +80,34 @@ def write_table(df: Any, fmt: TableFormat, out_dir: Path, stem: str) -> None:
 
 
 def print_frame(df: Any, title: str) -> None:
-    """A pandas DataFrame as a rich table on stderr (floats to 3 decimals)."""
+    """A pandas DataFrame as rich tables on stderr (floats to 3 decimals), split by columns to fit the terminal."""
+    rows = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in df.itertuples(index=False)]
+    print_table(title, [str(c) for c in df.columns], rows, stderr=True)
+
+
+def print_table(
+    title: str, columns: list[str], rows: list[list[str]], *, stderr: bool = False, left: tuple[int, ...] = ()
+) -> None:
+    """Right-aligned rich tables that fit the terminal width: when the columns do not fit, they are split over
+    several tables, each repeating the first (key) column; headers are never cut. Columns in `left` align left."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title)
-    for c in df.columns:
-        table.add_column(str(c), justify="right")
-    for row in df.itertuples(index=False):
-        table.add_row(*(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
-    Console(stderr=True).print(table)
+    console = Console(stderr=stderr)
+    widths = [max([len(c), *(len(r[k]) for r in rows)]) + 3 for k, c in enumerate(columns)]  # + padding, border
+    groups: list[list[int]] = [[]]
+    used = widths[0] + 1
+    for k in range(1, len(columns)):
+        if groups[-1] and used + widths[k] > console.width:
+            groups.append([])
+            used = widths[0] + 1
+        groups[-1].append(k)
+        used += widths[k]
+    for g, group in enumerate(groups):
+        part = f" ({g + 1}/{len(groups)})" if len(groups) > 1 else ""
+        table = Table(title=title + part)
+        for k in [0, *group]:
+            table.add_column(columns[k], justify="left" if k in left else "right", no_wrap=k not in left)
+        for r in rows:
+            table.add_row(*(r[k] for k in [0, *group]))
+        console.print(table)

@@ -11,6 +11,7 @@ from mixlens.commands.options import (
     check_limit,
     check_view,
     data_option,
+    gguf_file_option,
     limit_option,
     model_option,
     pair_column_option,
@@ -27,6 +28,7 @@ def register(app: typer.Typer) -> None:
 def patterns(
     data: str = data_option(),
     model: str | None = model_option(),
+    gguf_file: str | None = gguf_file_option(),
     text_column: str | None = text_column_option(),
     pair_column: str | None = pair_column_option(),
     limit: int | None = limit_option(),
@@ -34,6 +36,7 @@ def patterns(
     view: str = typer.Option("attn", "--view", help="attn or norm."),
     fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f"),
     out: Path = typer.Option(Path("mixlens-patterns"), "--out", "-o", help="Directory for table and figure."),
+    figures: bool = typer.Option(False, "--figures", help="Also write the figure patterns.png to --out."),
 ) -> None:
     """Share of each Kovaleva pattern type (vertical, diagonal, ...) per layer over a dataset."""
     import pandas as pd
@@ -44,7 +47,7 @@ def patterns(
 
     check_view(view)
     texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
-    lens = load(model)
+    lens = load(model, gguf_file=gguf_file)
     with progress(len(texts), "patterns") as step:
         labels = classify_inputs(lens, texts, view=view, batch_size=batch_size, on_batch=step)
     shares = pattern_shares(labels)  # [layer, pattern]
@@ -53,4 +56,6 @@ def patterns(
     write_table(df, fmt, out, "patterns")
     if fmt is TableFormat.table:
         print_frame(df, f"Pattern-type share per layer ({view}) — {lens.name}, {len(texts)} inputs")
-    pattern_shares_figure(shares, PATTERNS, f"pattern types ({view}, {len(texts)} inputs)", out / "patterns.png")
+    if figures:
+        pattern_shares_figure(shares, PATTERNS, f"pattern types ({view}, {len(texts)} inputs)", out / "patterns.png")
+        typer.echo(f"wrote {out / 'patterns.png'}", err=True)

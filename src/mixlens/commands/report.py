@@ -7,7 +7,17 @@ from pathlib import Path
 
 import typer
 
-from mixlens.commands.options import check_methods, model_option, parse_options
+from mixlens.commands.options import (
+    allow_random_head_option,
+    check_methods,
+    gguf_file_option,
+    max_length_option,
+    model_head_option,
+    model_option,
+    parse_options,
+    precheck_model,
+)
+from mixlens.commands.output import method_progress
 from mixlens.errors import MixlensError
 
 
@@ -26,12 +36,13 @@ def register(app: typer.Typer) -> None:
         text: list[str] = typer.Argument(..., help="One or more texts to analyse."),
         out: Path = typer.Option(Path("mixlens-report.html"), "--out", "-o", help="The HTML file to write."),
         model: str | None = model_option(),
+        gguf_file: str | None = gguf_file_option(),
         method: list[str] = typer.Option(
             None, "--method", help="Method name (repeatable); default: attention, norm, norm_res, norm_resln."
         ),
         heads: bool = typer.Option(True, "--heads/--no-heads", help="Also embed per-head maps (head selector)."),
         option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
-        max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit (default: the model's)."),
+        max_length: int | None = max_length_option(),
         max_values: int = typer.Option(
             4_000_000,
             "--max-values",
@@ -41,8 +52,11 @@ def register(app: typer.Typer) -> None:
             "page).",
         ),
         title: str | None = typer.Option(None, "--title", help="Page title."),
+        model_head: str | None = model_head_option(),
+        allow_random_head: bool = allow_random_head_option(),
     ) -> None:
-        """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios."""
+        """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios,
+        highlighted text for per-token methods."""
         from mixlens.lens import load
         from mixlens.result import atomic_write
         from mixlens.viz.html import analyze_for_view, render_report
@@ -51,8 +65,14 @@ def register(app: typer.Typer) -> None:
         opts = parse_options(option)
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
-        lens = load(model)
-        res, head_maps = analyze_for_view(lens, text, methods, heads=heads, options=opts, max_length=max_length)
+        if out.is_dir():
+            raise MixlensError(f"cannot write '{out}': it is a directory; give a file name")
+        precheck_model(model, model_head, methods, text, max_length, gguf_file)
+        lens = load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+        with method_progress(methods, len(text)) as step:
+            res, head_maps = analyze_for_view(
+                lens, text, methods, heads=heads, options=opts, max_length=max_length, on_batch=step
+            )
         atomic_write(out, render_report(res, head_maps=head_maps, title=title, max_values=max_values).encode())
         typer.echo(f"wrote report to {out}", err=True)
 
@@ -61,51 +81,70 @@ def register(app: typer.Typer) -> None:
         text: list[str] = typer.Argument(..., help="One or more texts (one panel each; ratio: pooled)."),
         out: Path = typer.Option(..., "--out", "-o", help="Figure file: .png, .svg or .pdf."),
         model: str | None = model_option(),
+        gguf_file: str | None = gguf_file_option(),
         view: View = typer.Option(View.heatmap, "--view", help="heatmap, bipartite or ratio."),
         method: str = typer.Option("norm_resln", "--method", help="Method for heatmap/bipartite."),
         layer: int = typer.Option(-1, "--layer", help="Layer (0-based; negative counts from the end)."),
-        head: int | None = typer.Option(
-            None, "--head", min=0, help="One head (0-based) instead of the method's own map."
+        attention_head: int | None = typer.Option(
+            None, "--attention-head", min=0, help="One attention head (0-based) instead of the method's own map."
         ),
+        old_head: str | None = typer.Option(None, "--head", hidden=True, help="Renamed: --attention-head."),
         option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
-        max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit."),
+        max_length: int | None = max_length_option(),
+        model_head: str | None = model_head_option(),
+        allow_random_head: bool = allow_random_head_option(),
     ) -> None:
-        """Save a publication figure (matplotlib) of the heatmap, bipartite or mixing-ratio view."""
+        """Save a publication figure (matplotlib) of the heatmap, bipartite or mixing-ratio view; per-token methods
+        (saliency, decompx_classes, ...) are drawn as highlighted text."""
         from mixlens.lens import load
         from mixlens.methods import get
         from mixlens.viz import static
 
+        if old_head is not None:
+            raise MixlensError(
+                "plot's --head is now --attention-head (an attention head number); --model-head picks the model's "
+                "output head"
+            )
+        head = attention_head
         suffix = out.suffix.lower().lstrip(".")
         if suffix not in static.FORMATS:
             raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
+        if out.is_dir():
+            raise MixlensError(f"cannot write '{out}': it is a directory; give a file name")
         if view is not View.ratio and len(text) > MAX_PANELS:
             raise MixlensError(f"{len(text)} texts: a {view.value} figure holds at most {MAX_PANELS} panels")
         spec = get(method)
+        vector = spec.dims[-1] == "source" and spec.dims[-2:] != ("target", "source")
         if head is not None and view is not View.ratio and not spec.head_dims:
-            raise MixlensError(f"'{method}' has no per-head values; drop --head")
+            raise MixlensError(f"'{method}' has no per-head values; drop --attention-head")
         opts = parse_options(option)
-        lens = load(model)
-        res = lens.analyze(
-            text,
-            ["norm"] if view is View.ratio else [method],
-            heads=head is not None,
-            options=opts,
-            max_length=max_length,
-        )
+        methods = ["norm"] if view is View.ratio else [method]
+        precheck_model(model, model_head, methods, text, max_length, gguf_file)
+        lens = load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+        with method_progress(methods, len(text)) as step:
+            res = lens.analyze(
+                text, methods, heads=head is not None, options=opts, max_length=max_length, on_batch=step
+            )
         inputs = list(range(len(text)))
         if view is View.ratio:
             fig = static.ratio_figure(res)
+        elif vector:
+            fig = static.token_scores_figure(res[method], inputs)
         elif view is View.heatmap:
             fig = static.heatmap_figure(res[method], inputs, layer, head)
         else:
             fig = static.bipartite_figure(res[method], inputs, layer, head)
         static.save_figure(fig, out)
-        typer.echo(f"wrote {view.value} figure to {out}", err=True)
+        shown = "highlighted-text" if vector and view is not View.ratio else view.value
+        typer.echo(
+            f"wrote {shown} figure of {methods[0] if view is not View.ratio else 'mixing ratios'} to {out}", err=True
+        )
 
     @app.command()
     def serve(
         files: list[Path] = typer.Argument(None, help="Report files the viewer may also serve (by name)."),
         model: str | None = model_option(),
+        gguf_file: str | None = gguf_file_option(),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: loopback only)."),
         port: int = typer.Option(8765, "--port", "-p", min=0, max=65535, help="Port (0: any free port)."),
         method: list[str] = typer.Option(
@@ -121,7 +160,7 @@ def register(app: typer.Typer) -> None:
 
         methods = check_methods(method)
         given = report_files(files or [])
-        lens = load(model)
+        lens = load(model, gguf_file=gguf_file)
         try:
             server = make_server(ViewerConfig(lens, methods, heads, max_chars, max_tokens, given), host, port)
         except OSError as e:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from mixlens.commands.options import model_option
+from mixlens.commands.options import gguf_file_option, model_option
 from mixlens.errors import MixlensError
 
 
@@ -31,16 +31,27 @@ BATCH = typer.Option(32, "--batch-size", min=1, help="Inputs per forward pass.")
 def register(app: typer.Typer) -> None:
     @app.command("relations")
     def relations_cmd(
-        data: str | None = typer.Option(None, "--data", "-d", help="Relation JSONL file: one object per line, "
-                                        "{\"words\": [...], \"pairs\": [{\"from\": i, \"to\": j, \"relation\": "
-                                        "\"nsubj\"}]} (0-based word indices)."),
-        from_conllu: str | None = typer.Option(None, "--from-conllu", help="Build the pairs (dependent → head) "
-                                               "from a CoNLL-U file instead of --data."),
-        relation: list[str] = typer.Option(None, "--relation", help="Relations taken from --from-conllu "
-                                           "(repeatable; default nsubj, obj, amod, advmod)."),
-        save_pairs: Path | None = typer.Option(None, "--save-pairs", help="Also write the records read as "
-                                               "relation JSONL."),
+        data: str | None = typer.Option(
+            None,
+            "--data",
+            "-d",
+            help="Relation JSONL file: one object per line, "
+            '{"words": [...], "pairs": [{"from": i, "to": j, "relation": '
+            '"nsubj"}]} (0-based word indices).',
+        ),
+        from_conllu: str | None = typer.Option(
+            None, "--from-conllu", help="Build the pairs (dependent → head) from a CoNLL-U file instead of --data."
+        ),
+        relation: list[str] = typer.Option(
+            None,
+            "--relation",
+            help="Relations taken from --from-conllu (repeatable; default nsubj, obj, amod, advmod).",
+        ),
+        save_pairs: Path | None = typer.Option(
+            None, "--save-pairs", help="Also write the records read as relation JSONL."
+        ),
         model: str | None = _model_opt(),
+        gguf_file: str | None = gguf_file_option(),
         limit: int | None = LIMIT,
         batch_size: int = BATCH,
         permutations: int = typer.Option(1000, "--permutations", min=1, help="Permutations of the test."),
@@ -71,20 +82,24 @@ def register(app: typer.Typer) -> None:
             records = conllu_records(from_conllu, list(relation) if relation else UD_RELATIONS, check_limit(limit))
         if save_pairs is not None:
             write_relations(records, save_pairs)
-        lens = load(model)
+        lens = load(model, gguf_file=gguf_file)
         with progress(len(records), "relations") as step:
-            rep = relation_heads(lens, records, n_permutations=permutations, seed=seed, batch_size=batch_size,
-                                 on_batch=step)
+            rep = relation_heads(
+                lens, records, n_permutations=permutations, seed=seed, batch_size=batch_size, on_batch=step
+            )
         atomic_write(out / "relations.csv", rep.table.to_csv(index=False).encode())
         relation_figure(rep, out / "relations.png")
-        print_frame(rep.best(), f"Best head per relation and view — {lens.name}, {rep.n_records} records, "
-                    f"{permutations} permutations")
+        print_frame(
+            rep.best(),
+            f"Best head per relation and view — {lens.name}, {rep.n_records} records, {permutations} permutations",
+        )
         typer.echo(f"wrote {out}/relations.csv and relations.png ({rep.skipped} pairs left out)", err=True)
 
     @app.command("frequency")
     def frequency_cmd(
         data: str = typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file."),
         model: str | None = _model_opt(),
+        gguf_file: str | None = gguf_file_option(),
         text_column: str | None = TEXT_COL,
         limit: int | None = LIMIT,
         batch_size: int = BATCH,
@@ -98,27 +113,30 @@ def register(app: typer.Typer) -> None:
         from mixlens.result import atomic_write
 
         texts = _texts(data, text_column, limit)
-        lens = load(model)
+        lens = load(model, gguf_file=gguf_file)
         with progress(len(texts), "frequency") as step:
             rep = frequency_study(lens, texts, lang=lang, batch_size=batch_size, on_batch=step)
         atomic_write(out / "frequency_rho.csv", rep.rho.to_csv(index=False).encode())
         atomic_write(out / "frequency_tokens.csv", rep.tokens.to_csv(index=False).encode())
         frequency_figure(rep, out / "frequency.png", f"{lens.name}: {len(rep.tokens)} tokens of {len(texts)} inputs")
-        print_frame(rep.rho, f"Spearman ρ with word frequency — {lens.name}, {len(rep.tokens)} tokens "
-                    f"({rep.left_out} special or unknown left out)")
+        print_frame(
+            rep.rho,
+            f"Spearman ρ with word frequency — {lens.name}, {len(rep.tokens)} tokens "
+            f"({rep.left_out} special or unknown left out)",
+        )
         typer.echo(f"wrote {out}/frequency_rho.csv, frequency_tokens.csv and frequency.png", err=True)
 
     @app.command("identify")
     def identify_cmd(
         data: str = typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file."),
         model: str | None = _model_opt(),
+        gguf_file: str | None = gguf_file_option(),
         text_column: str | None = TEXT_COL,
         limit: int | None = LIMIT,
         batch_size: int = BATCH,
         train_share: float = typer.Option(0.5, "--train-share", help="Share of sentences the probes train on."),
         seed: int = typer.Option(0, "--seed", help="Seed of the split and the MLP."),
-        probe: list[str] = typer.Option(None, "--probe", help="nn_cos, nn_l2, linear, mlp (repeatable; "
-                                        "default all)."),
+        probe: list[str] = typer.Option(None, "--probe", help="nn_cos, nn_l2, linear, mlp (repeatable; default all)."),
         mlp_epochs: int = typer.Option(5, "--mlp-epochs", min=1, help="Training epochs of the MLP probe."),
         out: Path = typer.Option(Path("mixlens-identify"), "--out", "-o", help="Directory for table and figure."),
     ) -> None:
@@ -129,13 +147,23 @@ def register(app: typer.Typer) -> None:
         from mixlens.result import atomic_write
 
         texts = _texts(data, text_column, limit)
-        lens = load(model)
+        lens = load(model, gguf_file=gguf_file)
         with progress(len(texts), "hidden states") as step:
-            rep = identifiability(lens, texts, train_share=train_share, seed=seed,
-                                  probes=list(probe) if probe else PROBES, mlp_epochs=mlp_epochs,
-                                  batch_size=batch_size, on_step=step)
+            rep = identifiability(
+                lens,
+                texts,
+                train_share=train_share,
+                seed=seed,
+                probes=list(probe) if probe else PROBES,
+                mlp_epochs=mlp_epochs,
+                batch_size=batch_size,
+                on_step=step,
+            )
         atomic_write(out / "identify.csv", rep.table.to_csv(index=False).encode())
         identifiability_figure(rep, out / "identify.png", f"Token identifiability — {lens.name}")
-        print_frame(rep.table, f"Share of identified held-out tokens — {lens.name}, {rep.n_test_tokens} tokens in "
-                    f"{rep.n_test_sentences} sentences (probes trained on {rep.n_train_sentences})")
+        print_frame(
+            rep.table,
+            f"Share of identified held-out tokens — {lens.name}, {rep.n_test_tokens} tokens in "
+            f"{rep.n_test_sentences} sentences (probes trained on {rep.n_train_sentences})",
+        )
         typer.echo(f"wrote {out}/identify.csv and identify.png", err=True)

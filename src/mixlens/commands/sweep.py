@@ -12,6 +12,7 @@ from mixlens.commands.options import (
     batch_size_option,
     check_limit,
     data_option,
+    gguf_file_option,
     limit_option,
     model_option,
     pair_column_option,
@@ -32,6 +33,7 @@ def register(app: typer.Typer) -> None:
 def sweep_command(
     data: str = data_option(),
     model: str | None = model_option(),
+    gguf_file: str | None = gguf_file_option(),
     metric: str | None = typer.Option(
         None,
         "--metric",
@@ -61,7 +63,7 @@ def sweep_command(
     if metric is not None and metric not in METRICS:
         raise MixlensError(f"unknown metric '{metric}'; valid: {', '.join(METRICS)}")
     examples = read_examples(data, text_column, pair_column, check_limit(limit))
-    lens = load(model)
+    lens = load(model, gguf_file=gguf_file)
     metric = metric or METRIC_FOR_HEAD.get(head_for(lens.model.config), "sts")
     task = make_task(lens, metric, examples, score_column, label_column, batch_size)
     with progress(sweep_steps(lens, task, mode), f"sweep ({metric}, {mode})") as step:

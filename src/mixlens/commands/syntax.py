@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from mixlens.commands.options import batch_size_option, check_limit, check_view, model_option
+from mixlens.commands.options import batch_size_option, check_limit, check_view, gguf_file_option, model_option
 from mixlens.commands.output import TableFormat, print_frame, progress, write_table
 
 
@@ -17,6 +17,7 @@ def register(app: typer.Typer) -> None:
 def syntax(
     data: str = typer.Option(..., "--data", "-d", help="CoNLL-U file (e.g. UD English EWT dev)."),
     model: str | None = model_option(),
+    gguf_file: str | None = gguf_file_option(),
     limit: int | None = typer.Option(None, "--limit", "-n", help="Use only the first N sentences."),
     batch_size: int = batch_size_option(),
     view: str = typer.Option("attn", "--view", help="attn or norm."),
@@ -33,11 +34,12 @@ def syntax(
 
     check_view(view)
     sents = list(read_conllu(data, check_limit(limit)))
-    lens = load(model)
+    lens = load(model, gguf_file=gguf_file)
     with progress(len(sents), "syntax") as step:
         rep = syntax_heads(lens, sents, view=view, batch_size=batch_size, on_batch=step)
     best = rep.best(min_count)
     atomic_write(out / "syntax_scores.csv", rep.scores.to_csv(index=False).encode())
+    typer.echo(f"wrote {out / 'syntax_scores.csv'}", err=True)
     write_table(best, fmt, out, "syntax_best")
     if fmt is TableFormat.table:
         print_frame(best, f"Best head per relation ({view}) — {lens.name}, {len(sents)} sentences")

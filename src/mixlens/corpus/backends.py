@@ -66,7 +66,7 @@ def _init_worker(job: Job, threads: int) -> None:
 
     torch.set_num_threads(threads)
     try:
-        _WORKER_LENS = load(job.model, head=job.head, device=job.device)
+        _WORKER_LENS = load(job.model, head=job.head, device=job.device, allow_random_head=job.allow_random_head)
     except MixlensError as e:  # re-raised with each task, so the user sees the message, not a broken pool
         _WORKER_LENS = e
 
@@ -169,7 +169,7 @@ class _ShardActor:
         torch.set_num_threads(1)
         self.job = job
         try:
-            self.lens = load(job.model, head=job.head, device=job.device)
+            self.lens = load(job.model, head=job.head, device=job.device, allow_random_head=job.allow_random_head)
         except MixlensError as e:  # raised again by each task, where the driver turns it into one line
             self.lens = e
 

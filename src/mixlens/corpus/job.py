@@ -35,6 +35,7 @@ class Job:
     batch_size: int = 32
     max_tokens: int = 8192
     head: str | None = None  # model head class for `mixlens.load`
+    allow_random_head: bool = False  # `mixlens.load(allow_random_head=...)`; not part of the identity
     device: str = "cpu"
 
     def identity(self) -> dict[str, object]:

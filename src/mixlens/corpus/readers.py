@@ -195,7 +195,15 @@ def _parquet(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
         raise MixlensError(f"{path} is empty (no rows)")
 
     def rows() -> Iterator[dict[str, Any] | _Bad]:
-        for batch in pf.iter_batches(batch_size=_PARQUET_BATCH):
+        batches = pf.iter_batches(batch_size=_PARQUET_BATCH)
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as e:  # corrupt data pages behind a valid footer: pyarrow raises OSError/ArrowException
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise MixlensError(f"{path}: the Parquet data cannot be read ({first})") from None
             yield from batch.to_pylist()
 
     return list(pf.schema_arrow.names), rows()

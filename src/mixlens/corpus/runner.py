@@ -96,6 +96,7 @@ def run_corpus(
     head: str | None = None,
     device: str = "cpu",
     progress: bool = False,
+    allow_random_head: bool = False,
 ) -> CorpusResult:
     """Run `methods` over every example of `data` and write shards, aggregate and manifest to `out`.
 
@@ -131,13 +132,13 @@ def run_corpus(
     data_id = str(Path(data).expanduser().resolve()) if is_file else str(data)
     model_name = lens.name if lens is not None else (str(model) if model else "all-MiniLM-L6-v2")  # as load()
     job = Job(model, model_name, data_id, fmt, tcol, pcol, methods, heads, options, store, shard_size, max_length,
-              batch_size, max_tokens, head, device)
+              batch_size, max_tokens, head, device, allow_random_head)
     out = Path(out)
     _check_out(out, job, overwrite)  # refuse a different run before the model loads
     if lens is None and backend == "local" and (workers or 1) == 1:
         from mixlens.lens import load
 
-        lens = load(model, head=head, device=device)
+        lens = load(model, head=head, device=device, allow_random_head=allow_random_head)
     (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
     sh.remove_stale_temps(out)
     done = sh.finished_shards(out, job.job_id)

@@ -51,9 +51,12 @@ def read_conllu(path: str | Path, limit: int | None = None) -> Iterator[UdSenten
     heads: list[int] = []
     rels: list[str] = []
     count = 0
-    with p.open(encoding="utf-8") as fh:
-        for no, raw in enumerate(fh, start=1):
-            line = raw.rstrip("\n")
+    with p.open("rb") as fh:
+        for no, data in enumerate(fh, start=1):
+            try:
+                line = data.decode("utf-8-sig" if no == 1 else "utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                raise MixlensError(f"{path}: line {no} is not valid UTF-8 (CoNLL-U files are UTF-8)") from None
             if not line.strip():
                 if words:
                     yield UdSentence(words, heads, rels)

@@ -6,6 +6,7 @@ Drawn on `matplotlib.figure.Figure` without pyplot (no global backend, no displa
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +14,18 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
+from mixlens.result import atomic_write
+
 RASTER_DPI = 110
 
 
 def save(fig: Figure, path: str | Path, dpi: int | None = RASTER_DPI) -> None:
-    """Write the figure (format from the suffix), creating the parent directory."""
+    """Write the figure (format from the suffix) atomically, creating the parent directory; a write that fails
+    is a `MixlensError` naming the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=path.suffix.lower().lstrip(".") or "png", dpi=dpi)
+    atomic_write(path, buf.getvalue())
 
 
 def layer_head_heatmap(

@@ -28,6 +28,7 @@ MAX_TOKENS = 256  # tokens shown per input
 MAX_LINKS = 3000  # lines drawn in the bipartite view
 SIG_DIGITS = 4
 PRECISION = f"values rounded to {SIG_DIGITS} significant digits"
+START_METHODS = ("norm_resln", "norm_res", "norm", "globenc", "alti")  # the view opens on the decomposition
 
 
 @cache
@@ -118,11 +119,15 @@ def build_payload(
     ]
 
     plans = []
+    scores = []
     for name, a in attrs.items():
+        if a.dims[-1] == "source" and a.dims[-2:] != ("target", "source"):
+            scores.append(_scores_entry(name, a, shown))
+            continue
         if a.dims[-2:] != ("target", "source"):
             notes.append(
                 f"'{name}' has axes ({', '.join(a.dims)}), not a token × token map: not shown here "
-                "(see the JSON output)"
+                f"(`mixlens analyze --method {name} --format json` writes its values)"
             )
             continue
         lead = a.dims[:-2]
@@ -157,8 +162,12 @@ def build_payload(
             f"left out to keep the file small (over {max_values:,} values): {', '.join(dropped)}; "
             "choose them with --method"
         )
+    names = [m["name"] for m in methods]
+    start = next((names.index(m) for m in START_METHODS if m in names), 0)
     return {
         "title": title or "mixlens report",
+        "start_method": start,
+        "scores": scores,
         "model": model,
         "version": version,
         "precision": PRECISION,
@@ -196,6 +205,43 @@ def _method_entry(name: str, a: Attribution, per_head: Attribution | None, shown
     }
 
 
+def _scores_entry(name: str, a: Attribution, shown: list[int]) -> dict[str, Any]:
+    """Per-token scores (dims [..., source]) of each input: one row per leading index (e.g. per class)."""
+    rows = []
+    for b, n in enumerate(shown):
+        v = a.input(b)[..., :n]
+        flat = v.reshape(-1, n)
+        for k, r in enumerate(flat):
+            label = f"input {b + 1}" + (f", {a.dims[0]} {k}" if v.ndim > 1 else "")
+            rows.append({"label": label, "input": b, "values": _flat(r)})
+    return {"name": name, "rows": rows}
+
+
+def _scores_markup(payload: dict) -> str:
+    """Highlighted text for per-token methods (saliency, decompx_classes, ...), rendered here as static HTML:
+    each token's background follows its score / max |score| of the row (red +, blue −); the score is its title."""
+    if not payload.get("scores"):
+        return ""
+    cmap = payload["cmaps"]["diverging"]
+    parts = ['<div class="mlx-report mlx-scores"><h3>Per-token scores (highlighted text)</h3>']
+    for entry in payload["scores"]:
+        parts.append(f"<h4>{html.escape(entry['name'])}</h4>")
+        for row in entry["rows"]:
+            toks = payload["inputs"][row["input"]]["tokens"]
+            lim = max((abs(x) for x in row["values"]), default=0.0) or 1.0
+            spans = []
+            for t, x in zip(toks, row["values"], strict=False):
+                colour = cmap[min(255, max(0, round(127.5 + 127.5 * x / lim)))]
+                ink = "#fff" if abs(x) > 0.6 * lim else "#000"  # readable on the dark ends of the scale
+                spans.append(
+                    f'<span title="{x:.4g}" style="background:{colour};color:{ink};padding:1px 3px;margin:1px;'
+                    f'border-radius:3px;display:inline-block">{html.escape(t)}</span>'
+                )
+            parts.append(f"<p><b>{html.escape(row['label'])}</b>: {''.join(spans)}</p>")
+    parts.append("</div>\n")
+    return "".join(parts)
+
+
 def _json_for_script(payload: dict) -> str:
     """JSON safe inside a <script> element (no `</script>`, no HTML comment openers)."""
     return (
@@ -217,6 +263,7 @@ def _fragment(payload: dict) -> tuple[str, str]:
         f'<div class="mlx-report" id="{uid}"><noscript>This mixlens report needs JavaScript.</noscript>'
         f"</div>\n<style>{asset('report.css')}</style>\n"
         f'<script type="application/json" id="{uid}-data">{_json_for_script(payload)}</script>\n'
+        + _scores_markup(payload)
     )
     return markup, script
 

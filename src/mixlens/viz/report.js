@@ -6,7 +6,7 @@ function mlxMount(root, data) {
   var doc = root.ownerDocument;
   var dpr = (doc.defaultView && doc.defaultView.devicePixelRatio) || 1;
   var RATIO_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"];
-  var S = { input: 0, method: 0, layer: 0, head: -1, extra: {}, map: null, n: 0, vmin: 0, vmax: 1, geo: null,
+  var S = { input: 0, method: data.start_method || 0, layer: 0, head: -1, extra: {}, map: null, n: 0, vmin: 0, vmax: 1, geo: null,
             bip: null, focus: -1 };
 
   function el(tag, cls, text, parent) {
@@ -94,7 +94,7 @@ function mlxMount(root, data) {
   if (!data.methods.length) {
     controls.style.display = "none";
     row.textContent = "";
-    el("p", "mlx-empty", "No token \u00d7 token maps to show (see the notes above).", row);
+    el("p", "mlx-empty", "No token \u00d7 token maps to show (see the notes, or the per-token scores below).", row);
   }
 
   /* ---- state → current map ---- */

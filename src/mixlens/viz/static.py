@@ -153,6 +153,63 @@ def ratio_figure(analysis: Analysis, inputs: list[int] | None = None) -> Figure:
     return fig
 
 
+def token_scores_figure(attr: Attribution, inputs: list[int], width_in: float = 7.0) -> Figure:
+    """Per-token scores (dims [..., source], e.g. saliency or decompx_classes) as highlighted text: each token on a
+    background whose colour and strength follow its score / max |score| of that row (red +, blue −); one row of
+    text per input (and per class), wrapped to `width_in` inches."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["RdBu_r"]
+    char_in = 0.6 * 9 / 72  # monospace 9 pt: one character ≈ 0.6 em
+    line_in = 0.28
+    rows: list[tuple[str, list[str], np.ndarray]] = []
+    for b in inputs:
+        v = attr.input(b)  # [*lead, n]
+        flat = v.reshape(-1, v.shape[-1])
+        for k, r in enumerate(flat):
+            label = f"input {b + 1}" if len(inputs) > 1 else ""
+            if v.ndim > 1:
+                label += f"{', ' if label else ''}{attr.dims[0]} {k}"
+            rows.append((label, attr.tokens[b], r))
+    placed: list[tuple[float, float, str, float]] = []  # (x, line, token, score / max)
+    titles: list[tuple[float, str]] = []
+    line = 0.0
+    for label, toks, r in rows:
+        if label:
+            titles.append((line, label))
+            line += 1
+        lim = float(np.abs(r).max()) or 1.0
+        x = 0.0
+        for t, val in zip(toks, r.tolist(), strict=False):
+            w = (len(t) + 1.5) * char_in
+            if x + w > width_in and x > 0:
+                x, line = 0.0, line + 1
+            placed.append((x, line, t, val / lim))
+            x += w
+        line += 1.4
+    with rc_context(STYLE):
+        fig = Figure(figsize=(width_in + 0.4, 0.5 + line_in * line), layout="constrained")
+        ax = fig.subplots()
+        ax.set_xlim(0, width_in)
+        ax.set_ylim(line, -0.5)
+        ax.axis("off")
+        for y, label in titles:
+            ax.text(0, y, label, fontweight="bold", va="center")
+        for x, y, t, a in placed:
+            ax.text(
+                x,
+                y,
+                t,
+                family="monospace",
+                va="center",
+                ha="left",
+                color="white" if abs(a) > 0.6 else "black",  # readable on the dark ends of the scale
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": cmap(0.5 + 0.5 * a), "edgecolor": "none"},
+            )
+        ax.set_title(f"{attr.method} — colour: score / max |score| per row (red +, blue −)")
+    return fig
+
+
 def save_figure(fig: Figure, out: str | Path) -> None:
     """Write png/svg/pdf by suffix (atomically)."""
     import io
