@@ -182,7 +182,7 @@ def shares(sq: torch.Tensor, se: torch.Tensor | None = None) -> tuple[torch.Tens
     var_r = torch.where(sq > 0, se.pow(2) / (4 * sq.clamp_min(1e-30)), torch.zeros_like(sq))
     big_r = total.clamp_min(1e-30)
     var_c = ((1 - 2 * c) * var_r + c.pow(2) * var_r.sum(-1, keepdim=True)) / big_r.pow(2)
-    return c, var_c.clamp_min(0).sqrt()
+    return c, torch.where(total > 0, var_c.clamp_min(0), torch.zeros_like(var_c)).sqrt()  # padded rows: 0, not 0/0
 
 
 def _output(c: torch.Tensor, se: torch.Tensor | None) -> MethodOutput:

@@ -49,7 +49,8 @@ def _pick(attr: Attribution, b: int, layer: int, head: int | None) -> tuple[np.n
 def _shade(x: float, top: float) -> str:
     """A background style: blue for positive, red for negative values, by |x| / top."""
     f = 0.0 if top <= 0 else min(1.0, abs(x) / top)
-    r, g, bl = (int(255 - 200 * f), int(255 - 150 * f), 255) if x >= 0 else (255, int(255 - 150 * f), int(255 - 200 * f))
+    strong, mid = int(255 - 200 * f), int(255 - 150 * f)
+    r, g, bl = (strong, mid, 255) if x >= 0 else (255, mid, strong)
     return f"black on rgb({r},{g},{bl})"
 
 
