@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -20,10 +21,27 @@ class View(str, Enum):
 MAX_PANELS = 4
 
 
+def from_option() -> Path | None:
+    return typer.Option(None, "--from", help="Render a saved analysis (Analysis.save) or the JSON of `mixlens "
+                        "analyze` instead of TEXT; no model is loaded.")
+
+
+def read_saved(path: Path, text: list[str] | None, methods: list[str] | None) -> Any:
+    """The analysis in `path` (`--from`), restricted to `methods` when given; TEXT may not be given too."""
+    from mixlens.result import Analysis
+
+    if text:
+        raise MixlensError("give TEXT or --from FILE, not both")
+    res = Analysis.load(path)
+    if methods:
+        res.attributions = {m: res[m] for m in methods}
+    return res
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def report(
-        text: list[str] = typer.Argument(..., help="One or more texts to analyse."),
+        text: list[str] = typer.Argument(None, help="One or more texts to analyse (or --from FILE)."),
         out: Path = typer.Option(Path("mixlens-report.html"), "--out", "-o", help="The HTML file to write."),
         model: str | None = model_option(),
         method: list[str] = typer.Option(
@@ -41,24 +59,30 @@ def register(app: typer.Typer) -> None:
             "page).",
         ),
         title: str | None = typer.Option(None, "--title", help="Page title."),
+        from_file: Path | None = from_option(),
     ) -> None:
         """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios."""
-        from mixlens.lens import load
+        from mixlens import lens as lens_module
         from mixlens.result import atomic_write
         from mixlens.viz.html import analyze_for_view, render_report
 
-        methods = check_methods(method)
-        opts = parse_options(option)
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
-        lens = load(model)
-        res, head_maps = analyze_for_view(lens, text, methods, heads=heads, options=opts, max_length=max_length)
+        if from_file is not None:
+            res, head_maps = read_saved(from_file, text, method), {}
+        else:
+            if not text:
+                raise MixlensError("give one or more texts, or --from FILE")
+            methods = check_methods(method)
+            opts = parse_options(option)
+            lens = lens_module.load(model)
+            res, head_maps = analyze_for_view(lens, text, methods, heads=heads, options=opts, max_length=max_length)
         atomic_write(out, render_report(res, head_maps=head_maps, title=title, max_values=max_values).encode())
         typer.echo(f"wrote report to {out}", err=True)
 
     @app.command()
     def plot(
-        text: list[str] = typer.Argument(..., help="One or more texts (one panel each; ratio: pooled)."),
+        text: list[str] = typer.Argument(None, help="One or more texts (one panel each; ratio: pooled), or --from."),
         out: Path = typer.Option(..., "--out", "-o", help="Figure file: .png, .svg or .pdf."),
         model: str | None = model_option(),
         view: View = typer.Option(View.heatmap, "--view", help="heatmap, bipartite or ratio."),
@@ -69,30 +93,44 @@ def register(app: typer.Typer) -> None:
         ),
         option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
         max_length: int | None = typer.Option(None, "--max-length", min=1, help="Token limit."),
+        from_file: Path | None = from_option(),
     ) -> None:
         """Save a publication figure (matplotlib) of the heatmap, bipartite or mixing-ratio view."""
-        from mixlens.lens import load
-        from mixlens.methods import get
+        from mixlens import lens as lens_module
         from mixlens.viz import static
 
         suffix = out.suffix.lower().lstrip(".")
         if suffix not in static.FORMATS:
             raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
-        if view is not View.ratio and len(text) > MAX_PANELS:
-            raise MixlensError(f"{len(text)} texts: a {view.value} figure holds at most {MAX_PANELS} panels")
-        spec = get(method)
-        if head is not None and view is not View.ratio and not spec.head_dims:
-            raise MixlensError(f"'{method}' has no per-head values; drop --head")
-        opts = parse_options(option)
-        lens = load(model)
-        res = lens.analyze(
-            text,
-            ["norm"] if view is View.ratio else [method],
-            heads=head is not None,
-            options=opts,
-            max_length=max_length,
-        )
-        inputs = list(range(len(text)))
+        if from_file is not None:
+            res = read_saved(from_file, text, None)
+            if view is View.ratio and not res.ratio_store:
+                raise MixlensError(f"{from_file} holds no mixing ratios (analyse with a norm method, e.g. norm)")
+            if view is not View.ratio:
+                res[method]  # noqa: B018  (refuses a method the file does not hold, naming those it has)
+        else:
+            from mixlens.methods import get
+
+            if not text:
+                raise MixlensError("give one or more texts, or --from FILE")
+            if view is not View.ratio and len(text) > MAX_PANELS:
+                raise MixlensError(f"{len(text)} texts: a {view.value} figure holds at most {MAX_PANELS} panels")
+            spec = get(method)
+            if head is not None and view is not View.ratio and not spec.head_dims:
+                raise MixlensError(f"'{method}' has no per-head values; drop --head")
+            opts = parse_options(option)
+            lens = lens_module.load(model)
+            res = lens.analyze(
+                text,
+                ["norm"] if view is View.ratio else [method],
+                heads=head is not None,
+                options=opts,
+                max_length=max_length,
+            )
+        if view is not View.ratio and len(res.texts) > MAX_PANELS:
+            raise MixlensError(f"{from_file} holds {len(res.texts)} inputs: a {view.value} figure holds at most "
+                               f"{MAX_PANELS} panels")
+        inputs = list(range(len(res.texts)))
         if view is View.ratio:
             fig = static.ratio_figure(res)
         elif view is View.heatmap:
