@@ -110,7 +110,8 @@ def test_show(res):
     text = con.export_text()
     assert "norm — input 1 (layer 1)" in text and "[CLS]" in text and "cabinet" in text
     res["norm"].show(1, layer=0, max_tokens=3, console=con)
-    assert "(layer 0)" in con.export_text() and "the first 3 of" in con.export_text()
+    text = con.export_text()  # (export clears the record)
+    assert "(layer 0)" in text and "the first 3 of 5 tokens" in text
     tokens = res.tokens
     vec = Attribution(np.stack([np.arange(len(tokens[0]), dtype=np.float32)] * 1), ("source",), tokens[:1], "s")
     vec.show(console=con)
@@ -192,9 +193,10 @@ def test_crafted_manifests(saved):
         _refused(load, path, "is not valid JSON")
         man.write_text(json.dumps({k: v for k, v in good.items() if k != "tokens"}))
         _refused(load, path, "missing field 'tokens'")
-        man.write_text(json.dumps({**good, "tokens": [["a"]] * len(good["tokens"])}))
+        man.write_text(json.dumps({**good, "tokens": [["a"]] * len(good["tokens"]), "words": None}))
         _refused(load, path, "positions but its longest input has 1 tokens")  # values disagree with the tokens
-        man.write_text(json.dumps({**good, "tokens": good["tokens"][:-1]}))
+        man.write_text(json.dumps({**good, "tokens": good["tokens"][:-1], "words": None,
+                                   **({"texts": good["texts"][:-1]} if "texts" in good else {})}))
         _refused(load, path, "outside 1..3")
         man.write_text(json.dumps({**good, "save_id": "0" * 32}))
         _refused(load, path, "different saves")
