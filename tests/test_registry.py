@@ -4,6 +4,7 @@ trace memo, and the documented "how to add a method" example."""
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -146,10 +147,10 @@ def test_memo_is_typed(tokenizer):
 
 
 def test_engine_doc_example_adds_a_method(tokenizer, capsys):
-    block = re.search(r"```python\n(.*?)```", ENGINE.read_text().split("How to add a method", 1)[1], re.S)
+    block = re.search(r"```python\n(.*?)\s*```", ENGINE.read_text().split("How to add a method", 1)[1], re.S)
     assert block is not None
     try:
-        exec(compile(block.group(1), str(ENGINE), "exec"), {})
+        exec(compile(textwrap.dedent(block.group(1)), str(ENGINE), "exec"), {})
         lens = random_lens("bert", tokenizer)
         res = lens.analyze(SENTENCES[:3], ["attention", "attention_power"], batch_size=2,
                            options={"attention_power": {"power": 1.0}})
