@@ -12,7 +12,7 @@ import math
 import os
 import tempfile
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -483,7 +483,7 @@ class Analysis:
     """
 
     def __init__(self, model: str, version: str, texts: list[str], tokens: list[list[str]],
-                 attributions: dict[str, Attribution], ratios: dict[str, np.ndarray | Blocks],
+                 attributions: dict[str, Attribution], ratios: Mapping[str, np.ndarray | Blocks],
                  reconstruction_error: np.ndarray | None, bias: np.ndarray | Blocks | None = None,
                  ratio_means_only: bool = False):
         self.model, self.version, self.texts, self.tokens = model, version, texts, tokens

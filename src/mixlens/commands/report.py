@@ -21,7 +21,7 @@ class View(str, Enum):
 MAX_PANELS = 4
 
 
-def from_option() -> Path | None:
+def from_option() -> Any:
     return typer.Option(None, "--from", help="Render a saved analysis (Analysis.save) or the JSON of `mixlens "
                         "analyze` instead of TEXT; no model is loaded.")
 
@@ -68,8 +68,9 @@ def register(app: typer.Typer) -> None:
 
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
+        head_maps: dict[str, Any] = {}
         if from_file is not None:
-            res, head_maps = read_saved(from_file, text, method), {}
+            res = read_saved(from_file, text, method)
         else:
             if not text:
                 raise MixlensError("give one or more texts, or --from FILE")

@@ -19,7 +19,8 @@ BAR = 20  # characters of the longest score bar
 def _pick(attr: Attribution, b: int, layer: int, head: int | None) -> tuple[np.ndarray, tuple[str, ...], list[str]]:
     """Input b's values with `layer` and `head` picked (head None: mean over heads) and any other leading axis but
     one kept: (array, its axes, what was picked)."""
-    v, dims, desc = attr.input(b), list(attr.dims), []
+    v, dims = attr.input(b), list(attr.dims)
+    desc: list[str] = []
     for d in list(dims):
         if d in TOKEN_AXES:
             continue
