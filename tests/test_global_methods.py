@@ -17,6 +17,7 @@ from mixlens.methods.alti import alti_vectors
 from mixlens.methods.globenc import globenc_vectors
 from mixlens.methods.norms import block_norms
 from mixlens.methods.rollout import FLOW_MAX_TOKENS, rollout
+from mixlens.trace import Memo
 from tests.conftest import SENTENCES, random_lens
 
 ROW_STOCHASTIC = ["attention_rollout", "attention_flow", "alti", "alti_rollout", "value_zeroing",
@@ -92,7 +93,7 @@ def test_alti_chunking_matches_one_chunk(bundled, monkeypatch):
     tr = bundled.trace(SENTENCES)
     whole = alti_mod.alti(tr)
     monkeypatch.setattr(alti_mod, "ROW_CHUNK_ELEMENTS", 1)  # one target row per chunk
-    tr.cache.clear()
+    tr.memo = Memo()
     torch.testing.assert_close(alti_mod.alti(tr), whole, atol=1e-6, rtol=1e-5)
 
 

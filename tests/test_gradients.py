@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,7 +47,7 @@ def test_exact_matches_reverse_mode(tokenizer, family, where):
     assert sq_e.abs().max() > 0 and sq_o.abs().max() > 0
     torch.testing.assert_close(jn.hidden, sq_e, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(jn.heads, sq_o, rtol=1e-4, atol=1e-6)
-    c = G.hta(tr, input=where)
+    c = G.hta(tr, input=where).values
     lengths = tr.mask.sum(-1)
     for b, n in enumerate(lengths.tolist()):
         torch.testing.assert_close(c[b, :, :n].sum(-1), torch.ones(c.shape[1], n))
@@ -79,15 +80,15 @@ def test_hand_built_identity_model(tokenizer):
     assert torch.allclose(jn.hidden[0, 0].diagonal(), expected_first, rtol=1e-4)
     off = jn.hidden[0, :, ~torch.eye(n, dtype=torch.bool)]
     assert off.abs().max() < 1e-10
-    torch.testing.assert_close(G.hta(tr, input="embedding")[0], torch.eye(n).expand(len(tr.layers), n, n))
+    torch.testing.assert_close(G.hta(tr, input="embedding").values[0], torch.eye(n).expand(len(tr.layers), n, n))
 
 
 def test_batched_equals_unbatched(tokenizer):
     lens = tiny(tokenizer)
     both = lens.trace(TEXTS)
-    hb = G.head_attribution(both)
+    hb = G.head_attribution(both).values
     for b, text in enumerate(TEXTS):
-        one = G.head_attribution(lens.trace([text]))
+        one = G.head_attribution(lens.trace([text])).values
         n = one.shape[-1]
         torch.testing.assert_close(hb[b, ..., :n, :n], one[0], atol=1e-5, rtol=1e-4)
 
@@ -101,8 +102,10 @@ def test_estimate_unbiased_with_stderr(tokenizer):
     z = (est.hidden - exact)[m] / est.hidden_se[m].clamp_min(1e-12)
     assert z.abs().mean() < 1.5  # errors are on the scale of the reported standard errors
     assert ((est.hidden - exact).abs() / exact)[m].median() < 0.2
-    se = G.hta(tr, mode="estimate", probes=16, output="stderr")
-    assert se.shape == exact.shape and se.max() > 0
+    out = G.hta(tr, mode="estimate", probes=16)
+    se = out.extras["stderr"]
+    assert se.shape == exact.shape == out.values.shape and se.max() > 0
+    assert G.hta(tr).extras == {}  # exact mode has no estimation error
 
 
 def test_analyze_and_cli_errors(tokenizer, tmp_path, capsys):
@@ -110,10 +113,17 @@ def test_analyze_and_cli_errors(tokenizer, tmp_path, capsys):
     res = lens.analyze(TEXTS, ["hta", "head_attribution"], options={"hta": {"mode": "estimate", "probes": 4}})
     assert res["hta"].dims == ("layer", "target", "source")
     assert res["head_attribution"].dims == ("layer", "head", "target", "source")
-    for argv, msg in ((["--option", "hta.mode=fast"], "unknown mode"),
-                      (["--option", "hta.input=pos"], "unknown input"),
-                      (["--option", "hta.output=stderr"], "needs mode=estimate"),
-                      (["--option", "hta.mode=estimate", "--option", "hta.probes=1"], "probes")):
+    assert res["hta"].extras["stderr"].shape == res["hta"].values.shape and res["hta"].extras["stderr"].max() > 0
+    assert res["head_attribution"].extra_store == {}  # exact mode
+    entry = res.to_json()["inputs"][0]["methods"]["hta"]
+    assert entry["extras"]["stderr"]["dims"] == ["layer", "target", "source"]
+    stderr = np.array(entry["extras"]["stderr"]["values"], np.float32)
+    np.testing.assert_array_equal(stderr, res["hta"].extra_store["stderr"].row(0))
+    for argv, msg in ((["--option", "hta.mode=fast"], "hta.mode must be one of exact, estimate, got 'fast'"),
+                      (["--option", "hta.input=pos"], "hta.input must be one of word, embedding"),
+                      (["--option", "hta.output=stderr"], "method 'hta' has no option 'output'"),
+                      (["--option", "hta.mode=estimate", "--option", "hta.probes=1"],
+                       "hta.probes must be an integer ≥ 2")):
         with pytest.raises(SystemExit) as e:
             main(["analyze", "hi there", "--method", "hta", "-o", str(tmp_path / "x.json"), *argv])
         assert e.value.code == 2

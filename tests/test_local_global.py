@@ -41,7 +41,7 @@ def test_dataset_average_equals_per_input(tokenizer):
     texts = ["A dog barked.", "Short one, a bit longer."]
     res = compare_local_global(lens, texts, batch_size=1, mode="exact")
     tr = lens.trace(texts)
-    attn, glob = stacked_alpha(tr), head_attribution(tr)
+    attn, glob = stacked_alpha(tr), head_attribution(tr).values
     js = js_rows(attn, glob, tr.mask)  # [B, L, H, n]
     w = tr.mask.float()[:, None, None, :]
     torch.testing.assert_close(torch.from_numpy(res.scores["js"]), (js * w).sum((0, 3)) / w.sum((0, 3)))

@@ -315,8 +315,10 @@ class Lens:
         texts = _check_texts([texts] if isinstance(texts, (str, tuple)) else list(texts))
         names = list(dict.fromkeys(methods))
         specs = [method_registry.get(m) for m in names]
+        options = method_registry.check_options(names, options)
         n_in = len(texts)
         parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {s.name: [] for s in specs}
+        extras: dict[str, dict[str, list[tuple[np.ndarray, np.ndarray]]]] = {s.name: {} for s in specs}
         ratios: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         biases: list[tuple[np.ndarray, np.ndarray]] = []
         errors: np.ndarray | None = None
@@ -333,6 +335,8 @@ class Lens:
             step = run_methods(batch.trace, names, heads=heads, options=options)
             for name, v in step.values.items():
                 parts[name].append((idx, v.detach().cpu().numpy()))
+                for key, e in step.extras[name].items():
+                    extras[name].setdefault(key, []).append((idx, e.detach().cpu().numpy()))
             if step.norms is not None:
                 for v, r in step.norms.ratio.items():
                     ratios.setdefault(v, []).append((idx, r.cpu().numpy()))
@@ -346,7 +350,8 @@ class Lens:
         lengths = [len(t) for t in tokens]
         attributions = {
             s.name: Attribution(Blocks(parts[s.name], s.dims_for(heads), lengths), s.dims_for(heads), tokens, s.name,
-                                self.name, {"heads": heads, **(options or {}).get(s.name, {})}, words)
+                                self.name, {"heads": heads, **options.get(s.name, {})}, words,
+                                {k: Blocks(p, s.extras[k], lengths) for k, p in extras[s.name].items()})
             for s in specs
         }
         from mixlens import __version__

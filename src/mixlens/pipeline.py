@@ -7,13 +7,13 @@ Loops (`Lens.analyze`, the corpus runner, the head statistics) iterate `Lens.bat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from mixlens.errors import MixlensError
 from mixlens.methods import get as get_method
 from mixlens.methods.norms import BlockNorms, block_norms
+from mixlens.methods.registry import check_options
 from mixlens.trace import Trace
 
 
@@ -37,12 +37,14 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None
 
 @dataclass
 class Step:
-    """What `run_methods` computed on one trace. `values[name]` [batch, *dims] (padding 0); `norms` is the norm
+    """What `run_methods` computed on one trace. `values[name]` [batch, *dims] (padding 0); `extras[name]` the
+    method's secondary outputs (name → [batch, *axes declared by the method]; empty when none); `norms` is the norm
     engine's result (mixing ratios `norms.ratio`, reconstruction error `norms.error`, `norms.bias`) when a
     requested method used it, else None."""
 
     values: dict[str, torch.Tensor]
     norms: BlockNorms | None
+    extras: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 @torch.no_grad()
@@ -52,15 +54,12 @@ def run_methods(trace: Trace, methods: Sequence[str], *, heads: bool = False,
     engine (`block_norms`, with its exactness check) runs only when one of the methods uses it: the norm
     engine's own methods run it first, so its by-products (the head-mean α) are shared."""
     specs = [get_method(m) for m in dict.fromkeys(methods)]
-    options = options or {}
-    for name in options:
-        if name not in [s.name for s in specs]:
-            raise MixlensError(f"options given for '{name}', which is not among the methods")
+    options = check_options([s.name for s in specs], options)
     if any(s.fn.__module__ == block_norms.__module__ for s in specs):
         block_norms(trace)
-    values = {s.name: s(trace, heads=heads, **options.get(s.name, {})) for s in specs}
-    norms = trace.cache.get("block_norms")
-    return Step(values, norms if isinstance(norms, BlockNorms) else None)
+    outs = {s.name: s.run(trace, heads=heads, **options.get(s.name, {})) for s in specs}
+    return Step({k: o.values for k, o in outs.items()}, trace.memo.block_norms,
+                {k: o.extras for k, o in outs.items()})
 
 
 def trace_flags(methods: Sequence[str]) -> tuple[bool, bool]:

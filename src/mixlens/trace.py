@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,11 @@ from mixlens.errors import MixlensError
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 BLOCK_POINTS = ("resid_pre", "attn.v", "attn.pattern", "attn.z")
+if TYPE_CHECKING:
+    from mixlens.methods.decompx import Decomposition
+    from mixlens.methods.gradients import JacobianKey, JacobianNorms
+    from mixlens.methods.norms import BlockNorms
+
 _POINT = re.compile(r"blocks\.(\d+)\.(" + "|".join(re.escape(p) for p in BLOCK_POINTS) + ")")
 
 
@@ -68,6 +73,20 @@ class LayerTrace:
 
 
 @dataclass
+class Memo:
+    """Intermediate results that methods share on one trace, computed once (None / empty: not yet).
+    Maps are [B, L, n(target), n(source)], padding 0."""
+
+    block_norms: BlockNorms | None = None  # the norm engine's result
+    alpha_mean: torch.Tensor | None = None  # head-mean α (a by-product of the norm engine)
+    globenc: torch.Tensor | None = None  # N-Enc per layer
+    alti: torch.Tensor | None = None  # ALTI per layer, rows normalised
+    value_zeroing: torch.Tensor | None = None  # value-zeroing per layer, rows normalised
+    decompx: dict[str, list[Decomposition]] = field(default_factory=dict)  # value_bias → one per input
+    jacobian_norms: dict[JacobianKey, JacobianNorms] = field(default_factory=dict)
+
+
+@dataclass
 class Trace:
     """One forward pass over a padded batch (right padding; `mask` marks real tokens)."""
 
@@ -77,7 +96,7 @@ class Trace:
     layers: list[LayerTrace]
     logits: torch.Tensor | None  # model head output when the model has one (None for a partial trace)
     tokenizer: object | None = None  # for special-token roles (e.g. the [MASK] position of saliency)
-    cache: dict[Any, Any] = field(default_factory=dict)  # shared intermediate results of methods (by key)
+    memo: Memo = field(default_factory=Memo)  # shared intermediate results of methods
 
     @property
     def mask(self) -> torch.Tensor:  # [B, n] bool

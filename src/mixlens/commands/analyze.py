@@ -208,5 +208,8 @@ def list_methods() -> None:
     from mixlens.methods import REGISTRY
 
     for m in REGISTRY.values():
-        extra = f" options: {m.options()}" if m.options() else ""
-        print(f"{m.name:24s} [batch, {', '.join(m.dims)}]  {m.summary}{extra}")
+        print(f"{m.name:24s} [batch, {', '.join(m.dims)}]  {m.summary}")
+        for o in m.options:
+            print(f"{'':26s}--option {m.name}.{o.describe()}")
+        for key, axes in m.extras.items():
+            print(f"{'':26s}extra {key}: [batch{''.join(', ' + a for a in axes)}]")

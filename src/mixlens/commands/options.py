@@ -6,7 +6,6 @@ these at start-up, and `mixlens --help` must not pay for torch.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,18 +87,17 @@ def batch_size_option() -> Any:
 
 
 def parse_options(items: Sequence[str] | None) -> dict[str, dict[str, object]]:
-    """`--option METHOD.KEY=VALUE` (VALUE as JSON, else a string) → {method: {key: value}}."""
+    """`--option METHOD.KEY=VALUE` → {method: {key: value}}, VALUE converted to the option's declared type and
+    checked by the method registry (before any model loads)."""
+    from mixlens.methods.registry import parse_option
+
     out: dict[str, dict[str, object]] = {}
     for item in items or []:
         name, eq, raw = item.partition("=")
         method, dot, key = name.partition(".")
         if not (eq and dot and method and key):
             raise MixlensError(f"bad --option '{item}'; expected METHOD.KEY=VALUE, e.g. globenc_rollout.normalize=true")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        out.setdefault(method, {})[key] = value
+        out.setdefault(method, {})[key] = parse_option(method, key, raw)
     return out
 
 

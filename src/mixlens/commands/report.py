@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -30,10 +31,27 @@ class View(str, Enum):
 MAX_PANELS = 4
 
 
+def from_option() -> Any:
+    return typer.Option(None, "--from", help="Render a saved analysis (Analysis.save) or the JSON of `mixlens "
+                        "analyze` instead of TEXT; no model is loaded.")
+
+
+def read_saved(path: Path, text: list[str] | None, methods: list[str] | None) -> Any:
+    """The analysis in `path` (`--from`), restricted to `methods` when given; TEXT may not be given too."""
+    from mixlens.result import Analysis
+
+    if text:
+        raise MixlensError("give TEXT or --from FILE, not both")
+    res = Analysis.load(path)
+    if methods:
+        res.attributions = {m: res[m] for m in methods}
+    return res
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def report(
-        text: list[str] = typer.Argument(..., help="One or more texts to analyse."),
+        text: list[str] = typer.Argument(None, help="One or more texts to analyse (or --from FILE)."),
         out: Path = typer.Option(Path("mixlens-report.html"), "--out", "-o", help="The HTML file to write."),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
@@ -54,31 +72,38 @@ def register(app: typer.Typer) -> None:
         title: str | None = typer.Option(None, "--title", help="Page title."),
         model_head: str | None = model_head_option(),
         allow_random_head: bool = allow_random_head_option(),
+        from_file: Path | None = from_option(),
     ) -> None:
         """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios,
         highlighted text for per-token methods."""
-        from mixlens.lens import load
+        from mixlens import lens as lens_module
         from mixlens.result import atomic_write
         from mixlens.viz.html import analyze_for_view, render_report
 
-        methods = check_methods(method)
-        opts = parse_options(option)
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
         if out.is_dir():
             raise MixlensError(f"cannot write '{out}': it is a directory; give a file name")
-        precheck_model(model, model_head, methods, text, max_length, gguf_file)
-        lens = load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
-        with method_progress(methods, len(text)) as step:
-            res, head_maps = analyze_for_view(
-                lens, text, methods, heads=heads, options=opts, max_length=max_length, on_batch=step
-            )
+        head_maps: dict[str, Any] = {}
+        if from_file is not None:
+            res = read_saved(from_file, text, method)
+        else:
+            if not text:
+                raise MixlensError("give one or more texts, or --from FILE")
+            methods = check_methods(method)
+            opts = parse_options(option)
+            precheck_model(model, model_head, methods, text, max_length, gguf_file)
+            lens = lens_module.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+            with method_progress(methods, len(text)) as step:
+                res, head_maps = analyze_for_view(
+                    lens, text, methods, heads=heads, options=opts, max_length=max_length, on_batch=step
+                )
         atomic_write(out, render_report(res, head_maps=head_maps, title=title, max_values=max_values).encode())
         typer.echo(f"wrote report to {out}", err=True)
 
     @app.command()
     def plot(
-        text: list[str] = typer.Argument(..., help="One or more texts (one panel each; ratio: pooled)."),
+        text: list[str] = typer.Argument(None, help="One or more texts (one panel each; ratio: pooled), or --from."),
         out: Path = typer.Option(..., "--out", "-o", help="Figure file: .png, .svg or .pdf."),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
@@ -93,10 +118,11 @@ def register(app: typer.Typer) -> None:
         max_length: int | None = max_length_option(),
         model_head: str | None = model_head_option(),
         allow_random_head: bool = allow_random_head_option(),
+        from_file: Path | None = from_option(),
     ) -> None:
         """Save a publication figure (matplotlib) of the heatmap, bipartite or mixing-ratio view; per-token methods
         (saliency, decompx_classes, ...) are drawn as highlighted text."""
-        from mixlens.lens import load
+        from mixlens import lens as lens_module
         from mixlens.methods import get
         from mixlens.viz import static
 
@@ -111,21 +137,34 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
         if out.is_dir():
             raise MixlensError(f"cannot write '{out}': it is a directory; give a file name")
-        if view is not View.ratio and len(text) > MAX_PANELS:
-            raise MixlensError(f"{len(text)} texts: a {view.value} figure holds at most {MAX_PANELS} panels")
         spec = get(method)
         vector = spec.dims[-1] == "source" and spec.dims[-2:] != ("target", "source")
         if head is not None and view is not View.ratio and not spec.head_dims:
             raise MixlensError(f"'{method}' has no per-head values; drop --attention-head")
-        opts = parse_options(option)
         methods = ["norm"] if view is View.ratio else [method]
-        precheck_model(model, model_head, methods, text, max_length, gguf_file)
-        lens = load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
-        with method_progress(methods, len(text)) as step:
-            res = lens.analyze(
-                text, methods, heads=head is not None, options=opts, max_length=max_length, on_batch=step
+        if from_file is not None:
+            res = read_saved(from_file, text, None)
+            if view is View.ratio and not res.ratio_store:
+                raise MixlensError(f"{from_file} holds no mixing ratios (analyse with a norm method, e.g. norm)")
+            if view is not View.ratio:
+                res[method]  # noqa: B018  (refuses a method the file does not hold, naming those it has)
+        else:
+            if not text:
+                raise MixlensError("give one or more texts, or --from FILE")
+            if view is not View.ratio and len(text) > MAX_PANELS:
+                raise MixlensError(f"{len(text)} texts: a {view.value} figure holds at most {MAX_PANELS} panels")
+            opts = parse_options(option)
+            precheck_model(model, model_head, methods, text, max_length, gguf_file)
+            lens = lens_module.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+            with method_progress(methods, len(text)) as step:
+                res = lens.analyze(
+                    text, methods, heads=head is not None, options=opts, max_length=max_length, on_batch=step
+                )
+        if view is not View.ratio and len(res.texts) > MAX_PANELS:
+            raise MixlensError(
+                f"{from_file} holds {len(res.texts)} inputs: a {view.value} figure holds at most {MAX_PANELS} panels"
             )
-        inputs = list(range(len(text)))
+        inputs = list(range(len(res.texts)))
         if view is View.ratio:
             fig = static.ratio_figure(res)
         elif vector:

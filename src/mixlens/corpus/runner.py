@@ -21,6 +21,7 @@ from mixlens.corpus.backends import Backend, LocalBackend, ProcessBackend, RayBa
 from mixlens.corpus.job import BACKENDS, IDENTITY, STORES, Job, chunks
 from mixlens.corpus.readers import ReadStats, count_records, examples_from, open_records, resolve_columns
 from mixlens.errors import MixlensError
+from mixlens.methods import check_options
 from mixlens.methods import get as get_method
 from mixlens.pipeline import plan_batches
 
@@ -108,10 +109,7 @@ def run_corpus(
 
     methods = tuple(dict.fromkeys(methods or DEFAULT_METHODS))
     specs = [get_method(m) for m in methods]  # unknown names fail before anything loads
-    options = options or {}
-    for name in options:
-        if name not in methods:
-            raise MixlensError(f"options given for '{name}', which is not among the methods")
+    options = check_options(methods, options)  # typed and checked before anything loads
     if store not in STORES:
         raise MixlensError(f"unknown --store '{store}'; valid: {', '.join(STORES)}")
     if backend not in BACKENDS:

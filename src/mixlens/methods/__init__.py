@@ -12,6 +12,6 @@ from mixlens.methods import (  # noqa: F401  (registration side effects)
     saliency,
     value_zeroing,
 )
-from mixlens.methods.registry import REGISTRY, Method, get, names, register
+from mixlens.methods.registry import REGISTRY, Method, MethodOutput, Option, check_options, get, names, register
 
-__all__ = ["REGISTRY", "Method", "get", "names", "register"]
+__all__ = ["REGISTRY", "Method", "MethodOutput", "Option", "check_options", "get", "names", "register"]

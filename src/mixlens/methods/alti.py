@@ -80,12 +80,12 @@ def _layer(lt: LayerTrace, lay: Layer, pre_ln: bool, lengths: list[int]) -> torc
 
 def alti_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer ALTI contributions, rows normalised: [B, L, n, n] (cached on the trace)."""
-    if "alti" not in trace.cache:
+    if trace.memo.alti is None:
         pre_ln = trace.adapter.family.pre_ln
         mats = torch.stack([_layer(lt, lay, pre_ln, trace.lengths) for lt, lay in
                             zip(trace.layers, trace.adapter.layers, strict=True)], dim=1)
-        trace.cache["alti"] = row_normalize(mats * pair_mask(trace.mask))
-    return trace.cache["alti"]
+        trace.memo.alti = row_normalize(mats * pair_mask(trace.mask))
+    return trace.memo.alti
 
 
 @register("alti")

@@ -19,7 +19,7 @@ def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """Attention weights α (head mean unless heads=True)."""
     if heads:
         return stacked_alpha(trace)
-    if "alpha_mean" not in trace.cache:  # block_norms leaves it here as a by-product of its pass over α
+    if trace.memo.alpha_mean is None:  # block_norms leaves it here as a by-product of its pass over α
         pair = trace.mask[:, :, None] & trace.mask[:, None, :]
-        trace.cache["alpha_mean"] = torch.stack([lt.alpha.float().mean(1) * pair for lt in trace.layers], dim=1)
-    return trace.cache["alpha_mean"]
+        trace.memo.alpha_mean = torch.stack([lt.alpha.float().mean(1) * pair for lt in trace.layers], dim=1)
+    return trace.memo.alpha_mean

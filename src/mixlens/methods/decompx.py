@@ -31,7 +31,7 @@ from torch import nn
 
 from mixlens.adapters import Layer, Norm, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.methods.registry import register
+from mixlens.methods.registry import Option, register
 from mixlens.trace import LayerTrace, Trace
 
 TOLERANCE = 1e-3  # max |Σ_k score − logit| / max |logit|
@@ -173,15 +173,9 @@ def _head(model: Any, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | 
     return [(model.score, None)], Norm(final, family == "llama"), True
 
 
-def _check(value_bias: str) -> None:
-    if value_bias not in VALUE_BIAS:
-        raise MixlensError(f"unknown value_bias '{value_bias}'; valid: {', '.join(VALUE_BIAS)}")
-
-
 @torch.no_grad()
 def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> Decomposition:
     """DecompX of input b of a traced sequence-classification model (trace captured with ffn=True)."""
-    _check(value_bias)
     adapter = trace.adapter
     steps, final, last = _head(trace.model, adapter.family.name)
     n = int(trace.mask[b].sum())
@@ -237,19 +231,21 @@ def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values"
 
 def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decomposition]:
     """DecompX of every input of the trace (cached); raises ReconstructionError past the tolerance."""
-    _check(value_bias)
-    key = ("decompx", value_bias)
-    if key not in trace.cache:
+    if value_bias not in trace.memo.decompx:
         out = [decompose(trace, b, value_bias) for b in range(trace.mask.shape[0])]
         for b, dec in enumerate(out):
             if dec.error > TOLERANCE:
                 raise ReconstructionError(f"input {b + 1}: DecompX class scores differ from the logits by "
                                           f"{dec.error:.3g} (relative; tolerance {TOLERANCE})")
-        trace.cache[key] = out
-    return trace.cache[key]
+        trace.memo.decompx[value_bias] = out
+    return trace.memo.decompx[value_bias]
 
 
-@register("decompx", needs_ffn=True)
+VALUE_BIAS_OPTION = Option("value_bias", str, "values", choices=VALUE_BIAS,
+                           help="first layer's b_V: inside each token's value vector, or shared by AbsDot")
+
+
+@register("decompx", needs_ffn=True, options=(VALUE_BIAS_OPTION,))
 def decompx(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     """DecompX per layer (Modarressi 2023; classification models): ‖x_{i⇐k}‖, part of layer-l output i from token k."""
     decs = decompositions(trace, value_bias)
@@ -261,7 +257,7 @@ def decompx(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     return out
 
 
-@register("decompx_classes", dims=("class", "source"), needs_ffn=True)
+@register("decompx_classes", dims=("class", "source"), needs_ffn=True, options=(VALUE_BIAS_OPTION,))
 def decompx_classes(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     """DecompX class scores (classification models): signed contribution of each token to each logit; sums = logits."""
     decs = decompositions(trace, value_bias)

@@ -17,8 +17,8 @@ from mixlens.adapters import Layer
 from mixlens.errors import ReconstructionError
 from mixlens.methods.alti import projected_head_vectors
 from mixlens.methods.norms import TOLERANCE, attn_sum, block_norms, head_vectors, quad_norm
-from mixlens.methods.registry import register
-from mixlens.methods.rollout import check_bool, pair_mask, rollout
+from mixlens.methods.registry import Option, register
+from mixlens.methods.rollout import pair_mask, rollout
 from mixlens.trace import LayerTrace, Trace
 
 
@@ -84,14 +84,14 @@ def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> torch.
 @torch.no_grad()
 def n_enc(trace: Trace) -> torch.Tensor:
     """Per-layer N-Enc matrices [B, L, n, n] (cached on the trace)."""
-    if "globenc" not in trace.cache:
+    if trace.memo.globenc is None:
         if trace.adapter.family.pre_ln:
             mats = block_norms(trace).n_res
         else:
             mats = torch.stack([_layer(lt, lay, trace.mask, i) for i, (lt, lay) in
                                 enumerate(zip(trace.layers, trace.adapter.layers, strict=True))], dim=1)
-        trace.cache["globenc"] = mats * pair_mask(trace.mask)
-    return trace.cache["globenc"]
+        trace.memo.globenc = mats * pair_mask(trace.mask)
+    return trace.memo.globenc
 
 
 @register("globenc", needs_ffn=True)
@@ -100,7 +100,8 @@ def globenc(trace: Trace) -> torch.Tensor:
     return n_enc(trace)
 
 
-@register("globenc_rollout", needs_ffn=True)
+@register("globenc_rollout", needs_ffn=True, options=(
+    Option("normalize", bool, False, help="scale the rows of every layer's N-Enc to 1 before the product"),))
 def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:
     """GlobEnc global attribution: rollout of N-Enc over layers 1..l (normalize=true: rows to 1 first)."""
-    return rollout(n_enc(trace), normalize=check_bool("globenc_rollout", "normalize", normalize))
+    return rollout(n_enc(trace), normalize=normalize)

@@ -20,14 +20,19 @@ from dataclasses import dataclass
 import torch
 from torch.func import jvp, vmap
 
-from mixlens.errors import MixlensError
-from mixlens.methods.registry import LHTS, LTS, register
+from mixlens.methods.registry import LHTS, LTS, MethodOutput, Option, get, register
 from mixlens.trace import Trace, hooked
 
 INPUTS = ("word", "embedding")
 INPUT_POINTS = {"word": "embed", "embedding": "blocks.0.resid_pre"}  # the edit point that adds δ [B, n, d_in]
 MODES = ("exact", "estimate")
-OUTPUTS = ("share", "stderr")
+OPTIONS = (
+    Option("input", str, "word", choices=INPUTS, help="differentiate w.r.t. the word-piece embeddings or the "
+           "embedding-layer output"),
+    Option("mode", str, "exact", choices=MODES, help="exact: n·d_in JVPs; estimate: Hutchinson probes (with stderr)"),
+    Option("probes", int, 16, min=2, help="Rademacher probes per source token (estimate mode)"),
+    Option("seed", int, 0, min=0, help="probe seed (estimate mode)"),
+)
 _CHUNK_BUDGET = 2**22  # floats of one tangent activation [chunk, batch, tokens, 4·d] per vmapped call
 
 
@@ -55,6 +60,17 @@ def states_fn(trace: Trace, where: str) -> Callable[[torch.Tensor], tuple[torch.
         return torch.stack(rec["out"]), torch.stack(zs)
 
     return f
+
+
+@dataclass(frozen=True)
+class JacobianKey:
+    """What one `jacobian_norms` result depends on (its memo key on the trace)."""
+
+    input: str
+    mode: str
+    probes: int  # 0 in exact mode
+    seed: int
+    sources: tuple[int, ...]
 
 
 @dataclass
@@ -93,15 +109,10 @@ def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", pr
     Exact: n·d_in JVPs. Estimate: n·probes JVPs with Rademacher probes supported on one source position each.
     `sources` restricts the work to those source positions (other columns stay 0; for benchmarks and sampling).
     """
-    if input not in INPUTS:
-        raise MixlensError(f"unknown input '{input}'; valid: {', '.join(INPUTS)}")
-    if mode not in MODES:
-        raise MixlensError(f"unknown mode '{mode}'; valid: {', '.join(MODES)}")
-    if mode == "estimate" and (not isinstance(probes, int) or probes < 2):
-        raise MixlensError(f"probes must be an integer ≥ 2, got {probes!r}")
-    key = ("jacobian_norms", input, mode, probes if mode == "estimate" else 0, seed, tuple(sources or ()))
-    if key in trace.cache:
-        return trace.cache[key]  # type: ignore[return-value]
+    get("hta").check({"input": input, "mode": mode, "probes": probes, "seed": seed})  # the declared options
+    key = JacobianKey(input, mode, probes if mode == "estimate" else 0, seed, tuple(sources or ()))
+    if key in trace.memo.jacobian_norms:
+        return trace.memo.jacobian_norms[key]
     b, n, _ = trace.layers[0].x.shape
     cols = torch.tensor(sources if sources is not None else range(n), dtype=torch.long)
     d_in = input_dim(trace, input)
@@ -153,7 +164,7 @@ def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", pr
         return t.detach() * mask[(slice(None), *extra, slice(None), None)] * mask[(slice(None), *extra, None)]
 
     out = JacobianNorms(arrange(sq_h, False), arrange(sq_o, True), arrange(se_h, False), arrange(se_o, True))
-    trace.cache[key] = out
+    trace.memo.jacobian_norms[key] = out
     return out
 
 
@@ -171,31 +182,23 @@ def shares(sq: torch.Tensor, se: torch.Tensor | None = None) -> tuple[torch.Tens
     var_r = torch.where(sq > 0, se.pow(2) / (4 * sq.clamp_min(1e-30)), torch.zeros_like(sq))
     big_r = total.clamp_min(1e-30)
     var_c = ((1 - 2 * c) * var_r + c.pow(2) * var_r.sum(-1, keepdim=True)) / big_r.pow(2)
-    return c, var_c.clamp_min(0).sqrt()
+    return c, torch.where(total > 0, var_c.clamp_min(0), torch.zeros_like(var_c)).sqrt()  # padded rows: 0, not 0/0
 
 
-def _check_output(output: str, mode: str) -> None:
-    if output not in OUTPUTS:
-        raise MixlensError(f"unknown output '{output}'; valid: {', '.join(OUTPUTS)}")
-    if output == "stderr" and mode != "estimate":
-        raise MixlensError("output=stderr needs mode=estimate (exact mode has no estimation error)")
+def _output(c: torch.Tensor, se: torch.Tensor | None) -> MethodOutput:
+    return MethodOutput(c, {} if se is None else {"stderr": se})
 
 
-@register("hta", dims=LTS, extra_passes=True)
-def hta(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16, seed: int = 0,
-        output: str = "share") -> torch.Tensor:
+@register("hta", dims=LTS, extra_passes=True, options=OPTIONS, extras={"stderr": LTS})
+def hta(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16, seed: int = 0) -> MethodOutput:
     """Hidden token attribution ‖∂e^l_i/∂x_j‖_F, rows normalised (Brunner 2020); forward-mode JVPs."""
-    _check_output(output, mode)
     jn = jacobian_norms(trace, input=input, mode=mode, probes=probes, seed=seed)
-    c, se = shares(jn.hidden, jn.hidden_se)
-    return c if output == "share" else se  # [B, L, target, source]
+    return _output(*shares(jn.hidden, jn.hidden_se))  # [B, L, target, source]; stderr in estimate mode
 
 
-@register("head_attribution", dims=LHTS, extra_passes=True)
-def head_attribution(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16, seed: int = 0,
-                     output: str = "share") -> torch.Tensor:
+@register("head_attribution", dims=LHTS, extra_passes=True, options=OPTIONS, extras={"stderr": LHTS})
+def head_attribution(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16,
+                     seed: int = 0) -> MethodOutput:
     """Per-head global attribution ‖∂o^{l,h}_i/∂x_j‖_F, rows normalised (Pascual 2021)."""
-    _check_output(output, mode)
     jn = jacobian_norms(trace, input=input, mode=mode, probes=probes, seed=seed)
-    c, se = shares(jn.heads, jn.heads_se)
-    return c if output == "share" else se  # [B, L, H, target, source]
+    return _output(*shares(jn.heads, jn.heads_se))  # [B, L, H, target, source]; stderr in estimate mode

@@ -197,7 +197,7 @@ def _check(layers: list[LayerState], tok: RealTokens) -> torch.Tensor:
 def block_norms(trace: Trace) -> BlockNorms:
     """Compute (once per trace, then cached) every norm-based quantity of every layer, and check each layer's
     decomposition against the real attention output, norm input and norm output (`ReconstructionError`)."""
-    if "block_norms" not in trace.cache:
+    if trace.memo.block_norms is None:
         tok = RealTokens.of(trace.mask)
         ad, (b, n) = trace.adapter, trace.mask.shape
         compiled, causal = _compiled_on(trace.mask), ad.family.causal
@@ -217,13 +217,13 @@ def block_norms(trace: Trace) -> BlockNorms:
                 w = (1 - trace.layers[i].alpha.float().diagonal(dim1=2, dim2=3).mean(1)) * trace.mask
                 maps.ratio[0, :, i], maps.ratio[2, :, i] = w, w / 2
         else:
-            trace.cache["alpha_mean"] = maps.alpha_mean
-        trace.cache["block_norms"] = BlockNorms(
+            trace.memo.alpha_mean = maps.alpha_mean
+        trace.memo.block_norms = BlockNorms(
             f_norm=maps.f_norm, n=maps.n, n_res=maps.n_res, n_resln=maps.n_resln,
             ratio=dict(zip(RATIO_VARIANTS, maps.ratio, strict=True)), error=error, scale=maps.scale,
             bias_terms=torch.stack([st.weights.bias_terms for st in layers]),
         )
-    return trace.cache["block_norms"]
+    return trace.memo.block_norms
 
 
 @register("norm", head_dims=LHTS)

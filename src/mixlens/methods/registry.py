@@ -1,24 +1,141 @@
-"""Method registry: name → one pure function `fn(trace, *, heads=False, **options) -> Tensor`.
+"""Method registry: name → one pure function `fn(trace, *, heads=False, **options) -> Tensor | MethodOutput`.
 
 The returned tensor has the axes `[batch, *dims]` (or `[batch, *head_dims]` with `heads=True`) in the
-fixed order `[batch, layer, head, target, source]`; padded positions hold 0. The CLI, reports and the
-corpus runner only talk to this registry.
+fixed order `[batch, layer, head, target, source]`; padded positions hold 0. A method may also return named
+secondary outputs (`MethodOutput.extras`, declared with their axes in `register`). Options are declared with
+types (`Option`) and checked here, in one place, before any model work: Python values by `Method.check`, the
+CLI's `METHOD.KEY=VALUE` strings by `parse_option`. The CLI, reports and the corpus runner only talk to this
+registry.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 import torch
 
 from mixlens.errors import MixlensError
 from mixlens.trace import Trace
 
-MethodFn = Callable[..., torch.Tensor]
 LTS = ("layer", "target", "source")
 LHTS = ("layer", "head", "target", "source")
+OPTION_TYPES = (bool, int, float, str)
+
+
+@dataclass
+class MethodOutput:
+    """What a method computed: `values` [batch, *dims] (padding 0) and named secondary outputs, each
+    [batch, *axes declared in `register(extras=...)`] (e.g. integrated gradients' convergence delta [batch])."""
+
+    values: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+MethodFn = Callable[..., torch.Tensor | MethodOutput]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword option of a method: its type (bool, int, float or str), default and allowed values.
+
+    `min`/`max` bound numbers, `choices` lists the allowed strings, `optional` also allows None, `words` are
+    strings allowed besides an int (e.g. `target='pred'`), `python_callable` also allows a callable (Python API)."""
+
+    name: str
+    type: type
+    default: object
+    help: str = ""
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] | None = None
+    optional: bool = False
+    words: tuple[str, ...] = ()
+    python_callable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.type not in OPTION_TYPES:
+            raise TypeError(f"option '{self.name}': type must be one of bool, int, float, str")
+
+    def expected(self) -> str:
+        """What the option accepts, in words: 'an integer ≥ 2', 'one of l2, l1, sum', ..."""
+        if self.choices is not None:
+            kinds = [f"one of {', '.join(self.choices)}"]
+        else:
+            kinds = [{bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.type]]
+        if self.type in (int, float) and self.min is not None and self.max is not None:
+            kinds[0] += f" in [{_num(self.min)}, {_num(self.max)}]"
+        elif self.type in (int, float) and (self.min is not None or self.max is not None):
+            kinds[0] += f" ≥ {_num(self.min)}" if self.min is not None else f" ≤ {_num(self.max)}"
+        kinds += [repr(w) for w in self.words]
+        if self.optional:
+            kinds.append("none")
+        if self.python_callable:
+            kinds.append("(Python) a callable")
+        return " or ".join(kinds)
+
+    def describe(self) -> str:
+        """One line for `mixlens methods`: name, accepted values, default, help."""
+        default = "none" if self.default is None else str(self.default).lower() if self.type is bool else \
+            repr(self.default) if isinstance(self.default, str) else str(self.default)
+        return f"{self.name}: {self.expected()} (default {default})" + (f" — {self.help}" if self.help else "")
+
+    def check(self, method: str, value: object) -> object:
+        """A Python value, checked against the declaration (returned as given, ints as float for float options)."""
+        if value is None and self.optional:
+            return None
+        if isinstance(value, str) and value in self.words:
+            return value
+        if callable(value) and self.python_callable and not isinstance(value, str):
+            return value
+        ok = False
+        if self.type is bool:
+            ok = isinstance(value, bool)
+        elif self.type is int:
+            ok = isinstance(value, Integral) and not isinstance(value, bool)
+            value = int(value) if ok else value  # type: ignore[call-overload]
+        elif self.type is float:
+            ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+            value = float(value) if ok else value  # type: ignore[arg-type]
+        else:
+            ok = isinstance(value, str) and (self.choices is None or value in self.choices)
+        if ok and self.type in (int, float):
+            ok = (self.min is None or value >= self.min) and (self.max is None or value <= self.max)  # type: ignore
+        if not ok:
+            raise MixlensError(f"option {method}.{self.name} must be {self.expected()}, got {value!r}")
+        return value
+
+    def parse(self, method: str, raw: str) -> object:
+        """A CLI string (`--option METHOD.KEY=VALUE`) converted to the declared type, then checked."""
+        text = raw.strip()
+        low = text.lower()
+        value: object = text
+        if self.optional and low in ("none", "null"):
+            value = None
+        elif text in self.words:
+            value = text
+        elif self.type is bool and low in ("true", "false"):
+            value = low == "true"
+        elif self.type is int:
+            try:
+                value = int(text)
+            except ValueError:
+                pass
+        elif self.type is float:
+            try:
+                value = float(text)
+            except ValueError:
+                pass
+        elif self.type is str and len(text) >= 2 and text[0] == text[-1] == '"':
+            value = text[1:-1]  # a JSON-style quoted string
+        return self.check(method, value)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
 
 
 @dataclass(frozen=True)
@@ -30,6 +147,8 @@ class Method:
     needs_ffn: bool  # needs FFN activations in the trace
     extra_passes: bool  # runs the model again (value zeroing, gradients, ablations)
     summary: str
+    options: tuple[Option, ...] = ()
+    extras: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # secondary output name → axes after batch
 
     @property
     def needs_output(self) -> bool:
@@ -37,22 +156,39 @@ class Method:
         block."""
         return self.needs_ffn or self.extra_passes
 
-    def options(self) -> dict[str, object]:
-        """Keyword options the function takes besides `trace` and `heads`, with their defaults."""
-        sig = inspect.signature(self.fn)
-        return {k: p.default for k, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY and k != "heads"}
+    def option(self, key: str) -> Option:
+        for opt in self.options:
+            if opt.name == key:
+                return opt
+        raise MixlensError(f"method '{self.name}' has no option '{key}'; options: "
+                           f"{', '.join(o.name for o in self.options) or 'none'}")
 
-    def __call__(self, trace: Trace, heads: bool = False, **options: object) -> torch.Tensor:
+    def defaults(self) -> dict[str, object]:
+        return {o.name: o.default for o in self.options}
+
+    def check(self, options: Mapping[str, object] | None) -> dict[str, object]:
+        """Options as given from Python, each checked against its declaration (`MixlensError` on the first bad
+        one); unknown names are refused."""
+        return {k: self.option(k).check(self.name, v) for k, v in (options or {}).items()}
+
+    def run(self, trace: Trace, heads: bool = False, **options: object) -> MethodOutput:
+        """Check the family and the options, run the function: values [batch, *dims_for(heads)] and extras."""
         fam = trace.adapter.family
         if self.name in fam.refuses:
             raise MixlensError(f"method '{self.name}' does not support the {fam.name} family: {fam.why}")
-        unknown = set(options) - set(self.options())
-        if unknown:
-            raise MixlensError(f"method '{self.name}' has no option {sorted(unknown)}; options: "
-                               f"{sorted(self.options()) or 'none'}")
-        if heads and self.head_dims is None:
-            return self.fn(trace, **options)
-        return self.fn(trace, heads=heads, **options) if self.head_dims else self.fn(trace, **options)
+        opts = self.check(options)
+        out = self.fn(trace, heads=heads, **opts) if self.head_dims else self.fn(trace, **opts)
+        out = out if isinstance(out, MethodOutput) else MethodOutput(out)
+        for key, t in out.extras.items():
+            axes = self.extras.get(key)
+            if axes is None or t.dim() != len(axes) + 1 or t.shape[0] != out.values.shape[0]:
+                raise RuntimeError(f"method '{self.name}' returned extra '{key}' {tuple(t.shape)}, not declared "
+                                   f"as [batch, {', '.join(axes or ())}]")
+        return out
+
+    def __call__(self, trace: Trace, heads: bool = False, **options: object) -> torch.Tensor:
+        """The values alone (`run` also gives the extras)."""
+        return self.run(trace, heads, **options).values
 
     def dims_for(self, heads: bool) -> tuple[str, ...]:
         return self.head_dims if heads and self.head_dims else self.dims
@@ -68,12 +204,27 @@ def register(
     head_dims: tuple[str, ...] | None = None,
     needs_ffn: bool = False,
     extra_passes: bool = False,
+    options: tuple[Option, ...] = (),
+    extras: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Callable[[MethodFn], MethodFn]:
+    """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
+    `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
+    axes after batch."""
+
     def deco(fn: MethodFn) -> MethodFn:
         if name in REGISTRY:
             raise RuntimeError(f"method '{name}' registered twice")
+        params = {k: p.default for k, p in inspect.signature(fn).parameters.items()
+                  if p.kind is p.KEYWORD_ONLY and k != "heads"}
+        declared = {o.name: o.default for o in options}
+        if params != declared:
+            raise RuntimeError(f"method '{name}': options {declared} do not match the keyword parameters {params}")
+        for key in extras or {}:
+            if not key.isidentifier():
+                raise RuntimeError(f"method '{name}': extra name '{key}' is not an identifier")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        REGISTRY[name] = Method(name, fn, dims, head_dims, needs_ffn, extra_passes, summary)
+        REGISTRY[name] = Method(name, fn, dims, head_dims, needs_ffn, extra_passes, summary, tuple(options),
+                                dict(extras or {}))
         return fn
 
     return deco
@@ -88,3 +239,22 @@ def get(name: str) -> Method:
 
 def names() -> list[str]:
     return list(REGISTRY)
+
+
+def check_options(methods: list[str] | tuple[str, ...], options: Mapping[str, Mapping[str, object]] | None
+                  ) -> dict[str, dict[str, object]]:
+    """Options per method name (Python values) checked before any model work: every name must be among
+    `methods`, every option declared and of the declared type."""
+    out: dict[str, dict[str, object]] = {}
+    for name, opts in (options or {}).items():
+        if name not in methods:
+            raise MixlensError(f"options given for '{name}', which is not among the methods")
+        if not isinstance(opts, Mapping):
+            raise MixlensError(f"options for '{name}' must be a mapping of option names to values")
+        out[name] = get(name).check(opts)
+    return out
+
+
+def parse_option(method: str, key: str, raw: str) -> object:
+    """One CLI `--option METHOD.KEY=VALUE`: VALUE converted to the option's declared type and checked."""
+    return get(method).option(key).parse(method, raw)

@@ -46,13 +46,6 @@ def rollout(mats: torch.Tensor, *, normalize: bool = False) -> torch.Tensor:
     return out
 
 
-def check_bool(method: str, option: str, value: object) -> bool:
-    """Option values arrive from the CLI as JSON; refuse anything but true/false."""
-    if not isinstance(value, bool):
-        raise MixlensError(f"option {method}.{option} must be true or false, got {value!r}")
-    return value
-
-
 @torch.no_grad()
 def residual_attention(trace: Trace) -> torch.Tensor:
     """Â_l = 0.5 ᾱ_l + 0.5 I on real tokens, rows renormalised: [B, L, n, n], padding 0."""

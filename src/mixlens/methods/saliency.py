@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mixlens.errors import MixlensError
-from mixlens.methods.registry import register
+from mixlens.methods.registry import MethodOutput, Option, get, register
 from mixlens.trace import Trace, hooked
 
 REDUCTIONS = ("l2", "l1", "sum")
@@ -42,7 +42,7 @@ def _positions(trace: Trace, position: int | None) -> torch.Tensor:
     b = trace.mask.shape[0]
     lengths = trace.mask.sum(-1)
     if position is not None:
-        if not isinstance(position, int) or position < 0 or position >= int(lengths.min()):
+        if position >= int(lengths.min()):
             raise MixlensError(f"position must be a token index below {int(lengths.min())}, got {position!r}")
         return torch.full((b,), position, dtype=torch.long)
     mask_id = getattr(trace.tokenizer, "mask_token_id", None)
@@ -59,8 +59,6 @@ def _selector(trace: Trace, target: Target, position: int | None) -> tuple[Calla
     """(select(output, inputs, *extra) -> [B], extra per-input tensors); extra rows travel with captum's batch."""
     if callable(target):
         return (lambda out, inputs: target(out, inputs)), ()
-    if not (target == "pred" or (isinstance(target, int) and not isinstance(target, bool))):
-        raise MixlensError(f"target must be 'pred', a class/token index or a Python callable, got {target!r}")
     logits = trace.logits
     if logits is None:
         raise MixlensError("this model has no output head; load it with a head (e.g. --head sequence-classification) "
@@ -116,12 +114,8 @@ def output_attribution(trace: Trace, kind: str = "saliency", *, target: Target =
     """Attribute one scalar per input to its word embeddings; see the module docstring."""
     if kind not in KINDS:
         raise MixlensError(f"unknown saliency kind '{kind}'; valid: {', '.join(KINDS)}")
-    if reduction not in REDUCTIONS:
-        raise MixlensError(f"unknown reduction '{reduction}'; valid: {', '.join(REDUCTIONS)}")
-    if baseline not in BASELINES:
-        raise MixlensError(f"unknown baseline '{baseline}'; valid: {', '.join(BASELINES)}")
-    if not isinstance(steps, int) or steps < 2:
-        raise MixlensError(f"steps must be an integer ≥ 2, got {steps!r}")
+    ig = {"baseline": baseline, "steps": steps} if kind == "integrated_gradients" else {}
+    get(kind).check({"target": target, "position": position, "reduction": reduction, **ig})  # declared options
     f, emb, args = scalar_fn(trace, target, position)
     with torch.enable_grad():
         if kind != "integrated_gradients":
@@ -148,25 +142,40 @@ def output_attribution(trace: Trace, kind: str = "saliency", *, target: Target =
                              delta.detach())
 
 
-@register("saliency", dims=("source",), extra_passes=True)
+TARGET = (
+    Option("target", int, "pred", min=0, words=("pred",), python_callable=True,
+           help="class index / token id of the scalar, 'pred' (the predicted one) or (Python) f(output, inputs)"),
+    Option("position", int, None, min=0, optional=True,
+           help="token position of an LM target (default: the [MASK], or the last token of a causal LM)"),
+    Option("reduction", str, "l2", choices=REDUCTIONS, help="over hidden dims: ‖·‖₂, ‖·‖₁ or the signed sum"),
+)
+
+
+@register("saliency", dims=("source",), extra_passes=True, options=TARGET)
 def saliency(trace: Trace, *, target: Target = "pred", position: int | None = None,
              reduction: str = "l2") -> torch.Tensor:
     """Gradient of a target scalar w.r.t. the word embeddings, reduced over hidden dims: [B, source]."""
     return output_attribution(trace, "saliency", target=target, position=position, reduction=reduction).values
 
 
-@register("grad_x_input", dims=("source",), extra_passes=True)
+@register("grad_x_input", dims=("source",), extra_passes=True, options=TARGET)
 def grad_x_input(trace: Trace, *, target: Target = "pred", position: int | None = None,
                  reduction: str = "l2") -> torch.Tensor:
     """Gradient × word embedding for a target scalar, reduced over hidden dims: [B, source]."""
     return output_attribution(trace, "grad_x_input", target=target, position=position, reduction=reduction).values
 
 
-@register("integrated_gradients", dims=("source",), extra_passes=True)
+@register("integrated_gradients", dims=("source",), extra_passes=True, extras={"delta": ()}, options=(
+    *TARGET,
+    Option("baseline", str, "zero", choices=BASELINES, help="the embeddings integrated from: zeros or [PAD]s"),
+    Option("steps", int, 50, min=2, help="integration steps"),
+))
 def integrated_gradients(trace: Trace, *, target: Target = "pred", position: int | None = None,
-                         reduction: str = "l2", baseline: str = "zero", steps: int = 50) -> torch.Tensor:
-    """Integrated gradients (captum) at the word embeddings for a target scalar: [B, source]."""
+                         reduction: str = "l2", baseline: str = "zero", steps: int = 50) -> MethodOutput:
+    """Integrated gradients (captum) at the word embeddings for a target scalar: [B, source].
+
+    Extra `delta` [B]: captum's convergence delta."""
     res = output_attribution(trace, "integrated_gradients", target=target, position=position, reduction=reduction,
                              baseline=baseline, steps=steps)
-    trace.cache["integrated_gradients.delta"] = res.delta
-    return res.values
+    assert res.delta is not None  # integrated gradients report it
+    return MethodOutput(res.values, {"delta": res.delta})

@@ -67,11 +67,11 @@ def _layer(trace: Trace, index: int) -> torch.Tensor:
 
 def value_zeroing_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer value-zeroing matrices, rows normalised: [B, L, n, n] (cached on the trace)."""
-    if "value_zeroing" not in trace.cache:
+    if trace.memo.value_zeroing is None:
         with torch.no_grad():
             mats = torch.stack([_layer(trace, i) for i in range(trace.adapter.n_layers)], dim=1)
-        trace.cache["value_zeroing"] = row_normalize(mats.clamp_min(0) * pair_mask(trace.mask))
-    return trace.cache["value_zeroing"]
+        trace.memo.value_zeroing = row_normalize(mats.clamp_min(0) * pair_mask(trace.mask))
+    return trace.memo.value_zeroing
 
 
 @register("value_zeroing", extra_passes=True)

@@ -120,7 +120,7 @@ def compare_local_global(lens, texts: Iterable, *, batch_size: int = 8, max_leng
         [bt] = lens.batches(batch, len(batch), max_length, trace=True)
         tr = bt.trace
         attn = stacked_alpha(tr)  # [B, L, H, n, n]
-        glob = head_attribution(tr, input=input, mode=mode, probes=probes, seed=seed)
+        glob = head_attribution(tr, input=input, mode=mode, probes=probes, seed=seed).values
         mask = tr.mask
         rows = mask.float()[:, None, None, :]  # [B, 1, 1, n]
         per_row = {"js": js_rows(attn, glob, mask), "pearson": pearson_rows(attn, glob, mask),

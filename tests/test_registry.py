@@ -1,0 +1,163 @@
+"""The typed method contract: declared options checked in one place (Python and CLI), secondary outputs, the
+trace memo, and the documented "how to add a method" example."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mixlens.errors import MixlensError
+from mixlens.methods import REGISTRY, MethodOutput, Option, get, register
+from mixlens.methods.registry import check_options, parse_option
+from mixlens.methods.saliency import output_attribution
+from mixlens.trace import Memo
+
+from .conftest import SENTENCES, random_lens, run_cli
+
+ENGINE = Path(__file__).parents[1] / "docs" / "ENGINE.md"
+
+
+def test_option_python_values():
+    steps = Option("steps", int, 50, min=2)
+    assert steps.check("m", 3) == 3 and steps.check("m", np.int64(7)) == 7
+    for bad in (1, 2.5, True, "3", None):
+        with pytest.raises(MixlensError, match=r"^option m\.steps must be an integer ≥ 2, got "):
+            steps.check("m", bad)
+    scale = Option("scale", float, 1.0, min=0.0, max=1.0)
+    assert scale.check("m", 1) == 1.0 and isinstance(scale.check("m", 1), float)
+    for bad in (1.5, -0.1, float("nan"), float("inf"), False):
+        with pytest.raises(MixlensError, match=r"must be a number in \[0, 1\], got "):
+            scale.check("m", bad)
+    red = Option("reduction", str, "l2", choices=("l2", "l1", "sum"))
+    with pytest.raises(MixlensError, match=r"m\.reduction must be one of l2, l1, sum, got 'max'"):
+        red.check("m", "max")
+    flag = Option("normalize", bool, False)
+    with pytest.raises(MixlensError, match="must be true or false, got 1"):
+        flag.check("m", 1)
+    target = Option("target", int, "pred", min=0, words=("pred",), python_callable=True)
+    assert target.check("m", "pred") == "pred" and target.check("m", len) is len
+    with pytest.raises(MixlensError, match="an integer ≥ 0 or 'pred' or \\(Python\\) a callable"):
+        target.check("m", "cls")
+    pos = Option("position", int, None, min=0, optional=True)
+    assert pos.check("m", None) is None
+
+
+def test_option_cli_strings():
+    assert parse_option("globenc_rollout", "normalize", "TRUE") is True
+    assert parse_option("integrated_gradients", "steps", "64") == 64
+    assert parse_option("integrated_gradients", "target", "pred") == "pred"
+    assert parse_option("integrated_gradients", "target", "3") == 3
+    assert parse_option("saliency", "position", "none") is None
+    assert parse_option("saliency", "reduction", '"l1"') == "l1"
+    for method, key, raw, msg in (
+            ("globenc_rollout", "normalize", "maybe", "globenc_rollout.normalize must be true or false, got 'maybe'"),
+            ("integrated_gradients", "steps", "1", "integrated_gradients.steps must be an integer ≥ 2, got 1"),
+            ("integrated_gradients", "steps", "2.5", "must be an integer ≥ 2, got '2.5'"),
+            ("saliency", "target", "len", "saliency.target must be an integer ≥ 0 or 'pred'"),
+            ("hta", "output", "stderr", "method 'hta' has no option 'output'; options: input, mode, probes, seed"),
+            ("nope", "x", "1", "unknown method 'nope'")):
+        with pytest.raises(MixlensError) as e:
+            parse_option(method, key, raw)
+        assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_declarations_match_signatures():
+    for m in REGISTRY.values():
+        assert {o.name for o in m.options} <= set(m.defaults())
+    with pytest.raises(RuntimeError, match="do not match"):
+        @register("bad_method_for_test", options=(Option("k", int, 1),))
+        def bad(trace, *, k: int = 2) -> torch.Tensor:
+            return trace.mask
+    assert "bad_method_for_test" not in REGISTRY
+    with pytest.raises(TypeError):
+        Option("x", list, [])
+
+
+def test_check_options_refuses_before_work(tokenizer, monkeypatch):
+    lens = random_lens("bert", tokenizer)
+    with pytest.raises(MixlensError, match="not among the methods"):
+        check_options(["norm"], {"alti": {}})
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward pass ran before the options were checked")
+
+    monkeypatch.setattr(lens, "trace", no_forward)
+    with pytest.raises(MixlensError, match=r"hta\.probes must be an integer ≥ 2, got 1"):
+        lens.analyze(SENTENCES[:1], ["hta"], options={"hta": {"mode": "estimate", "probes": 1}})
+    with pytest.raises(MixlensError, match=r"globenc_rollout\.normalize must be true or false"):
+        lens.analyze(SENTENCES[:1], ["globenc_rollout"], options={"globenc_rollout": {"normalize": "yes"}})
+
+
+def test_cli_validates_options_before_loading(monkeypatch, capsys):
+    import mixlens.lens
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_model)
+    for argv, msg in ((["--method", "hta", "--option", "hta.probes=1"], "option hta.probes must be an integer ≥ 2"),
+                      (["--method", "decompx", "--option", "decompx.value_bias=x"], "one of values, absdot"),
+                      (["--method", "norm", "--option", "norm.heads=true"], "method 'norm' has no option 'heads'")):
+        code, _, err = run_cli(["analyze", "A text.", *argv], capsys)
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_methods_lists_typed_options(capsys):
+    from mixlens.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["methods"])
+    assert e.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "--option integrated_gradients.steps: an integer ≥ 2 (default 50)" in out
+    assert "--option saliency.reduction: one of l2, l1, sum (default 'l2')" in out
+    assert "--option globenc_rollout.normalize: true or false (default false)" in out
+    assert "extra delta: [batch]" in out and "extra stderr: [batch, layer, target, source]" in out
+
+
+def test_integrated_gradients_delta_is_an_extra(tokenizer):
+    lens = random_lens("bert", tokenizer, head="AutoModelForSequenceClassification")
+    texts = SENTENCES[:3]
+    res = lens.analyze(texts, ["integrated_gradients", "saliency"], batch_size=2,
+                       options={"integrated_gradients": {"steps": 8, "target": 1}})
+    delta = res["integrated_gradients"].extras["delta"]
+    assert delta.shape == (3,) and res["saliency"].extras == {}
+    for b, text in enumerate(texts):  # per input, in input order, equal to a direct call
+        direct = output_attribution(lens.trace([text]), "integrated_gradients", target=1, steps=8)
+        np.testing.assert_allclose(delta[b], direct.delta[0].item(), rtol=1e-3, atol=1e-5)
+    entry = res.to_json()["inputs"][2]["methods"]
+    assert entry["integrated_gradients"]["extras"]["delta"] == {"dims": [], "values": float(delta[2])}
+    assert entry["saliency"]["extras"] == {}
+    assert res["integrated_gradients"].sel(source=0).extras.keys() == {"delta"}  # delta has no source axis
+
+
+def test_memo_is_typed(tokenizer):
+    lens = random_lens("bert", tokenizer)
+    tr = lens.trace(SENTENCES[:2])
+    assert isinstance(tr.memo, Memo) and tr.memo.block_norms is None and not hasattr(tr, "cache")
+    out = get("norm").run(tr)
+    assert isinstance(out, MethodOutput) and out.extras == {}
+    assert tr.memo.block_norms is not None and tr.memo.alpha_mean is not None
+    torch.testing.assert_close(get("attention")(tr), tr.memo.alpha_mean)
+
+
+def test_engine_doc_example_adds_a_method(tokenizer, capsys):
+    block = re.search(r"```python\n(.*?)\s*```", ENGINE.read_text().split("How to add a method", 1)[1], re.S)
+    assert block is not None
+    try:
+        exec(compile(textwrap.dedent(block.group(1)), str(ENGINE), "exec"), {})
+        lens = random_lens("bert", tokenizer)
+        res = lens.analyze(SENTENCES[:3], ["attention", "attention_power"], batch_size=2,
+                           options={"attention_power": {"power": 1.0}})
+        for b in range(3):  # power 1: the head-mean attention itself (rows already sum to 1)
+            np.testing.assert_allclose(res["attention_power"].input(b), res["attention"].input(b), atol=1e-6)
+            np.testing.assert_allclose(res["attention_power"].extra_store["row_sum"].row(b), 1.0, atol=1e-5)
+        with pytest.raises(MixlensError, match=r"attention_power\.power must be a number ≥ 0, got -1"):
+            parse_option("attention_power", "power", "-1")
+    finally:
+        REGISTRY.pop("attention_power", None)
