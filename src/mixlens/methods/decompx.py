@@ -218,7 +218,6 @@ def _propagated(trace: Trace, b: int, value_bias: ValueBias) -> Iterator[torch.T
 def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values") -> torch.Tensor:
     """Per-source parts [n(source), d] of input b's final hidden state at position `pos` (after the final norm of
     pre-LN decoders; the head's input). Σ over sources equals the real state. Trace captured with ffn=True."""
-    _check(value_bias)
     adapter = trace.adapter
     *_, x = _propagated(trace, b, value_bias)
     h = x[pos : pos + 1]  # [1, k, d]

@@ -12,7 +12,7 @@ import torch
 
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.decompx import TOLERANCE, final_parts, share
-from mixlens.methods.registry import register
+from mixlens.methods.registry import Option, register
 from mixlens.trace import Trace
 
 
@@ -51,7 +51,9 @@ def logit_scores(trace: Trace, tokens: torch.Tensor, foils: torch.Tensor | None 
     return out
 
 
-@register("decompx_logit", dims=("source",), needs_ffn=True)
+@register("decompx_logit", dims=("source",), needs_ffn=True, options=(
+    Option("target", int, "pred", min=0, words=("pred",), help="token id of the explained logit, or 'pred'"),
+))
 def decompx_logit(trace: Trace, *, target: int | str = "pred") -> torch.Tensor:
     """DecompX next-token logit (causal LMs): signed contribution of each token to the target logit; sums = logit."""
     _unembedding(trace)
