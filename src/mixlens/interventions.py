@@ -10,17 +10,22 @@ Modes, for the selected heads of one layer:
 A whole layer is all of its heads. Edits go through the engine's edit points `blocks.{l}.attn.pattern`
 [B, H, n, n] and `blocks.{l}.attn.z` [B, H, n, d_h] (mixlens.trace). The head/layer sweep over a task metric
 is in `mixlens.bertology.sweep`.
+
+Head sets are written `L5H8,L0H9` (`L3` = every head of layer 3): `parse_heads` turns one into ablations,
+`format_heads` back; `with disabled(lens, ablations):` disables them in every trace, analysis and sweep of the lens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from mixlens.errors import MixlensError
-from mixlens.trace import Edit, Trace, repeat_kv
+from mixlens.trace import Edit, Trace, default_edits, repeat_kv
 
 MODES = ("uniform", "zero", "mean")
 
@@ -122,3 +127,51 @@ def ablated_trace(lens, enc, ablations: Sequence[Ablation], means: torch.Tensor 
 def head_contexts(trace: Trace) -> torch.Tensor:
     """z^h_i = Σ_j α^h_ij v^h_j of every layer (before W_O): [B, L, H, n, d_h]."""
     return torch.stack([torch.matmul(lt.alpha, repeat_kv(lt.value, lt.alpha.shape[1])) for lt in trace.layers], 1)
+
+
+_HEAD = re.compile(r"L(\d+)(?:H(\d+))?")
+
+
+def parse_heads(spec: str, lens, mode: str = "zero") -> list[Ablation]:
+    """`"L5H8,L0H9,L3"` → one `Ablation` per layer (heads ascending; `L3` = the whole layer), checked against
+    the model of `lens`. Empty → []."""
+    n_layers, n_heads = lens.adapter.n_layers, lens.adapter.n_heads
+    by_layer: dict[int, set[int] | None] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        m = _HEAD.fullmatch(item.upper())
+        if m is None:
+            raise MixlensError(f"bad head '{item}'; expected L<layer>H<head> or L<layer>, e.g. L5H8,L0H9")
+        layer = int(m[1])
+        if layer >= n_layers:
+            raise MixlensError(f"unknown layer in '{item}': the model has layers L0..L{n_layers - 1}")
+        if m[2] is None:
+            by_layer[layer] = None
+            continue
+        head = int(m[2])
+        if head >= n_heads:
+            raise MixlensError(f"unknown head in '{item}': the model has heads H0..H{n_heads - 1}")
+        heads = by_layer.setdefault(layer, set())
+        if heads is not None:
+            heads.add(head)
+    out = [Ablation(la, None if hs is None else tuple(sorted(hs)), mode) for la, hs in sorted(by_layer.items())]
+    _check(lens, out, torch.zeros(()))  # the mode (means for mode 'mean' come with the edits)
+    return out
+
+
+def format_heads(heads: Sequence[tuple[int, int]]) -> str:
+    """[(layer, head), ...] → `"L5H8,L0H9"` (in the given order; the `--disable` syntax)."""
+    return ",".join(f"L{la}H{h}" for la, h in heads)
+
+
+@contextmanager
+def disabled(lens, ablations: Sequence[Ablation] | str, means: torch.Tensor | None = None) -> Iterator[None]:
+    """Disable heads in every `lens.trace`, `lens.analyze`, sweep or `hooked` call on this lens inside the
+    context. `ablations`: `Ablation`s or a `parse_heads` string (mode zero: what physically pruning the heads
+    does). Modes zero and mean only (uniform needs each batch's mask: use `ablated_trace` / `merged_edits`)."""
+    if isinstance(ablations, str):
+        ablations = parse_heads(ablations, lens)
+    if any(a.mode == "uniform" for a in ablations):
+        raise MixlensError("disabled() takes modes zero or mean; for uniform use ablated_trace or merged_edits")
+    edits = merged_edits(lens, ablations, torch.ones(1, 1, dtype=torch.bool), means) if ablations else {}
+    with default_edits(lens.adapter, edits):
+        yield
