@@ -50,12 +50,12 @@ def _text_colour(rgba: tuple[float, ...]) -> str:
     return "k" if 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2] > 0.18 else "w"
 
 
-def _annotated(ax: Any, grid: np.ndarray, cmap: str, vmin: float | None, vmax: float | None) -> Any:
+def _annotated(ax: Any, grid: np.ndarray, cmap: str, vmin: float | None, vmax: float | None, digits: int = 2) -> Any:
     """imshow of `grid` with each value written in its cell in a colour readable on that cell."""
     im = ax.imshow(grid, cmap=cmap, aspect="auto", vmin=vmin, vmax=vmax)
     for (r, c), v in np.ndenumerate(grid):
         if np.isfinite(v):
-            ax.text(c, r, _number(v), ha="center", va="center", fontsize=6, color=_text_colour(im.cmap(im.norm(v))))
+            ax.text(c, r, _number(v, digits), ha="center", va="center", fontsize=6, color=_text_colour(im.cmap(im.norm(v))))
     ax.set_yticks(range(grid.shape[0]))
     return im
 
@@ -86,12 +86,12 @@ def sweep_figure(res: Any, path: str | Path) -> None:
     lim = float(np.nanmax(np.abs(np.concatenate([heads, layers], 1)))) or 1.0
     cmap = "RdBu" if res.higher_is_better else "RdBu_r"
     n_layers, n_heads = heads.shape
-    fig = Figure(figsize=(0.55 * n_heads + 3.6, 0.45 * n_layers + 1.8))
+    fig = Figure(figsize=(0.65 * n_heads + 3.6, 0.45 * n_layers + 1.8))
     ax_h, ax_l = fig.subplots(1, 2, gridspec_kw={"width_ratios": [n_heads, 1.6]}, sharey=True)
-    im = _annotated(ax_h, heads, cmap, -lim, lim)
+    im = _annotated(ax_h, heads, cmap, -lim, lim, digits=3)
     ax_h.set(xlabel="head", ylabel="layer", title="one head disabled")
     ax_h.set_xticks(range(n_heads))
-    _annotated(ax_l, layers, cmap, -lim, lim)
+    _annotated(ax_l, layers, cmap, -lim, lim, digits=3)
     ax_l.set(xticks=[], title="whole layer")
     names = {"spearman": "Spearman ρ", "accuracy": "accuracy", "mlm_loss": "masked-LM loss"}
     metric = names.get(res.metric, res.metric)
