@@ -55,7 +55,8 @@ def _annotated(ax: Any, grid: np.ndarray, cmap: str, vmin: float | None, vmax: f
     im = ax.imshow(grid, cmap=cmap, aspect="auto", vmin=vmin, vmax=vmax)
     for (r, c), v in np.ndenumerate(grid):
         if np.isfinite(v):
-            ax.text(c, r, _number(v, digits), ha="center", va="center", fontsize=6, color=_text_colour(im.cmap(im.norm(v))))
+            colour = _text_colour(im.cmap(im.norm(v)))
+            ax.text(c, r, _number(v, digits), ha="center", va="center", fontsize=6, color=colour)
     ax.set_yticks(range(grid.shape[0]))
     return im
 
