@@ -59,9 +59,20 @@ def test_disabled_applies_to_every_trace_and_only_inside(bundled):
         torch.testing.assert_close(got.layers[la].out, want.layers[la].out, atol=0, rtol=0)
         torch.testing.assert_close(after.layers[la].out, base.layers[la].out, atol=0, rtol=0)
     assert (got.layers[5].out - base.layers[5].out).abs().max() > 1e-2
-    with pytest.raises(MixlensError, match="modes zero or mean"):
+    with pytest.raises(MixlensError, match="takes mode zero"):
         with disabled(bundled, [Ablation(0, (1,), "uniform")]):
             pass
+
+
+def test_analyses_under_disabled_stay_exact(bundled):
+    """Decompositions of a disabled model reconstruct its real outputs (the reconstruction check runs inside
+    analyze) and give the disabled heads no contribution."""
+    with disabled(bundled, "L1H3,L4"):
+        res = bundled.analyze(SENTENCES, ["norm"], heads=True)
+    norm = res["norm"].values  # [batch, layer, head, target, source]
+    assert np.abs(norm[:, 1, 3]).max() == 0 and np.abs(norm[:, 4]).max() == 0
+    assert np.abs(norm[:, 1, 2]).max() > 0
+    assert res.reconstruction_error.max() < 1e-4
 
 
 def test_sweep_under_disabled_starts_from_the_disabled_model(tokenizer):

@@ -4,7 +4,8 @@ Modes, for the selected heads of one layer:
 
 - `uniform` (Kovaleva et al. 2019): α^h_ij ← 1/|K_i| over the allowed keys K_i (non-pad keys; for causal
   decoders also j ≤ i). The head's context becomes the mean of its allowed value vectors.
-- `zero`: the head's context z^h_i = Σ_j α^h_ij v^h_j ← 0 (its output through W_O vanishes; b_O stays).
+- `zero`: the head's context z^h_i = Σ_j α^h_ij v^h_j ← 0 (its output through W_O vanishes; b_O stays), by
+  α^h ← 0, so that a trace records the weights the model used and decompositions of it stay exact.
 - `mean`: z^h_i ← the mean context of that head over the real tokens of a reference dataset.
 
 A whole layer is all of its heads. Edits go through the engine's edit points `blocks.{l}.attn.pattern`
@@ -98,8 +99,8 @@ def edits_for(
         causal = lens.adapter.family.causal
         return {f"blocks.{layer}.attn.pattern": _edit(sel, lambda t: _uniform(mask.to(t.device), t.shape[-1],
                                                                              causal))}
-    if mode == "zero":
-        return {f"blocks.{layer}.attn.z": _edit(sel, lambda t: torch.zeros((), device=t.device))}
+    if mode == "zero":  # α^h ← 0 gives z^h = 0 exactly, and a trace records the α the model used
+        return {f"blocks.{layer}.attn.pattern": _edit(sel, lambda t: torch.zeros((), device=t.device))}
     if mode == "mean":
         return {f"blocks.{layer}.attn.z": _edit(sel, lambda t: means[layer].to(t.device)[None, :, None, :])}
     raise MixlensError(f"unknown ablation mode '{mode}'; valid: {', '.join(MODES)}")
@@ -164,14 +165,15 @@ def format_heads(heads: Sequence[tuple[int, int]]) -> str:
 
 
 @contextmanager
-def disabled(lens, ablations: Sequence[Ablation] | str, means: torch.Tensor | None = None) -> Iterator[None]:
+def disabled(lens, ablations: Sequence[Ablation] | str) -> Iterator[None]:
     """Disable heads in every `lens.trace`, `lens.analyze`, sweep or `hooked` call on this lens inside the
     context. `ablations`: `Ablation`s or a `parse_heads` string (mode zero: what physically pruning the heads
-    does). Modes zero and mean only (uniform needs each batch's mask: use `ablated_trace` / `merged_edits`)."""
+    does). Mode zero only: the traces record α^h = 0, so every decomposition of them stays exact (uniform needs
+    each batch's mask, mean replaces z unseen by α: use `ablated_trace` / `merged_edits` for those)."""
     if isinstance(ablations, str):
         ablations = parse_heads(ablations, lens)
-    if any(a.mode == "uniform" for a in ablations):
-        raise MixlensError("disabled() takes modes zero or mean; for uniform use ablated_trace or merged_edits")
-    edits = merged_edits(lens, ablations, torch.ones(1, 1, dtype=torch.bool), means) if ablations else {}
+    if any(a.mode != "zero" for a in ablations):
+        raise MixlensError("disabled() takes mode zero; for uniform or mean use ablated_trace or merged_edits")
+    edits = merged_edits(lens, ablations, torch.ones(1, 1, dtype=torch.bool)) if ablations else {}
     with default_edits(lens.adapter, edits):
         yield
