@@ -150,8 +150,12 @@ def _with_defaults(adapter: Adapter, edits: dict[str, Edit], start: int, stop: i
             if (m is None and start > 0) or (m is not None and not start <= int(m[1]) <= stop):
                 continue
             prev = out.get(name)
-            out[name] = fn if prev is None else (lambda t, f=fn, p=prev: f(p(t)))
+            out[name] = fn if prev is None else _then(prev, fn)
     return out
+
+
+def _then(first: Edit, second: Edit) -> Edit:
+    return lambda t: second(first(t))
 
 
 def repeat_kv(v: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,7 +187,7 @@ def _smaller(lin: nn.Linear, keep: torch.Tensor, dim: int) -> nn.Linear:
     return new
 
 
-def prune_model(model: Any, heads: dict[int, Sequence[int]]) -> None:
+def prune_model(model: Any, heads: Mapping[int, Sequence[int]]) -> None:
     """Remove `heads` ({layer: [head, ...]}) from a BERT-style model in place: the q/k/v rows and output-projection
     columns of those heads go; b_O stays (so the model computes what zero ablation computes)."""
     from mixlens.adapters import resolve
@@ -203,7 +203,8 @@ def prune_model(model: Any, heads: dict[int, Sequence[int]]) -> None:
         keep = torch.tensor([h * d_h + i for h in range(n) if h not in gone for i in range(d_h)], dtype=torch.long)
         for name in ("query", "key", "value"):
             setattr(attn, name, _smaller(getattr(attn, name), keep, 0))
-        out = lay.module.attention.output
+        block: Any = lay.module  # BertLayer (and its RoBERTa/ELECTRA copies)
+        out = block.attention.output
         out.dense = _smaller(out.dense, keep, 1)
 
 
