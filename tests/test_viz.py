@@ -312,4 +312,16 @@ def test_head_figures_draw_the_given_values(tmp_path):
         tmp_path / "m.svg",
     )
     svg = (tmp_path / "m.svg").read_text()
-    assert all(f">{la}-{h}<" in svg or f"{la}-{h}" in svg for la, h in ((0, 0), (0, 1), (1, 0)))
+    assert all(f"L{la}H{h}" in svg for la, h in ((0, 0), (0, 1), (1, 0)))
+
+
+def test_head_figure_labels_are_readable():
+    from matplotlib import colormaps
+
+    from mixlens.viz.heads import _number, _text_colour, statistic_words
+
+    assert [_number(v) for v in (-0.004, 0.004, -0.006, 0.0)] == ["0.00", "0.00", "-0.01", "0.00"]
+    assert _number(-0.0004, 3) == "0.000" and _number(-0.0206, 3) == "-0.021"
+    assert _text_colour(colormaps["RdBu"](0.5)) == "k" and _text_colour(colormaps["RdBu"](0.0)) == "w"
+    assert _text_colour(colormaps["magma"](1.0)) == "k" and _text_colour(colormaps["magma"](0.0)) == "w"
+    assert statistic_words("norm_cls") == "mass on [CLS], norm-based contributions ‖αf(x)‖"

@@ -34,6 +34,7 @@ COMMAND_MODULES: list[str] = [
     "mixlens.commands.syntax",
     "mixlens.commands.patterns",
     "mixlens.commands.sweep",
+    "mixlens.commands.prune",
     "mixlens.commands.gradients",
     "mixlens.commands.studies",
     "mixlens.commands.explain",

@@ -4,23 +4,29 @@ Modes, for the selected heads of one layer:
 
 - `uniform` (Kovaleva et al. 2019): α^h_ij ← 1/|K_i| over the allowed keys K_i (non-pad keys; for causal
   decoders also j ≤ i). The head's context becomes the mean of its allowed value vectors.
-- `zero`: the head's context z^h_i = Σ_j α^h_ij v^h_j ← 0 (its output through W_O vanishes; b_O stays).
+- `zero`: the head's context z^h_i = Σ_j α^h_ij v^h_j ← 0 (its output through W_O vanishes; b_O stays), by
+  α^h ← 0, so that a trace records the weights the model used and decompositions of it stay exact.
 - `mean`: z^h_i ← the mean context of that head over the real tokens of a reference dataset.
 
 A whole layer is all of its heads. Edits go through the engine's edit points `blocks.{l}.attn.pattern`
 [B, H, n, n] and `blocks.{l}.attn.z` [B, H, n, d_h] (mixlens.trace). The head/layer sweep over a task metric
 is in `mixlens.bertology.sweep`.
+
+Head sets are written `L5H8,L0H9` (`L3` = every head of layer 3): `parse_heads` turns one into ablations,
+`format_heads` back; `with disabled(lens, ablations):` disables them in every trace, analysis and sweep of the lens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from mixlens.errors import MixlensError
-from mixlens.trace import Edit, Trace, repeat_kv
+from mixlens.trace import Edit, Trace, default_edits, repeat_kv
 
 MODES = ("uniform", "zero", "mean")
 
@@ -93,8 +99,8 @@ def edits_for(
         causal = lens.adapter.family.causal
         return {f"blocks.{layer}.attn.pattern": _edit(sel, lambda t: _uniform(mask.to(t.device), t.shape[-1],
                                                                              causal))}
-    if mode == "zero":
-        return {f"blocks.{layer}.attn.z": _edit(sel, lambda t: torch.zeros((), device=t.device))}
+    if mode == "zero":  # α^h ← 0 gives z^h = 0 exactly, and a trace records the α the model used
+        return {f"blocks.{layer}.attn.pattern": _edit(sel, lambda t: torch.zeros((), device=t.device))}
     if mode == "mean":
         return {f"blocks.{layer}.attn.z": _edit(sel, lambda t: means[layer].to(t.device)[None, :, None, :])}
     raise MixlensError(f"unknown ablation mode '{mode}'; valid: {', '.join(MODES)}")
@@ -122,3 +128,52 @@ def ablated_trace(lens, enc, ablations: Sequence[Ablation], means: torch.Tensor 
 def head_contexts(trace: Trace) -> torch.Tensor:
     """z^h_i = Σ_j α^h_ij v^h_j of every layer (before W_O): [B, L, H, n, d_h]."""
     return torch.stack([torch.matmul(lt.alpha, repeat_kv(lt.value, lt.alpha.shape[1])) for lt in trace.layers], 1)
+
+
+_HEAD = re.compile(r"L(\d+)(?:H(\d+))?")
+
+
+def parse_heads(spec: str, lens, mode: str = "zero") -> list[Ablation]:
+    """`"L5H8,L0H9,L3"` → one `Ablation` per layer (heads ascending; `L3` = the whole layer), checked against
+    the model of `lens`. Empty → []."""
+    n_layers, n_heads = lens.adapter.n_layers, lens.adapter.n_heads
+    by_layer: dict[int, set[int] | None] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        m = _HEAD.fullmatch(item.upper())
+        if m is None:
+            raise MixlensError(f"bad head '{item}'; expected L<layer>H<head> or L<layer>, e.g. L5H8,L0H9")
+        layer = int(m[1])
+        if layer >= n_layers:
+            raise MixlensError(f"unknown layer in '{item}': the model has layers L0..L{n_layers - 1}")
+        if m[2] is None:
+            by_layer[layer] = None
+            continue
+        head = int(m[2])
+        if head >= n_heads:
+            raise MixlensError(f"unknown head in '{item}': the model has heads H0..H{n_heads - 1}")
+        heads = by_layer.setdefault(layer, set())
+        if heads is not None:
+            heads.add(head)
+    out = [Ablation(la, None if hs is None else tuple(sorted(hs)), mode) for la, hs in sorted(by_layer.items())]
+    _check(lens, out, torch.zeros(()))  # the mode (means for mode 'mean' come with the edits)
+    return out
+
+
+def format_heads(heads: Sequence[tuple[int, int]]) -> str:
+    """[(layer, head), ...] → `"L5H8,L0H9"` (in the given order; the `--disable` syntax)."""
+    return ",".join(f"L{la}H{h}" for la, h in heads)
+
+
+@contextmanager
+def disabled(lens, ablations: Sequence[Ablation] | str) -> Iterator[None]:
+    """Disable heads in every `lens.trace`, `lens.analyze`, sweep or `hooked` call on this lens inside the
+    context. `ablations`: `Ablation`s or a `parse_heads` string (mode zero: what physically pruning the heads
+    does). Mode zero only: the traces record α^h = 0, so every decomposition of them stays exact (uniform needs
+    each batch's mask, mean replaces z unseen by α: use `ablated_trace` / `merged_edits` for those)."""
+    if isinstance(ablations, str):
+        ablations = parse_heads(ablations, lens)
+    if any(a.mode != "zero" for a in ablations):
+        raise MixlensError("disabled() takes mode zero; for uniform or mean use ablated_trace or merged_edits")
+    edits = merged_edits(lens, ablations, torch.ones(1, 1, dtype=torch.bool)) if ablations else {}
+    with default_edits(lens.adapter, edits):
+        yield

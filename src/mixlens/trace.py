@@ -147,6 +147,41 @@ class _Session:
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("mixlens_session", default=None)
+_DEFAULTS: contextvars.ContextVar[tuple[tuple[Adapter, dict[str, Edit]], ...]] = contextvars.ContextVar(
+    "mixlens_default_edits", default=())
+
+
+@contextmanager
+def default_edits(adapter: Adapter, edits: Mapping[str, Edit]) -> Iterator[None]:
+    """Within the context, every `hooked` call on `adapter` (so every trace, analysis and sweep of its lens) also
+    applies `edits`, first (an explicit edit of the same point composes after it); points outside the layers a
+    call runs are left out (a pass started at layer l is fed a stream the defaults already shaped)."""
+    edits = dict(edits)
+    _check(adapter, edits, 0, None, None)
+    token = _DEFAULTS.set((*_DEFAULTS.get(), (adapter, edits)))
+    try:
+        yield
+    finally:
+        _DEFAULTS.reset(token)
+
+
+def _with_defaults(adapter: Adapter, edits: dict[str, Edit], start: int, stop: int) -> dict[str, Edit]:
+    """`edits` after the active default edits of `adapter` that fall in the layers start..stop."""
+    out: dict[str, Edit] = {}
+    for a, defaults in (*_DEFAULTS.get(), (adapter, edits)):
+        if a is not adapter:
+            continue
+        for name, fn in defaults.items():
+            m = _POINT.fullmatch(name)
+            if (m is None and start > 0) or (m is not None and not start <= int(m[1]) <= stop):
+                continue
+            prev = out.get(name)
+            out[name] = fn if prev is None else _then(prev, fn)
+    return out
+
+
+def _then(first: Edit, second: Edit) -> Edit:
+    return lambda t: second(first(t))
 
 
 def repeat_kv(v: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -280,6 +315,7 @@ def hooked(adapter: Adapter, edits: Mapping[str, Edit] | None = None, ffn: bool 
     """
     edits = dict(edits or {})
     stop = _check(adapter, edits, start, stop_after, resid_pre)
+    edits = _with_defaults(adapter, edits, start, stop)
     s = _Session(adapter, edits, start, stop)
     rec = s.rec
     halt_out = stop_after is not None and not stop_at_mix

@@ -52,7 +52,7 @@ def heads(
     from mixlens.lens import load
     from mixlens.stats.clustering import BEHAVIOURS, classical_mds, dominant_behaviour, js_distance
     from mixlens.stats.heads import STATISTICS, VIEWS, head_statistics
-    from mixlens.viz.heads import head_mds_figure, layer_head_heatmap
+    from mixlens.viz.heads import VIEW_WORDS, head_mds_figure, layer_head_heatmap, statistic_words
 
     views = [check_view(v) for v in view] if view else list(VIEWS)
     texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
@@ -77,8 +77,10 @@ def heads(
     written: list[Path] = []
     for v in views:
         for s in (*STATISTICS, "cls_colmax", "sep_colmax", "punct_colmax"):
+            words = statistic_words(f"{v}_{s}")
             written.append(out / f"heatmap_{v}_{s}.png")
-            layer_head_heatmap(rep.grid(f"{v}_{s}"), f"{v}_{s} ({lens.name}, {len(texts)} inputs)", written[-1])
+            layer_head_heatmap(rep.grid(f"{v}_{s}"), f"Per head: {words} ({lens.name}, {len(texts)} inputs)",
+                               written[-1], label=words.split(",")[0])
     if not no_cluster:
         t = rep.table.sort_values(["layer", "head"])
         for v in views:
@@ -91,7 +93,7 @@ def heads(
                 t["head"].to_numpy(),
                 behaviours,
                 [*BEHAVIOURS, "broad"],
-                f"Heads, MDS of Jensen–Shannon distances ({v}); label = layer-head",
+                f"Heads placed by MDS of Jensen–Shannon distances between their maps ({VIEW_WORDS[v]})",
                 written[-1],
             )
     typer.echo(f"wrote {len(written)} figures to {out}/: {', '.join(p.name for p in written)}", err=True)
@@ -130,5 +132,6 @@ def head_diff(
         per = df.groupby("layer")["cosine"].agg(["mean", "min"]).reset_index()
         print_frame(per, f"Attention cosine similarity {a.name} vs {b.name}, {len(texts)} inputs")
     if figures:
-        layer_head_heatmap(sim, f"attention cosine: {a.name} vs {b.name}", out / "head_diff.png", cmap="magma")
+        layer_head_heatmap(sim, f"Cosine similarity of attention maps: {a.name} vs {b.name}", out / "head_diff.png",
+                           cmap="magma", label="cosine similarity")
         typer.echo(f"wrote {out / 'head_diff.png'}", err=True)

@@ -208,3 +208,11 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
+
+
+def disable_option() -> Any:
+    """`--disable L5H8,L0H9`: heads disabled throughout the command (zero ablation = what pruning them computes;
+    apply with `mixlens.interventions.disabled(lens, spec)`)."""
+    return typer.Option(
+        None, "--disable", help="Heads to disable throughout, as if pruned (z ← 0), e.g. L5H8,L0H9; L3 = whole layer."
+    )

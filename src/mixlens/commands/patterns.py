@@ -43,7 +43,7 @@ def patterns(
 
     from mixlens.lens import load
     from mixlens.stats.patterns import PATTERNS, classify_inputs, pattern_shares
-    from mixlens.viz.heads import pattern_shares_figure
+    from mixlens.viz.heads import VIEW_WORDS, pattern_shares_figure
 
     check_view(view)
     texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
@@ -57,5 +57,6 @@ def patterns(
     if fmt is TableFormat.table:
         print_frame(df, f"Pattern-type share per layer ({view}) — {lens.name}, {len(texts)} inputs")
     if figures:
-        pattern_shares_figure(shares, PATTERNS, f"pattern types ({view}, {len(texts)} inputs)", out / "patterns.png")
+        title = f"Kovaleva pattern types per layer ({VIEW_WORDS[view]}, {len(texts)} inputs)"
+        pattern_shares_figure(shares, PATTERNS, title, out / "patterns.png")
         typer.echo(f"wrote {out / 'patterns.png'}", err=True)

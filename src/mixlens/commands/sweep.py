@@ -12,6 +12,7 @@ from mixlens.commands.options import (
     batch_size_option,
     check_limit,
     data_option,
+    disable_option,
     gguf_file_option,
     limit_option,
     model_option,
@@ -46,17 +47,17 @@ def sweep_command(
     label_column: str = typer.Option("label", "--label-column", help="Gold label column (accuracy)."),
     limit: int | None = limit_option(),
     batch_size: int = batch_size_option(),
+    disable: str | None = disable_option(),
     out: Path = typer.Option(Path("mixlens-sweep"), "--out", "-o", help="Directory for table and heatmap."),
 ) -> None:
     """Disable every single head and every whole layer; report the change of a task metric."""
-    import numpy as np
     import pandas as pd
 
     from mixlens.bertology.sweep import sweep, sweep_steps
-    from mixlens.interventions import MODES
-    from mixlens.lens import head_for, load
+    from mixlens.interventions import MODES, disabled, parse_heads
+    from mixlens.lens import load
     from mixlens.result import atomic_write
-    from mixlens.viz.heads import layer_head_heatmap
+    from mixlens.viz.heads import sweep_figure
 
     if mode not in MODES:
         raise MixlensError(f"unknown ablation mode '{mode}'; valid: {', '.join(MODES)}")
@@ -64,11 +65,13 @@ def sweep_command(
         raise MixlensError(f"unknown metric '{metric}'; valid: {', '.join(METRICS)}")
     examples = read_examples(data, text_column, pair_column, check_limit(limit))
     lens = load(model, gguf_file=gguf_file)
-    metric = metric or METRIC_FOR_HEAD.get(head_for(lens.model.config), "sts")
+    off = parse_heads(disable or "", lens)
+    metric = metric or metric_for(lens)
     task = make_task(lens, metric, examples, score_column, label_column, batch_size)
-    with progress(sweep_steps(lens, task, mode), f"sweep ({metric}, {mode})") as step:
+    with disabled(lens, off), progress(sweep_steps(lens, task, mode), f"sweep ({metric}, {mode})") as step:
         res = sweep(lens, task, mode, on_step=step)
-    print(f"baseline {res.metric} (no ablation, {res.n_examples} examples): {res.baseline:.4f}")
+    what = f"heads {disable} disabled" if off else "no ablation"
+    print(f"baseline {res.metric} ({what}, {res.n_examples} examples): {res.baseline:.4f}")
     n_layers, n_heads = res.heads.shape
     rows: list[tuple[int, int | str, float, float]] = [
         (la, h, res.heads[la, h], res.delta_heads[la, h]) for la in range(n_layers) for h in range(n_heads)
@@ -79,15 +82,15 @@ def sweep_command(
     print("largest harms (ablated − baseline):")
     for name, d in res.top_changes(10):
         print(f"  {name:8s} {d:+.4f}")
-    grid = np.concatenate([res.delta_heads, res.delta_layers[:, None]], 1)  # [layer, head + 1]
-    layer_head_heatmap(
-        grid,
-        f"Δ{res.metric} ({mode}; last column = whole layer; baseline {res.baseline:.3f})",
-        out / "sweep.png",
-        cmap="RdBu" if res.higher_is_better else "RdBu_r",
-        center=True,
-    )
+    sweep_figure(res, out / "sweep.png")
     typer.echo(f"wrote {out}/sweep.csv and sweep.png", err=True)
+
+
+def metric_for(lens: Any) -> str:
+    """The default metric for the model's head."""
+    from mixlens.lens import head_for
+
+    return METRIC_FOR_HEAD.get(head_for(lens.model.config), "sts")
 
 
 def make_task(

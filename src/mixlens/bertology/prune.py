@@ -1,0 +1,256 @@
+"""Pruning heads that help (Michel et al. 2019): choose heads on a selection split, confirm on a held-out split.
+
+1. One disabling sweep (`mixlens.bertology.sweep`, mode zero) on the selection split gives each head's gain g_h
+   (the metric change when it alone is disabled, signed so that > 0 is better).
+2. Greedy forward selection in the order of g_h: a head with g_h > `min_gain` joins the set when disabling the set
+   plus it improves the selection score by more than `min_gain` over the set alone (one forward pass each).
+3. The set is scored on the held-out split, which the selection never saw: the combined change and a paired
+   bootstrap interval (seeded; resampling held-out examples; both models scored on the same resample).
+
+Mode zero (z^h ← 0, b_O stays) is what removing the heads from the weights computes, so the chosen set can be
+removed physically (`prune_model`: smaller q/k/v rows and output-projection columns, BERT-style layers) with the
+same outputs (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mixlens.bertology.sweep import sweep
+from mixlens.bertology.tasks import ClassificationTask, MlmTask, StsTask, Task
+from mixlens.errors import MixlensError
+from mixlens.interventions import Ablation, format_heads, merged_edits
+from mixlens.trace import hooked
+
+MIN_SPLIT = 10  # examples each split needs at least (a Spearman ρ or accuracy on fewer confirms nothing)
+PRUNABLE = ("bert", "roberta", "electra")  # families whose attention reads the head count from the weights
+CONFIG_KEY = "mixlens_pruned_heads"
+
+
+def split_indices(n: int, held_out: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded random split of n examples → (selection, held-out) index arrays, each sorted."""
+    if not 0 < held_out < 1:
+        raise MixlensError(f"--held-out must be a fraction between 0 and 1, got {held_out}")
+    perm = np.random.default_rng(seed).permutation(n)
+    k = int(round(n * held_out))
+    if min(k, n - k) < MIN_SPLIT:
+        raise MixlensError(f"{n} examples split {n - k}/{k} is too small to confirm a pruning; "
+                           f"each split needs at least {MIN_SPLIT} examples")
+    return np.sort(perm[k:]), np.sort(perm[:k])
+
+
+def task_outputs(lens, task: Task, ablations: Sequence[Ablation] = ()) -> list[torch.Tensor]:
+    """`task.collect` of every batch (one copy) with `ablations` disabled (any mode but mean)."""
+    extra = {"use_cache": False} if lens.adapter.family.causal else {}
+    parts = []
+    with torch.no_grad():
+        for i, inputs in enumerate(task.batches):
+            edits = merged_edits(lens, ablations, inputs["attention_mask"].bool()) if ablations else {}
+            with hooked(lens.adapter, edits):
+                out = lens.model(**inputs, **extra)
+            parts.append(task.collect(out, i))
+    return parts
+
+
+def _example_values(task: Task, parts: list[torch.Tensor]) -> np.ndarray:
+    """Per-example values the metric is a function of: STS cosine [n], correctness [n], MLM (ce sum, count)
+    [n, 2] (rows in the task's batch order; the same order for every model)."""
+    if isinstance(task, StsTask):
+        emb = torch.empty(len(task.order), parts[0].shape[-1])
+        emb[torch.as_tensor(task.order)] = torch.cat(parts).float().cpu()
+        return torch.nn.functional.cosine_similarity(emb[0::2], emb[1::2], dim=-1).numpy()
+    if isinstance(task, (ClassificationTask, MlmTask)):
+        return torch.cat(parts).float().cpu().numpy()
+    raise MixlensError("the bootstrap interval supports the sts, accuracy and mlm tasks")
+
+
+def _rank_rows(x: np.ndarray) -> np.ndarray:
+    from scipy.stats import rankdata
+
+    return rankdata(x, axis=1)
+
+
+def _statistic(task: Task, values: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """The task metric on each resample: idx [R, m] example indices → [R]."""
+    if isinstance(task, StsTask):
+        a, b = _rank_rows(values[idx]), _rank_rows(task.gold[idx])
+        a, b = a - a.mean(1, keepdims=True), b - b.mean(1, keepdims=True)
+        return (a * b).sum(1) / np.sqrt((a * a).sum(1) * (b * b).sum(1)).clip(1e-300)
+    if isinstance(task, MlmTask):
+        v = values[idx]
+        return v[..., 0].sum(1) / v[..., 1].sum(1)
+    return values[idx].mean(1)
+
+
+def paired_bootstrap(task: Task, base: list[torch.Tensor], new: list[torch.Tensor], n_resamples: int = 1000,
+                     seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of metric(new) − metric(base) over `n_resamples` resamples of the examples (the same
+    resample for both models)."""
+    vb, vn = _example_values(task, base), _example_values(task, new)
+    idx = np.random.default_rng(seed).integers(0, len(vb), size=(n_resamples, len(vb)))
+    d = _statistic(task, vn, idx) - _statistic(task, vb, idx)
+    lo, hi = np.quantile(d, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+@dataclass
+class PruneResult:
+    """The chosen heads (in order of choice) and their effect on both splits. Scores are the task metric;
+    `*_gain` are signed so that > 0 is better (−Δ for losses)."""
+
+    metric: str
+    higher_is_better: bool
+    heads: list[tuple[int, int]]
+    head_gains: np.ndarray  # [L, H] single-head gain on the selection split
+    selection_baseline: float
+    selection_score: float
+    heldout_baseline: float
+    heldout_score: float
+    ci: tuple[float, float]  # bootstrap interval of heldout_score − heldout_baseline
+    n_selection: int
+    n_heldout: int
+    steps: list[tuple[str, float, bool]] = field(default_factory=list)  # (head, selection score with it, kept)
+
+    @property
+    def spec(self) -> str:
+        """The head set as `--disable` takes it, e.g. `L5H8,L0H9`."""
+        return format_heads(self.heads)
+
+    @property
+    def heldout_delta(self) -> float:
+        return self.heldout_score - self.heldout_baseline
+
+    @property
+    def confirmed(self) -> bool:
+        """Whether the whole bootstrap interval lies on the better side of 0."""
+        lo, hi = self.ci
+        return bool(self.heads) and (lo > 0 if self.higher_is_better else hi < 0)
+
+
+def ablations_for(heads: Sequence[tuple[int, int]], mode: str = "zero") -> list[Ablation]:
+    by: dict[int, list[int]] = {}
+    for la, h in heads:
+        by.setdefault(la, []).append(h)
+    return [Ablation(la, tuple(sorted(hs)), mode) for la, hs in sorted(by.items())]
+
+
+def prune(lens, selection: Task, heldout: Task, *, max_heads: int | None = None, min_gain: float = 0.0,
+          n_resamples: int = 1000, seed: int = 0, on_step: Callable[[int], None] | None = None) -> PruneResult:
+    """Choose heads whose removal (mode zero) improves `selection`, and score the set on `heldout`."""
+    if selection.metric != heldout.metric:
+        raise MixlensError("the selection and held-out tasks must use the same metric")
+    sign = 1.0 if selection.higher_is_better else -1.0
+    res = sweep(lens, selection, "zero", on_step=on_step)
+    gains = sign * res.delta_heads
+    order = sorted(((la, h) for la, h in zip(*np.nonzero(gains > min_gain), strict=True)),
+                   key=lambda lh: -gains[lh])
+    chosen: list[tuple[int, int]] = []
+    current, steps = res.baseline, []
+    for la, h in order:
+        if max_heads is not None and len(chosen) >= max_heads:
+            break
+        trial = [*chosen, (int(la), int(h))]
+        score = selection.score(task_outputs(lens, selection, ablations_for(trial)))
+        keep = sign * (score - current) > min_gain
+        steps.append((f"L{la}H{h}", score, keep))
+        if keep:
+            chosen, current = trial, score
+        if on_step:
+            on_step(1)
+    base = task_outputs(lens, heldout)
+    new = task_outputs(lens, heldout, ablations_for(chosen)) if chosen else base
+    ci = paired_bootstrap(heldout, base, new, n_resamples, seed) if chosen else (0.0, 0.0)
+    return PruneResult(selection.metric, selection.higher_is_better, chosen, gains, res.baseline, current,
+                       heldout.score(base), heldout.score(new), ci, selection.n_examples, heldout.n_examples, steps)
+
+
+# --- physical removal ---------------------------------------------------------------------------------------
+
+
+def _smaller(lin: nn.Linear, keep: torch.Tensor, dim: int) -> nn.Linear:
+    """`lin` keeping rows (dim 0: output features) or columns (dim 1: input features) `keep`."""
+    w = lin.weight.detach().index_select(dim, keep).clone()
+    new = nn.Linear(w.shape[1], w.shape[0], bias=lin.bias is not None, dtype=w.dtype, device=w.device)
+    new.weight.data.copy_(w)
+    if lin.bias is not None:
+        new.bias.data.copy_(lin.bias.detach() if dim == 1 else lin.bias.detach()[keep])
+    return new
+
+
+def prune_model(model: Any, heads: Mapping[int, Sequence[int]]) -> None:
+    """Remove `heads` ({layer: [head, ...]}) from a BERT-style model in place: the q/k/v rows and output-projection
+    columns of those heads go; b_O stays (so the model computes what zero ablation computes)."""
+    from mixlens.adapters import resolve
+
+    adapter = resolve(model)
+    if adapter.family.name not in PRUNABLE:
+        raise MixlensError(f"physical pruning supports {', '.join(PRUNABLE)} models, not {adapter.family.name}; "
+                           "use --disable to disable the heads instead")
+    for layer, hs in heads.items():
+        lay = adapter.layers[layer]
+        attn, d_h, n = lay.attn, lay.d_head, lay.n_heads
+        gone = set(hs)
+        keep = torch.tensor([h * d_h + i for h in range(n) if h not in gone for i in range(d_h)], dtype=torch.long)
+        for name in ("query", "key", "value"):
+            setattr(attn, name, _smaller(getattr(attn, name), keep, 0))
+        block: Any = lay.module  # BertLayer (and its RoBERTa/ELECTRA copies)
+        out = block.attention.output
+        out.dense = _smaller(out.dense, keep, 1)
+
+
+def save_pruned(lens, heads: Sequence[tuple[int, int]], path: str | Path) -> Any:
+    """Write a copy of the lens's model with `heads` removed (and its tokenizer) to `path` → the pruned model.
+    Load it with `load_pruned(path)` (the config lists the removed heads under `mixlens_pruned_heads`)."""
+    by: dict[int, list[int]] = {}
+    for la, h in heads:
+        by.setdefault(la, []).append(h)
+    model = copy.deepcopy(lens.model)
+    prune_model(model, by)
+    setattr(model.config, CONFIG_KEY, {str(k): sorted(v) for k, v in by.items()})
+    path = Path(path)
+    model.save_pretrained(path)
+    lens.tokenizer.save_pretrained(path)
+    return model
+
+
+def load_pruned(path: str | Path) -> Any:
+    """A model saved by `save_pruned`: built from its config, pruned the same way, then given its weights."""
+    import transformers
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise MixlensError(f"'{path}' is not a saved model directory (no config.json)")
+    config = transformers.AutoConfig.from_pretrained(path)
+    removed = json.loads(json.dumps(getattr(config, CONFIG_KEY, {}) or {}))
+    cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
+    model = (cls.from_config if cls is transformers.AutoModel else cls._from_config)(config,
+                                                                                       attn_implementation="eager")
+    prune_model(model, {int(k): v for k, v in removed.items()})
+    model.load_state_dict(load_file(path / "model.safetensors"))
+    return model.eval()
+
+
+def n_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def forward_seconds(model: nn.Module, inputs: dict[str, torch.Tensor], repeats: int = 5) -> float:
+    """Median wall time of one forward pass over `inputs` (after one warm-up)."""
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            model(**inputs)
+            times.append(time.perf_counter() - t)
+    return float(np.median(times[1:]))

@@ -1,0 +1,194 @@
+"""`mixlens prune` (heads whose removal helps, confirmed on held-out data) and `mixlens ablate-patterns` (disable
+every head of one Kovaleva type at once vs random heads) (docs/bertology.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from mixlens.commands.options import (
+    batch_size_option,
+    check_limit,
+    data_option,
+    disable_option,
+    limit_option,
+    model_option,
+    pair_column_option,
+    read_examples,
+    text_column_option,
+)
+from mixlens.commands.output import progress
+from mixlens.commands.sweep import METRICS, make_task, metric_for
+from mixlens.errors import MixlensError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("prune")(prune_command)
+    app.command("ablate-patterns")(ablate_patterns_command)
+
+
+def _metric_option() -> Any:
+    return typer.Option(None, "--metric", help="sts, mlm or accuracy; default from the model head.")
+
+
+def prune_command(
+    data: str = data_option(),
+    model: str | None = model_option(),
+    metric: str | None = _metric_option(),
+    text_column: str | None = text_column_option(),
+    pair_column: str | None = pair_column_option(),
+    score_column: str = typer.Option("score", "--score-column", help="Gold similarity column (sts)."),
+    label_column: str = typer.Option("label", "--label-column", help="Gold label column (accuracy)."),
+    limit: int | None = limit_option(),
+    batch_size: int = batch_size_option(),
+    held_out: float = typer.Option(0.5, "--held-out", help="Fraction of the examples kept apart to confirm."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the split and of the bootstrap."),
+    max_heads: int | None = typer.Option(None, "--max-heads", min=1, help="Remove at most this many heads."),
+    min_gain: float = typer.Option(0.0, "--min-gain", min=0.0, help="Smallest selection-split gain that counts."),
+    resamples: int = typer.Option(1000, "--resamples", min=100, help="Bootstrap resamples of the held-out split."),
+    disable: str | None = disable_option(),
+    save: Path | None = typer.Option(None, "--save", help="Write a checkpoint with the chosen heads removed."),
+    out: Path = typer.Option(Path("mixlens-prune"), "--out", "-o", help="Directory for the tables."),
+) -> None:
+    """Remove heads whose removal improves the metric on a selection split; confirm on a held-out split."""
+    import json
+
+    import pandas as pd
+
+    from mixlens.bertology.prune import prune, split_indices
+    from mixlens.bertology.sweep import sweep_steps
+    from mixlens.interventions import disabled, parse_heads
+    from mixlens.lens import load
+    from mixlens.result import atomic_write
+
+    check_metric(metric)
+    examples = read_examples(data, text_column, pair_column, check_limit(limit))
+    sel_idx, held_idx = split_indices(len(examples), held_out, seed)
+    lens = load(model)
+    base_off = parse_heads(disable or "", lens)
+    metric = metric or metric_for(lens)
+
+    def task(idx: Any) -> Any:
+        return make_task(lens, metric, [examples[i] for i in idx], score_column, label_column, batch_size)
+
+    selection, heldout = task(sel_idx), task(held_idx)
+    with disabled(lens, base_off), progress(
+        sweep_steps(lens, selection, "zero") + lens.adapter.n_layers * lens.adapter.n_heads, "prune"
+    ) as step:
+        res = prune(lens, selection, heldout, max_heads=max_heads, min_gain=min_gain, n_resamples=resamples,
+                    seed=seed, on_step=step)
+    lo, hi = res.ci
+    print(f"selection split ({res.n_selection} examples): {res.metric} {res.selection_baseline:.4f} → "
+          f"{res.selection_score:.4f}")
+    print(f"held-out split ({res.n_heldout} examples): {res.metric} {res.heldout_baseline:.4f} → "
+          f"{res.heldout_score:.4f} (Δ {res.heldout_delta:+.4f}, 95% bootstrap interval [{lo:+.4f}, {hi:+.4f}], "
+          f"{resamples} resamples)")
+    print(f"{len(res.heads)} heads removed; {'confirmed' if res.confirmed else 'not confirmed'} on held-out data")
+    print(f"--disable {res.spec}" if res.heads else "no head helps")
+    steps = pd.DataFrame(res.steps, columns=["head", f"selection_{res.metric}", "kept"])
+    atomic_write(out / "prune_steps.csv", steps.to_csv(index=False).encode())
+    summary = {"metric": res.metric, "heads": res.spec, "selection_baseline": res.selection_baseline,
+               "selection_score": res.selection_score, "heldout_baseline": res.heldout_baseline,
+               "heldout_score": res.heldout_score, "heldout_delta": res.heldout_delta, "ci95": [lo, hi],
+               "confirmed": res.confirmed, "n_selection": res.n_selection, "n_heldout": res.n_heldout,
+               "disabled_before": disable or ""}
+    if save is not None:
+        summary["saved"] = save_checkpoint(lens, [*expand(lens, base_off), *res.heads], heldout, save)
+    atomic_write(out / "prune.json", (json.dumps(summary, indent=1) + "\n").encode())
+    typer.echo(f"wrote {out}/prune.json and prune_steps.csv", err=True)
+
+
+def expand(lens: Any, ablations: Any) -> list[tuple[int, int]]:
+    """Ablations → (layer, head) pairs (a whole layer → all its heads)."""
+    n = lens.adapter.n_heads
+    return [(a.layer, h) for a in ablations for h in (range(n) if a.heads is None else a.heads)]
+
+
+def save_checkpoint(lens: Any, heads: list[tuple[int, int]], task: Any, path: Path) -> dict[str, Any]:
+    """Write the pruned checkpoint; report parameters, forward time and the match with zero ablation."""
+    import torch
+
+    from mixlens.bertology.prune import ablations_for, forward_seconds, n_parameters, save_pruned
+    from mixlens.interventions import disabled
+    from mixlens.trace import hooked
+
+    if not heads:
+        raise MixlensError("no head to remove: nothing to --save")
+    pruned = save_pruned(lens, heads, path)
+    inputs = task.batches[-1]  # the longest inputs
+    with torch.no_grad(), disabled(lens, ablations_for(heads)), hooked(lens.adapter):
+        want = lens.model(**inputs)[0]
+    with torch.no_grad():
+        got = pruned(**inputs)[0]
+    mask = inputs["attention_mask"].bool()
+    diff = float((got - want)[mask].abs().max())
+    p0, p1 = n_parameters(lens.model), n_parameters(pruned)
+    t0, t1 = forward_seconds(lens.model, inputs), forward_seconds(pruned, inputs)
+    print(f"saved {path}: {p1:,} parameters (original {p0:,}, −{100 * (p0 - p1) / p0:.1f} %); forward "
+          f"{1000 * t1:.1f} ms vs {1000 * t0:.1f} ms on {inputs['input_ids'].shape[0]} inputs; max |output − "
+          f"zero-ablated output| = {diff:.2e}")
+    if diff > 1e-4:
+        raise MixlensError(f"the pruned model differs from zero ablation by {diff:.2e}")
+    return {"path": str(path), "parameters": p1, "parameters_original": p0, "forward_s": t1, "forward_s_original": t0,
+            "max_abs_diff_vs_zero_ablation": diff}
+
+
+def check_metric(metric: str | None) -> None:
+    if metric is not None and metric not in METRICS:
+        raise MixlensError(f"unknown metric '{metric}'; valid: {', '.join(METRICS)}")
+
+
+def ablate_patterns_command(
+    data: str = data_option(),
+    model: str | None = model_option(),
+    metric: str | None = _metric_option(),
+    text_column: str | None = text_column_option(),
+    pair_column: str | None = pair_column_option(),
+    score_column: str = typer.Option("score", "--score-column", help="Gold similarity column (sts)."),
+    label_column: str = typer.Option("label", "--label-column", help="Gold label column (accuracy)."),
+    limit: int | None = limit_option(),
+    batch_size: int = batch_size_option(),
+    mode: str = typer.Option("uniform", "--mode", help="uniform (Kovaleva) or zero."),
+    draws: int = typer.Option(5, "--draws", help="Random head sets per type (the control)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random heads."),
+    view: str = typer.Option("attn", "--view", help="attn or norm: the maps the pattern types come from."),
+    disable: str | None = disable_option(),
+    out: Path = typer.Option(Path("mixlens-ablate-patterns"), "--out", "-o", help="Directory for table, figure."),
+) -> None:
+    """Disable every head of one Kovaleva pattern type at once; compare with as many random heads."""
+    import pandas as pd
+
+    from mixlens.bertology.pattern_ablation import MODES, ablate_patterns, head_types, pattern_ablation_steps
+    from mixlens.commands.options import check_view
+    from mixlens.interventions import disabled, parse_heads
+    from mixlens.lens import load
+    from mixlens.result import atomic_write
+    from mixlens.stats.patterns import classify_inputs
+    from mixlens.viz.heads import pattern_ablation_figure
+
+    check_metric(metric)
+    check_view(view)
+    if mode not in MODES:
+        raise MixlensError(f"unknown ablation mode '{mode}' for pattern ablation; valid: {', '.join(MODES)}")
+    examples = read_examples(data, text_column, pair_column, check_limit(limit))
+    lens = load(model)
+    metric = metric or metric_for(lens)
+    task = make_task(lens, metric, examples, score_column, label_column, batch_size)
+    texts = [t for e in examples for t in (e.text if metric == "sts" else (e.text,))]
+    with disabled(lens, parse_heads(disable or "", lens)):
+        with progress(len(texts), "pattern types") as step:
+            types = head_types(classify_inputs(lens, texts, view=view, batch_size=batch_size, on_batch=step))
+        with progress(pattern_ablation_steps(types, draws), f"ablate ({metric}, {mode})") as step:
+            res = ablate_patterns(lens, task, types, mode, draws, seed, on_step=step)
+    print(f"baseline {res.metric} (no ablation, {task.n_examples} examples): {res.baseline:.4f}")
+    df = pd.DataFrame(res.rows(), columns=["type", "heads", res.metric, "delta", "random_delta_mean",
+                                           "random_delta_sd"])
+    print(df.to_string(index=False, float_format=lambda v: f"{v:+.4f}"))
+    atomic_write(out / "ablate_patterns.csv", df.to_csv(index=False).encode())
+    kinds = pd.DataFrame([(la, h, res.types[la, h]) for la in range(res.types.shape[0])
+                          for h in range(res.types.shape[1])], columns=["layer", "head", "type"])
+    atomic_write(out / "head_types.csv", kinds.to_csv(index=False).encode())
+    pattern_ablation_figure(res, out / "ablate_patterns.png")
+    typer.echo(f"wrote {out}/ablate_patterns.csv, head_types.csv and ablate_patterns.png", err=True)
