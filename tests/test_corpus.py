@@ -303,3 +303,57 @@ def test_cli_overlong_rows_truncated_and_counted(tmp_path, tiny, capsys):
     res = CorpusResult.open(tmp_path / "o")
     assert res.manifest["counts"]["truncated"] == 1
     assert res.examples()["n_tokens"].tolist() == [4, 8] and res.examples()["truncated_from"].tolist() == [0, 42]
+
+
+# ------------------------------------------------------------------------- resume identity and early errors
+
+
+def test_resume_over_changed_file_is_refused(tmp_path, tiny, capsys):
+    data = synth(tmp_path / "d.tsv", 12)
+    base = ["corpus", "--data", str(data), "--model", tiny, "--out", str(tmp_path / "o"), "--shard-size", "4",
+            "--quiet", "--method", "attention"]
+    assert cli(*base) == 0
+    synth(data, 12, seed=1)  # same path and row count, other rows
+    capsys.readouterr()
+    assert cli(*base) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "changed since the run" in err and "--overwrite" in err
+    assert cli(*base, "--overwrite") == 0
+    texts = CorpusResult.open(tmp_path / "o").examples(["text"])["text"].tolist()
+    assert texts == [e.text for e in iter_examples(data)]
+
+
+def test_unchanged_file_still_resumes(tmp_path, tiny):
+    data = synth(tmp_path / "d.tsv", 12)
+    kw = {"model": tiny, "shard_size": 4}
+    run_corpus(data, tmp_path / "o", ["attention"], **kw)
+    assert run_corpus(data, tmp_path / "o", ["attention"], **kw).manifest["resumed_shards"] == 3
+
+
+@pytest.mark.parametrize("case", ["header_only", "unknown_column", "max_length_0"])
+def test_errors_without_model_come_first_and_leave_no_output(tmp_path, capsys, case):
+    data = synth(tmp_path / "d.tsv", 3)
+    (tmp_path / "head.tsv").write_text("sentence\tlabel\n")
+    args = {"header_only": ["--data", str(tmp_path / "head.tsv")],
+            "unknown_column": ["--data", str(data), "--text-column", "review"],
+            "max_length_0": ["--data", str(data), "--max-length", "0"]}[case]
+    out = tmp_path / "o"
+    # a model path that cannot load: the data error must be the one reported
+    assert cli("corpus", *args, "--model", str(tmp_path / "no-model"), "--out", str(out), "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no-model" not in err
+    assert {"header_only": "has no rows", "unknown_column": "no column 'review'",
+            "max_length_0": "--max-length must be at least 1"}[case] in err
+    assert not out.exists()
+
+
+def test_jsonl_lone_surrogate_row_is_skipped_and_counted(tmp_path, tiny):
+    data = tmp_path / "s.jsonl"
+    data.write_text('{"text": "fine one"}\n{"text": "bad \\ud800 surrogate"}\n{"text": "fine two"}\n')
+    stats = ReadStats()
+    assert [e.index for e in iter_examples(data, stats=stats)] == [0, 2] and stats.malformed == 1
+    with pytest.raises(MixlensError, match="lone surrogate"):
+        list(iter_examples(data, strict=True))
+    res = run_corpus(data, tmp_path / "o", ["attention"], model=tiny)
+    assert res.manifest["complete"] and res.manifest["counts"]["malformed"] == 1
+    assert res.examples(["text"])["text"].tolist() == ["fine one", "fine two"]

@@ -104,3 +104,39 @@ def test_cli_errors(tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err
+
+
+def test_ig_chunked_equals_unchunked(tokenizer):
+    """Integrated gradients in chunks of input × step rows give the numbers of one pass over all steps."""
+    lens = mixlens.Lens(random_model("bert", tokenizer, head="AutoModelForSequenceClassification",
+                                     hidden_size=32, intermediate_size=64), tokenizer)
+    tr = lens.trace(TEXTS)
+    whole = output_attribution(tr, "integrated_gradients", target=1, reduction="sum", steps=20,
+                               internal_batch_size=2 * 20)
+    for rows in (2, 7, 16):  # one step per chunk, uneven chunks, several steps per chunk
+        part = output_attribution(tr, "integrated_gradients", target=1, reduction="sum", steps=20,
+                                  internal_batch_size=rows)
+        torch.testing.assert_close(part.raw, whole.raw, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(part.delta, whole.delta, atol=1e-6, rtol=1e-5)
+    default = output_attribution(tr, "integrated_gradients", target=1, reduction="sum", steps=20)
+    torch.testing.assert_close(default.raw, whole.raw, atol=1e-6, rtol=1e-5)
+    with pytest.raises(MixlensError, match="internal_batch_size"):
+        output_attribution(tr, "integrated_gradients", internal_batch_size=0)
+
+
+def test_output_saliency_runs_no_captured_forward(tokenizer, monkeypatch):
+    """Gradient-only runs skip the traced forward (capture hooks): same numbers as from a full trace."""
+    lens = mixlens.Lens(random_model("bert", tokenizer, head="AutoModelForSequenceClassification",
+                                     hidden_size=32, intermediate_size=64), tokenizer)
+    traced = {k: output_attribution(lens.trace(TEXTS), k).values for k in ("saliency", "grad_x_input")}
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("a traced forward pass ran")
+
+    monkeypatch.setattr("mixlens.lens.run_traced", no_trace)
+    an = lens.analyze(TEXTS, ["saliency", "grad_x_input", "integrated_gradients"],
+                      options={"integrated_gradients": {"steps": 4}})
+    for k, v in traced.items():
+        for b in range(len(TEXTS)):
+            n = len(an.tokens[b])
+            torch.testing.assert_close(torch.from_numpy(an[k].values[b, :n]), v[b, :n])

@@ -7,6 +7,9 @@ The public names load on first use (PEP 562), so `import mixlens` — and the co
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -33,14 +36,27 @@ __all__ = ["Analysis", "Attribution", "Lens", "MixlensError", "ReconstructionErr
            "__version__"]
 
 
+def submodule_getattr(package: str) -> Callable[[str], ModuleType]:
+    """A module `__getattr__` for PACKAGE that imports its submodules on first attribute access, so documented
+    paths such as `mixlens.stats.mixing.expansion_rate` work after a bare `import mixlens`."""
+
+    def getattr_(name: str) -> ModuleType:
+        if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            return importlib.import_module(f"{package}.{name}")  # the import binds it on the package too
+        raise AttributeError(f"module '{package}' has no attribute '{name}'")
+
+    return getattr_
+
+
+_submodule = submodule_getattr(__name__)
+
+
 def __getattr__(name: str) -> Any:
-    if name == "methods":  # the package; importing it fills the method registry
-        return importlib.import_module("mixlens.methods")
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'mixlens' has no attribute '{name}'")
+    return _submodule(name)  # subpackages and modules; `methods` also fills the method registry
 
 
 def __dir__() -> list[str]:

@@ -17,7 +17,7 @@ import torch
 from mixlens import methods as method_registry
 from mixlens.adapters import Adapter, family_for, resolve
 from mixlens.errors import MixlensError
-from mixlens.pipeline import plan_batches, run_methods, trace_flags
+from mixlens.pipeline import needs_capture, plan_batches, run_methods, trace_flags
 from mixlens.result import Analysis, Attribution, Blocks
 from mixlens.trace import Edit, Trace, run_traced
 
@@ -265,7 +265,7 @@ class Lens:
         ≤ `batch_size` inputs, ≤ `max_tokens` padded tokens and ≤ `max_cells` padded token pairs (inputs · n², which
         bounds the [.., n, n] maps); `Batch.index` says where each input came from.
         `trace`: False (no forward pass), True (a full trace) or registry method names (a trace with the FFN
-        activations / whole forward pass those methods need)."""
+        activations / whole forward pass those methods need; none, only the inputs, when no method reads it)."""
         texts = _check_texts(texts)
         if order not in ("input", "length"):
             raise MixlensError(f"unknown batch order '{order}'; valid: input, length")
@@ -274,6 +274,7 @@ class Lens:
                                f"{max_tokens}, {max_cells})")
         limit = self.limit(max_length)
         ffn, full = (False, True) if isinstance(trace, bool) else trace_flags(trace)
+        capture = trace is True or (trace is not False and needs_capture(trace))
         if order == "length":
             tok = _Tokenized(self, texts, limit, truncate)
             plan = [(tok, rows, rows) for rows in plan_batches(tok.lengths, batch_size, max_tokens, max_cells)]
@@ -283,7 +284,9 @@ class Lens:
             if tok is None:  # input order: tokenize each batch when it is reached (streams long lists)
                 tok, local = _Tokenized(self, [texts[b] for b in rows], limit, truncate), range(len(rows))
             enc = tok.batch(self, local)
-            yield Batch(list(rows), enc, self.trace(enc, ffn=ffn, full=full) if trace is not False else None)
+            bare = Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
+            yield Batch(list(rows), enc, None if trace is False else self.trace(enc, ffn=ffn, full=full) if capture
+                        else bare)
 
     @torch.no_grad()
     def trace(self, enc: Encoded | Sequence[Text], edits: dict[str, Edit] | None = None,

@@ -66,3 +66,11 @@ def trace_flags(methods: Sequence[str]) -> tuple[bool, bool]:
     """(ffn, full) of the trace that `methods` need: FFN activations, and the whole forward pass."""
     specs = [get_method(m) for m in methods]
     return any(s.needs_ffn for s in specs), any(s.needs_output for s in specs)
+
+
+def needs_capture(methods: Sequence[str]) -> bool:
+    """Whether `methods` read the captured forward pass; the output-saliency methods (saliency, grad_x_input,
+    integrated_gradients) run their own passes from the inputs alone."""
+    from mixlens.methods import saliency
+
+    return any(get_method(m).fn.__module__ != saliency.__name__ for m in methods)

@@ -6,14 +6,15 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from mixlens.corpus.readers import Example
 
 STORES = ("summary", "full")
 BACKENDS = ("local", "ray")
 # Keys of the job that change results: a rerun with other values is refused unless --overwrite.
-IDENTITY = ("model", "head", "data", "fmt", "text_column", "pair_column", "methods", "heads", "options", "store",
-            "shard_size", "max_length")
+IDENTITY = ("model", "head", "data", "data_file", "fmt", "text_column", "pair_column", "methods", "heads", "options",
+            "store", "shard_size", "max_length")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Job:
     head: str | None = None  # model head class for `mixlens.load`
     allow_random_head: bool = False  # `mixlens.load(allow_random_head=...)`; not part of the identity
     device: str = "cpu"
+    data_file: dict[str, object] | None = None  # `file_stamp(data)` of a local file: same path, other bytes → new run
 
     def identity(self) -> dict[str, object]:
         d = asdict(self)
@@ -47,6 +49,16 @@ class Job:
     @property
     def job_id(self) -> str:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def file_stamp(path: Path) -> dict[str, object]:
+    """{size, mtime_ns, sha256} of a data file; its bytes are hashed in 1 MiB blocks (never the file whole)."""
+    st = path.stat()
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
 
 
 def chunks(examples: Iterator[Example], size: int) -> Iterator[list[Example]]:

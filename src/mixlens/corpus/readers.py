@@ -154,7 +154,14 @@ def _jsonl(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             return _Bad("malformed", f"line {no} is not valid JSON ({e.msg})")
-        return obj if isinstance(obj, dict) else _Bad("malformed", f"line {no} is not a JSON object")
+        if not isinstance(obj, dict):
+            return _Bad("malformed", f"line {no} is not a JSON object")
+        if "\\u" in line:  # a \uD800-style escape can decode to a lone surrogate, which no UTF-8 writer takes
+            try:
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                return _Bad("malformed", f"line {no} holds a lone surrogate escape (not valid Unicode)")
+        return obj
 
     first: list[dict[str, Any] | _Bad] = []
     for no, line in lines:

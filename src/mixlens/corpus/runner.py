@@ -11,6 +11,7 @@ the shards whose files already exist. Modules: `job` (what and identity), `compu
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pyarrow as pa
 
 from mixlens.corpus import shards as sh
 from mixlens.corpus.backends import Backend, LocalBackend, ProcessBackend, RayBackend
-from mixlens.corpus.job import BACKENDS, IDENTITY, STORES, Job, chunks
+from mixlens.corpus.job import BACKENDS, IDENTITY, STORES, Job, chunks, file_stamp
 from mixlens.corpus.readers import ReadStats, count_records, examples_from, open_records, resolve_columns
 from mixlens.errors import MixlensError
 from mixlens.methods import check_options
@@ -62,6 +63,10 @@ def _check_out(out: Path, job: Job, overwrite: bool) -> None:
         raise MixlensError(f"--out {out} exists and is not a directory")
     old = sh.read_manifest(out) if out.is_dir() and not overwrite else None
     if old is not None:
+        was, now = old.get("job", {}).get("data_file"), job.identity()["data_file"]
+        if was is not None and now is not None and was != now:
+            raise MixlensError(f"{job.data} changed since the run in {out} began (size, modification time or content "
+                               "differ); use --overwrite to start afresh")
         diff = [k for k in IDENTITY if old.get("job", {}).get(k) != job.identity()[k]]
         if diff:
             what = "; ".join(f"{k}: {old.get('job', {}).get(k)!r} → {job.identity()[k]!r}" for k in diff[:3])
@@ -115,7 +120,7 @@ def run_corpus(
     if backend not in BACKENDS:
         raise MixlensError(f"unknown --backend '{backend}'; valid: {', '.join(BACKENDS)}")
     for name, v in (("--batch-size", batch_size), ("--max-tokens", max_tokens), ("--shard-size", shard_size),
-                    ("--workers", workers or 1)):
+                    ("--workers", workers or 1), ("--max-length", 1 if max_length is None else max_length)):
         if v < 1:
             raise MixlensError(f"{name} must be at least 1 (got {v})")
     if lens is not None and (backend == "ray" or (workers or 1) > 1):
@@ -124,15 +129,20 @@ def run_corpus(
         raise MixlensError(f"--heads: none of {', '.join(methods)} has per-head matrices")
 
     stats = ReadStats()
-    columns, records = open_records(data, fmt)  # missing/empty file, bad format: before the model loads
+    # Everything that needs no model fails here, before it loads and before --out is made: missing/empty file, bad
+    # format, unknown columns, no readable row (the first example is read ahead), a changed file or another run.
+    columns, records = open_records(data, fmt)
     tcol, pcol = resolve_columns(columns, text_column, pair_column, str(data))
+    examples = examples_from(records, tcol, pcol, strict, stats, str(data))
+    examples = itertools.chain([next(examples)], examples)  # examples_from raises rather than end without a row
     is_file = not (isinstance(data, str) and data.startswith("hf:"))
-    data_id = str(Path(data).expanduser().resolve()) if is_file else str(data)
+    path = Path(data).expanduser().resolve() if is_file else None
     model_name = lens.name if lens is not None else (str(model) if model else "all-MiniLM-L6-v2")  # as load()
-    job = Job(model, model_name, data_id, fmt, tcol, pcol, methods, heads, options, store, shard_size, max_length,
-              batch_size, max_tokens, head, device, allow_random_head)
+    job = Job(model, model_name, str(path or data), fmt, tcol, pcol, methods, heads, options, store, shard_size,
+              max_length, batch_size, max_tokens, head=head, device=device, allow_random_head=allow_random_head,
+              data_file=file_stamp(path) if path else None)
     out = Path(out)
-    _check_out(out, job, overwrite)  # refuse a different run before the model loads
+    _check_out(out, job, overwrite)
     if lens is None and backend == "local" and (workers or 1) == 1:
         from mixlens.lens import load
 
@@ -178,8 +188,7 @@ def run_corpus(
 
     try:
         with bar or contextlib.nullcontext():
-            for shard_id, chunk in enumerate(chunks(examples_from(records, tcol, pcol, strict, stats, str(data)),
-                                                     shard_size)):
+            for shard_id, chunk in enumerate(chunks(examples, shard_size)):
                 if shard_id in done:
                     if bar:
                         bar.advance(len(chunk), resumed=True)

@@ -22,6 +22,7 @@ from mixlens.trace import Trace, hooked
 REDUCTIONS = ("l2", "l1", "sum")
 KINDS = ("saliency", "grad_x_input", "integrated_gradients")
 BASELINES = ("zero", "pad")
+IG_TOKENS_PER_CHUNK = 2048  # default tokens per integrated-gradients chunk (input × step rows × tokens)
 Target = int | str | Callable[..., torch.Tensor]
 
 
@@ -55,11 +56,18 @@ def _positions(trace: Trace, position: int | None) -> torch.Tensor:
     raise MixlensError("no [MASK] token in every input; mark one with the tokenizer's mask token or give position")
 
 
-def _selector(trace: Trace, target: Target, position: int | None) -> tuple[Callable, tuple[torch.Tensor, ...]]:
-    """(select(output, inputs, *extra) -> [B], extra per-input tensors); extra rows travel with captum's batch."""
+def _check_target(target: Target) -> None:
+    if not (callable(target) or target == "pred" or (isinstance(target, int) and not isinstance(target, bool))):
+        raise MixlensError(f"target must be 'pred', a class/token index or a Python callable, got {target!r}")
+
+
+def _selector(trace: Trace, target: Target, position: int | None,
+              logits: torch.Tensor | None) -> tuple[Callable, tuple[torch.Tensor, ...]]:
+    """(select(output, inputs, *extra) -> [B], extra per-input tensors); extra rows travel with captum's batch.
+    `logits`: the model's output at the real inputs ([B, classes] or [B, n, vocab]), which 'pred' reads."""
+    _check_target(target)
     if callable(target):
         return (lambda out, inputs: target(out, inputs)), ()
-    logits = trace.logits
     if logits is None:
         raise MixlensError("this model has no output head; load it with a head (e.g. --head sequence-classification) "
                            "or pass a Python callable as target")
@@ -81,20 +89,29 @@ def _selector(trace: Trace, target: Target, position: int | None) -> tuple[Calla
     return pick, (pos, tok)
 
 
+def _forward(trace: Trace, emb: torch.Tensor, inputs: dict[str, torch.Tensor]):
+    """The model's output with the word embeddings replaced by `emb` [B, n, d] (edit point `embed`, no capture)."""
+    with hooked(trace.adapter, {"embed": lambda _: emb}):
+        return trace.model(**inputs)
+
+
 def scalar_fn(trace: Trace, target: Target = "pred", position: int | None = None
               ) -> tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...]]:
-    """(f(emb [B, n, d], *inputs, *extra) -> [B], the real word embeddings e [B, n, d], (*inputs, *extra))."""
+    """(f(emb [B, n, d], *inputs, *extra) -> [B], the real word embeddings e [B, n, d], (*inputs, *extra)).
+    'pred' reads the trace's logits, or (a trace without a forward pass) those of one plain forward."""
     keys = list(trace.inputs)
-    select, extra = _selector(trace, target, position)
+    _check_target(target)
+    with torch.no_grad():
+        emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"])
+        logits = trace.logits
+        if logits is None and not callable(target):
+            logits = getattr(trace.model(**trace.inputs), "logits", None)
+    select, extra = _selector(trace, target, position, logits)
 
     def f(emb: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         inputs = dict(zip(keys, args[: len(keys)], strict=True))
-        with hooked(trace.adapter, {"embed": lambda _: emb}):
-            out = trace.model(**inputs)
-        return select(out, inputs, *args[len(keys):])
+        return select(_forward(trace, emb, inputs), inputs, *args[len(keys):])
 
-    with torch.no_grad():
-        emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"])
     return f, emb, (*trace.inputs.values(), *extra)
 
 
@@ -109,35 +126,53 @@ def reduce_hidden(raw: torch.Tensor, reduction: str, mask: torch.Tensor) -> torc
     return v * mask.to(v.dtype)
 
 
+def _chunk_rows(trace: Trace, steps: int, internal_batch_size: int | None) -> int:
+    """Rows (input × step) per captum chunk: given, else ≈ IG_TOKENS_PER_CHUNK tokens and at least one batch."""
+    if internal_batch_size is not None:  # checked by the registry (an integer ≥ 1)
+        return internal_batch_size
+    b, n = trace.mask.shape
+    return min(b * steps, max(b, IG_TOKENS_PER_CHUNK // n // b * b))
+
+
 def output_attribution(trace: Trace, kind: str = "saliency", *, target: Target = "pred", position: int | None = None,
-                       reduction: str = "l2", baseline: str = "zero", steps: int = 50) -> OutputAttribution:
-    """Attribute one scalar per input to its word embeddings; see the module docstring."""
+                       reduction: str = "l2", baseline: str = "zero", steps: int = 50,
+                       internal_batch_size: int | None = None) -> OutputAttribution:
+    """Attribute one scalar per input to its word embeddings; see the module docstring. Integrated gradients run the
+    steps in chunks of `internal_batch_size` rows (input × step; default ≈ 2048 tokens), so memory stays bounded."""
     if kind not in KINDS:
         raise MixlensError(f"unknown saliency kind '{kind}'; valid: {', '.join(KINDS)}")
-    ig = {"baseline": baseline, "steps": steps} if kind == "integrated_gradients" else {}
+    ig = {"baseline": baseline, "steps": steps, "internal_batch_size": internal_batch_size} \
+        if kind == "integrated_gradients" else {}
     get(kind).check({"target": target, "position": position, "reduction": reduction, **ig})  # declared options
-    f, emb, args = scalar_fn(trace, target, position)
-    with torch.enable_grad():
-        if kind != "integrated_gradients":
-            x = emb.clone().requires_grad_(True)
-            value = f(x, *args)
+    if kind != "integrated_gradients":
+        _check_target(target)
+        with torch.enable_grad():
+            x = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"]).detach().requires_grad_(True)
+            out = _forward(trace, x, trace.inputs)  # one forward: 'pred' reads its own logits when the trace has none
+            logits = trace.logits if trace.logits is not None or callable(target) else \
+                getattr(out, "logits", None)
+            select, extra = _selector(trace, target, position, None if logits is None else logits.detach())
+            value = select(out, trace.inputs, *extra)
             (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂f_b/∂e
-            raw = grad if kind == "saliency" else grad * emb
-            return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw.detach(), value.detach())
-        from captum.attr import IntegratedGradients
+        raw = grad if kind == "saliency" else grad * x.detach()
+        return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw, value.detach())
+    rows = _chunk_rows(trace, steps, internal_batch_size)
+    f, emb, args = scalar_fn(trace, target, position)
+    from captum.attr import IntegratedGradients
 
-        base = torch.zeros_like(emb)
-        if baseline == "pad":
-            pad_id = trace.model.config.pad_token_id
-            if pad_id is None:
-                raise MixlensError("baseline=pad needs a model with a pad token id")
-            with torch.no_grad():
-                base = trace.adapter.base.get_input_embeddings()(torch.full_like(trace.inputs["input_ids"], pad_id))
-        ig = IntegratedGradients(f)
-        raw, delta = ig.attribute(emb, baselines=base, additional_forward_args=args, n_steps=steps,
-                                  return_convergence_delta=True)
+    base = torch.zeros_like(emb)
+    if baseline == "pad":
+        pad_id = trace.model.config.pad_token_id
+        if pad_id is None:
+            raise MixlensError("baseline=pad needs a model with a pad token id")
         with torch.no_grad():
-            value, base_value = f(emb, *args), f(base, *args)
+            base = trace.adapter.base.get_input_embeddings()(torch.full_like(trace.inputs["input_ids"], pad_id))
+    with torch.enable_grad():
+        raw, delta = IntegratedGradients(f).attribute(emb, baselines=base, additional_forward_args=args,
+                                                      n_steps=steps, internal_batch_size=rows,
+                                                      return_convergence_delta=True)
+    with torch.no_grad():
+        value, base_value = f(emb, *args), f(base, *args)
     return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw.detach(), value, base_value,
                              delta.detach())
 
@@ -169,13 +204,17 @@ def grad_x_input(trace: Trace, *, target: Target = "pred", position: int | None 
     *TARGET,
     Option("baseline", str, "zero", choices=BASELINES, help="the embeddings integrated from: zeros or [PAD]s"),
     Option("steps", int, 50, min=2, help="integration steps"),
+    Option("internal_batch_size", int, None, min=1, optional=True,
+           help="input × step rows per captum chunk (default: about 2048 tokens), bounding memory"),
 ))
 def integrated_gradients(trace: Trace, *, target: Target = "pred", position: int | None = None,
-                         reduction: str = "l2", baseline: str = "zero", steps: int = 50) -> MethodOutput:
-    """Integrated gradients (captum) at the word embeddings for a target scalar: [B, source].
+                         reduction: str = "l2", baseline: str = "zero", steps: int = 50,
+                         internal_batch_size: int | None = None) -> MethodOutput:
+    """Integrated gradients (captum) at the word embeddings for a target scalar, the steps run in chunks of
+    `internal_batch_size` input × step rows (default ≈ 2048 tokens): [B, source].
 
     Extra `delta` [B]: captum's convergence delta."""
     res = output_attribution(trace, "integrated_gradients", target=target, position=position, reduction=reduction,
-                             baseline=baseline, steps=steps)
+                             baseline=baseline, steps=steps, internal_batch_size=internal_batch_size)
     assert res.delta is not None  # integrated gradients report it
     return MethodOutput(res.values, {"delta": res.delta})

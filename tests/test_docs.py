@@ -1,0 +1,106 @@
+"""Every ```python and ```bash block of README.md and docs/*.md runs, so the documentation cannot drift.
+
+Python blocks of one file run in order in one shared namespace; bash blocks run each `mixlens ...` command
+(continuation lines joined, comments dropped) through the in-process CLI and expect exit code 0. Each file runs
+in a fresh directory next to a tiny `../shared/data` (SST-2 and STS-B shaped), so the documented relative data
+paths resolve to small inputs; model placeholders name the bundled model. A block preceded by the line
+`<!-- docs-test: skip: REASON -->` is not run (the reason says why: a server, an install, data we do not have).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+import mixlens
+from mixlens.cli import main
+from mixlens.lens import default_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^(?:<!-- docs-test: skip: (?P<skip>.+?) -->\n)?```(?P<lang>python|bash)\n(?P<code>.*?)^```",
+                   re.M | re.S)
+# placeholders in the docs for a user's own model → the bundled model
+PLACEHOLDERS = {'"path/to/sst2-model"': "MODEL", '"path/or/hub-id"': "MODEL"}
+SST2 = ["sentence\tlabel", "a charming and often affecting journey .\t1", "unflinchingly bleak and desperate\t0",
+        "the acting , costumes , music , cinematography and sound are all astounding\t1", "it 's slow -- very slow\t0"]
+STSB = ["sentence1\tsentence2\tscore", "A man is playing a guitar.\tA man plays the guitar.\t4.8",
+        "A woman is slicing an onion.\tSomeone is cutting a tomato.\t1.2"]
+
+
+def blocks(path: Path) -> list[tuple[int, str, str, str | None]]:
+    """(line, language, code, skip reason or None) of each fenced python/bash block."""
+    text = path.read_text()
+    return [(text[: m.start()].count("\n") + 1, m["lang"], m["code"], m["skip"]) for m in BLOCK.finditer(text)]
+
+
+def commands(code: str) -> list[list[str]]:
+    """The argv (after `mixlens`) of each command of a bash block; every command must be a `mixlens` call."""
+    out = []
+    for line in code.replace("\\\n", " ").splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv:
+            continue
+        assert argv[0] == "mixlens", f"a bash block runs something else than mixlens: {line!r} (add a skip marker)"
+        out.append(argv[1:])
+    return out
+
+
+def test_every_doc_has_blocks_found():
+    found = {p.name: blocks(p) for p in DOCS}
+    assert found["README.md"] and found["corpus.md"] and found["bertology.md"]
+    for name, bs in found.items():
+        for line, _, _, skip in bs:
+            assert skip is None or skip.strip(), f"{name}:{line}: a skip marker must say why"
+
+
+@pytest.fixture(scope="module")
+def given():
+    """What the docs take as the reader's own objects: texts, and a model built by hand (model + tokenizer)."""
+    lens = mixlens.load()
+    return {"texts": ["A first text.", "A second, longer text."], "hf_model": lens.model, "tokenizer": lens.tokenizer}
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+def test_doc_blocks_run(path, tmp_path, monkeypatch, given, capsys):
+    data = tmp_path / "shared" / "data"
+    for name, rows in (("sst2", SST2), ("stsb", STSB)):
+        (data / name).mkdir(parents=True)
+        (data / name / "dev.tsv").write_text("\n".join(rows) + "\n")
+    work = tmp_path / "repo"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    ns: dict = {"__name__": f"docs_{path.stem}", **given}
+    ran = 0
+    for line, lang, code, skip in blocks(path):
+        if skip is not None:
+            continue
+        where = f"{path.name}:{line}"
+        if lang == "python":
+            for old, new in PLACEHOLDERS.items():
+                code = code.replace(old, repr(str(default_model_path())) if new == "MODEL" else new)
+            exec(compile(code, where, "exec"), ns)  # noqa: S102 (the documentation's own code)
+        else:
+            for argv in commands(code):
+                with pytest.raises(SystemExit) as e:
+                    main(argv)
+                assert e.value.code in (0, None), f"{where}: mixlens {' '.join(argv)} → exit {e.value.code}: " \
+                    f"{capsys.readouterr().err[-500:]}"
+        ran += 1
+    if not ran:
+        pytest.skip(f"{path.name} has no runnable code block")
+
+
+def test_submodules_load_on_attribute_access():
+    """`import mixlens` then a documented dotted path works without importing the submodule first."""
+    import subprocess
+    import sys
+
+    code = "import mixlens; f = mixlens.stats.mixing.expansion_rate; m = mixlens.bertology.sweep; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "ok", out.stderr
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        mixlens.stats.nope  # noqa: B018
