@@ -91,11 +91,14 @@ class Attribution:
     `words[b][k]` the word index of token k (None for special tokens). Results of `Lens.analyze` are stored per
     batch (`store`, a `Blocks`); `values` is then built on first use (a convenience for small results: it pads
     every input to the longest one) — `input(b)`, `sel`, `mean`, `to_words`, `to_dataframe`, `save` never build it.
+    In target-row mode `targets[b]` lists the token positions of input b's rows on the `target` axis (None: all).
     """
 
     def __init__(self, values: np.ndarray | Blocks, dims: tuple[str, ...], tokens: list[list[str]], method: str,
-                 model: str = "", params: dict[str, Any] | None = None, words: list[list[int | None]] | None = None):
+                 model: str = "", params: dict[str, Any] | None = None, words: list[list[int | None]] | None = None,
+                 targets: list[list[int]] | None = None):
         self.dims = tuple(dims)
+        self.targets = targets
         self.tokens = tokens
         self.method = method
         self.model = model
@@ -125,7 +128,8 @@ class Attribution:
         return len(self.tokens)
 
     def _like(self, store: Blocks, dims: tuple[str, ...], params: dict[str, Any]) -> Attribution:
-        return Attribution(store, dims, self.tokens, self.method, self.model, {**self.params, **params}, self.words)
+        return Attribution(store, dims, self.tokens, self.method, self.model, {**self.params, **params}, self.words,
+                           self.targets if "target" in dims else None)
 
     def input(self, b: int) -> np.ndarray:
         """Values of input b without padding: axes `dims`."""
@@ -151,8 +155,8 @@ class Attribution:
 
         Special tokens stay as their own 'words'. Needs `target` and `source` as the last two axes.
         """
-        if self.words is None or self.dims[-2:] != ("target", "source"):
-            raise MixlensError("word grouping needs token→word ids and [..., target, source] axes")
+        if self.words is None or self.dims[-2:] != ("target", "source") or self.targets is not None:
+            raise MixlensError("word grouping needs token→word ids and [..., target, source] axes with every target")
         groups = [_word_groups(w) for w in self.words]
         parts = []
         for idx, a in self.store.parts:
@@ -181,6 +185,8 @@ class Attribution:
             grid = np.indices(arr.shape).reshape(len(self.dims), -1)
             df = pd.DataFrame({d: grid[k] for k, d in enumerate(self.dims)})
             df.insert(0, "batch", b)
+            if self.targets is not None and "target" in df:  # row k → its token position
+                df["target"] = np.asarray(self.targets[b])[df["target"].to_numpy()]
             for d in ("target", "source"):
                 if d in df:
                     df[f"{d}_token"] = np.asarray(self.tokens[b], dtype=object)[df[d].to_numpy()]
@@ -195,11 +201,12 @@ class Attribution:
         return render_fragment(self)
 
     def to_json_dict(self, b: int) -> dict[str, Any]:
-        return {"dims": list(self.dims), "values": self.input(b).tolist()}
+        out = {"dims": list(self.dims), "values": self.input(b).tolist()}
+        return out if self.targets is None else {**out, "targets": self.targets[b]}
 
     def manifest(self) -> dict[str, Any]:
         return {"method": self.method, "model": self.model, "dims": ["batch", *self.dims],
-                "tokens": self.tokens, "words": self.words, "params": self.params}
+                "tokens": self.tokens, "words": self.words, "params": self.params, "targets": self.targets}
 
     def save(self, path: str | Path) -> None:
         """`path.safetensors` (values: one padded array `values`, or per-batch blocks `values.k` with the input
@@ -230,7 +237,8 @@ class Attribution:
                 [len(x) for x in man["tokens"]])
         except (OSError, KeyError, ValueError) as e:
             raise MixlensError(f"cannot load attribution from {path}: {e}") from None
-        return cls(values, dims, man["tokens"], man["method"], man["model"], man["params"], man.get("words"))
+        return cls(values, dims, man["tokens"], man["method"], man["model"], man["params"], man.get("words"),
+                   man.get("targets"))
 
 
 def _word_groups(words: list[int | None]) -> list[list[int]]:

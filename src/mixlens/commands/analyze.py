@@ -60,6 +60,12 @@ def analyze(
         help="Model head to load: base, masked-lm, "
         "sequence-classification, causal-lm (default: from the model config).",
     ),
+    targets: str | None = typer.Option(
+        None,
+        "--targets",
+        help="Target rows to compute: last, all, or positions i,j,... (negative: from the end). Default: last for "
+        "causal LMs over 512 tokens, else all.",
+    ),
 ) -> None:
     """Decompose the attention blocks of TEXT and report the context-mixing ratio per layer."""
     from mixlens.lens import load
@@ -67,8 +73,13 @@ def analyze(
 
     methods = check_methods(method)
     opts = parse_options(option)
+    rows = parse_targets(targets)
     lens = load(model, head=head)
-    res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts)
+    if rows is None:
+        long = max(len(t) for t in lens.encode(text, max_length=max_length, truncate=not no_truncate).tokens)
+        rows = "last" if lens.adapter.family.causal and long > LONG_CAUSAL else "all"
+    res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts,
+                       targets=rows)
     if fmt is Format.html:
         from mixlens.viz.html import render_report
 
@@ -85,6 +96,21 @@ def analyze(
     if fmt is Format.table:
         print_ratios(res)
     typer.echo(f"wrote {', '.join(methods)} matrices for {len(text)} input(s) to {dest}", err=True)
+
+
+LONG_CAUSAL = 512  # tokens above which a causal LM's default --targets is `last`
+
+
+def parse_targets(given: str | None) -> str | list[int] | None:
+    """--targets: None (decide from the model and input), 'last', 'all' or a list of integer positions."""
+    from mixlens.errors import MixlensError
+
+    if given is None or given.strip() in ("last", "all"):
+        return None if given is None else given.strip()
+    try:
+        return [int(p) for p in given.split(",")]
+    except ValueError:
+        raise MixlensError(f"--targets must be last, all or comma-separated integer positions, got {given!r}") from None
 
 
 def print_ratios(res: Any) -> None:
