@@ -62,7 +62,7 @@ def test_analysis_records_the_target_rows_and_holds_layers_n_targets(bundled):
     full = bundled.analyze([text], methods)
     n, layers = len(full.tokens[0]), bundled.adapter.n_layers
     for k, spec in ((1, "last"), (3, [0, 4, -1])):
-        res = bundled.analyze([text, "a short one"], methods, targets=spec)
+        res = bundled.analyze([text, "a rather short one here"], methods, targets=spec)
         for m in methods:
             att = res[m]
             pos = resolve_targets(spec, [n])[0].tolist()
