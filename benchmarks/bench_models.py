@@ -1,6 +1,6 @@
 """End-to-end cost on the real checkpoints of scripts/fetch_models.py (absent ones are skipped).
 
-    python benchmarks/bench_models.py [--repeats 3] [--case smollm2] [--no-torch] [--no-rss]
+    python benchmarks/bench_models.py [--repeats 3] [--case smollm2] [--no-torch] [--no-rss] [--no-warmup]
 
 Per case: `mixlens.load` + `lens.analyze(text, methods, targets=...)` (maps + mixing ratios + the per-run check)
 against a plain forward pass with `output_attentions=True` of the same model and input, for the compiled passes and
@@ -43,8 +43,12 @@ def text_of(lens: mixlens.Lens, n_tokens: int) -> str:
     return lens.tokenizer.decode(ids[: n_tokens - special])
 
 
+WARMUP = True  # one untimed call first (numba compilation, allocator); --no-warmup on a slow machine
+
+
 def timed(fn, repeats: int) -> float:
-    fn()  # warm-up (numba compilation, allocator)
+    if WARMUP:
+        fn()
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -90,7 +94,10 @@ def main() -> None:
     ap.add_argument("--case", default="", help="run only the cases whose model name contains this")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch passes")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS processes")
+    ap.add_argument("--no-warmup", action="store_true", help="no untimed first call (numba's cache already warm)")
     args = ap.parse_args()
+    global WARMUP
+    WARMUP = not args.no_warmup
     modes = (True,) if args.no_torch else (True, False)
     print(f"torch threads {torch.get_num_threads()}")
     print("model | tokens | methods | targets | forward s | analyze s (compiled) | ratio | analyze s (torch) | ratio | "

@@ -66,9 +66,10 @@ def rollout_rows(trace: Trace, layer_rows: LayerRows, targets: torch.Tensor, *,
     Σ_m (L − m)·K·n² per input. `normalize`: rows of every M_m scaled to sum to 1 first. → [B, L, K, n]."""
     b, n = trace.mask.shape
     n_layers, k = len(trace.layers), targets.shape[1]
-    out = torch.zeros(b, n_layers, k, n)
-    start = torch.zeros(b, k, n).scatter_(2, targets[:, :, None], 1.0)  # e_t
-    positions = torch.arange(n)
+    dev = targets.device
+    out = torch.zeros(b, n_layers, k, n, device=dev)
+    start = torch.zeros(b, k, n, device=dev).scatter_(2, targets[:, :, None], 1.0)  # e_t
+    positions = torch.arange(n, device=dev)
     for m in reversed(range(n_layers)):
         out[:, m] = start
         state = out[:, m:].reshape(b, (n_layers - m) * k, n)
@@ -104,7 +105,7 @@ def residual_attention_rows(trace: Trace, index: int, rows: torch.Tensor) -> tor
     """Rows at positions rows [B, K] of layer `index`'s Â (as `residual_attention`): [B, K, n]."""
     pm = row_pair_mask(trace.mask, rows)
     a = alpha_rows(trace.layers[index].alpha.float(), rows).mean(1) * pm
-    eye = (rows[:, :, None] == torch.arange(pm.shape[-1])) * pm
+    eye = (rows[:, :, None] == torch.arange(pm.shape[-1], device=rows.device)) * pm
     return row_normalize(0.5 * a + 0.5 * eye)
 
 
