@@ -106,8 +106,10 @@ def test_cli_targets(capsys, tmp_path):
     assert code == 0
     m = json.loads(out)["inputs"][0]["methods"]["norm"]
     assert m["targets"] == [0, 4] and len(m["values"][0]) == 2
-    for value, message in (("9", "target position 9 is outside input 1 (5 tokens)"), ("1,x", "--targets must be")):
-        code, out, err = run_cli(["analyze", "the cat sat", "--targets", value], capsys)
+    for args, message in ((["--targets", "9"], "target position 9 is outside input 1 (5 tokens)"),
+                          (["--targets", "1,x"], "--targets must be"),
+                          (["--targets", "last", "-f", "html"], "use --targets all")):
+        code, out, err = run_cli(["analyze", "the cat sat", *args], capsys)
         lines = [ln for ln in err.strip().splitlines() if ln]
         assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err
 

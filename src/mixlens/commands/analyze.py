@@ -78,6 +78,10 @@ def analyze(
     if rows is None:
         long = max(len(t) for t in lens.encode(text, max_length=max_length, truncate=not no_truncate).tokens)
         rows = "last" if lens.adapter.family.causal and long > LONG_CAUSAL else "all"
+    if fmt is Format.html and rows != "all":
+        from mixlens.errors import MixlensError
+
+        raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
     res = lens.analyze(text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts,
                        targets=rows)
     if fmt is Format.html:
