@@ -1,11 +1,11 @@
 """End-to-end cost on the real checkpoints of scripts/fetch_models.py (absent ones are skipped).
 
-    python benchmarks/bench_models.py [--repeats 3]
+    python benchmarks/bench_models.py [--repeats 3] [--case smollm2] [--no-torch] [--no-rss] [--no-warmup]
 
-Per case: `mixlens.load` + `lens.analyze(text, ["norm", "norm_res", "norm_resln"])` (maps + mixing ratios + the
-per-run check) against a plain forward pass with `output_attentions=True` of the same model and input, for the
-compiled passes and the torch passes (`mixlens.methods.norms.COMPILED = False`); the peak RSS of a fresh process
-that loads the model and runs one analysis.
+Per case: `mixlens.load` + `lens.analyze(text, methods, targets=...)` (maps + mixing ratios + the per-run check)
+against a plain forward pass with `output_attentions=True` of the same model and input, for the compiled passes and
+the torch passes (`mixlens.methods.norms.COMPILED = False`); the peak RSS of a fresh process that loads the model and
+runs one analysis; the load average (`os.getloadavg`) when the case finished.
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ import mixlens.methods.norms as norms
 
 ROOT = Path(os.environ.get("MIXLENS_MODELS", Path.home() / ".cache" / "mixlens" / "models")).expanduser()
 METHODS = ["norm", "norm_res", "norm_resln"]
-CASES = (("all-mpnet-base-v2", 128), ("all-mpnet-base-v2", 512), ("smollm2-135m-instruct", 2048))
+CASES = (  # model, tokens, methods, targets
+    ("all-mpnet-base-v2", 128, METHODS, None),
+    ("all-mpnet-base-v2", 512, METHODS, None),
+    ("smollm2-135m-instruct", 2048, [*METHODS, "globenc_rollout"], "last"),
+    ("smollm2-135m-instruct", 2048, ["alti_rollout"], "last"),
+    ("smollm2-135m-instruct", 2048, METHODS, None),
+)
 FILLER = ("the film is a charming and often affecting journey through memory , loss and the small mercies of "
           "ordinary life , told with wit and without sentimentality . ")
 
@@ -37,8 +43,12 @@ def text_of(lens: mixlens.Lens, n_tokens: int) -> str:
     return lens.tokenizer.decode(ids[: n_tokens - special])
 
 
+WARMUP = True  # one untimed call first (numba compilation, allocator); --no-warmup on a slow machine
+
+
 def timed(fn, repeats: int) -> float:
-    fn()  # warm-up (numba compilation, allocator)
+    if WARMUP:
+        fn()
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -47,18 +57,19 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(runs)
 
 
-def peak_rss(name: str, n_tokens: int) -> float:
+def peak_rss(name: str, n_tokens: int, methods: list[str], targets: str | None) -> float:
     """Peak RSS (GiB) of a fresh process: load + one analysis."""
     here = str(Path(__file__).parent)
     code = (f"import resource, sys; sys.path.insert(0, {here!r}); import bench_models as b, mixlens; "
             f"lens = mixlens.load(b.ROOT / {name!r}, head='base'); "
-            f"lens.analyze([b.text_of(lens, {n_tokens})], b.METHODS, max_length={n_tokens}); "
+            f"lens.analyze([b.text_of(lens, {n_tokens})], {methods!r}, max_length={n_tokens}, targets={targets!r}); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return int(out.split()[-1]) / 2**20
 
 
-def run_case(lens: mixlens.Lens, n_tokens: int, repeats: int) -> tuple[float, dict[bool, float]]:
+def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str | None, repeats: int,
+             modes: tuple[bool, ...]) -> tuple[float, dict[bool, float]]:
     """(plain forward seconds, {compiled: analyze seconds}) for one input of `n_tokens` tokens."""
     text = text_of(lens, n_tokens)
     enc = lens.encode([text], max_length=n_tokens)
@@ -70,9 +81,9 @@ def run_case(lens: mixlens.Lens, n_tokens: int, repeats: int) -> tuple[float, di
 
     t_fwd = timed(forward, repeats)
     res = {}
-    for compiled in (True, False):
+    for compiled in modes:
         norms.COMPILED = compiled
-        res[compiled] = timed(lambda: lens.analyze([text], METHODS, max_length=n_tokens), repeats)
+        res[compiled] = timed(lambda: lens.analyze([text], methods, max_length=n_tokens, targets=targets), repeats)
     norms.COMPILED = True
     return t_fwd, res
 
@@ -80,17 +91,29 @@ def run_case(lens: mixlens.Lens, n_tokens: int, repeats: int) -> tuple[float, di
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--case", default="", help="run only the cases whose model name contains this")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch passes")
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS processes")
+    ap.add_argument("--no-warmup", action="store_true", help="no untimed first call (numba's cache already warm)")
     args = ap.parse_args()
+    global WARMUP
+    WARMUP = not args.no_warmup
+    modes = (True,) if args.no_torch else (True, False)
     print(f"torch threads {torch.get_num_threads()}")
-    print("model | tokens | forward s | analyze s (compiled) | ratio | analyze s (torch) | ratio | peak RSS GiB")
-    for name, n_tokens in CASES:
+    print("model | tokens | methods | targets | forward s | analyze s (compiled) | ratio | analyze s (torch) | ratio | "
+          "peak RSS GiB | load avg")
+    for name, n_tokens, methods, targets in CASES:
+        if args.case not in name:
+            continue
         if not (ROOT / name / "config.json").is_file():
             print(f"{name}: not fetched, skipped")
             continue
-        t_fwd, res = run_case(mixlens.load(ROOT / name, head="base"), n_tokens, args.repeats)
-        rss = peak_rss(name, n_tokens)
-        print(f"{name} | {n_tokens} | {t_fwd:.3f} | {res[True]:.3f} | {res[True] / t_fwd:.2f}x | {res[False]:.3f} | "
-              f"{res[False] / t_fwd:.2f}x | {rss:.2f}")
+        t_fwd, res = run_case(mixlens.load(ROOT / name, head="base"), n_tokens, methods, targets, args.repeats, modes)
+        rss = "-" if args.no_rss else f"{peak_rss(name, n_tokens, methods, targets):.2f}"
+        torch_cols = f"{res[False]:.3f} | {res[False] / t_fwd:.2f}x" if False in res else "- | -"
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"{name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | {t_fwd:.3f} | {res[True]:.3f} | "
+              f"{res[True] / t_fwd:.2f}x | {torch_cols} | {rss} | {load}", flush=True)
 
 
 if __name__ == "__main__":

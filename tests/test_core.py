@@ -67,7 +67,7 @@ def test_row_splits_partition_the_rows(causal, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(mixlens.methods._compiled, "PAIRS_PER_CALL", 50)
     lengths = np.array([17, 3, 20, 0])
-    splits = row_splits(lengths, 20, causal)
+    splits = row_splits(lengths, np.tile(np.arange(20), (4, 1)), causal)
     assert splits[0][0] == 0 and splits[-1][1] == 80
     assert all(a[1] == b[0] for a, b in zip(splits[:-1], splits[1:], strict=True))
     i = np.arange(20)
@@ -76,7 +76,7 @@ def test_row_splits_partition_the_rows(causal, monkeypatch):
     share = cost.sum() / (cost.sum() // 50)
     assert len(splits) >= cost.sum() // 50 - 1 and max(work) <= share + 20  # one row more than its share at most
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert row_splits(lengths, 20, causal) == [(0, 80)]
+    assert row_splits(lengths, np.tile(np.arange(20), (4, 1)), causal) == [(0, 80)]
 
 
 def test_parallel_runs_every_call_and_raises_their_errors():

@@ -17,7 +17,7 @@ import torch
 from mixlens import methods as method_registry
 from mixlens.adapters import Adapter, family_for, resolve
 from mixlens.errors import MixlensError
-from mixlens.pipeline import needs_capture, plan_batches, run_methods, trace_flags
+from mixlens.pipeline import Targets, needs_capture, plan_batches, resolve_targets, run_methods, trace_flags
 from mixlens.result import Analysis, Attribution, Blocks
 from mixlens.trace import Edit, Trace, run_traced
 
@@ -309,12 +309,15 @@ class Lens:
         truncate: bool = True,
         options: dict[str, dict[str, object]] | None = None,
         on_batch: Callable[[int], None] | None = None,
+        targets: Targets = None,
     ) -> Analysis:
         """Run `methods` (registry names) on `texts`; returns an `Analysis` with values
         `[batch, layer, (head), target, source]` (in input order), and the mixing ratios and reconstruction
         self-check when a method used the norm engine. Inputs are batched by token length and every result is
         stored per batch, padded only to its batch's longest input (batches hold at most `batch_size` · 64² token
-        pairs, so long inputs run in small batches)."""
+        pairs, so long inputs run in small batches). `targets` ("last", positions, negative from each input's end;
+        None/"all": every row): only those target rows, `[batch, layer, (head), K, source]`, their positions in
+        each `Attribution.targets` (memory per input: layers · n · K instead of layers · n²)."""
         texts = _check_texts([texts] if isinstance(texts, (str, tuple)) else list(texts))
         names = list(dict.fromkeys(methods))
         specs = [method_registry.get(m) for m in names]
@@ -327,6 +330,7 @@ class Lens:
         errors: np.ndarray | None = None
         tokens: list[list[str]] = [[] for _ in range(n_in)]
         words: list[list[int | None]] = [[] for _ in range(n_in)]
+        rows: list[list[int]] = [[] for _ in range(n_in)]
         batch_size = max(1, int(batch_size))
         for batch in self.batches(texts, batch_size, max_length, truncate=truncate, order="length",
                                   max_cells=batch_size * CELLS_PER_INPUT, trace=names):
@@ -335,7 +339,10 @@ class Lens:
                 if n:
                     print(f"warning: input {batch.index[k] + 1} truncated from {n} to {len(enc.tokens[k])} tokens",
                           file=sys.stderr)
-            step = run_methods(batch.trace, names, heads=heads, options=options)
+            step = run_methods(batch.trace, names, heads=heads, options=options, targets=targets)
+            where = resolve_targets(targets, batch.trace.lengths)
+            for k, b in enumerate(batch.index):
+                rows[b] = [] if where is None else where[k].tolist()
             for name, v in step.values.items():
                 parts[name].append((idx, v.detach().cpu().numpy()))
                 for key, e in step.extras[name].items():
@@ -354,7 +361,8 @@ class Lens:
         attributions = {
             s.name: Attribution(Blocks(parts[s.name], s.dims_for(heads), lengths), s.dims_for(heads), tokens, s.name,
                                 self.name, {"heads": heads, **options.get(s.name, {})}, words,
-                                {k: Blocks(p, s.extras[k], lengths) for k, p in extras[s.name].items()})
+                                {k: Blocks(p, s.extras[k], lengths) for k, p in extras[s.name].items()},
+                                None if targets is None or targets == "all" else rows)
             for s in specs
         }
         from mixlens import __version__

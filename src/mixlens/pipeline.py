@@ -11,10 +11,40 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mixlens.errors import MixlensError
 from mixlens.methods import get as get_method
 from mixlens.methods.norms import BlockNorms, block_norms
 from mixlens.methods.registry import check_options
-from mixlens.trace import Trace
+from mixlens.trace import Memo, Trace
+
+Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
+# methods that compute only requested target rows (the rollouts by propagating those rows down the layers)
+TARGET_METHODS = ("attention", "norm", "norm_res", "norm_resln", "globenc", "globenc_rollout", "alti",
+                  "alti_rollout", "attention_rollout")
+
+
+def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | None:
+    """Target positions [B, K] (int64) per input of `lengths` real tokens, or None for every row. `targets`: None or
+    "all", "last" (each input's last token) or positions (negative ones count from each input's end)."""
+    if targets is None or (isinstance(targets, str) and targets == "all"):
+        return None
+    if isinstance(targets, str):
+        if targets != "last":
+            raise MixlensError(f"targets must be 'all', 'last' or a list of positions, got {targets!r}")
+        return torch.tensor([[n - 1] for n in lengths], dtype=torch.long)
+    wanted = list(targets)
+    if not wanted or not all(isinstance(t, int) and not isinstance(t, bool) for t in wanted):
+        raise MixlensError(f"targets must be 'all', 'last' or a non-empty list of integer positions, got {targets!r}")
+    rows = []
+    for b, n in enumerate(lengths):
+        pos = [t + n if t < 0 else t for t in wanted]
+        bad = [t for t, p in zip(wanted, pos, strict=True) if not 0 <= p < n]
+        if bad:
+            raise MixlensError(f"target position {bad[0]} is outside input {b + 1} ({n} tokens)")
+        if len(set(pos)) < len(pos):
+            raise MixlensError(f"targets {wanted} name the same position twice in input {b + 1} ({n} tokens)")
+        rows.append(pos)
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None,
@@ -49,12 +79,28 @@ class Step:
 
 @torch.no_grad()
 def run_methods(trace: Trace, methods: Sequence[str], *, heads: bool = False,
-                options: dict[str, dict[str, object]] | None = None) -> Step:
+                options: dict[str, dict[str, object]] | None = None, targets: Targets = None) -> Step:
     """Run registry `methods` (names) on `trace` (options per method name; checked by the registry). The norm
     engine (`block_norms`, with its exactness check) runs only when one of the methods uses it: the norm
-    engine's own methods run it first, so its by-products (the head-mean α) are shared."""
+    engine's own methods run it first, so its by-products (the head-mean α) are shared.
+
+    `targets` (see `resolve_targets`): compute and return only those target rows, values [batch, layer, (head,)
+    K, source] (row k of input b: position `resolve_targets(targets, trace.lengths)[b, k]`); mixing ratios stay
+    per token. Methods outside `TARGET_METHODS` are refused."""
     specs = [get_method(m) for m in dict.fromkeys(methods)]
     options = check_options([s.name for s in specs], options)
+    rows = resolve_targets(targets, trace.lengths)
+    if rows is not None:
+        refused = [s.name for s in specs if s.name not in TARGET_METHODS]
+        if refused:
+            raise MixlensError(f"method '{refused[0]}' cannot compute target rows only; with targets use "
+                               f"{', '.join(TARGET_METHODS)}")
+        rows = rows.to(trace.mask.device)
+    old = trace.memo.targets
+    if (old is None) != (rows is None) or (rows is not None and not torch.equal(old, rows)):
+        trace.memo = Memo()  # results of other rows
+    if rows is not None:
+        trace.memo.targets = rows
     if any(s.fn.__module__ == block_norms.__module__ for s in specs):
         block_norms(trace)
     outs = {s.name: s.run(trace, heads=heads, **options.get(s.name, {})) for s in specs}

@@ -76,7 +76,7 @@ class Blocks:
 
     @classmethod
     def checked(cls, parts: list[tuple[np.ndarray, np.ndarray]], dims: tuple[str, ...], lengths: list[int],
-                what: str) -> Blocks:
+                what: str, rows: list[int] | None = None) -> Blocks:
         """Blocks from untrusted arrays (a loaded file): every input exactly once, float values with one row per
         input number, token axes as long as the block's longest input, other axes equal in every block."""
         seen = np.zeros(len(lengths), bool)
@@ -95,9 +95,13 @@ class Blocks:
                 raise MixlensError(f"{what}: an input appears in more than one row")
             seen[i] = True
             longest = max(lengths[b] for b in i.tolist())
+            most_rows = longest if rows is None else max(rows[b] for b in i.tolist())  # target-row mode
             for ax, d in enumerate(dims):
                 size = a.shape[ax + 1]
-                if d in TOKEN_AXES and size != longest:
+                if d == "target" and rows is not None:
+                    if size != most_rows:
+                        raise MixlensError(f"{what}: block {k} has {size} target rows, its inputs have {most_rows}")
+                elif d in TOKEN_AXES and size != longest:
                     raise MixlensError(f"{what}: block {k} has {size} '{d}' positions but its longest input has "
                                        f"{longest} tokens")
                 if d not in TOKEN_AXES and sizes.setdefault(ax, size) != size:
@@ -151,7 +155,7 @@ class Blocks:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, np.ndarray], prefix: str, count: object, dims: tuple[str, ...],
-                     lengths: list[int], what: str) -> Blocks:
+                     lengths: list[int], what: str, rows: list[int] | None = None) -> Blocks:
         """The inverse of `tensors` for `count` blocks, checked (`checked`)."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise MixlensError(f"{what}: the manifest gives no valid block count ({count!r})")
@@ -161,7 +165,7 @@ class Blocks:
             if a is None or i is None:
                 raise MixlensError(f"{what}: block {k} is missing from the tensor file")
             parts.append((i, a))
-        return cls.checked(parts, dims, lengths, what)
+        return cls.checked(parts, dims, lengths, what, rows)
 
 
 # ---- reading untrusted files ----
@@ -291,12 +295,14 @@ class Attribution:
     every input to the longest one) — `input(b)`, `sel`, `mean`, `to_words`, `to_dataframe`, `save` never build it.
     `extra_store[name]` holds the method's secondary outputs (e.g. `delta` of integrated gradients) per input;
     `extras[name]` is the padded [batch, *axes] array.
+    In target-row mode `targets[b]` lists the token positions of input b's rows on the `target` axis (None: all).
     """
 
     def __init__(self, values: np.ndarray | Blocks, dims: tuple[str, ...], tokens: list[list[str]], method: str,
                  model: str = "", params: dict[str, Any] | None = None, words: list[list[int | None]] | None = None,
-                 extras: dict[str, Blocks] | None = None):
+                 extras: dict[str, Blocks] | None = None, targets: list[list[int]] | None = None):
         self.dims = tuple(dims)
+        self.targets = targets
         self.tokens = tokens
         self.method = method
         self.model = model
@@ -335,7 +341,7 @@ class Attribution:
         """A derived attribution; extras with an axis in `touched` no longer describe it and are dropped."""
         extras = {k: s for k, s in self.extra_store.items() if not touched & set(s.dims)}
         return Attribution(store, dims, self.tokens, self.method, self.model, {**self.params, **params}, self.words,
-                           extras)
+                           extras, self.targets if "target" in dims else None)
 
     def input(self, b: int) -> np.ndarray:
         """Values of input b without padding: axes `dims`."""
@@ -362,8 +368,8 @@ class Attribution:
 
         Special tokens stay as their own 'words'. Needs `target` and `source` as the last two axes.
         """
-        if self.words is None or self.dims[-2:] != ("target", "source"):
-            raise MixlensError("word grouping needs token→word ids and [..., target, source] axes")
+        if self.words is None or self.dims[-2:] != ("target", "source") or self.targets is not None:
+            raise MixlensError("word grouping needs token→word ids and [..., target, source] axes with every target")
         groups = [_word_groups(w) for w in self.words]
         parts = []
         for idx, a in self.store.parts:
@@ -393,6 +399,8 @@ class Attribution:
             grid = np.indices(arr.shape).reshape(len(self.dims), -1)
             df = pd.DataFrame({d: grid[k] for k, d in enumerate(self.dims)})
             df.insert(0, "batch", b)
+            if self.targets is not None and "target" in df:  # row k → its token position
+                df["target"] = np.asarray(self.targets[b])[df["target"].to_numpy()]
             for d in ("target", "source"):
                 if d in df:
                     df[f"{d}_token"] = np.asarray(self.tokens[b], dtype=object)[df[d].to_numpy()]
@@ -416,12 +424,13 @@ class Attribution:
         show_attribution(self, inputs, layer=layer, head=head, max_tokens=max_tokens, console=console)
 
     def to_json_dict(self, b: int) -> dict[str, Any]:
-        return {"dims": list(self.dims), "values": self.input(b).tolist(),
-                "extras": {k: {"dims": list(s.dims), "values": s.row(b).tolist()} for k, s in self.extra_store.items()}}
+        out = {"dims": list(self.dims), "values": self.input(b).tolist(),
+               "extras": {k: {"dims": list(s.dims), "values": s.row(b).tolist()} for k, s in self.extra_store.items()}}
+        return out if self.targets is None else {**out, "targets": self.targets[b]}
 
     def manifest(self) -> dict[str, Any]:
         return {"format": ATTRIBUTION_FORMAT, "method": self.method, "model": self.model, "dims": ["batch", *self.dims],
-                "tokens": self.tokens, "words": self.words, "params": self.params,
+                "tokens": self.tokens, "words": self.words, "params": self.params, "targets": self.targets,
                 "blocks": len(self.store.parts),
                 "extras": {k: {"dims": list(s.dims), "blocks": len(s.parts)} for k, s in self.extra_store.items()}}
 
@@ -451,19 +460,33 @@ class Attribution:
         extras_man = man.get("extras", {})
         if not isinstance(extras_man, dict) or not all(isinstance(e, dict) for e in extras_man.values()):
             raise MixlensError(f"{man_path}: 'extras' must map names to their axes and block counts")
+        targets = _targets(man, tokens, man_path)
+        rows = None if targets is None else [len(r) for r in targets]
         tensors, meta = _read_tensors(path.with_suffix(".safetensors"))
         _check_save_id(man, meta, man_path)
         lengths = [len(t) for t in tokens]
         what = f"{path.with_suffix('.safetensors')}"
         if "values" in tensors:  # one padded array (files of earlier versions)
-            store = Blocks.checked([(np.arange(len(tokens)), tensors["values"])], dims, lengths, what)
+            store = Blocks.checked([(np.arange(len(tokens)), tensors["values"])], dims, lengths, what, rows)
         else:
             count = man.get("blocks", sum(k.startswith("values.") for k in tensors))
-            store = Blocks.from_tensors(tensors, "", count, dims, lengths, what)
+            store = Blocks.from_tensors(tensors, "", count, dims, lengths, what, rows)
         extras = {k: Blocks.from_tensors(tensors, f"extra.{k}.", e.get("blocks"),
                                          _dims(e.get("dims"), man_path, f"extra '{k}' axes"), lengths, what)
                   for k, e in extras_man.items()}
-        return cls(store, dims, tokens, method, model, params, words, extras)
+        return cls(store, dims, tokens, method, model, params, words, extras, targets)
+
+
+def _targets(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int]] | None:
+    """The target positions of target-row mode from a manifest, checked against the tokens (None: every row)."""
+    targets = man.get("targets")
+    if targets is None:
+        return None
+    if not isinstance(targets, list) or len(targets) != len(tokens) or not all(
+            isinstance(r, list) and all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(t) for p in r)
+            for r, t in zip(targets, tokens, strict=True)):
+        raise MixlensError(f"{path}: 'targets' must list, per input, token positions inside that input")
+    return targets
 
 
 def _word_groups(words: list[int | None]) -> list[list[int]]:
@@ -582,6 +605,10 @@ class Analysis:
         """`path.safetensors` (every per-batch block: methods `method.NAME.`, their extras `extra.NAME.KEY.`,
         ratios `ratio.VARIANT.`, `bias.`, each as `values.k` / `index.k`; `reconstruction_error`) + `path.json`
         (manifest). No pickles; atomic writes; reload with `Analysis.load`."""
+        rowed = [name for name, a in self.attributions.items() if a.targets is not None]
+        if rowed:
+            raise MixlensError(f"saving an analysis of target rows ({', '.join(rowed)}) is not supported; save each "
+                               "Attribution with .save(), or analyse all rows")
         tensors: dict[str, np.ndarray] = {}
         methods: dict[str, Any] = {}
         for name, a in self.attributions.items():

@@ -41,7 +41,11 @@ from mixlens.errors import MixlensError
 Edit = Callable[[torch.Tensor], torch.Tensor]
 BLOCK_POINTS = ("resid_pre", "attn.v", "attn.pattern", "attn.z")
 if TYPE_CHECKING:
+    from mixlens.methods._kernels import Maps
     from mixlens.methods.decompx import Decomposition
+    from mixlens.methods.norms import LayerState, RealTokens
+
+    NormStates = tuple[list[LayerState], RealTokens, Maps]
     from mixlens.methods.gradients import JacobianKey, JacobianNorms
     from mixlens.methods.norms import BlockNorms
 
@@ -84,6 +88,8 @@ class Memo:
     value_zeroing: torch.Tensor | None = None  # value-zeroing per layer, rows normalised
     decompx: dict[str, list[Decomposition]] = field(default_factory=dict)  # value_bias → one per input
     jacobian_norms: dict[JacobianKey, JacobianNorms] = field(default_factory=dict)
+    targets: torch.Tensor | None = None  # [B, K] positions of target-row mode (`run_methods(targets=)`); None: all
+    norm_states: NormStates | None = None  # target-row mode: the engine's per-layer state, for `norms.pair_rows`
 
 
 @dataclass

@@ -75,6 +75,12 @@ def analyze(
     model_head: str | None = model_head_option(),
     head: str | None = deprecated_head_option(),
     allow_random_head: bool = allow_random_head_option(),
+    targets: str | None = typer.Option(
+        None,
+        "--targets",
+        help="Target rows to compute: last, all, or positions i,j,... (negative: from the end). Default: last for "
+        "causal LMs over 512 tokens, else all.",
+    ),
 ) -> None:
     """Decompose TEXT with each method and print what it found (mixing ratios, top sources, token scores)."""
     from mixlens.lens import load
@@ -86,11 +92,20 @@ def analyze(
     dest = out or Path("mixlens-report.html" if fmt is Format.html else "mixlens-analysis.json")
     if dest.is_dir() and (fmt is not Format.json or out is not None):
         raise MixlensError(f"cannot write '{dest}': it is a directory; give a file name")
+    rows = parse_targets(targets)
+    if fmt is Format.html and rows not in (None, "all"):
+        raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
     precheck_model(model, model_head, methods, text, max_length, gguf_file)
     lens = load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+    if rows is None:
+        long = max(len(t) for t in lens.encode(text, max_length=max_length, truncate=not no_truncate).tokens)
+        rows = "last" if lens.adapter.family.causal and long > LONG_CAUSAL else "all"
+        if fmt is Format.html and rows != "all":
+            raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
     with method_progress(methods, len(text)) as step:
         res = lens.analyze(
-            text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts, on_batch=step
+            text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts, on_batch=step,
+            targets=rows,
         )
     if fmt is Format.html:
         from mixlens.viz.html import render_report
@@ -188,6 +203,21 @@ def print_scores(attr: Any, console: Any) -> None:
                 line.append(f"{t}", style=style)
                 line.append(f" {r[j]:.3g}  ", style="dim")
             console.print(line)
+
+
+LONG_CAUSAL = 512  # tokens above which a causal LM's default --targets is `last`
+
+
+def parse_targets(given: str | None) -> str | list[int] | None:
+    """--targets: None (decide from the model and input), 'last', 'all' or a list of integer positions."""
+    from mixlens.errors import MixlensError
+
+    if given is None or given.strip() in ("last", "all"):
+        return None if given is None else given.strip()
+    try:
+        return [int(p) for p in given.split(",")]
+    except ValueError:
+        raise MixlensError(f"--targets must be last, all or comma-separated integer positions, got {given!r}") from None
 
 
 def print_ratios(res: Any) -> None:

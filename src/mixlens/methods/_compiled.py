@@ -37,7 +37,8 @@ def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_bl
         p = st.weights.consts.probes.shape[0]
         new = st.inputs.vh.new_empty
         st.results = TokenResults(grams=new(2, h * (h + 1) // 2, t_len), probe_f=new(h, p, t_len), diag=new(2, t_len),
-                                  total_r=new(t_len, p), check=new(2, t_len), probe_err=new(t_len))
+                                  total_r=new(t_len, p), check=new(2, t_len),
+                                  probe_err=new(t_len) if tok.all_rows else st.inputs.vh.new_zeros(t_len))
         args[st.index] = (st.index, kernel_args(st.inputs), kernel_args(st.weights.consts), where,
                           kernel_args(st.results), out)
         jobs += [(st, s, min(s + token_block, t_len)) for s in range(0, t_len, token_block)]
@@ -56,7 +57,7 @@ def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, caus
     """The per-(target, source) part of every layer: writes n, n_res, n_resln and alpha_mean of `maps` and each
     layer's results.probe_err. All layers' row ranges go to the threads of `parallel` at once."""
     where, out = kernel_args(tok.layout), kernel_args(maps)
-    splits = row_splits(tok.layout.lengths.numpy(), tok.mask.shape[1], causal)
+    splits = row_splits(tok.layout.lengths.numpy(), tok.layout.targets.numpy(), causal)
     parallel([(attention_pass, r0, r1, st.index, causal, kernel_args(st.inputs), where, kernel_args(st.results), out)
               for st in layers for r0, r1 in splits])
 
@@ -128,11 +129,10 @@ def token_splits(count: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, count)) for a in range(0, count, step)]
 
 
-def row_splits(lengths: np.ndarray, n: int, causal: bool) -> list[tuple[int, int]]:
-    """Split the flattened [B·n] target rows into ranges of about PAIRS_PER_CALL (target, source) pairs each (one range
-    when torch runs on one thread)."""
-    i = np.arange(n)
-    cost = np.where(i[None] < lengths[:, None], (i[None] + 1) if causal else lengths[:, None], 0).ravel()
+def row_splits(lengths: np.ndarray, targets: np.ndarray, causal: bool) -> list[tuple[int, int]]:
+    """Split the flattened [B·K] target rows (positions `targets` [B, K]) into ranges of about PAIRS_PER_CALL
+    (target, source) pairs each (one range when torch runs on one thread)."""
+    cost = np.where(targets < lengths[:, None], (targets + 1) if causal else lengths[:, None], 0).ravel()
     total = int(cost.sum())
     parts = 1 if torch.get_num_threads() == 1 else max(1, total // PAIRS_PER_CALL)
     edges = np.searchsorted(np.cumsum(cost), np.linspace(0, total, parts + 1)[1:-1])

@@ -33,6 +33,7 @@ class Layout(NamedTuple):
     rows: Array  # [T]  row of each real token in the flattened [B·n] layout
     offsets: Array  # [B]  index of (b, 0) among the T real tokens
     lengths: Array  # [B]  real tokens per input
+    targets: Array  # [B, K]  positions of the target rows the attention pass computes (all n in full mode)
 
 
 class LayerInputs(NamedTuple):
@@ -80,10 +81,10 @@ class Maps(NamedTuple):
     f_norm: Array  # [B, L, H, n(source)]  ‖f^h(x_j)‖
     ratio: Array  # [5, B, L, n(target)]  r_i: W, N, Res-W, Res-N, ResLN-N (RATIO_VARIANTS order)
     scale: Array  # [B, L, n]  s_i
-    n: Array  # [B, L, n, n]  ‖u_ij‖
-    n_res: Array  # [B, L, n, n]  ‖t_ij‖
-    n_resln: Array  # [B, L, n, n]  ‖g_i(t_ij)‖
-    alpha_mean: Array  # [B, L, n, n]  head mean of α
+    n: Array  # [B, L, K(target), n(source)]  ‖u_ij‖ (K = n in full mode, else the rows of Layout.targets)
+    n_res: Array  # [B, L, K, n]  ‖t_ij‖
+    n_resln: Array  # [B, L, K, n]  ‖g_i(t_ij)‖
+    alpha_mean: Array  # [B, L, K, n]  head mean of α
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -211,15 +212,16 @@ def token_pass(cf: np.ndarray, start: int, t0: int, t1: int, layer: int, inputs:
 @njit(nogil=True, cache=True, fastmath=True)
 def attention_pass(r0: int, r1: int, layer: int, causal: bool, inputs: tuple, layout: tuple, results: tuple,
                    maps: tuple) -> None:  # pragma: no cover - compiled
-    """Rows r0 .. r1 - 1 of the flattened [B·n] targets of one layer, from α and the token pass's TokenResults (the
-    structures as plain tuples: LayerInputs, Layout, TokenResults, Maps). Writes the maps n, n_res, n_resln,
-    alpha_mean at `layer` (norms square-rooted, N-ResLN divided by s_i from Maps.scale, the N-Res and N-ResLN
+    """Rows r0 .. r1 - 1 of the flattened [B·K] target rows of one layer (row k of input b is position
+    Layout.targets[b, k]), from α and the token pass's TokenResults (the structures as plain tuples: LayerInputs,
+    Layout, TokenResults, Maps). Writes the maps n, n_res, n_resln, alpha_mean at [b, `layer`, k] (norms
+    square-rooted, N-ResLN divided by s_i from Maps.scale, the N-Res and N-ResLN
     diagonals from TokenResults.diag) and TokenResults.probe_err. Padded cells are not written. Two Gram rows per
     inner loop halve the accumulator traffic."""
     inp, where, res, out = LayerInputs(*inputs), Layout(*layout), TokenResults(*results), Maps(*maps)
     alpha, grams, probe_f, diag, total_r = inp.alpha, res.grams, res.probe_f, res.diag, res.total_r
-    offsets, lengths = where.offsets, where.lengths
-    heads, n = alpha.shape[1], alpha.shape[2]
+    offsets, lengths, targets = where.offsets, where.lengths, where.targets
+    heads, n, n_rows = alpha.shape[1], alpha.shape[2], targets.shape[1]
     n_probes = probe_f.shape[1]
     zero = np.float32(0.0)
     plain_buf = np.empty(n, np.float32)
@@ -227,8 +229,9 @@ def attention_pass(r0: int, r1: int, layer: int, causal: bool, inputs: tuple, la
     mean_buf = np.empty(n, np.float32)
     probed = np.empty(n_probes, np.float32)
     for r in range(r0, r1):
-        b = r // n
-        i = r % n
+        b = r // n_rows
+        row = r % n_rows
+        i = targets[b, row]
         m = lengths[b]
         if i >= m:
             continue
@@ -279,13 +282,13 @@ def attention_pass(r0: int, r1: int, layer: int, causal: bool, inputs: tuple, la
         inv = 1 / out.scale[b, layer, i]
         for j in range(end):
             v = np.sqrt(max(plain[j], zero))
-            out.n[b, layer, i, j] = v
-            out.n_res[b, layer, i, j] = v
-            out.n_resln[b, layer, i, j] = np.sqrt(max(proj[j], zero)) * inv
-            out.alpha_mean[b, layer, i, j] = mean[j] / heads
+            out.n[b, layer, row, j] = v
+            out.n_res[b, layer, row, j] = v
+            out.n_resln[b, layer, row, j] = np.sqrt(max(proj[j], zero)) * inv
+            out.alpha_mean[b, layer, row, j] = mean[j] / heads
         t = o + i
-        out.n_res[b, layer, i, i] = diag[0, t]
-        out.n_resln[b, layer, i, i] = diag[1, t]
+        out.n_res[b, layer, row, i] = diag[0, t]
+        out.n_resln[b, layer, row, i] = diag[1, t]
         err = zero
         for k in range(n_probes):
             err = max(err, abs(probed[k] - total_r[t, k]))

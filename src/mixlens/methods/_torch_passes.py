@@ -90,23 +90,36 @@ def _token_pass(st: LayerState, tok: RealTokens, maps: Maps, token_block: int) -
 
 
 def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps) -> None:
-    """The per-(target, source) part of every layer: writes n, n_res, n_resln and alpha_mean of `maps` and each
-    layer's results.probe_err."""
-    mask, (offsets, lengths) = tok.mask, tok.layout[1:]
-    pair = (mask[:, :, None] & mask[:, None, :]).float()
+    """The per-(target, source) part of every layer: writes n, n_res, n_resln and alpha_mean of `maps` (the target
+    rows of `tok.layout.targets`) and each layer's results.probe_err (of those rows; other tokens 0)."""
+    mask, (offsets, lengths, targets) = tok.mask, tok.layout[1:]
+    rows = None if tok.all_rows else targets
+    mask_t = mask if rows is None else mask.gather(1, rows)  # [B, K] real target rows
+    pair = (mask_t[:, :, None] & mask[:, None, :]).float()
     pair_maps = (maps.n, maps.n_res, maps.n_resln, maps.alpha_mean)
     for st in layers:
         alpha, res = st.inputs.alpha, st.results
         b, h, n, _ = alpha.shape
+        if rows is not None:
+            alpha = alpha.gather(2, rows[:, None, :, None].expand(b, h, rows.shape[1], n))  # [B, H, K, n]
         full = res.grams.new_zeros(2, b, h, h, n)
         for k in range(b):  # back to the padded layout of the batch
             o, m = int(offsets[k]), int(lengths[k])
             full[:, k, :, :, :m] = res.grams[..., o : o + m]
         n_n, n_resln = quad_norms(alpha, full) * pair
-        inv_s = torch.where(mask, 1 / maps.scale[:, st.index], 0)  # [B, n]
+        scale = maps.scale[:, st.index] if rows is None else maps.scale[:, st.index].gather(1, rows)
+        inv_s = torch.where(mask_t, 1 / scale, 0)  # [B, K]
         for m, v in zip(pair_maps, (n_n, n_n, n_resln * inv_s[:, :, None], alpha.mean(1) * pair), strict=True):
             m[:, st.index] = v
-        for m, v in zip(pair_maps[1:3], res.diag, strict=True):
-            m[:, st.index].diagonal(dim1=1, dim2=2).copy_(tok.scatter(v))
+        for m, v in zip(pair_maps[1:3], res.diag, strict=True):  # t_ii at (row k, source targets[k])
+            d = tok.scatter(v).gather(1, targets) * mask_t
+            m[:, st.index].scatter_(2, targets[:, :, None], d[:, :, None])
         fp = tok.scatter(res.probe_f.permute(2, 0, 1)).permute(0, 2, 1, 3)  # [B, H, n, P]
-        res.probe_err.copy_((tok.gather(torch.matmul(alpha, fp).sum(1).flatten(0, 1)) - res.total_r).abs().amax(-1))
+        err = (torch.matmul(alpha, fp).sum(1) - tok.scatter(res.total_r).gather(
+            1, targets[:, :, None].expand(-1, -1, res.total_r.shape[1]))).abs().amax(-1)  # [B, K]
+        if rows is None:
+            res.probe_err.copy_(tok.gather(err.flatten()))
+        else:
+            res.probe_err.zero_()
+            real = mask_t.flatten()
+            res.probe_err[(offsets[:, None] + targets).flatten()[real]] = err.flatten()[real]

@@ -8,12 +8,15 @@ The L1 rule needs the vectors T_i(x_j); they are built in chunks of target rows 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mixlens.adapters import Layer
+from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.norms import head_vectors
 from mixlens.methods.registry import register
-from mixlens.methods.rollout import pair_mask, rollout, row_normalize
+from mixlens.methods.rollout import pair_mask, rollout, rollout_rows, row_normalize, row_pair_mask
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 ROW_CHUNK_ELEMENTS = 1 << 20  # floats of T vectors held at once (4 MB: the chunk stays in cache)
@@ -46,45 +49,61 @@ def projected_head_vectors(lt: LayerTrace, lay: Layer, p) -> torch.Tensor:
     return torch.einsum("bhjk,hkd->bhjd", v, w)
 
 
-def _example(alpha: torch.Tensor, pf: torch.Tensor, px: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """ALTI matrix of one input (real tokens only). alpha [H, n, n] (already scaled by 1/s_i), pf [H, n, d],
-    px [n, d] (scaled), y [n, d] → c [n(target), n(source)]."""
-    h, n, _ = alpha.shape
+def _example(alpha: torch.Tensor, pf: torch.Tensor, px: torch.Tensor, y: torch.Tensor,
+             rows: torch.Tensor) -> torch.Tensor:
+    """ALTI rows of one input (real tokens only) at target positions rows [K]. alpha [H, K, n] (those rows of α,
+    already scaled by 1/s_i), pf [H, n, d], px [n, d] (scaled), y [n, d] → c [K(target), n(source)]."""
+    h, k, n = alpha.shape
     d = y.shape[-1]
-    a = alpha.permute(2, 1, 0)  # [j, i, H]
+    a = alpha.permute(2, 1, 0)  # [j, K, H]
     pfj = pf.transpose(0, 1)  # [j, H, d]
-    out = torch.empty(n, n)
+    out = torch.empty(k, n)
     step = max(1, ROW_CHUNK_ELEMENTS // (n * d))
-    idx = torch.arange(n)
-    for s in range(0, n, step):
-        r = slice(s, min(n, s + step))
+    for s in range(0, k, step):
+        r = slice(s, min(k, s + step))
+        pos = rows[r]
         t = torch.matmul(a[:, r], pfj)  # [j, r, d]: Σ_h α^h_ij P f^h_j / s_i for targets i in r
-        diag = idx[r]
-        t[diag, diag - s] += px[r]
-        dist = torch.linalg.vector_norm(t.sub_(y[r]), ord=1, dim=-1)  # ‖y_i − T_i(x_j)‖₁  [j, r]
-        out[r] = (y[r].abs().sum(-1)[None] - dist).clamp_min_(0).T
+        t[pos, torch.arange(len(pos))] += px[pos]
+        dist = torch.linalg.vector_norm(t.sub_(y[pos]), ord=1, dim=-1)  # ‖y_i − T_i(x_j)‖₁  [j, r]
+        out[r] = (y[pos].abs().sum(-1)[None] - dist).clamp_min_(0).T
     return out
 
 
-def _layer(lt: LayerTrace, lay: Layer, pre_ln: bool, lengths: list[int]) -> torch.Tensor:
+def _layer(lt: LayerTrace, lay: Layer, pre_ln: bool,
+           mask: torch.Tensor) -> Callable[[torch.Tensor | None], torch.Tensor]:
+    """ALTI contributions of one layer, rows normalised, as a function of target positions rows [B, K] → [B, K, n]
+    (None: every row, [B, n, n]); padding 0."""
     p, inv, y = _maps(lt, lay, pre_ln)
     pf = projected_head_vectors(lt, lay, p)  # [B, H, n, d]
     px = p(lt.x.float()) * inv[..., None]
-    alpha = lt.alpha.float() * inv[:, None, :, None]
     b, n, _ = y.shape
-    out = torch.zeros(b, n, n)
-    for k, m in enumerate(lengths):  # real tokens only: no work on padding
-        out[k, :m, :m] = _example(alpha[k, :, :m, :m], pf[k, :, :m], px[k, :m], y[k, :m])
-    return out
+    lengths = mask.sum(-1).tolist()
+
+    def rows_of(rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is None:
+            alpha = lt.alpha.float() * inv[:, None, :, None]
+            out = torch.zeros(b, n, n)
+            for k, m in enumerate(lengths):  # real tokens only: no work on padding
+                out[k, :m, :m] = _example(alpha[k, :, :m, :m], pf[k, :, :m], px[k, :m], y[k, :m], torch.arange(m))
+            return row_normalize(out * pair_mask(mask)[:, 0])
+        alpha = alpha_rows(lt.alpha.float(), rows) * inv.gather(1, rows)[:, None, :, None]
+        out = torch.zeros(b, rows.shape[1], n)
+        for k, m in enumerate(lengths):
+            real = rows[k] < m
+            if real.any():
+                out[k, real, :m] = _example(alpha[k, :, real, :m], pf[k, :, :m], px[k, :m], y[k, :m], rows[k, real])
+        return row_normalize(out * row_pair_mask(mask, rows))
+
+    return rows_of
 
 
 def alti_matrices(trace: Trace) -> torch.Tensor:
-    """Per-layer ALTI contributions, rows normalised: [B, L, n, n] (cached on the trace)."""
+    """Per-layer ALTI contributions, rows normalised: [B, L, n, n], or their target rows [B, L, K, n] in target-row
+    mode (cached on the trace)."""
     if trace.memo.alti is None:
         pre_ln = trace.adapter.family.pre_ln
-        mats = torch.stack([_layer(lt, lay, pre_ln, trace.lengths) for lt, lay in
-                            zip(trace.layers, trace.adapter.layers, strict=True)], dim=1)
-        trace.memo.alti = row_normalize(mats * pair_mask(trace.mask))
+        trace.memo.alti = torch.stack([_layer(lt, lay, pre_ln, trace.mask)(targets_of(trace)) for lt, lay in
+                                           zip(trace.layers, trace.adapter.layers, strict=True)], dim=1)
     return trace.memo.alti
 
 
@@ -97,4 +116,9 @@ def alti(trace: Trace) -> torch.Tensor:
 @register("alti_rollout")
 def alti_rollout(trace: Trace) -> torch.Tensor:
     """ALTI global attribution: rollout of the per-layer ALTI matrices over layers 1..l."""
+    targets = targets_of(trace)
+    if targets is not None:
+        pre_ln = trace.adapter.family.pre_ln
+        return rollout_rows(trace, lambda m: _layer(trace.layers[m], trace.adapter.layers[m], pre_ln, trace.mask),
+                            targets)
     return rollout(alti_matrices(trace))

@@ -8,8 +8,23 @@ from mixlens.methods.registry import LHTS, register
 from mixlens.trace import Trace
 
 
+def targets_of(trace: Trace) -> torch.Tensor | None:
+    """The target positions [batch, K] that methods compute rows for (`run_methods(targets=...)`); None: all rows."""
+    return trace.memo.targets
+
+
+def alpha_rows(alpha: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Target rows of α [B, H, n, n] at positions rows [B, K] → [B, H, K, n]."""
+    b, h, _, n = alpha.shape
+    return alpha.gather(2, rows[:, None, :, None].expand(b, h, rows.shape[1], n))
+
+
 def stacked_alpha(trace: Trace) -> torch.Tensor:
-    """α of every layer, padded target rows zeroed: [batch, layer, head, target, source]."""
+    """α of every layer, padded target rows zeroed: [batch, layer, head, target, source] (target: the rows of
+    `targets_of(trace)` when set)."""
+    rows = targets_of(trace)
+    if rows is not None:
+        return torch.stack([alpha_rows(lt.alpha.float(), rows) for lt in trace.layers], dim=1)
     a = torch.stack([lt.alpha for lt in trace.layers], dim=1).float()
     return a * trace.mask[:, None, None, :, None]
 
@@ -20,6 +35,8 @@ def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     if heads:
         return stacked_alpha(trace)
     if trace.memo.alpha_mean is None:  # block_norms leaves it here as a by-product of its pass over α
+        if targets_of(trace) is not None:
+            return stacked_alpha(trace).mean(2)
         pair = trace.mask[:, :, None] & trace.mask[:, None, :]
         trace.memo.alpha_mean = torch.stack([lt.alpha.float().mean(1) * pair for lt in trace.layers], dim=1)
     return trace.memo.alpha_mean

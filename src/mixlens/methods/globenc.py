@@ -11,14 +11,17 @@ Pre-LN layers (GPT-2, Llama) have no norm on the residual path, so N-Enc_ij = �
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mixlens.adapters import Layer
 from mixlens.errors import ReconstructionError
 from mixlens.methods.alti import projected_head_vectors
-from mixlens.methods.norms import TOLERANCE, attn_sum, block_norms, head_vectors, quad_norm
+from mixlens.methods.attention import alpha_rows, targets_of
+from mixlens.methods.norms import TOLERANCE, attn_sum, block_norms, head_vectors, pair_rows, quad_norm
 from mixlens.methods.registry import Option, register
-from mixlens.methods.rollout import pair_mask, rollout
+from mixlens.methods.rollout import pair_mask, rollout, rollout_rows, row_pair_mask
 from mixlens.trace import LayerTrace, Trace
 
 
@@ -61,15 +64,15 @@ def _rest(lt: LayerTrace, lay: Layer, inv: torch.Tensor) -> torch.Tensor:
     return bias1 + ln2.project(ffn) / s2 + ln2.shift().float()
 
 
-def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> torch.Tensor:
+def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor,
+           index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
+    """N-Enc of one post-LN layer after its self-check, as a function of target positions rows [B, K] → [B, K, n]
+    (None: every row, [B, n, n]; unmasked)."""
     p, inv = _maps(lt, lay)
     alpha, x = lt.alpha.float(), lt.x.float()
     pf = projected_head_vectors(lt, lay, p)  # [B, H, n, d]
     gram = torch.einsum("bhjd,bgjd->bjhg", pf, pf)
-    out = quad_norm(alpha, gram)
-    t_ii = torch.einsum("bhi,bhid->bid", alpha.diagonal(dim1=2, dim2=3), pf) + p(x)
-    out.diagonal(dim1=1, dim2=2).copy_(t_ii.norm(dim=-1))
-    out = out * inv[:, :, None]
+    t_ii = (torch.einsum("bhi,bhid->bid", alpha.diagonal(dim1=2, dim2=3), pf) + p(x)).norm(dim=-1)  # [B, n]
     # self-check: the decomposition plus the unattributed terms must rebuild the real layer output
     rebuilt = p(attn_sum(lt, lay) + x) * inv[..., None] + _rest(lt, lay, inv)
     assert lt.out is not None  # a full trace
@@ -78,19 +81,42 @@ def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> torch.
     if err > TOLERANCE * scale:
         raise ReconstructionError(f"layer {index}: GlobEnc's decomposition differs from the real layer output by "
                                   f"{err.item():.3g}")
-    return out
+
+    def rows_of(rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is None:
+            out = quad_norm(alpha, gram)
+            out.diagonal(dim1=1, dim2=2).copy_(t_ii)
+            return out * inv[:, :, None]
+        out = quad_norm(alpha_rows(alpha, rows), gram)
+        out.scatter_(2, rows[:, :, None], t_ii.gather(1, rows)[:, :, None])
+        return out * inv.gather(1, rows)[:, :, None]
+
+    return rows_of
+
+
+def _layer_rows(trace: Trace, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Layer `index`'s N-Enc rows: positions rows [B, K] → [B, K, n], padding 0."""
+    if trace.adapter.family.pre_ln:
+        return lambda rows: pair_rows(trace, index, rows).n_res[:, 0] * row_pair_mask(trace.mask, rows)
+    fn = _layer(trace.layers[index], trace.adapter.layers[index], trace.mask, index)
+    return lambda rows: fn(rows) * row_pair_mask(trace.mask, rows)
 
 
 @torch.no_grad()
 def n_enc(trace: Trace) -> torch.Tensor:
-    """Per-layer N-Enc matrices [B, L, n, n] (cached on the trace)."""
+    """Per-layer N-Enc matrices [B, L, n, n], or their target rows [B, L, K, n] in target-row mode (cached on the
+    trace)."""
     if trace.memo.globenc is None:
-        if trace.adapter.family.pre_ln:
-            mats = block_norms(trace).n_res
+        targets = targets_of(trace)
+        if targets is not None:
+            mats = torch.stack([_layer_rows(trace, i)(targets) for i in range(len(trace.layers))], dim=1)
+        elif trace.adapter.family.pre_ln:
+            mats = block_norms(trace).n_res * pair_mask(trace.mask)
         else:
-            mats = torch.stack([_layer(lt, lay, trace.mask, i) for i, (lt, lay) in
+            mats = torch.stack([_layer(lt, lay, trace.mask, i)(None) for i, (lt, lay) in
                                 enumerate(zip(trace.layers, trace.adapter.layers, strict=True))], dim=1)
-        trace.memo.globenc = mats * pair_mask(trace.mask)
+            mats = mats * pair_mask(trace.mask)
+        trace.memo.globenc = mats
     return trace.memo.globenc
 
 
@@ -104,4 +130,7 @@ def globenc(trace: Trace) -> torch.Tensor:
     Option("normalize", bool, False, help="scale the rows of every layer's N-Enc to 1 before the product"),))
 def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:
     """GlobEnc global attribution: rollout of N-Enc over layers 1..l (normalize=true: rows to 1 first)."""
+    targets = targets_of(trace)
+    if targets is not None:
+        return rollout_rows(trace, lambda m: _layer_rows(trace, m), targets, normalize=normalize)
     return rollout(n_enc(trace), normalize=normalize)

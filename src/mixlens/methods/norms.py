@@ -26,11 +26,12 @@ from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods import _compiled, _torch_passes
 from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, TokenResults
 from mixlens.methods._torch_passes import quad_norm, quad_norms
+from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 __all__ = ["RATIO_VARIANTS", "TOLERANCE", "BlockNorms", "attn_sum", "block_norms", "head_vectors", "norm",
-           "norm_res", "norm_resln", "quad_norm", "quad_norms"]
+           "norm_res", "norm_resln", "pair_rows", "quad_norm", "quad_norms"]
 
 RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
 TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
@@ -45,10 +46,10 @@ class BlockNorms:
     """All norm-based quantities of a trace. B=batch, L=layer, H=head, n=tokens, d=hidden; padding is 0."""
 
     f_norm: torch.Tensor  # [B, L, H, n(source)]  ‖f^h(x_j)‖
-    n: torch.Tensor  # [B, L, n, n]  ‖u_ij‖
-    n_res: torch.Tensor  # [B, L, n, n]  ‖t_ij‖
-    n_resln: torch.Tensor  # [B, L, n, n]  ‖g_i(t_ij)‖
-    ratio: dict[str, torch.Tensor]  # variant → [B, L, n(target)] context-mixing ratio r_i
+    n: torch.Tensor  # [B, L, K(target), n(source)]  ‖u_ij‖; K = n, or the rows of `targets_of(trace)`
+    n_res: torch.Tensor  # [B, L, K, n]  ‖t_ij‖
+    n_resln: torch.Tensor  # [B, L, K, n]  ‖g_i(t_ij)‖
+    ratio: dict[str, torch.Tensor]  # variant → [B, L, n(target)] context-mixing ratio r_i (every token)
     error: torch.Tensor  # [B, L] max abs reconstruction error (pre-norm sum and norm output)
     scale: torch.Tensor  # [B, L, n]  s_i of the norm after attention (0 at padding)
     bias_terms: torch.Tensor  # [L, 2, d]  P(b_O) and β per layer
@@ -83,18 +84,25 @@ class RealTokens:
     """Where the T real tokens of a right-padded batch are."""
 
     mask: torch.Tensor  # [B, n] bool
-    layout: Layout  # rows [T], offsets [B], lengths [B] (int64)
+    layout: Layout  # rows [T], offsets [B], lengths [B], targets [B, K] (int64)
     full: bool  # no padding at all
+    all_rows: bool  # targets are every position (full maps)
 
     @classmethod
-    def of(cls, mask: torch.Tensor) -> RealTokens:
+    def of(cls, mask: torch.Tensor, targets: torch.Tensor | None = None) -> RealTokens:
         lengths = mask.sum(-1)
-        prefix = torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]
-        if not torch.equal(prefix, mask):
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        if not torch.equal(positions < lengths[:, None], mask):
             raise MixlensError("the norm decomposition needs right-padded batches (real tokens first)")
         rows = mask.flatten().nonzero().squeeze(1)
         offsets = torch.cumsum(lengths, 0) - lengths
-        return cls(mask, Layout(rows, offsets, lengths), bool(lengths.min() == mask.shape[1]))
+        all_rows = targets is None
+        targets = positions.repeat(len(mask), 1) if targets is None else targets.long().contiguous()
+        return cls(mask, Layout(rows, offsets, lengths, targets), bool(lengths.min() == mask.shape[1]), all_rows)
+
+    def with_targets(self, targets: torch.Tensor) -> RealTokens:
+        """The same tokens with other target rows [B, K]."""
+        return RealTokens(self.mask, self.layout._replace(targets=targets.long().contiguous()), self.full, False)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """[B·n, ...] → [T, ...] (`t` flattened over batch and tokens)."""
@@ -161,13 +169,14 @@ class LayerState:
         return cls(index, lay, _weights(lay, index), inputs)
 
 
-def _maps(b: int, n_layers: int, heads: int, n: int, device: torch.device, written: bool, causal: bool) -> Maps:
-    """The output maps, left uninitialised where the passes will write every cell (`written`: compiled, no padding;
-    a causal upper triangle is never written)."""
+def _maps(b: int, n_layers: int, heads: int, n: int, rows: int, device: torch.device, written: bool,
+          causal: bool) -> Maps:
+    """The output maps ([B, L, rows, n] for pairs), left uninitialised where the passes will write every cell
+    (`written`: compiled, no padding; a causal upper triangle is never written)."""
     def alloc(*shape: int, every_cell: bool) -> torch.Tensor:
         return (torch.empty if every_cell else torch.zeros)(*shape, device=device)
 
-    pair = [alloc(b, n_layers, n, n, every_cell=written and not causal) for _ in range(4)]
+    pair = [alloc(b, n_layers, rows, n, every_cell=written and not causal) for _ in range(4)]
     return Maps(f_norm=alloc(b, n_layers, heads, n, every_cell=written),
                 ratio=alloc(len(RATIO_VARIANTS), b, n_layers, n, every_cell=written),
                 scale=alloc(b, n_layers, n, every_cell=written), n=pair[0], n_res=pair[1], n_resln=pair[2],
@@ -196,12 +205,16 @@ def _check(layers: list[LayerState], tok: RealTokens) -> torch.Tensor:
 @torch.no_grad()
 def block_norms(trace: Trace) -> BlockNorms:
     """Compute (once per trace, then cached) every norm-based quantity of every layer, and check each layer's
-    decomposition against the real attention output, norm input and norm output (`ReconstructionError`)."""
+    decomposition against the real attention output, norm input and norm output (`ReconstructionError`). In
+    target-row mode (`targets_of(trace)` [B, K]) the pair maps hold only those rows and the check covers their
+    attention rows; the per-token quantities (ratios, scale, f_norm) cover every token."""
     if trace.memo.block_norms is None:
-        tok = RealTokens.of(trace.mask)
+        targets = targets_of(trace)
+        tok = RealTokens.of(trace.mask, targets)
         ad, (b, n) = trace.adapter, trace.mask.shape
         compiled, causal = _compiled_on(trace.mask), ad.family.causal
-        maps = _maps(b, ad.n_layers, ad.layers[0].n_heads, n, trace.mask.device, compiled and tok.full, causal)
+        maps = _maps(b, ad.n_layers, ad.layers[0].n_heads, n, tok.layout.targets.shape[1], trace.mask.device,
+                     compiled and tok.full, causal)
         layers = [LayerState.of(lt, lay, tok, i) for i, (lt, lay) in enumerate(zip(trace.layers, ad.layers,
                                                                                       strict=True))]
         if compiled:
@@ -218,6 +231,8 @@ def block_norms(trace: Trace) -> BlockNorms:
                 maps.ratio[0, :, i], maps.ratio[2, :, i] = w, w / 2
         else:
             trace.memo.alpha_mean = maps.alpha_mean
+        if targets is not None:  # kept for `pair_rows` (rollouts propagate through every row of each layer)
+            trace.memo.norm_states = (layers, tok, maps)
         trace.memo.block_norms = BlockNorms(
             f_norm=maps.f_norm, n=maps.n, n_res=maps.n_res, n_resln=maps.n_resln,
             ratio=dict(zip(RATIO_VARIANTS, maps.ratio, strict=True)), error=error, scale=maps.scale,
@@ -226,12 +241,35 @@ def block_norms(trace: Trace) -> BlockNorms:
     return trace.memo.block_norms
 
 
+@torch.no_grad()
+def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
+    """Rows at positions `rows` [B, K'] (padding positions give zero rows) of layer `index`'s pair maps, from the
+    token pass kept by `block_norms` in target-row mode: a Maps whose n, n_res, n_resln, alpha_mean are
+    [B, 1, K', n] (other fields: the whole call's)."""
+    block_norms(trace)
+    layers, tok, maps = trace.memo.norm_states
+    st, tok = layers[index], tok.with_targets(rows)
+    b, n = tok.mask.shape
+    pair = [torch.zeros(b, 1, rows.shape[1], n, device=rows.device) for _ in range(4)]
+    view = Maps(maps.f_norm, maps.ratio, maps.scale[:, index : index + 1].contiguous(), *pair)
+    st = LayerState(0, st.layer, st.weights, st.inputs, st.results)
+    if _compiled_on(tok.mask):
+        _compiled.attention_passes([st], tok, view, trace.adapter.family.causal)
+    else:
+        _torch_passes.attention_passes([st], tok, view)
+    return view
+
+
 @register("norm", head_dims=LHTS)
 def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """‖α f(x)‖ (Kobayashi 2020): per head α^h_ij‖f^h(x_j)‖, or ‖Σ_h α^h_ij f^h(x_j)‖ head-summed."""
     bn = block_norms(trace)
     if not heads:
         return bn.n
+    rows = targets_of(trace)
+    if rows is not None:
+        alpha = torch.stack([alpha_rows(lt.alpha_mix.float(), rows) for lt in trace.layers], dim=1)
+        return alpha * bn.f_norm[:, :, :, None, :]
     alpha = torch.stack([lt.alpha_mix for lt in trace.layers], dim=1).float()
     return alpha * bn.f_norm[:, :, :, None, :] * trace.mask[:, None, None, :, None]
 

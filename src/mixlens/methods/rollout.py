@@ -7,18 +7,23 @@ input token j to token i of layer l in the layered graph whose edges (l−1, j) 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
 from mixlens.errors import MixlensError
-from mixlens.methods.attention import stacked_alpha
+from mixlens.methods.attention import alpha_rows, stacked_alpha, targets_of
 from mixlens.methods.registry import register
 from mixlens.trace import Trace
 
 FLOW_MAX_TOKENS = 32  # n² max-flows per layer on graphs of up to L·n² edges
 FLOW_SCALE = 1 << 24  # integer capacity of an edge of weight 1
+ROW_CHUNK = 256  # rows of a layer's matrix built at once by `rollout_rows`
+
+LayerRows = Callable[[int], Callable[[torch.Tensor], torch.Tensor]]  # layer → (rows [B, K] → matrix rows [B, K, n])
 
 
 def pair_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -46,6 +51,40 @@ def rollout(mats: torch.Tensor, *, normalize: bool = False) -> torch.Tensor:
     return out
 
 
+def row_pair_mask(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B, n] real-token mask and target positions rows [B, K] → [B, K, n] mask of (real target, real source)."""
+    return mask.gather(1, rows)[:, :, None] & mask[:, None, :]
+
+
+@torch.no_grad()
+def rollout_rows(trace: Trace, layer_rows: LayerRows, targets: torch.Tensor, *,
+                 normalize: bool = False) -> torch.Tensor:
+    """Rows `targets` [B, K] of every layer's rollout R_l = M_l ⋯ M_0, never forming an n × n product: row t of R_l
+    is e_t M_l M_{l−1} ⋯ M_0, so going down the layers (m = L−1 … 0) each state r (one per output layer l ≥ m and
+    target) becomes r · M_m = Σ_i r_i M_m[i, :], with the rows of M_m built `ROW_CHUNK` at a time by
+    `layer_rows(m)(rows)` (and skipped where every r_i is 0). Memory: the states, [B, L, K, n]; compute
+    Σ_m (L − m)·K·n² per input. `normalize`: rows of every M_m scaled to sum to 1 first. → [B, L, K, n]."""
+    b, n = trace.mask.shape
+    n_layers, k = len(trace.layers), targets.shape[1]
+    dev = targets.device
+    out = torch.zeros(b, n_layers, k, n, device=dev)
+    start = torch.zeros(b, k, n, device=dev).scatter_(2, targets[:, :, None], 1.0)  # e_t
+    positions = torch.arange(n, device=dev)
+    for m in reversed(range(n_layers)):
+        out[:, m] = start
+        state = out[:, m:].reshape(b, (n_layers - m) * k, n)
+        new = torch.zeros_like(state)
+        rows_of = layer_rows(m)
+        for c0 in range(0, n, ROW_CHUNK):
+            part = state[..., c0 : c0 + ROW_CHUNK]
+            if not part.any():
+                continue
+            mat = rows_of(positions[c0 : c0 + ROW_CHUNK].expand(b, -1))  # [B, c, n]
+            new.baddbmm_(part, row_normalize(mat) if normalize else mat)
+        out[:, m:] = new.view(b, n_layers - m, k, n)
+    return out
+
+
 @torch.no_grad()
 def residual_attention(trace: Trace) -> torch.Tensor:
     """Â_l = 0.5 ᾱ_l + 0.5 I on real tokens, rows renormalised: [B, L, n, n], padding 0."""
@@ -55,9 +94,20 @@ def residual_attention(trace: Trace) -> torch.Tensor:
     return row_normalize(0.5 * a + 0.5 * eye)
 
 
+def residual_attention_rows(trace: Trace, index: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows at positions rows [B, K] of layer `index`'s Â (as `residual_attention`): [B, K, n]."""
+    pm = row_pair_mask(trace.mask, rows)
+    a = alpha_rows(trace.layers[index].alpha.float(), rows).mean(1) * pm
+    eye = (rows[:, :, None] == torch.arange(pm.shape[-1], device=rows.device)) * pm
+    return row_normalize(0.5 * a + 0.5 * eye)
+
+
 @register("attention_rollout")
 def attention_rollout(trace: Trace) -> torch.Tensor:
     """Attention rollout (Abnar & Zuidema 2020): product of 0.5·mean attention + 0.5·I over layers 1..l."""
+    targets = targets_of(trace)
+    if targets is not None:
+        return rollout_rows(trace, lambda m: lambda rows: residual_attention_rows(trace, m, rows), targets)
     return rollout(residual_attention(trace))
 
 
