@@ -69,6 +69,11 @@ def _uniform(mask: torch.Tensor, n: int, causal: bool) -> torch.Tensor:
     return allowed / allowed.sum(-1, keepdim=True).clamp_min(1)
 
 
+def _compose(outer: Edit, inner: Edit) -> Edit:
+    """outer ∘ inner: two ablations of the same edit point, applied in order."""
+    return lambda t: outer(inner(t))
+
+
 def _edit(sel: torch.Tensor, replacement: Callable[[torch.Tensor], torch.Tensor]) -> Edit:
     """An edit on [K·B, H, ...] that replaces the selected heads of copy k by `replacement(t)` ([B or 1, H
     or 1, ...], broadcast)."""
@@ -102,7 +107,10 @@ def edits_for(
     if mode == "zero":  # α^h ← 0 gives z^h = 0 exactly, and a trace records the α the model used
         return {f"blocks.{layer}.attn.pattern": _edit(sel, lambda t: torch.zeros((), device=t.device))}
     if mode == "mean":
-        return {f"blocks.{layer}.attn.z": _edit(sel, lambda t: means[layer].to(t.device)[None, :, None, :])}
+        if means is None:
+            raise MixlensError("mean ablation needs head means (see mixlens.bertology.sweep.head_means)")
+        head_means = means[layer]  # [H, d_h]
+        return {f"blocks.{layer}.attn.z": _edit(sel, lambda t: head_means.to(t.device)[None, :, None, :])}
     raise MixlensError(f"unknown ablation mode '{mode}'; valid: {', '.join(MODES)}")
 
 
@@ -114,7 +122,7 @@ def merged_edits(lens, ablations: Sequence[Ablation], mask: torch.Tensor,
     for a in ablations:
         for name, fn in edits_for(lens, a.layer, [a.heads], a.mode, mask, means).items():
             prev = edits.get(name)
-            edits[name] = fn if prev is None else (lambda t, f=fn, p=prev: f(p(t)))
+            edits[name] = fn if prev is None else _compose(fn, prev)
     return edits
 
 

@@ -191,7 +191,7 @@ class _Tokenized:
         for k, b in enumerate(rows):
             m = self.lengths[b]
             ids[k, :m], mask[k, :m] = self.ids[b], 1
-            if types is not None:
+            if types is not None and self.types is not None:
                 types[k, :m] = self.types[b]
         inputs = {"input_ids": ids, "attention_mask": mask} | ({"token_type_ids": types} if types is not None else {})
         convert = lens.tokenizer.convert_ids_to_tokens
@@ -275,13 +275,15 @@ class Lens:
         limit = self.limit(max_length)
         ffn, full = (False, True) if isinstance(trace, bool) else trace_flags(trace)
         capture = trace is True or (trace is not False and needs_capture(trace))
+        plan: Iterable[tuple[_Tokenized | None, Sequence[int], Sequence[int] | None]]
         if order == "length":
-            tok = _Tokenized(self, texts, limit, truncate)
-            plan = [(tok, rows, rows) for rows in plan_batches(tok.lengths, batch_size, max_tokens, max_cells)]
+            tokenized = _Tokenized(self, texts, limit, truncate)
+            plan = [(tokenized, rows, rows)
+                    for rows in plan_batches(tokenized.lengths, batch_size, max_tokens, max_cells)]
         else:
             plan = ((None, range(s, min(s + batch_size, len(texts))), None) for s in range(0, len(texts), batch_size))
         for tok, rows, local in plan:
-            if tok is None:  # input order: tokenize each batch when it is reached (streams long lists)
+            if tok is None or local is None:  # input order: tokenize each batch when it is reached (streams)
                 tok, local = _Tokenized(self, [texts[b] for b in rows], limit, truncate), range(len(rows))
             enc = tok.batch(self, local)
             bare = Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
@@ -339,6 +341,7 @@ class Lens:
                 if n:
                     print(f"warning: input {batch.index[k] + 1} truncated from {n} to {len(enc.tokens[k])} tokens",
                           file=sys.stderr)
+            assert batch.trace is not None  # trace=names
             step = run_methods(batch.trace, names, heads=heads, options=options, targets=targets)
             where = resolve_targets(targets, batch.trace.lengths)
             for k, b in enumerate(batch.index):
@@ -348,8 +351,8 @@ class Lens:
                 for key, e in step.extras[name].items():
                     extras[name].setdefault(key, []).append((idx, e.detach().cpu().numpy()))
             if step.norms is not None:
-                for v, r in step.norms.ratio.items():
-                    ratios.setdefault(v, []).append((idx, r.cpu().numpy()))
+                for view, r in step.norms.ratio.items():
+                    ratios.setdefault(view, []).append((idx, r.cpu().numpy()))
                 errors = np.zeros(n_in, np.float32) if errors is None else errors
                 errors[idx] = step.norms.error.amax(1).cpu().numpy()
                 biases.append((idx, step.norms.bias.cpu().numpy()))
@@ -376,7 +379,7 @@ class Lens:
         )
 
 
-    def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: object):
+    def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: Any):
         """One score per token and method for a prediction target; see `mixlens.explain.explain`."""
         from mixlens.explain import explain
 

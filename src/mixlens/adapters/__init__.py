@@ -123,6 +123,7 @@ class Norm:
     def weight(self) -> torch.Tensor:
         """γ: the module's weight, or 1 + weight for (1 + w) norms (one tensor per weight version)."""
         w = self.module.weight
+        assert isinstance(w, torch.Tensor)  # a norm's γ is a Parameter, not a submodule
         if not self.offset:
             return w
         key = (w.data_ptr(), w._version)
@@ -245,7 +246,8 @@ def resolve(model: Any) -> Adapter:
             Layer(
                 module=mod, attn=get_path(mod, fam.attn), n_heads=n_heads, n_kv_heads=n_kv,
                 d_head=w_o.shape[0] // n_heads, o_proj=proj if ln_post is None else ln_post.module, w_o=w_o, b_o=b_o,
-                w_v=w_v, b_v=b_v, ln_mix=norm(mod, fam.ln_mix), ffn_in=get_path(mod, fam.ffn_in),
+                w_v=w_v, b_v=b_v, ln_mix=Norm(get_path(mod, fam.ln_mix), fam.rms, fam.norm_offset),
+                ffn_in=get_path(mod, fam.ffn_in),
                 ffn_out=get_path(mod, fam.ffn_out), ln_in=norm(mod, fam.ln_in), ln_out=norm(mod, fam.ln_out),
                 ffn_gate=get_path(mod, fam.ffn_gate) if fam.ffn_gate else None, ln_post=ln_post,
                 proj=None if ln_post is None else proj,

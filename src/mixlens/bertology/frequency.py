@@ -18,12 +18,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.trace import Trace
+
+if TYPE_CHECKING:
+    from mixlens.lens import Encoded
 
 QUANTITIES = ("ratio", "self", "context")
 
@@ -35,7 +40,7 @@ def zipf(word: str, lang: str = "en") -> float:
     return float(zipf_frequency(word, lang))
 
 
-def _traces(lens, texts: Sequence[str], batch_size: int, max_length: int | None) -> Iterator[tuple[object, object]]:
+def _traces(lens, texts: Sequence[str], batch_size: int, max_length: int | None) -> Iterator[tuple[Encoded, Trace]]:
     """(encoded batch, trace) per batch (the batching loop of this module; no FFN or output needed)."""
     for start in range(0, len(texts), batch_size):
         enc = lens.encode(list(texts[start : start + batch_size]), max_length)

@@ -25,11 +25,12 @@ import pandas as pd
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.trace import Trace
 
 PROBES = ("nn_cos", "nn_l2", "linear", "mlp")
 
 
-def _traces(lens, texts: Sequence[str], batch_size: int, max_length: int | None) -> Iterator[object]:
+def _traces(lens, texts: Sequence[str], batch_size: int, max_length: int | None) -> Iterator[Trace]:
     """One full trace per batch (the batching loop of this module; the last layer's output is needed)."""
     for start in range(0, len(texts), batch_size):
         yield lens.trace(lens.encode(list(texts[start : start + batch_size]), max_length))
@@ -40,7 +41,9 @@ def hidden_states(lens, texts: Sequence[str], batch_size: int = 32, max_length: 
     """Per sentence the states of its real tokens at every depth: [L + 1, n, d] (index 0: e^0)."""
     out = []
     for tr in _traces(lens, texts, batch_size, max_length):
-        states = torch.stack([lt.x for lt in tr.layers] + [tr.layers[-1].out], 1).float()  # [B, L+1, n, d]
+        last = tr.layers[-1].out  # [B, n, d]
+        assert last is not None  # a full trace keeps the last layer's output
+        states = torch.stack([lt.x for lt in tr.layers] + [last], 1).float()  # [B, L+1, n, d]
         out += [states[b, :, : int(tr.mask[b].sum())].cpu() for b in range(states.shape[0])]
         if on_batch:
             on_batch(states.shape[0])

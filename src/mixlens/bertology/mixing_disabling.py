@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.trace import Trace
 
 
-def _traces(lens, texts: Sequence, batch_size: int, max_length: int | None) -> Iterator[object]:
+def _traces(lens, texts: Sequence, batch_size: int, max_length: int | None) -> Iterator[Trace]:
     """One trace per batch (the batching loop of this module)."""
     for start in range(0, len(texts), batch_size):
         yield lens.trace(lens.encode(list(texts[start : start + batch_size]), max_length), full=False)
@@ -35,7 +36,8 @@ def mixing_profile(lens, texts: Sequence, batch_size: int = 32, max_length: int 
 
     if not texts:
         raise MixlensError("no input text given")
-    ratio_sum, share_sum, count = 0.0, 0.0, 0
+    ratio_sum = share_sum = torch.zeros((), dtype=torch.float64)  # → [L] and [L, H]
+    count = 0
     for tr in _traces(lens, texts, batch_size, max_length):
         m = tr.mask.float()  # [B, n]
         ratio_sum = ratio_sum + (block_norms(tr).ratio["ResLN-N"] * m[:, None]).sum((0, 2)).double()

@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.trace import Trace
 
 UD_RELATIONS = ("nsubj", "obj", "amod", "advmod")
 VIEWS = ("attn", "norm")
@@ -123,7 +124,7 @@ def write_relations(records: Sequence[RelationRecord], path: str | Path) -> None
 
 
 def _split_traces(lens, words: list[list[str]], batch_size: int, max_length: int | None
-                  ) -> Iterator[tuple[object, list[list[int | None]]]]:
+                  ) -> Iterator[tuple[Trace, list[list[int | None]]]]:
     """(trace, word id of each real token) per batch of pre-split word lists (the batching loop of this
     module; `lens.trace(enc, full=False)`: only attention maps are needed)."""
     from mixlens.lens import Encoded
@@ -207,9 +208,9 @@ def relation_heads(
             maps = torch.stack([view_maps(tr, v) for v in VIEWS], 2).cpu()  # [B, L, V, H, n, n]
         for b, rec in enumerate(records[start : start + batch_size]):
             n = int(tr.mask[b].sum())
-            wmap, has = word_maps(maps[b, ..., :n, :n], word_ids[b], len(rec.words))  # [L, V, H, W, W]
-            wmap = wmap.permute(3, 4, 1, 0, 2).numpy()  # [W, W, V, L, H]
-            has = has.numpy()
+            wmap_t, has_t = word_maps(maps[b, ..., :n, :n], word_ids[b], len(rec.words))  # [L, V, H, W, W]
+            wmap = wmap_t.permute(3, 4, 1, 0, 2).numpy()  # [W, W, V, L, H]
+            has = has_t.numpy()
             for pair in rec.pairs:
                 i, j = pair.source, pair.target
                 delta = j - i

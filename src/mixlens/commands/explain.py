@@ -110,8 +110,9 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"data file '{data}' does not exist")
         rows = iter_examples(data, text_column=text_column)
         rows = itertools.islice(rows, skip, skip + limit if limit else None)
-        texts = [ex.text for ex in rows]
-        if any(not isinstance(t, str) for t in texts):
+        inputs = [ex.text for ex in rows]
+        texts = [t for t in inputs if isinstance(t, str)]
+        if len(texts) < len(inputs):
             raise MixlensError("evaluate takes single texts, not sentence pairs")
         if not texts:
             raise MixlensError(f"no examples to evaluate in '{data}'" + (f" after skipping {skip}" if skip else ""))

@@ -19,10 +19,6 @@ def _texts(data: str, text_column: str | None, limit: int | None) -> list[str]:
     return [ex.text for ex in examples]
 
 
-def _model_opt() -> typer.models.OptionInfo:
-    return model_option()
-
-
 TEXT_COL = typer.Option(None, "--text-column", help="Column holding the text (default: sentence/text/...).")
 LIMIT = typer.Option(None, "--limit", "-n", help="Use only the first N records.")
 BATCH = typer.Option(32, "--batch-size", min=1, help="Inputs per forward pass.")
@@ -50,7 +46,7 @@ def register(app: typer.Typer) -> None:
         save_pairs: Path | None = typer.Option(
             None, "--save-pairs", help="Also write the records read as relation JSONL."
         ),
-        model: str | None = _model_opt(),
+        model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
         limit: int | None = LIMIT,
         batch_size: int = BATCH,
@@ -79,6 +75,7 @@ def register(app: typer.Typer) -> None:
                 raise MixlensError("--relation selects relations of --from-conllu only")
             records = read_relations(data, check_limit(limit))
         else:
+            assert from_conllu is not None  # exactly one of the two, checked above
             records = conllu_records(from_conllu, list(relation) if relation else UD_RELATIONS, check_limit(limit))
         if save_pairs is not None:
             write_relations(records, save_pairs)
@@ -98,7 +95,7 @@ def register(app: typer.Typer) -> None:
     @app.command("frequency")
     def frequency_cmd(
         data: str = typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file."),
-        model: str | None = _model_opt(),
+        model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
         text_column: str | None = TEXT_COL,
         limit: int | None = LIMIT,
@@ -129,7 +126,7 @@ def register(app: typer.Typer) -> None:
     @app.command("identify")
     def identify_cmd(
         data: str = typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file."),
-        model: str | None = _model_opt(),
+        model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
         text_column: str | None = TEXT_COL,
         limit: int | None = LIMIT,

@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mixlens.errors import MixlensError
 from mixlens.explain.targets import Readout, scores
+
+if TYPE_CHECKING:
+    from mixlens.methods.registry import Method
 
 MAPS = ("attention", "attention_rollout", "globenc_rollout", "alti_rollout", "value_zeroing_rollout", "hta")
 GRADIENT = ("saliency", "grad_x_input", "integrated_gradients")
@@ -118,7 +123,7 @@ def attribute(lens, inputs: dict[str, torch.Tensor], ro: Readout, methods: list[
         grads = {"saliency": grad.norm(dim=-1), "grad_x_input": (grad * emb).sum(-1)}
         for name in ("saliency", "grad_x_input"):
             if name in methods:
-                timed(name, lambda name=name: grads[name])
+                timed(name, partial(grads.__getitem__, name))
                 timings[name] += spent / max(1, len({"saliency", "grad_x_input"} & set(methods)))
         if reference:
             out[REFERENCE] = (grad * emb).norm(dim=-1).detach().cpu() * fmask
@@ -160,7 +165,7 @@ def attribute(lens, inputs: dict[str, torch.Tensor], ro: Readout, methods: list[
         shared = (time.perf_counter() - t0) / len(maps)
         for m, spec in specs.items():
             if m == "decompx_classes":
-                def dec(spec=spec) -> torch.Tensor:
+                def dec(spec: Method = spec) -> torch.Tensor:
                     c = spec(tr)  # [B, C, n]
                     rows = c[torch.arange(c.shape[0]), ro.index]
                     return rows - torch.where(ro.foil[:, None] >= 0, c[torch.arange(c.shape[0]), ro.foil.clamp_min(0)],
@@ -172,7 +177,10 @@ def attribute(lens, inputs: dict[str, torch.Tensor], ro: Readout, methods: list[
 
                 timed(m, lambda: logit_scores(tr, ro.index, ro.foil))
             else:
-                timed(m, lambda spec=spec: _row(spec(tr).float().cpu(), mask.cpu(), ro, lens.adapter.family.causal))
+                def row(spec: Method = spec) -> torch.Tensor:
+                    return _row(spec(tr).float().cpu(), mask.cpu(), ro, lens.adapter.family.causal)
+
+                timed(m, row)
             timings[m] += shared
     return {m: out[m] for m in [*methods, *([REFERENCE] if reference else [])]}
 

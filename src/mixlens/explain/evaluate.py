@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -56,6 +57,7 @@ def perturb(ids: list[int], chosen: np.ndarray, special: np.ndarray, keep: bool,
     drop = (~hit & ~special) if keep else hit
     if removal == "delete":
         return tuple(t for t, d in zip(ids, drop, strict=True) if not d)
+    assert mask_id is not None  # removal "mask" needs a mask token (checked by evaluate)
     return tuple(mask_id if d else t for t, d in zip(ids, drop, strict=True))
 
 
@@ -145,7 +147,7 @@ class Evaluation:
 
     def ranking(self, by: str = "aopc") -> list[str]:
         met = self.metrics()
-        return sorted(self.methods, key=lambda m: -np.nan_to_num(met[m][by], nan=-np.inf))
+        return sorted(self.methods, key=lambda m: -np.nan_to_num(cast(float, met[m][by]), nan=-np.inf))
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -224,7 +224,9 @@ def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values"
     if adapter.family.pre_ln:
         base = adapter.base
         final = Norm(base.ln_f if adapter.family.name == "gpt2" else base.norm, adapter.family.rms)
-        h = _apply_norm(h, final, trace.layers[-1].out[b, pos : pos + 1])
+        out = trace.layers[-1].out  # [B, n, d]
+        assert out is not None  # a full trace (ffn=True) keeps the last layer's output
+        h = _apply_norm(h, final, out[b, pos : pos + 1])
     return h[0]
 
 

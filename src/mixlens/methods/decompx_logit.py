@@ -30,6 +30,7 @@ def logit_scores(trace: Trace, tokens: torch.Tensor, foils: torch.Tensor | None 
     """Signed per-source scores [B, n] of logit(tokens[b]) (− logit(foils[b]) where foils[b] ≥ 0) at each input's
     last real token; padding 0. Raises ReconstructionError when a sum misses the real score."""
     w_u, bias = _unembedding(trace)
+    assert trace.logits is not None  # checked by _unembedding
     bsz, n = trace.mask.shape
     out = torch.zeros(bsz, n)
     for b in range(bsz):
@@ -57,6 +58,7 @@ def logit_scores(trace: Trace, tokens: torch.Tensor, foils: torch.Tensor | None 
 def decompx_logit(trace: Trace, *, target: int | str = "pred") -> torch.Tensor:
     """DecompX next-token logit (causal LMs): signed contribution of each token to the target logit; sums = logit."""
     _unembedding(trace)
+    assert trace.logits is not None  # checked by _unembedding
     last = trace.mask.sum(-1) - 1
     rows = trace.logits[torch.arange(last.shape[0]), last.to(trace.logits.device)]
     if target == "pred":

@@ -127,7 +127,7 @@ def head_statistics(
         if v not in VIEWS:
             raise MixlensError(f"unknown view '{v}'; valid: {', '.join(VIEWS)}")
     means = {v: _Mean() for v in views}
-    js = {v: None for v in views}
+    js: dict[str, torch.Tensor | None] = {v: None for v in views}
     rows = 0
     n_inputs = 0
     # longest first, less padding; the means do not care about order. JS on the first `cluster_limit` inputs only
@@ -141,7 +141,8 @@ def head_statistics(
                 means[v].add(input_statistics(maps, kinds, mask))
                 if clustering and sel.any():
                     s = js_divergence_sums(maps[sel].flatten(1, 2), mask[sel]).sum(0)
-                    js[v] = s if js[v] is None else js[v] + s
+                    prev = js[v]
+                    js[v] = s if prev is None else prev + s
         rows += int(mask[sel].sum())
         n_inputs += len(bt.index)
         if on_batch:
@@ -154,7 +155,7 @@ def head_statistics(
         stats = means[v].mean()
         for k in (*STATISTICS, *(f"{t}_colmax" for t in COLMAX_TYPES)):
             table[f"{v}_{k}"] = stats[k].reshape(-1)
-    js_mean = {v: (js[v] / rows).numpy() for v in views if js[v] is not None}
+    js_mean = {v: (s / rows).numpy() for v, s in js.items() if s is not None}
     return HeadReport(table, js_mean, n_inputs, lens.name)
 
 
@@ -169,7 +170,8 @@ def attention_similarity(lens_a, lens_b, texts: Sequence, *, batch_size: int = 3
                            f"{b_l.n_layers}×{b_l.n_heads} (layers × heads)")
     if lens_a.tokenizer.get_vocab() != lens_b.tokenizer.get_vocab():
         raise MixlensError("the two models use different vocabularies; their attention maps cannot be compared")
-    total, n_inputs = None, 0
+    total: torch.Tensor | None = None
+    n_inputs = 0
     for bt in lens_a.batches(list(texts), max(1, batch_size), max_length, order="length", trace=["attention"]):
         ma = stacked_alpha(bt.trace).flatten(-2)  # [B, L, H, n·n]; pad rows/columns are 0 in both
         mb = stacked_alpha(lens_b.trace(bt.enc, full=False)).flatten(-2)
@@ -178,4 +180,6 @@ def attention_similarity(lens_a, lens_b, texts: Sequence, *, batch_size: int = 3
         n_inputs += len(bt.index)
         if on_batch:
             on_batch(len(bt.index))
+    if total is None:
+        raise MixlensError("no input text given")
     return (total / n_inputs).numpy()

@@ -79,7 +79,7 @@ def classify(a: np.ndarray, segments: Sequence[int] | None = None, th: Threshold
     return "heterogeneous"
 
 
-def segments_from_separators(is_sep: Sequence[bool]) -> list[int]:
+def segments_from_separators(is_sep: Sequence[bool] | np.ndarray) -> list[int]:
     """Segment id per token: a new segment starts after each separator (the separator ends its segment)."""
     out, cur = [], 0
     for s in is_sep:
