@@ -138,7 +138,8 @@ class Blocks:
                 shape = [max(a.shape[k + 1] for _, a in self.parts) for k in range(len(self.dims))]
                 out = np.zeros((len(self.lengths), *shape), self.parts[0][1].dtype)
                 for idx, a in self.parts:
-                    out[(idx, *(slice(0, s) for s in a.shape[1:]))] = a
+                    at: tuple[np.ndarray | slice, ...] = (idx, *(slice(0, s) for s in a.shape[1:]))
+                    out[at] = a
                 self._full = out
         return self._full
 

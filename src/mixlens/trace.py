@@ -381,9 +381,9 @@ def hooked(adapter: Adapter, edits: Mapping[str, Edit] | None = None, ffn: bool 
             handles.append(mod.register_forward_hook(leave))
             if s.indices[id(mod)][0] < start:
                 forwards.append((mod, vars(mod).get("forward")))
-                mod.forward = skipping(mod.forward)  # type: ignore[method-assign]
+                mod.forward = skipping(mod.forward)
         if "embed" in edits:
-            lookup: nn.Module = adapter.base.get_input_embeddings()  # type: ignore[operator]
+            lookup: nn.Module = adapter.base.get_input_embeddings()
             handles.append(lookup.register_forward_hook(embed))
         if adapter.family.probs is not None:
             handles += _module_route(adapter, s)
@@ -414,7 +414,7 @@ def hooked(adapter: Adapter, edits: Mapping[str, Edit] | None = None, ffn: bool 
             if own is None:
                 del mod.forward
             else:
-                mod.forward = own  # type: ignore[method-assign]
+                mod.forward = own
 
 
 def run_traced(

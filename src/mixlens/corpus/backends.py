@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -18,6 +19,11 @@ from mixlens.corpus.compute import compute_shard
 from mixlens.corpus.job import Job
 from mixlens.corpus.readers import Example
 from mixlens.errors import MixlensError
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from mixlens.lens import Lens
 
 
 class Backend(Protocol):
@@ -57,7 +63,7 @@ class LocalBackend:
         pass
 
 
-_WORKER_LENS = None  # the worker process's Lens, or the MixlensError that loading it raised
+_WORKER_LENS: Lens | MixlensError | None = None  # the worker process's Lens, or the MixlensError that loading it raised
 
 
 def _init_worker(job: Job, threads: int) -> None:
@@ -74,6 +80,7 @@ def _init_worker(job: Job, threads: int) -> None:
 def _worker_compute(job: Job, shard_id: int, examples: list[Example]) -> tuple[int, bytes, dict]:
     if isinstance(_WORKER_LENS, MixlensError):
         raise _WORKER_LENS
+    assert _WORKER_LENS is not None  # set by _init_worker before any task
     return (shard_id, *compute_shard(_WORKER_LENS, job, shard_id, examples))
 
 
@@ -87,7 +94,8 @@ class ProcessBackend:
         threads = max(1, (os.cpu_count() or 1) // workers)
         self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
                                         initargs=(job, threads))
-        self.job, self.futures, self.capacity = job, set(), 2 * workers
+        self.futures: set[Future[tuple[int, bytes, dict]]] = set()
+        self.job, self.capacity = job, 2 * workers
 
     def submit(self, shard_id: int, examples: list[Example]) -> None:
         self.futures.add(self.pool.submit(_worker_compute, self.job, shard_id, examples))
@@ -128,7 +136,8 @@ class RayBackend:
         res = ray.cluster_resources()
         n = workers or max(1, int(res.get("GPU" if gpu else "CPU", 1)))
         actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)(_ShardActor)
-        self.actors = [actor.remote(job) for _ in range(n)]
+        # remote() is typed as handle-or-class; on an actor class it returns a handle
+        self.actors = [cast("ActorHandle[_ShardActor]", actor.remote(job)) for _ in range(n)]
         self.refs: dict = {}  # ObjectRef → actor slot
         self.capacity = 2 * n
         self.load = [0] * n
@@ -168,6 +177,7 @@ class _ShardActor:
 
         torch.set_num_threads(1)
         self.job = job
+        self.lens: Lens | MixlensError
         try:
             self.lens = load(job.model, head=job.head, device=job.device, allow_random_head=job.allow_random_head)
         except MixlensError as e:  # raised again by each task, where the driver turns it into one line

@@ -117,8 +117,8 @@ def compute_shard(lens, job: Job, shard_id: int, examples: list[Example],
     cols.update({k: _nested(v) for k, v in summary.items()})
     if full:
         cols["tokens"] = pa.array(tokens, pa.list_(pa.string()))
-        for name, vals in full.items():
-            cols[name] = pa.array(vals, pa.list_(pa.float32()))
+        for name, rows in full.items():
+            cols[name] = pa.array(rows, pa.list_(pa.float32()))
             cols[f"{name}.shape"] = pa.array(shapes[name], pa.list_(pa.int32()))
     info = {"job_id": job.job_id, "shard": shard_id, "examples": n_ex, "first_index": examples[0].index,
             "last_index": examples[-1].index, "tokens": int(n_tokens.sum()), "truncated": int((trunc_from > 0).sum())}

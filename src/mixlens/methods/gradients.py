@@ -21,7 +21,7 @@ import torch
 from torch.func import jvp, vmap
 
 from mixlens.methods.registry import LHTS, LTS, MethodOutput, Option, get, register
-from mixlens.trace import Trace, hooked
+from mixlens.trace import Edit, Trace, hooked
 
 INPUTS = ("word", "embedding")
 INPUT_POINTS = {"word": "embed", "embedding": "blocks.0.resid_pre"}  # the edit point that adds δ [B, n, d_in]
@@ -53,7 +53,7 @@ def states_fn(trace: Trace, where: str) -> Callable[[torch.Tensor], tuple[torch.
             zs.append(z)
             return z
 
-        edits = {f"blocks.{k}.attn.z": keep for k in range(adapter.n_layers)}
+        edits: dict[str, Edit] = {f"blocks.{k}.attn.z": keep for k in range(adapter.n_layers)}
         edits[INPUT_POINTS[where]] = lambda t: t + delta
         with hooked(adapter, edits) as rec:
             adapter.base(**inputs)
@@ -89,7 +89,7 @@ def _push(f: Callable, primal: torch.Tensor, tangents: torch.Tensor) -> tuple[to
     ‖J_o u‖² summed over head dims [C, L, B, H, n]."""
 
     def one(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, (de, do) = jvp(f, (primal,), (u,))
+        de, do = jvp(f, (primal,), (u,))[1]  # (outputs, output tangents)
         return de.pow(2).sum(-1), do.pow(2).sum(-1)
 
     return vmap(one)(tangents)
@@ -130,11 +130,12 @@ def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", pr
                 u = torch.zeros(len(k), b, n, d_in, dtype=primal.dtype, device=primal.device)
                 u[torch.arange(len(k)), :, cols[k // d_in], k % d_in] = 1.0
                 sh, so = _push(f, primal, u)  # [C, L, B, n], [C, L, B, H, n]
-                if acc_h is None:
+                if acc_h is None or acc_o is None:
                     acc_h = sh.new_zeros(n, *sh.shape[1:])
                     acc_o = so.new_zeros(n, *so.shape[1:])
                 acc_h.index_add_(0, cols[k // d_in], sh)
                 acc_o.index_add_(0, cols[k // d_in], so)
+            assert acc_h is not None and acc_o is not None  # at least one source column
             sq_h, sq_o = acc_h, acc_o  # [n(source), L, B, n(target)], [n(source), L, B, H, n(target)]
         else:
             gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -156,14 +157,13 @@ def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", pr
             se_o = so.new_zeros(n, *so.shape[2:]).index_copy_(0, cols, so.std(1) / probes**0.5)
     mask = trace.mask.to(primal.dtype)
 
-    def arrange(t: torch.Tensor | None, heads: bool) -> torch.Tensor | None:
-        if t is None:
-            return None
+    def arrange(t: torch.Tensor, heads: bool) -> torch.Tensor:
         t = t.permute(2, 1, 3, 4, 0) if heads else t.permute(2, 1, 3, 0)  # → [B, L, (H,) target, source]
         extra = (None,) * (2 if heads else 1)
         return t.detach() * mask[(slice(None), *extra, slice(None), None)] * mask[(slice(None), *extra, None)]
 
-    out = JacobianNorms(arrange(sq_h, False), arrange(sq_o, True), arrange(se_h, False), arrange(se_o, True))
+    out = JacobianNorms(arrange(sq_h, False), arrange(sq_o, True), None if se_h is None else arrange(se_h, False),
+                        None if se_o is None else arrange(se_o, True))
     trace.memo.jacobian_norms[key] = out
     return out
 

@@ -68,8 +68,10 @@ class Option:
             kinds = [{bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.type]]
         if self.type in (int, float) and self.min is not None and self.max is not None:
             kinds[0] += f" in [{_num(self.min)}, {_num(self.max)}]"
-        elif self.type in (int, float) and (self.min is not None or self.max is not None):
-            kinds[0] += f" ≥ {_num(self.min)}" if self.min is not None else f" ≤ {_num(self.max)}"
+        elif self.type in (int, float) and self.min is not None:
+            kinds[0] += f" ≥ {_num(self.min)}"
+        elif self.type in (int, float) and self.max is not None:
+            kinds[0] += f" ≤ {_num(self.max)}"
         kinds += [repr(w) for w in self.words]
         if self.optional:
             kinds.append("none")

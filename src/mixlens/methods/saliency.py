@@ -75,13 +75,13 @@ def _selector(trace: Trace, target: Target, position: int | None,
     if logits.dim() == 2:  # [B, classes]
         if isinstance(target, int) and not 0 <= target < logits.shape[-1]:
             raise MixlensError(f"class {target} out of range; the model has {logits.shape[-1]} classes")
-        cls = logits.argmax(-1) if target == "pred" else torch.full((logits.shape[0],), target, device=dev)
+        cls = torch.full((logits.shape[0],), target, device=dev) if isinstance(target, int) else logits.argmax(-1)
         return (lambda out, inputs, c: out.logits.gather(1, c[:, None])[:, 0]), (cls,)
     pos = _positions(trace, position).to(dev)  # [B, n, vocab]
     rows = logits[torch.arange(logits.shape[0], device=dev), pos]
     if isinstance(target, int) and not 0 <= target < rows.shape[-1]:
         raise MixlensError(f"token id {target} out of range; the vocabulary has {rows.shape[-1]} entries")
-    tok = rows.argmax(-1) if target == "pred" else torch.full((rows.shape[0],), target, device=dev)
+    tok = torch.full((rows.shape[0],), target, device=dev) if isinstance(target, int) else rows.argmax(-1)
 
     def pick(out, inputs, p, t):
         return out.logits[torch.arange(p.shape[0], device=p.device), p, t]
