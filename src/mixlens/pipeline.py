@@ -97,7 +97,8 @@ def run_methods(trace: Trace, methods: Sequence[str], *, heads: bool = False,
                                f"{', '.join(TARGET_METHODS)}")
         rows = rows.to(trace.mask.device)
     old = trace.memo.targets
-    if (old is None) != (rows is None) or (rows is not None and not torch.equal(old, rows)):
+    same = old is None and rows is None or old is not None and rows is not None and torch.equal(old, rows)
+    if not same:
         trace.memo = Memo()  # results of other rows
     if rows is not None:
         trace.memo.targets = rows

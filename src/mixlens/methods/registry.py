@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import TypeVar
 
 import torch
 
@@ -36,6 +37,7 @@ class MethodOutput:
 
 
 MethodFn = Callable[..., torch.Tensor | MethodOutput]
+F = TypeVar("F", bound=MethodFn)  # a method function keeps its own signature through `register`
 
 
 @dataclass(frozen=True)
@@ -208,12 +210,12 @@ def register(
     extra_passes: bool = False,
     options: tuple[Option, ...] = (),
     extras: Mapping[str, tuple[str, ...]] | None = None,
-) -> Callable[[MethodFn], MethodFn]:
+) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
     `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
     axes after batch."""
 
-    def deco(fn: MethodFn) -> MethodFn:
+    def deco(fn: F) -> F:
         if name in REGISTRY:
             raise RuntimeError(f"method '{name}' registered twice")
         params = {k: p.default for k, p in inspect.signature(fn).parameters.items()
