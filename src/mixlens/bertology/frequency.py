@@ -41,10 +41,9 @@ def zipf(word: str, lang: str = "en") -> float:
 
 
 def _traces(lens, texts: Sequence[str], batch_size: int, max_length: int | None) -> Iterator[tuple[Encoded, Trace]]:
-    """(encoded batch, trace) per batch (the batching loop of this module; no FFN or output needed)."""
-    for start in range(0, len(texts), batch_size):
-        enc = lens.encode(list(texts[start : start + batch_size]), max_length)
-        yield enc, lens.trace(enc, full=False)
+    """(encoded batch, trace) per batch, the trace up to the last attention block (what the norm engine reads)."""
+    for batch in lens.batches(list(texts), batch_size, max_length, trace=["norm"]):
+        yield batch.enc, batch.trace
 
 
 def token_norms(trace) -> dict[str, torch.Tensor]:

@@ -31,9 +31,9 @@ PROBES = ("nn_cos", "nn_l2", "linear", "mlp")
 
 
 def _traces(lens, texts: Sequence[str], batch_size: int, max_length: int | None) -> Iterator[Trace]:
-    """One full trace per batch (the batching loop of this module; the last layer's output is needed)."""
-    for start in range(0, len(texts), batch_size):
-        yield lens.trace(lens.encode(list(texts[start : start + batch_size]), max_length))
+    """One full trace per batch (the last layer's output is needed)."""
+    for batch in lens.batches(list(texts), batch_size, max_length, trace=True):
+        yield batch.trace
 
 
 def hidden_states(lens, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,

@@ -22,9 +22,9 @@ from mixlens.trace import Trace
 
 
 def _traces(lens, texts: Sequence, batch_size: int, max_length: int | None) -> Iterator[Trace]:
-    """One trace per batch (the batching loop of this module)."""
-    for start in range(0, len(texts), batch_size):
-        yield lens.trace(lens.encode(list(texts[start : start + batch_size]), max_length), full=False)
+    """One trace per batch, up to the last attention block (what the norm engine reads)."""
+    for batch in lens.batches(list(texts), batch_size, max_length, trace=["norm"]):
+        yield batch.trace
 
 
 @torch.no_grad()

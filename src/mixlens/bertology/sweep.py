@@ -33,8 +33,8 @@ def head_means(lens, texts: Sequence, batch_size: int = 32, max_length: int | No
     if not len(texts):
         raise MixlensError("no input text given")
     total, count = torch.zeros(()), 0
-    for start in range(0, len(texts), batch_size):
-        s, c = _context_sums(lens.trace(lens.encode(texts[start : start + batch_size], max_length)))
+    for batch in lens.batches(list(texts), batch_size, max_length, trace=True):
+        s, c = _context_sums(batch.trace)
         total, count = total + s, count + c
     return total / count
 
