@@ -58,7 +58,7 @@ def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, caus
     layer's results.probe_err. All layers' row ranges go to the threads of `parallel` at once."""
     where, out = kernel_args(tok.layout), kernel_args(maps)
     splits = row_splits(tok.layout.lengths.numpy(), tok.layout.targets.numpy(), causal)
-    parallel([(attention_pass, r0, r1, st.index, causal, kernel_args(st.inputs), where, kernel_args(st.results), out)
+    parallel([(attention_pass, r0, r1, st.index, causal, kernel_args(st.inputs), where, kernel_args(st.done), out)
               for st in layers for r0, r1 in splits])
 
 

@@ -12,13 +12,15 @@ mean of α and the probe sums Σ_h Σ_j α^h_ij (f^h(x_j)·r_p) of the exactness
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from numba import njit
 
-Array = np.ndarray | torch.Tensor  # torch tensors when built, numpy views when passed to a kernel
+# A field holds a torch tensor where the structure is built and read (`norms`, `_torch_passes`) and a numpy view
+# inside a kernel. Numba supports neither generic NamedTuples nor a union per side, so the fields are typed Any.
+Array = Any
 
 
 def kernel_args(group: NamedTuple) -> tuple:

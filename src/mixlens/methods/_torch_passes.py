@@ -69,9 +69,9 @@ def _token_pass(st: LayerState, tok: RealTokens, maps: Maps, token_block: int) -
     x, attn_out, mix_in, mix_out = (tok.gather(t) for t in (inp.x, inp.attn_out, inp.mix_in, inp.mix_out))
     total = attn_out - cst.b_o
     t_ii, off = u_ii + x, total - u_ii
-    s = norm.scale(mix_in)
+    s_i = norm.scale(mix_in)  # [T]
     y = attn_out + x
-    rebuilt = norm.project(y) / s[:, None] + cst.beta
+    rebuilt = norm.project(y) / s_i[:, None] + cst.beta
     tn, ptn, on, un, pon = (v.norm(dim=-1) for v in (t_ii, norm.project(t_ii), off, u_ii, norm.project(off)))
 
     def r(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -81,11 +81,11 @@ def _token_pass(st: LayerState, tok: RealTokens, maps: Maps, token_block: int) -
     ratios = torch.stack([w_mix, r(on, un), w_mix / 2, r(on, tn), r(pon, ptn)], -1)  # [T, 5] in RATIO_VARIANTS order
     maps.f_norm[:, index] = tok.scatter(f_norm).transpose(1, 2)
     maps.ratio[:, :, index] = tok.scatter(ratios).permute(2, 0, 1)
-    maps.scale[:, index] = tok.scatter(s)
+    maps.scale[:, index] = tok.scatter(s_i)
     err = torch.maximum((y - mix_in).abs().amax(-1), (rebuilt - mix_out).abs().amax(-1))
     top = torch.maximum(mix_in.abs().amax(-1), rebuilt.abs().amax(-1))
     st.results = TokenResults(grams=grams, probe_f=torch.matmul(cst.w_probe, vh.transpose(1, 2)),
-                              diag=torch.stack([tn, ptn / s]), total_r=total @ cst.probes.T,
+                              diag=torch.stack([tn, ptn / s_i]), total_r=total @ cst.probes.T,
                               check=torch.stack([err, top]), probe_err=vh.new_empty(t_len))
 
 
@@ -98,7 +98,7 @@ def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps) -> N
     pair = (mask_t[:, :, None] & mask[:, None, :]).float()
     pair_maps = (maps.n, maps.n_res, maps.n_resln, maps.alpha_mean)
     for st in layers:
-        alpha, res = st.inputs.alpha, st.results
+        alpha, res = st.inputs.alpha, st.done
         b, h, n, _ = alpha.shape
         if rows is not None:
             alpha = alpha.gather(2, rows[:, None, :, None].expand(b, h, rows.shape[1], n))  # [B, H, K, n]

@@ -157,6 +157,12 @@ class LayerState:
     inputs: LayerInputs
     results: TokenResults | None = None  # set by the token pass
 
+    @property
+    def done(self) -> TokenResults:
+        """`results`, once the token pass has set them."""
+        assert self.results is not None, f"layer {self.index}: token pass not run"
+        return self.results
+
     @classmethod
     def of(cls, lt: LayerTrace, lay: Layer, tok: RealTokens, index: int) -> LayerState:
         alpha = lt.alpha_mix.float().contiguous()  # α / s^post_i with a sandwich norm
@@ -190,8 +196,8 @@ def _compiled_on(t: torch.Tensor) -> bool:
 def _check(layers: list[LayerState], tok: RealTokens) -> torch.Tensor:
     """Raise `ReconstructionError` naming the first layer whose decomposition misses the real outputs; else the max
     abs error per input and layer [B, L]."""
-    err = torch.stack([torch.maximum(st.results.check[0], st.results.probe_err) for st in layers])  # [L, T]
-    tol = TOLERANCE * torch.stack([st.results.check[1] for st in layers]).amax(1).clamp_min(1.0)  # [L]
+    err = torch.stack([torch.maximum(st.done.check[0], st.done.probe_err) for st in layers])  # [L, T]
+    tol = TOLERANCE * torch.stack([st.done.check[1] for st in layers]).amax(1).clamp_min(1.0)  # [L]
     worst = err.amax(1)
     for st, e, t in zip(layers, worst.tolist(), tol.tolist(), strict=True):
         if e > t:
@@ -247,6 +253,7 @@ def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     token pass kept by `block_norms` in target-row mode: a Maps whose n, n_res, n_resln, alpha_mean are
     [B, 1, K', n] (other fields: the whole call's)."""
     block_norms(trace)
+    assert trace.memo.norm_states is not None, "pair_rows needs a trace in target-row mode"
     layers, tok, maps = trace.memo.norm_states
     st, tok = layers[index], tok.with_targets(rows)
     b, n = tok.mask.shape
