@@ -32,8 +32,17 @@ if TYPE_CHECKING:
     from mixlens.pipeline import run_methods
     from mixlens.result import Analysis, Attribution
 
-__all__ = ["Analysis", "Attribution", "Lens", "MixlensError", "ReconstructionError", "load", "methods", "run_methods",
-           "__version__"]
+__all__ = [
+    "Analysis",
+    "Attribution",
+    "Lens",
+    "MixlensError",
+    "ReconstructionError",
+    "load",
+    "methods",
+    "run_methods",
+    "__version__",
+]
 
 
 def submodule_getattr(package: str) -> Callable[[str], ModuleType]:

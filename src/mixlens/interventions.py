@@ -102,8 +102,7 @@ def edits_for(
     sel = _selection(groups, lens.adapter.n_heads)
     if mode == "uniform":
         causal = lens.adapter.family.causal
-        return {f"blocks.{layer}.attn.pattern": _edit(sel, lambda t: _uniform(mask.to(t.device), t.shape[-1],
-                                                                             causal))}
+        return {f"blocks.{layer}.attn.pattern": _edit(sel, lambda t: _uniform(mask.to(t.device), t.shape[-1], causal))}
     if mode == "zero":  # α^h ← 0 gives z^h = 0 exactly, and a trace records the α the model used
         return {f"blocks.{layer}.attn.pattern": _edit(sel, lambda t: torch.zeros((), device=t.device))}
     if mode == "mean":
@@ -114,8 +113,9 @@ def edits_for(
     raise MixlensError(f"unknown ablation mode '{mode}'; valid: {', '.join(MODES)}")
 
 
-def merged_edits(lens, ablations: Sequence[Ablation], mask: torch.Tensor,
-                 means: torch.Tensor | None = None) -> dict[str, Edit]:
+def merged_edits(
+    lens, ablations: Sequence[Ablation], mask: torch.Tensor, means: torch.Tensor | None = None
+) -> dict[str, Edit]:
     """Edits applying all `ablations` to one (unstacked) batch; several ablations of a layer compose."""
     _check(lens, ablations, means)
     edits: dict[str, Edit] = {}

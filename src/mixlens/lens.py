@@ -41,8 +41,12 @@ def default_model_path() -> Path:
 
 def _head_for(config) -> str:
     archs = " ".join(config.architectures or [])
-    for key, head in (("ForSequenceClassification", "sequence-classification"), ("ForMaskedLM", "masked-lm"),
-                      ("ForCausalLM", "causal-lm"), ("LMHeadModel", "causal-lm")):
+    for key, head in (
+        ("ForSequenceClassification", "sequence-classification"),
+        ("ForMaskedLM", "masked-lm"),
+        ("ForCausalLM", "causal-lm"),
+        ("LMHeadModel", "causal-lm"),
+    ):
         if key in archs:
             return head
     return "base"
@@ -117,10 +121,12 @@ def load(
 def _pretrained_without_random_weights(cls: Any, src: str, head: str, allow_random_head: bool, **kwargs: Any) -> Any:
     """`cls.from_pretrained(src)`; newly initialised weights (missing or size-mismatched in the checkpoint) are a
     `MixlensError` naming them, unless `allow_random_head`: explaining a random head explains noise."""
-    net, info = cls.from_pretrained(src, attn_implementation="eager", dtype=torch.float32, output_loading_info=True,
-                                    **kwargs)
-    new = sorted({*info.get("missing_keys", ()), *(k[0] if isinstance(k, tuple) else k for k in
-                                                 info.get("mismatched_keys", ()))})
+    net, info = cls.from_pretrained(
+        src, attn_implementation="eager", dtype=torch.float32, output_loading_info=True, **kwargs
+    )
+    new = sorted(
+        {*info.get("missing_keys", ()), *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))}
+    )
     if new and not allow_random_head:
         shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
         raise MixlensError(
@@ -159,8 +165,10 @@ class _Tokenized:
         pairs = [t[1] for t in texts] if isinstance(texts[0], tuple) else None
         need = tok.num_special_tokens_to_add(pair=pairs is not None) + (2 if pairs is not None else 1)
         if limit < need:
-            raise MixlensError(f"max_length {limit} is too short: this model needs at least {need} tokens per "
-                               f"input ({need - (2 if pairs is not None else 1)} special)")
+            raise MixlensError(
+                f"max_length {limit} is too short: this model needs at least {need} tokens per "
+                f"input ({need - (2 if pairs is not None else 1)} special)"
+            )
         enc = tok(firsts, pairs, truncation=False, is_split_into_words=split)
         self.ids: list[list[int]] = enc["input_ids"]
         self.types: list[list[int]] | None = enc.get("token_type_ids")
@@ -170,11 +178,18 @@ class _Tokenized:
         over = [b for b, n in enumerate(self.lengths) if n > limit]
         if over and not truncate:
             b = over[0]
-            raise MixlensError(f"input {b + 1} has {self.lengths[b]} tokens, more than the limit of {limit} "
-                               "(allow truncation or raise --max-length)")
+            raise MixlensError(
+                f"input {b + 1} has {self.lengths[b]} tokens, more than the limit of {limit} "
+                "(allow truncation or raise --max-length)"
+            )
         if over:  # the rare over-long inputs once more, cut the tokenizer's way (pairs: longest first)
-            cut = tok([firsts[b] for b in over], [pairs[b] for b in over] if pairs is not None else None,
-                      truncation=True, max_length=limit, is_split_into_words=split)
+            cut = tok(
+                [firsts[b] for b in over],
+                [pairs[b] for b in over] if pairs is not None else None,
+                truncation=True,
+                max_length=limit,
+                is_split_into_words=split,
+            )
             for k, b in enumerate(over):
                 self.ids[b] = cut["input_ids"][k]
                 if self.types is not None:
@@ -195,9 +210,12 @@ class _Tokenized:
                 types[k, :m] = self.types[b]
         inputs = {"input_ids": ids, "attention_mask": mask} | ({"token_type_ids": types} if types is not None else {})
         convert = lens.tokenizer.convert_ids_to_tokens
-        return Encoded({k: torch.from_numpy(v).to(lens.device) for k, v in inputs.items()},
-                       [convert(self.ids[b]) for b in rows], [self.words[b] for b in rows],
-                       [self.truncated[b] for b in rows])
+        return Encoded(
+            {k: torch.from_numpy(v).to(lens.device) for k, v in inputs.items()},
+            [convert(self.ids[b]) for b in rows],
+            [self.words[b] for b in rows],
+            [self.truncated[b] for b in rows],
+        )
 
 
 class Lens:
@@ -249,17 +267,27 @@ class Lens:
             raise MixlensError(f"max_length must be at least 1 (got {max_length})")
         return self.max_length if max_length is None else min(max_length, self.max_length)
 
-    def encode(self, texts: Sequence[Text | list[str]], max_length: int | None = None,
-               truncate: bool = True) -> Encoded:
+    def encode(
+        self, texts: Sequence[Text | list[str]], max_length: int | None = None, truncate: bool = True
+    ) -> Encoded:
         """Tokenize a batch once (right padding). Inputs are texts, `(text, text)` pairs, or pre-split words
         (`list[str]`, e.g. a UD sentence; `words` then maps tokens to these words). Over-long inputs are
         truncated, or refused if not `truncate`; a limit below what the special tokens need is refused."""
         texts = _check_texts(texts)
         return _Tokenized(self, texts, self.limit(max_length), truncate).batch(self, range(len(texts)))
 
-    def batches(self, texts: Sequence[Text | list[str]], batch_size: int = 32, max_length: int | None = None, *,
-                truncate: bool = True, order: str = "input", max_tokens: int | None = None,
-                max_cells: int | None = None, trace: bool | Sequence[str] = False) -> Iterator[Batch]:
+    def batches(
+        self,
+        texts: Sequence[Text | list[str]],
+        batch_size: int = 32,
+        max_length: int | None = None,
+        *,
+        truncate: bool = True,
+        order: str = "input",
+        max_tokens: int | None = None,
+        max_cells: int | None = None,
+        trace: bool | Sequence[str] = False,
+    ) -> Iterator[Batch]:
         """Batches of `texts`, each tokenized once: `order='input'` cuts the inputs in order into batches of
         `batch_size`; `order='length'` tokenizes all inputs first and packs them longest first into batches of
         ≤ `batch_size` inputs, ≤ `max_tokens` padded tokens and ≤ `max_cells` padded token pairs (inputs · n², which
@@ -270,16 +298,18 @@ class Lens:
         if order not in ("input", "length"):
             raise MixlensError(f"unknown batch order '{order}'; valid: input, length")
         if min([batch_size, *(x for x in (max_tokens, max_cells) if x is not None)]) < 1:
-            raise MixlensError(f"batch_size, max_tokens and max_cells must be at least 1 (got {batch_size}, "
-                               f"{max_tokens}, {max_cells})")
+            raise MixlensError(
+                f"batch_size, max_tokens and max_cells must be at least 1 (got {batch_size}, {max_tokens}, {max_cells})"
+            )
         limit = self.limit(max_length)
         ffn, full = (False, True) if isinstance(trace, bool) else trace_flags(trace)
         capture = trace is True or (trace is not False and needs_capture(trace))
         plan: Iterable[tuple[_Tokenized | None, Sequence[int], Sequence[int] | None]]
         if order == "length":
             tokenized = _Tokenized(self, texts, limit, truncate)
-            plan = [(tokenized, rows, rows)
-                    for rows in plan_batches(tokenized.lengths, batch_size, max_tokens, max_cells)]
+            plan = [
+                (tokenized, rows, rows) for rows in plan_batches(tokenized.lengths, batch_size, max_tokens, max_cells)
+            ]
         else:
             plan = ((None, range(s, min(s + batch_size, len(texts))), None) for s in range(0, len(texts), batch_size))
         for tok, rows, local in plan:
@@ -287,18 +317,21 @@ class Lens:
                 tok, local = _Tokenized(self, [texts[b] for b in rows], limit, truncate), range(len(rows))
             enc = tok.batch(self, local)
             bare = Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
-            yield Batch(list(rows), enc, None if trace is False else self.trace(enc, ffn=ffn, full=full) if capture
-                        else bare)
+            yield Batch(
+                list(rows), enc, None if trace is False else self.trace(enc, ffn=ffn, full=full) if capture else bare
+            )
 
     @torch.no_grad()
-    def trace(self, enc: Encoded | Sequence[Text], edits: dict[str, Edit] | None = None,
-              ffn: bool = False, full: bool = True) -> Trace:
+    def trace(
+        self, enc: Encoded | Sequence[Text], edits: dict[str, Edit] | None = None, ffn: bool = False, full: bool = True
+    ) -> Trace:
         """One forward pass with capture hooks (and optional attention edits); `full=False` stops after the last
         attention block (see `run_traced`)."""
         if not isinstance(enc, Encoded):
             enc = self.encode(enc)
-        return run_traced(self.adapter, self.model, enc.inputs, edits=edits, ffn=ffn, tokenizer=self.tokenizer,
-                          full=full)
+        return run_traced(
+            self.adapter, self.model, enc.inputs, edits=edits, ffn=ffn, tokenizer=self.tokenizer, full=full
+        )
 
     def analyze(
         self,
@@ -334,13 +367,22 @@ class Lens:
         words: list[list[int | None]] = [[] for _ in range(n_in)]
         rows: list[list[int]] = [[] for _ in range(n_in)]
         batch_size = max(1, int(batch_size))
-        for batch in self.batches(texts, batch_size, max_length, truncate=truncate, order="length",
-                                  max_cells=batch_size * CELLS_PER_INPUT, trace=names):
+        for batch in self.batches(
+            texts,
+            batch_size,
+            max_length,
+            truncate=truncate,
+            order="length",
+            max_cells=batch_size * CELLS_PER_INPUT,
+            trace=names,
+        ):
             enc, idx = batch.enc, np.asarray(batch.index)
             for k, n in enumerate(enc.truncated):
                 if n:
-                    print(f"warning: input {batch.index[k] + 1} truncated from {n} to {len(enc.tokens[k])} tokens",
-                          file=sys.stderr)
+                    print(
+                        f"warning: input {batch.index[k] + 1} truncated from {n} to {len(enc.tokens[k])} tokens",
+                        file=sys.stderr,
+                    )
             assert batch.trace is not None  # trace=names
             step = run_methods(batch.trace, names, heads=heads, options=options, targets=targets)
             where = resolve_targets(targets, batch.trace.lengths)
@@ -362,22 +404,31 @@ class Lens:
                 on_batch(len(batch.index))
         lengths = [len(t) for t in tokens]
         attributions = {
-            s.name: Attribution(Blocks(parts[s.name], s.dims_for(heads), lengths), s.dims_for(heads), tokens, s.name,
-                                self.name, {"heads": heads, **options.get(s.name, {})}, words,
-                                {k: Blocks(p, s.extras[k], lengths) for k, p in extras[s.name].items()},
-                                None if targets is None or targets == "all" else rows)
+            s.name: Attribution(
+                Blocks(parts[s.name], s.dims_for(heads), lengths),
+                s.dims_for(heads),
+                tokens,
+                s.name,
+                self.name,
+                {"heads": heads, **options.get(s.name, {})},
+                words,
+                {k: Blocks(p, s.extras[k], lengths) for k, p in extras[s.name].items()},
+                None if targets is None or targets == "all" else rows,
+            )
             for s in specs
         }
         from mixlens import __version__
 
         return Analysis(
-            model=self.name, version=__version__,
-            texts=[_text_of(t) for t in texts], tokens=tokens, attributions=attributions,
+            model=self.name,
+            version=__version__,
+            texts=[_text_of(t) for t in texts],
+            tokens=tokens,
+            attributions=attributions,
             ratios={v: Blocks(p, ("layer", "target"), lengths) for v, p in ratios.items()},
             reconstruction_error=errors,
             bias=Blocks(biases, ("layer", "target", "hidden"), lengths) if biases else None,
         )
-
 
     def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: Any):
         """One score per token and method for a prediction target; see `mixlens.explain.explain`."""

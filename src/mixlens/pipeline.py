@@ -19,8 +19,17 @@ from mixlens.trace import Memo, Trace
 
 Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
 # methods that compute only requested target rows (the rollouts by propagating those rows down the layers)
-TARGET_METHODS = ("attention", "norm", "norm_res", "norm_resln", "globenc", "globenc_rollout", "alti",
-                  "alti_rollout", "attention_rollout")
+TARGET_METHODS = (
+    "attention",
+    "norm",
+    "norm_res",
+    "norm_resln",
+    "globenc",
+    "globenc_rollout",
+    "alti",
+    "alti_rollout",
+    "attention_rollout",
+)
 
 
 def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | None:
@@ -47,8 +56,9 @@ def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | 
     return torch.tensor(rows, dtype=torch.long)
 
 
-def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None,
-                 max_cells: int | None = None) -> list[list[int]]:
+def plan_batches(
+    lengths: Sequence[int], batch_size: int, max_tokens: int | None = None, max_cells: int | None = None
+) -> list[list[int]]:
     """Positions grouped into batches, longest first: ≤ batch_size items, ≤ max_tokens padded tokens and ≤ max_cells
     padded token pairs (items · n², what the [.., n, n] maps hold); an input over a limit gets a batch of its own.
     Ties keep input order (deterministic)."""
@@ -57,8 +67,12 @@ def plan_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None
     for k in order:
         b = batches[-1] if batches else None
         n, m = (lengths[b[0]], len(b) + 1) if b else (0, 1)
-        if b and m <= batch_size and (max_tokens is None or m * n <= max_tokens) and \
-                (max_cells is None or m * n * n <= max_cells):
+        if (
+            b
+            and m <= batch_size
+            and (max_tokens is None or m * n <= max_tokens)
+            and (max_cells is None or m * n * n <= max_cells)
+        ):
             b.append(k)
         else:
             batches.append([k])
@@ -78,8 +92,14 @@ class Step:
 
 
 @torch.no_grad()
-def run_methods(trace: Trace, methods: Sequence[str], *, heads: bool = False,
-                options: dict[str, dict[str, object]] | None = None, targets: Targets = None) -> Step:
+def run_methods(
+    trace: Trace,
+    methods: Sequence[str],
+    *,
+    heads: bool = False,
+    options: dict[str, dict[str, object]] | None = None,
+    targets: Targets = None,
+) -> Step:
     """Run registry `methods` (names) on `trace` (options per method name; checked by the registry). The norm
     engine (`block_norms`, with its exactness check) runs only when one of the methods uses it: the norm
     engine's own methods run it first, so its by-products (the head-mean α) are shared.
@@ -93,8 +113,9 @@ def run_methods(trace: Trace, methods: Sequence[str], *, heads: bool = False,
     if rows is not None:
         refused = [s.name for s in specs if s.name not in TARGET_METHODS]
         if refused:
-            raise MixlensError(f"method '{refused[0]}' cannot compute target rows only; with targets use "
-                               f"{', '.join(TARGET_METHODS)}")
+            raise MixlensError(
+                f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(TARGET_METHODS)}"
+            )
         rows = rows.to(trace.mask.device)
     old = trace.memo.targets
     same = old is None and rows is None or old is not None and rows is not None and torch.equal(old, rows)
@@ -105,8 +126,7 @@ def run_methods(trace: Trace, methods: Sequence[str], *, heads: bool = False,
     if any(s.fn.__module__ == block_norms.__module__ for s in specs):
         block_norms(trace)
     outs = {s.name: s.run(trace, heads=heads, **options.get(s.name, {})) for s in specs}
-    return Step({k: o.values for k, o in outs.items()}, trace.memo.block_norms,
-                {k: o.extras for k, o in outs.items()})
+    return Step({k: o.values for k, o in outs.items()}, trace.memo.block_norms, {k: o.extras for k, o in outs.items()})
 
 
 def trace_flags(methods: Sequence[str]) -> tuple[bool, bool]:

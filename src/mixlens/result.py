@@ -75,8 +75,14 @@ class Blocks:
         return cls([(np.arange(len(values)), values)], dims, lengths)
 
     @classmethod
-    def checked(cls, parts: list[tuple[np.ndarray, np.ndarray]], dims: tuple[str, ...], lengths: list[int],
-                what: str, rows: list[int] | None = None) -> Blocks:
+    def checked(
+        cls,
+        parts: list[tuple[np.ndarray, np.ndarray]],
+        dims: tuple[str, ...],
+        lengths: list[int],
+        what: str,
+        rows: list[int] | None = None,
+    ) -> Blocks:
         """Blocks from untrusted arrays (a loaded file): every input exactly once, float values with one row per
         input number, token axes as long as the block's longest input, other axes equal in every block."""
         seen = np.zeros(len(lengths), bool)
@@ -87,8 +93,9 @@ class Blocks:
             if a.dtype.kind != "f":
                 raise MixlensError(f"{what}: block {k} holds {a.dtype}, not floating-point values")
             if a.ndim != len(dims) + 1 or len(a) != len(i):
-                raise MixlensError(f"{what}: block {k} has shape {list(a.shape)}, expected {len(i)} rows of axes "
-                                   f"[{', '.join(dims)}]")
+                raise MixlensError(
+                    f"{what}: block {k} has shape {list(a.shape)}, expected {len(i)} rows of axes [{', '.join(dims)}]"
+                )
             if len(i) == 0 or i.min() < 0 or i.max() >= len(lengths):
                 raise MixlensError(f"{what}: block {k} names inputs outside 1..{len(lengths)}")
             if seen[i].any() or len(np.unique(i)) != len(i):
@@ -102,8 +109,9 @@ class Blocks:
                     if size != most_rows:
                         raise MixlensError(f"{what}: block {k} has {size} target rows, its inputs have {most_rows}")
                 elif d in TOKEN_AXES and size != longest:
-                    raise MixlensError(f"{what}: block {k} has {size} '{d}' positions but its longest input has "
-                                       f"{longest} tokens")
+                    raise MixlensError(
+                        f"{what}: block {k} has {size} '{d}' positions but its longest input has {longest} tokens"
+                    )
                 if d not in TOKEN_AXES and sizes.setdefault(ax, size) != size:
                     raise MixlensError(f"{what}: axis '{d}' has {size} entries in block {k}, {sizes[ax]} before")
         if not seen.all():
@@ -155,8 +163,16 @@ class Blocks:
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, np.ndarray], prefix: str, count: object, dims: tuple[str, ...],
-                     lengths: list[int], what: str, rows: list[int] | None = None) -> Blocks:
+    def from_tensors(
+        cls,
+        tensors: dict[str, np.ndarray],
+        prefix: str,
+        count: object,
+        dims: tuple[str, ...],
+        lengths: list[int],
+        what: str,
+        rows: list[int] | None = None,
+    ) -> Blocks:
         """The inverse of `tensors` for `count` blocks, checked (`checked`)."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise MixlensError(f"{what}: the manifest gives no valid block count ({count!r})")
@@ -170,6 +186,7 @@ class Blocks:
 
 
 # ---- reading untrusted files ----
+
 
 def _read_manifest(path: Path) -> dict[str, Any]:
     try:
@@ -211,16 +228,24 @@ def _read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        ok = isinstance(info, dict) and info.get("dtype") in _DTYPES and isinstance(info.get("shape"), list) and \
-            all(_is_int(x) and x >= 0 for x in info["shape"]) and isinstance(info.get("data_offsets"), list) and \
-            len(info["data_offsets"]) == 2 and all(_is_int(x) for x in info["data_offsets"])
+        ok = (
+            isinstance(info, dict)
+            and info.get("dtype") in _DTYPES
+            and isinstance(info.get("shape"), list)
+            and all(_is_int(x) and x >= 0 for x in info["shape"])
+            and isinstance(info.get("data_offsets"), list)
+            and len(info["data_offsets"]) == 2
+            and all(_is_int(x) for x in info["data_offsets"])
+        )
         if not ok:
             raise MixlensError(f"{what}: tensor '{name}' has a malformed entry")
         start, stop = info["data_offsets"]
         need = math.prod(info["shape"]) * _DTYPES[info["dtype"]]
         if not 0 <= start <= stop <= body or stop - start != need:
-            raise MixlensError(f"{what}: tensor '{name}' of shape {info['shape']} needs {need} bytes, its data "
-                               f"range is [{start}, {stop}) of {body}")
+            raise MixlensError(
+                f"{what}: tensor '{name}' of shape {info['shape']} needs {need} bytes, its data "
+                f"range is [{start}, {stop}) of {body}"
+            )
     from safetensors.numpy import load
 
     try:
@@ -253,9 +278,14 @@ def _words(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[lis
     words = man.get("words")
     if words is None:
         return None
-    if not isinstance(words, list) or len(words) != len(tokens) or not all(
+    if (
+        not isinstance(words, list)
+        or len(words) != len(tokens)
+        or not all(
             isinstance(w, list) and len(w) == len(t) and all(x is None or _is_int(x) for x in w)
-            for w, t in zip(words, tokens, strict=False)):
+            for w, t in zip(words, tokens, strict=False)
+        )
+    ):
         raise MixlensError(f"{path}: 'words' must give a word id (or null) for every token")
     return words
 
@@ -282,8 +312,9 @@ def _write(path: Path, tensors: dict[str, np.ndarray], manifest: dict[str, Any])
 
     save_id = uuid.uuid4().hex
     atomic_write(path.with_suffix(".safetensors"), save(tensors, metadata={SAVE_ID: save_id}))
-    atomic_write(path.with_suffix(".json"), json.dumps({**manifest, "save_id": save_id},
-                                                       default=_json_default).encode())
+    atomic_write(
+        path.with_suffix(".json"), json.dumps({**manifest, "save_id": save_id}, default=_json_default).encode()
+    )
 
 
 class Attribution:
@@ -299,9 +330,18 @@ class Attribution:
     In target-row mode `targets[b]` lists the token positions of input b's rows on the `target` axis (None: all).
     """
 
-    def __init__(self, values: np.ndarray | Blocks, dims: tuple[str, ...], tokens: list[list[str]], method: str,
-                 model: str = "", params: dict[str, Any] | None = None, words: list[list[int | None]] | None = None,
-                 extras: dict[str, Blocks] | None = None, targets: list[list[int]] | None = None):
+    def __init__(
+        self,
+        values: np.ndarray | Blocks,
+        dims: tuple[str, ...],
+        tokens: list[list[str]],
+        method: str,
+        model: str = "",
+        params: dict[str, Any] | None = None,
+        words: list[list[int | None]] | None = None,
+        extras: dict[str, Blocks] | None = None,
+        targets: list[list[int]] | None = None,
+    ):
         self.dims = tuple(dims)
         self.targets = targets
         self.tokens = tokens
@@ -341,8 +381,17 @@ class Attribution:
     def _like(self, store: Blocks, dims: tuple[str, ...], params: dict[str, Any], touched: set[str]) -> Attribution:
         """A derived attribution; extras with an axis in `touched` no longer describe it and are dropped."""
         extras = {k: s for k, s in self.extra_store.items() if not touched & set(s.dims)}
-        return Attribution(store, dims, self.tokens, self.method, self.model, {**self.params, **params}, self.words,
-                           extras, self.targets if "target" in dims else None)
+        return Attribution(
+            store,
+            dims,
+            self.tokens,
+            self.method,
+            self.model,
+            {**self.params, **params},
+            self.words,
+            extras,
+            self.targets if "target" in dims else None,
+        )
 
     def input(self, b: int) -> np.ndarray:
         """Values of input b without padding: axes `dims`."""
@@ -355,8 +404,9 @@ class Attribution:
             raise MixlensError(f"no axis {sorted(bad)}; axes: {self.dims}")
         idx = (slice(None), *(index.get(d, slice(None)) for d in self.dims))
         dims = tuple(d for d in self.dims if d not in index)
-        return self._like(self.store.map(lambda a: a[idx], dims), dims, {f"sel_{k}": v for k, v in index.items()},
-                          set(index))
+        return self._like(
+            self.store.map(lambda a: a[idx], dims), dims, {f"sel_{k}": v for k, v in index.items()}, set(index)
+        )
 
     def mean(self, dim: str) -> Attribution:
         """Average over one named axis (e.g. heads)."""
@@ -384,11 +434,24 @@ class Attribution:
                 frm = onehot / onehot.sum(1, keepdims=True)
                 out[r, ..., : len(g), : len(g)] = frm @ a[r, ..., :n, :n] @ onehot.T
             parts.append((idx, out))
-        toks = [["".join(t.removeprefix("##") if i else t for i, t in enumerate(self.tokens[b][j] for j in members))
-                 for members in g] for b, g in enumerate(groups)]
+        toks = [
+            [
+                "".join(t.removeprefix("##") if i else t for i, t in enumerate(self.tokens[b][j] for j in members))
+                for members in g
+            ]
+            for b, g in enumerate(groups)
+        ]
         extras = {k: s for k, s in self.extra_store.items() if not set(TOKEN_AXES) & set(s.dims)}
-        return Attribution(Blocks(parts, self.dims, [len(g) for g in groups]), self.dims, toks, self.method,
-                           self.model, {**self.params, "words": True}, [list(range(len(g))) for g in groups], extras)
+        return Attribution(
+            Blocks(parts, self.dims, [len(g) for g in groups]),
+            self.dims,
+            toks,
+            self.method,
+            self.model,
+            {**self.params, "words": True},
+            [list(range(len(g))) for g in groups],
+            extras,
+        )
 
     def to_dataframe(self):  # -> pandas.DataFrame
         """Long table of real (non-pad) entries: one column per axis, token strings, and `value`."""
@@ -415,8 +478,15 @@ class Attribution:
 
         return render_fragment(self)
 
-    def show(self, inputs: int | Sequence[int] | None = None, *, layer: int = -1, head: int | None = None,
-             max_tokens: int = 16, console: Any = None) -> None:
+    def show(
+        self,
+        inputs: int | Sequence[int] | None = None,
+        *,
+        layer: int = -1,
+        head: int | None = None,
+        max_tokens: int = 16,
+        console: Any = None,
+    ) -> None:
         """Print a readable terminal view (rich) of `inputs` (default: all): token × token maps as a shaded table
         of one layer (default the last) and one head (default: the mean over heads), per-token scores as
         tokens with their scores and bars. At most `max_tokens` tokens per axis are shown (said when cut)."""
@@ -425,15 +495,26 @@ class Attribution:
         show_attribution(self, inputs, layer=layer, head=head, max_tokens=max_tokens, console=console)
 
     def to_json_dict(self, b: int) -> dict[str, Any]:
-        out = {"dims": list(self.dims), "values": self.input(b).tolist(),
-               "extras": {k: {"dims": list(s.dims), "values": s.row(b).tolist()} for k, s in self.extra_store.items()}}
+        out = {
+            "dims": list(self.dims),
+            "values": self.input(b).tolist(),
+            "extras": {k: {"dims": list(s.dims), "values": s.row(b).tolist()} for k, s in self.extra_store.items()},
+        }
         return out if self.targets is None else {**out, "targets": self.targets[b]}
 
     def manifest(self) -> dict[str, Any]:
-        return {"format": ATTRIBUTION_FORMAT, "method": self.method, "model": self.model, "dims": ["batch", *self.dims],
-                "tokens": self.tokens, "words": self.words, "params": self.params, "targets": self.targets,
-                "blocks": len(self.store.parts),
-                "extras": {k: {"dims": list(s.dims), "blocks": len(s.parts)} for k, s in self.extra_store.items()}}
+        return {
+            "format": ATTRIBUTION_FORMAT,
+            "method": self.method,
+            "model": self.model,
+            "dims": ["batch", *self.dims],
+            "tokens": self.tokens,
+            "words": self.words,
+            "params": self.params,
+            "targets": self.targets,
+            "blocks": len(self.store.parts),
+            "extras": {k: {"dims": list(s.dims), "blocks": len(s.parts)} for k, s in self.extra_store.items()},
+        }
 
     def save(self, path: str | Path) -> None:
         """`path.safetensors` (per-batch blocks `values.k` with the input numbers `index.k`; extras as
@@ -472,9 +553,17 @@ class Attribution:
         else:
             count = man.get("blocks", sum(k.startswith("values.") for k in tensors))
             store = Blocks.from_tensors(tensors, "", count, dims, lengths, what, rows)
-        extras = {k: Blocks.from_tensors(tensors, f"extra.{k}.", e.get("blocks"),
-                                         _dims(e.get("dims"), man_path, f"extra '{k}' axes"), lengths, what)
-                  for k, e in extras_man.items()}
+        extras = {
+            k: Blocks.from_tensors(
+                tensors,
+                f"extra.{k}.",
+                e.get("blocks"),
+                _dims(e.get("dims"), man_path, f"extra '{k}' axes"),
+                lengths,
+                what,
+            )
+            for k, e in extras_man.items()
+        }
         return cls(store, dims, tokens, method, model, params, words, extras, targets)
 
 
@@ -483,9 +572,14 @@ def _targets(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[l
     targets = man.get("targets")
     if targets is None:
         return None
-    if not isinstance(targets, list) or len(targets) != len(tokens) or not all(
+    if (
+        not isinstance(targets, list)
+        or len(targets) != len(tokens)
+        or not all(
             isinstance(r, list) and all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(t) for p in r)
-            for r, t in zip(targets, tokens, strict=True)):
+            for r, t in zip(targets, tokens, strict=True)
+        )
+    ):
         raise MixlensError(f"{path}: 'targets' must list, per input, token positions inside that input")
     return targets
 
@@ -513,19 +607,31 @@ class Analysis:
     sums), and `mixing_ratio(per_token=True)` is refused.
     """
 
-    def __init__(self, model: str, version: str, texts: list[str], tokens: list[list[str]],
-                 attributions: dict[str, Attribution], ratios: Mapping[str, np.ndarray | Blocks],
-                 reconstruction_error: np.ndarray | None, bias: np.ndarray | Blocks | None = None,
-                 ratio_means_only: bool = False):
+    def __init__(
+        self,
+        model: str,
+        version: str,
+        texts: list[str],
+        tokens: list[list[str]],
+        attributions: dict[str, Attribution],
+        ratios: Mapping[str, np.ndarray | Blocks],
+        reconstruction_error: np.ndarray | None,
+        bias: np.ndarray | Blocks | None = None,
+        ratio_means_only: bool = False,
+    ):
         self.model, self.version, self.texts, self.tokens = model, version, texts, tokens
         self.attributions = attributions
         self.reconstruction_error = reconstruction_error
         self.ratio_means_only = ratio_means_only
         lengths = [len(t) for t in tokens]
-        self.ratio_store = {v: r if isinstance(r, Blocks) else Blocks.of(r, ("layer", "target"), lengths)
-                            for v, r in ratios.items()}
-        self.bias_store = bias if bias is None or isinstance(bias, Blocks) else \
-            Blocks.of(bias, ("layer", "target", "hidden"), lengths)
+        self.ratio_store = {
+            v: r if isinstance(r, Blocks) else Blocks.of(r, ("layer", "target"), lengths) for v, r in ratios.items()
+        }
+        self.bias_store = (
+            bias
+            if bias is None or isinstance(bias, Blocks)
+            else Blocks.of(bias, ("layer", "target", "hidden"), lengths)
+        )
 
     @property
     def ratios(self) -> dict[str, np.ndarray]:
@@ -540,9 +646,11 @@ class Analysis:
     @property
     def nbytes(self) -> int:
         """Bytes of per-input arrays held (attributions, ratios, bias)."""
-        return sum(a.nbytes for a in self.attributions.values()) + \
-            sum(s.nbytes for s in self.ratio_store.values()) + \
-            (self.bias_store.nbytes if self.bias_store is not None else 0)
+        return (
+            sum(a.nbytes for a in self.attributions.values())
+            + sum(s.nbytes for s in self.ratio_store.values())
+            + (self.bias_store.nbytes if self.bias_store is not None else 0)
+        )
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -566,8 +674,10 @@ class Analysis:
         store = self.ratio_store[variant]
         if per_token:
             if self.ratio_means_only:
-                raise MixlensError("this analysis was read from analyze's JSON, which holds only per-layer means "
-                                   "of the mixing ratios; save it with Analysis.save for per-token ratios")
+                raise MixlensError(
+                    "this analysis was read from analyze's JSON, which holds only per-layer means "
+                    "of the mixing ratios; save it with Analysis.save for per-token ratios"
+                )
             return store.full()
         lengths = np.array([len(t) for t in self.tokens])
         out = np.zeros((len(self.tokens), store.parts[0][1].shape[1]), store.parts[0][1].dtype)
@@ -608,17 +718,22 @@ class Analysis:
         (manifest). No pickles; atomic writes; reload with `Analysis.load`."""
         rowed = [name for name, a in self.attributions.items() if a.targets is not None]
         if rowed:
-            raise MixlensError(f"saving an analysis of target rows ({', '.join(rowed)}) is not supported; save each "
-                               "Attribution with .save(), or analyse all rows")
+            raise MixlensError(
+                f"saving an analysis of target rows ({', '.join(rowed)}) is not supported; save each "
+                "Attribution with .save(), or analyse all rows"
+            )
         tensors: dict[str, np.ndarray] = {}
         methods: dict[str, Any] = {}
         for name, a in self.attributions.items():
             tensors |= a.store.tensors(f"method.{name}.")
             for k, s in a.extra_store.items():
                 tensors |= s.tensors(f"extra.{name}.{k}.")
-            methods[name] = {"dims": list(a.dims), "params": a.params, "blocks": len(a.store.parts),
-                             "extras": {k: {"dims": list(s.dims), "blocks": len(s.parts)}
-                                        for k, s in a.extra_store.items()}}
+            methods[name] = {
+                "dims": list(a.dims),
+                "params": a.params,
+                "blocks": len(a.store.parts),
+                "extras": {k: {"dims": list(s.dims), "blocks": len(s.parts)} for k, s in a.extra_store.items()},
+            }
         for v, s in self.ratio_store.items():
             tensors |= s.tensors(f"ratio.{v}.")
         if self.bias_store is not None:
@@ -626,12 +741,19 @@ class Analysis:
         if self.reconstruction_error is not None:
             tensors["reconstruction_error"] = np.ascontiguousarray(self.reconstruction_error)
         first = next(iter(self.attributions.values()), None)
-        manifest = {"format": ANALYSIS_FORMAT, "model": self.model, "version": self.version, "texts": self.texts,
-                    "tokens": self.tokens, "words": first.words if first is not None else None, "methods": methods,
-                    "ratios": {v: len(s.parts) for v, s in self.ratio_store.items()},
-                    "ratio_means_only": self.ratio_means_only,
-                    "bias": None if self.bias_store is None else len(self.bias_store.parts),
-                    "reconstruction_error": self.reconstruction_error is not None}
+        manifest = {
+            "format": ANALYSIS_FORMAT,
+            "model": self.model,
+            "version": self.version,
+            "texts": self.texts,
+            "tokens": self.tokens,
+            "words": first.words if first is not None else None,
+            "methods": methods,
+            "ratios": {v: len(s.parts) for v, s in self.ratio_store.items()},
+            "ratio_means_only": self.ratio_means_only,
+            "bias": None if self.bias_store is None else len(self.bias_store.parts),
+            "reconstruction_error": self.reconstruction_error is not None,
+        }
         _write(Path(path), tensors, manifest)
 
     @classmethod
@@ -661,8 +783,11 @@ class Analysis:
         lengths, what = [len(t) for t in tokens], str(path.with_suffix(".safetensors"))
         attributions = {}
         for name, m in methods.items():
-            if not isinstance(m, dict) or not isinstance(m.get("params"), dict) or \
-                    not isinstance(m.get("extras", {}), dict):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("params"), dict)
+                or not isinstance(m.get("extras", {}), dict)
+            ):
                 raise MixlensError(f"{path}: method '{name}' has a malformed entry")
             dims = _dims(m.get("dims"), path, f"the axes of '{name}'")
             store = Blocks.from_tensors(tensors, f"method.{name}.", m.get("blocks"), dims, lengths, what)
@@ -670,20 +795,32 @@ class Analysis:
             for k, e in m.get("extras", {}).items():
                 if not isinstance(e, dict):
                     raise MixlensError(f"{path}: extra '{k}' of '{name}' has a malformed entry")
-                extras[k] = Blocks.from_tensors(tensors, f"extra.{name}.{k}.", e.get("blocks"),
-                                                _dims(e.get("dims"), path, f"the axes of '{name}.{k}'"), lengths, what)
+                extras[k] = Blocks.from_tensors(
+                    tensors,
+                    f"extra.{name}.{k}.",
+                    e.get("blocks"),
+                    _dims(e.get("dims"), path, f"the axes of '{name}.{k}'"),
+                    lengths,
+                    what,
+                )
             attributions[name] = Attribution(store, dims, tokens, name, model, m["params"], words, extras)
-        ratios = {v: Blocks.from_tensors(tensors, f"ratio.{v}.", k, ("layer", "target"), lengths, what)
-                  for v, k in ratio_man.items()}
-        bias = None if man.get("bias") is None else \
-            Blocks.from_tensors(tensors, "bias.", man["bias"], ("layer", "target", "hidden"), lengths, what)
+        ratios = {
+            v: Blocks.from_tensors(tensors, f"ratio.{v}.", k, ("layer", "target"), lengths, what)
+            for v, k in ratio_man.items()
+        }
+        bias = (
+            None
+            if man.get("bias") is None
+            else Blocks.from_tensors(tensors, "bias.", man["bias"], ("layer", "target", "hidden"), lengths, what)
+        )
         err = None
         if man.get("reconstruction_error"):
             err = tensors.get("reconstruction_error")
             if err is None or err.shape != (len(tokens),) or err.dtype.kind != "f":
                 raise MixlensError(f"{what}: 'reconstruction_error' must hold one number per input")
-        return cls(model, version, texts, tokens, attributions, ratios, err, bias,
-                   bool(man.get("ratio_means_only", False)))
+        return cls(
+            model, version, texts, tokens, attributions, ratios, err, bias, bool(man.get("ratio_means_only", False))
+        )
 
     @classmethod
     def from_json(cls, obj: object, where: str = "the JSON") -> Analysis:
@@ -730,7 +867,8 @@ class Analysis:
                     if extra_dims.setdefault((name, k), ed) != ed:
                         raise MixlensError(f"{at}: extra '{name}.{k}' has other axes than in input 1")
                     extras.setdefault(name, {}).setdefault(k, []).append(
-                        _array(e.get("values"), ed, len(toks), f"{at}: '{name}.{k}'"))
+                        _array(e.get("values"), ed, len(toks), f"{at}: '{name}.{k}'")
+                    )
             for v, r in ratio.items():
                 means.setdefault(v, []).append(_array(r, ("layer",), len(toks), f"{at}: mixing ratio '{v}'"))
             err = inp.get("reconstruction_error")
@@ -738,8 +876,10 @@ class Analysis:
                 raise MixlensError(f"{at}: 'reconstruction_error' must be a number or null")
             errors.append(err)
         for name, arrs in {**values, **{f"mixing ratio '{v}'": m for v, m in means.items()}}.items():
-            fixed = {tuple(s for s, d in zip(a.shape, dims.get(name, ("layer",)), strict=True)
-                           if d not in TOKEN_AXES) for a in arrs}
+            fixed = {
+                tuple(s for s, d in zip(a.shape, dims.get(name, ("layer",)), strict=True) if d not in TOKEN_AXES)
+                for a in arrs
+            }
             if len(fixed) > 1:
                 raise MixlensError(f"{where}: {name} has different non-token axis sizes across inputs")
         if len({e is None for e in errors}) > 1:
@@ -749,11 +889,23 @@ class Analysis:
         def store(arrs: list[np.ndarray], d: tuple[str, ...]) -> Blocks:
             return Blocks([(np.array([b]), a[None]) for b, a in enumerate(arrs)], d, lengths)
 
-        attributions = {name: Attribution(store(arrs, dims[name]), dims[name], tokens, name, model, {}, None,
-                                          {k: store(e, extra_dims[(name, k)]) for k, e in extras.get(name, {}).items()})
-                        for name, arrs in values.items()}
-        ratios = {v: store([np.repeat(m[:, None], n, 1) for m, n in zip(ms, lengths, strict=True)], ("layer", "target"))
-                  for v, ms in means.items()}
+        attributions = {
+            name: Attribution(
+                store(arrs, dims[name]),
+                dims[name],
+                tokens,
+                name,
+                model,
+                {},
+                None,
+                {k: store(e, extra_dims[(name, k)]) for k, e in extras.get(name, {}).items()},
+            )
+            for name, arrs in values.items()
+        }
+        ratios = {
+            v: store([np.repeat(m[:, None], n, 1) for m, n in zip(ms, lengths, strict=True)], ("layer", "target"))
+            for v, ms in means.items()
+        }
         err_arr = None if errors[0] is None else np.asarray(errors, np.float32)
         return cls(model, version, texts, tokens, attributions, ratios, err_arr, None, ratio_means_only=True)
 
@@ -766,33 +918,65 @@ class Analysis:
         first = analyses[0]
 
         def shape(a: Analysis) -> object:
-            return ({k: (x.dims, json.dumps(x.params, sort_keys=True, default=_json_default),
-                         {e: s.dims for e, s in x.extra_store.items()}) for k, x in a.attributions.items()},
-                    sorted(a.ratio_store), a.bias_store is None, a.reconstruction_error is None, a.ratio_means_only)
+            return (
+                {
+                    k: (
+                        x.dims,
+                        json.dumps(x.params, sort_keys=True, default=_json_default),
+                        {e: s.dims for e, s in x.extra_store.items()},
+                    )
+                    for k, x in a.attributions.items()
+                },
+                sorted(a.ratio_store),
+                a.bias_store is None,
+                a.reconstruction_error is None,
+                a.ratio_means_only,
+            )
 
         for k, a in enumerate(analyses[1:], 2):
             if a.model != first.model or a.version != first.version:
-                raise MixlensError(f"analysis {k} comes from {a.model} (mixlens {a.version}), analysis 1 from "
-                                   f"{first.model} (mixlens {first.version})")
+                raise MixlensError(
+                    f"analysis {k} comes from {a.model} (mixlens {a.version}), analysis 1 from "
+                    f"{first.model} (mixlens {first.version})"
+                )
             if shape(a) != shape(first):
                 raise MixlensError(f"analysis {k} has other methods, options, extras or ratios than analysis 1")
         tokens = [t for a in analyses for t in a.tokens]
         lengths = [len(t) for t in tokens]
-        words = [w for a in analyses for w in (next(iter(a.attributions.values())).words or [])] \
-            if first.attributions and all(next(iter(a.attributions.values())).words for a in analyses) else None
+        words = (
+            [w for a in analyses for w in (next(iter(a.attributions.values())).words or [])]
+            if first.attributions and all(next(iter(a.attributions.values())).words for a in analyses)
+            else None
+        )
         attributions = {}
         for name, x in first.attributions.items():
             parts = [a.attributions[name] for a in analyses]
             extras = {e: Blocks.concat([p.extra_store[e] for p in parts], lengths) for e in x.extra_store}
-            attributions[name] = Attribution(Blocks.concat([p.store for p in parts], lengths), x.dims, tokens, name,
-                                             x.model, x.params, words, extras)
+            attributions[name] = Attribution(
+                Blocks.concat([p.store for p in parts], lengths), x.dims, tokens, name, x.model, x.params, words, extras
+            )
         ratios = {v: Blocks.concat([a.ratio_store[v] for a in analyses], lengths) for v in first.ratio_store}
-        bias = None if first.bias_store is None else \
-            Blocks.concat([a.bias_store for a in analyses if a.bias_store is not None], lengths)
-        err = None if first.reconstruction_error is None else \
-            np.concatenate([a.reconstruction_error for a in analyses if a.reconstruction_error is not None])
-        return cls(first.model, first.version, [t for a in analyses for t in a.texts], tokens, attributions, ratios,
-                   err, bias, first.ratio_means_only)
+        bias = (
+            None
+            if first.bias_store is None
+            else Blocks.concat([a.bias_store for a in analyses if a.bias_store is not None], lengths)
+        )
+        err = (
+            None
+            if first.reconstruction_error is None
+            else np.concatenate([a.reconstruction_error for a in analyses if a.reconstruction_error is not None])
+        )
+        return cls(
+            first.model,
+            first.version,
+            [t for a in analyses for t in a.texts],
+            tokens,
+            attributions,
+            ratios,
+            err,
+            bias,
+            first.ratio_means_only,
+        )
 
 
 def _array(value: object, dims: tuple[str, ...], n: int, what: str) -> np.ndarray:

@@ -154,7 +154,8 @@ class _Session:
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("mixlens_session", default=None)
 _DEFAULTS: contextvars.ContextVar[tuple[tuple[Adapter, dict[str, Edit]], ...]] = contextvars.ContextVar(
-    "mixlens_default_edits", default=())
+    "mixlens_default_edits", default=()
+)
 
 
 @contextmanager
@@ -279,8 +280,9 @@ def edit_point_names(n_layers: int) -> str:
     return ", ".join(["embed", *(f"blocks.{{l}}.{p}" for p in BLOCK_POINTS)]) + f" (l = 0..{n_layers - 1})"
 
 
-def _check(adapter: Adapter, edits: dict[str, Edit], start: int, stop_after: int | None,
-           resid_pre: torch.Tensor | None) -> int:
+def _check(
+    adapter: Adapter, edits: dict[str, Edit], start: int, stop_after: int | None, resid_pre: torch.Tensor | None
+) -> int:
     """Validate the layer range and the edit point names → the last layer run."""
     n = adapter.n_layers
     if not 0 <= start < n:
@@ -304,9 +306,16 @@ def _check(adapter: Adapter, edits: dict[str, Edit], start: int, stop_after: int
 
 
 @contextmanager
-def hooked(adapter: Adapter, edits: Mapping[str, Edit] | None = None, ffn: bool = False, *, start: int = 0,
-           resid_pre: torch.Tensor | None = None, stop_after: int | None = None,
-           stop_at_mix: bool = False) -> Iterator[dict[str, list[torch.Tensor]]]:
+def hooked(
+    adapter: Adapter,
+    edits: Mapping[str, Edit] | None = None,
+    ffn: bool = False,
+    *,
+    start: int = 0,
+    resid_pre: torch.Tensor | None = None,
+    stop_after: int | None = None,
+    stop_at_mix: bool = False,
+) -> Iterator[dict[str, list[torch.Tensor]]]:
     """Capture hooks and `edits` (edit point name → fn, see the module docstring) for ONE model call.
 
     Yields the record, filled during the call: name → one tensor per layer run, in layer order (item k is layer
@@ -438,15 +447,29 @@ def run_traced(
     for key, count in counts.items():
         if count != n:
             raise RuntimeError(f"capture of '{key}' fired {count} times for {n} layers")
-    opt = {k: rec[k] if len(rec.get(k, [])) == n else [None] * n for k in ("ffn_pre", "ffn_act", "ln_out_in",
-                                                                             "ffn_gate", "post_raw")}
-    post = [None if raw is None or lay.ln_post is None else lay.ln_post.scale(raw.float())
-            for raw, lay in zip(opt["post_raw"], adapter.layers, strict=True)]
+    opt = {
+        k: rec[k] if len(rec.get(k, [])) == n else [None] * n
+        for k in ("ffn_pre", "ffn_act", "ln_out_in", "ffn_gate", "post_raw")
+    }
+    post = [
+        None if raw is None or lay.ln_post is None else lay.ln_post.scale(raw.float())
+        for raw, lay in zip(opt["post_raw"], adapter.layers, strict=True)
+    ]
     layers = [
-        LayerTrace(x=rec["x"][i], alpha=rec["alpha"][i], value=rec["value"][i], attn_out=rec["attn_out"][i],
-                   mix_in=rec["mix_in"][i], mix_out=rec["mix_out"][i], out=outs[i], ffn_pre=opt["ffn_pre"][i],
-                   ffn_act=opt["ffn_act"][i], ln_out_in=opt["ln_out_in"][i], ffn_gate=opt["ffn_gate"][i],
-                   post_scale=post[i])
+        LayerTrace(
+            x=rec["x"][i],
+            alpha=rec["alpha"][i],
+            value=rec["value"][i],
+            attn_out=rec["attn_out"][i],
+            mix_in=rec["mix_in"][i],
+            mix_out=rec["mix_out"][i],
+            out=outs[i],
+            ffn_pre=opt["ffn_pre"][i],
+            ffn_act=opt["ffn_act"][i],
+            ln_out_in=opt["ln_out_in"][i],
+            ffn_gate=opt["ffn_gate"][i],
+            post_scale=post[i],
+        )
         for i in range(n)
     ]
     logits = getattr(output, "logits", None)

@@ -114,8 +114,13 @@ def frequency_study(
         vals = np.stack([r[4 + k] for r in rows])  # [tokens, L]
         for layer in range(n_layers):
             base[f"{name}_{layer}"] = vals[:, layer]
-    rho = pd.DataFrame([(layer, *(spearmanr(base["zipf"], base[f"{k}_{layer}"]).statistic for k in QUANTITIES))
-                        for layer in range(n_layers)], columns=["layer", *(f"rho_{k}" for k in QUANTITIES)])
+    rho = pd.DataFrame(
+        [
+            (layer, *(spearmanr(base["zipf"], base[f"{k}_{layer}"]).statistic for k in QUANTITIES))
+            for layer in range(n_layers)
+        ],
+        columns=["layer", *(f"rho_{k}" for k in QUANTITIES)],
+    )
     return FrequencyReport(base, rho, n_layers, left_out)
 
 
@@ -127,8 +132,11 @@ def frequency_figure(report: FrequencyReport, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = {"ratio": "ResLN-N mixing ratio r", "self": "own contribution ‖g(t_ii)‖",
-              "context": "context contribution ‖Σ_{j≠i} g(t_ij)‖"}
+    labels = {
+        "ratio": "ResLN-N mixing ratio r",
+        "self": "own contribution ‖g(t_ii)‖",
+        "context": "context contribution ‖Σ_{j≠i} g(t_ij)‖",
+    }
     layers = report.rho["layer"].to_numpy()
     for k in QUANTITIES:
         a.plot(layers, report.rho[f"rho_{k}"], marker="o", label=labels[k])
@@ -144,8 +152,9 @@ def frequency_figure(report: FrequencyReport, path: Path, title: str) -> None:
     bins = np.digitize(t["zipf"], edges[1:-1])
     cmap = plt.get_cmap("viridis")
     for layer in range(report.n_layers):
-        means = [t[f"ratio_{layer}"][bins == k].mean() if (bins == k).sum() >= 20 else np.nan
-                 for k in range(len(centres))]
+        means = [
+            t[f"ratio_{layer}"][bins == k].mean() if (bins == k).sum() >= 20 else np.nan for k in range(len(centres))
+        ]
         b.plot(centres, means, marker=".", color=cmap(layer / max(1, report.n_layers - 1)), label=f"layer {layer}")
     b.set_xlabel("word frequency (Zipf bin centre; bins with ≥ 20 tokens)")
     b.set_ylabel("mean ResLN-N mixing ratio")

@@ -36,8 +36,13 @@ def _traces(lens, texts: Sequence[str], batch_size: int, max_length: int | None)
         yield batch.trace
 
 
-def hidden_states(lens, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,
-                  on_batch: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+def hidden_states(
+    lens,
+    texts: Sequence[str],
+    batch_size: int = 32,
+    max_length: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[torch.Tensor]:
     """Per sentence the states of its real tokens at every depth: [L + 1, n, d] (index 0: e^0)."""
     out = []
     for tr in _traces(lens, texts, batch_size, max_length):
@@ -68,8 +73,15 @@ def fit_linear(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-3) -> Callabl
     return lambda z: torch.cat([z, torch.ones(len(z), 1)], 1) @ w
 
 
-def fit_mlp(x: torch.Tensor, y: torch.Tensor, hidden: int = 512, epochs: int = 10, seed: int = 0,
-            batch: int = 256, lr: float = 1e-3) -> Callable[[torch.Tensor], torch.Tensor]:
+def fit_mlp(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    hidden: int = 512,
+    epochs: int = 10,
+    seed: int = 0,
+    batch: int = 256,
+    lr: float = 1e-3,
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """One-hidden-layer ReLU MLP x → y trained with Adam on the squared error (seeded)."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -161,8 +173,12 @@ def identifiability_figure(report: IdentifiabilityReport, path: Path, title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"nn_cos": "nearest neighbour, cosine (no training)", "nn_l2": "nearest neighbour, L2 (no training)",
-              "linear": "linear probe (least squares) + cosine NN", "mlp": "MLP probe + cosine NN"}
+    labels = {
+        "nn_cos": "nearest neighbour, cosine (no training)",
+        "nn_l2": "nearest neighbour, L2 (no training)",
+        "linear": "linear probe (least squares) + cosine NN",
+        "mlp": "MLP probe + cosine NN",
+    }
     t = report.table
     fig, ax = plt.subplots(figsize=(8.5, 3.8))
     for p in PROBES:
@@ -173,8 +189,7 @@ def identifiability_figure(report: IdentifiabilityReport, path: Path, title: str
     ax.set_xlabel("hidden state (embedding output, input of layer k, output of the last layer)")
     ax.set_ylabel("identified tokens (%)")
     ax.set_ylim(0, 102)
-    ax.set_title(f"{title}\n{report.n_test_tokens} held-out tokens in {report.n_test_sentences} sentences",
-                 fontsize=9)
+    ax.set_title(f"{title}\n{report.n_test_tokens} held-out tokens in {report.n_test_sentences} sentences", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ def _traces(lens, texts: Sequence, batch_size: int, max_length: int | None) -> I
 
 
 @torch.no_grad()
-def mixing_profile(lens, texts: Sequence, batch_size: int = 32, max_length: int | None = None
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def mixing_profile(
+    lens, texts: Sequence, batch_size: int = 32, max_length: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(mean ResLN-N ratio per layer [L], mean share of each head in the attention output norm [L, H])."""
     from mixlens.interventions import head_contexts
     from mixlens.methods.norms import block_norms
@@ -42,8 +43,15 @@ def mixing_profile(lens, texts: Sequence, batch_size: int = 32, max_length: int 
         m = tr.mask.float()  # [B, n]
         ratio_sum = ratio_sum + (block_norms(tr).ratio["ResLN-N"] * m[:, None]).sum((0, 2)).double()
         z = head_contexts(tr).float()  # [B, L, H, n, d_h]
-        norms = torch.stack([torch.einsum("bhnk,hkd->bhnd", z[:, layer], lay.w_o.float().reshape(
-            lay.n_heads, lay.d_head, -1)).norm(dim=-1) for layer, lay in enumerate(lens.adapter.layers)], 1)
+        norms = torch.stack(
+            [
+                torch.einsum("bhnk,hkd->bhnd", z[:, layer], lay.w_o.float().reshape(lay.n_heads, lay.d_head, -1)).norm(
+                    dim=-1
+                )
+                for layer, lay in enumerate(lens.adapter.layers)
+            ],
+            1,
+        )
         share = norms / norms.sum(2, keepdim=True).clamp_min(torch.finfo(norms.dtype).tiny)  # [B, L, H, n]
         share_sum = share_sum + (share * m[:, None, None]).sum((0, 3)).double()
         count += int(tr.mask.sum())
@@ -65,8 +73,14 @@ class MixingDisablingReport:
     metric: str
 
 
-def mixing_vs_disabling(lens, task, texts: Sequence, modes: Sequence[str] = ("uniform", "zero"),
-                        batch_size: int = 32, on_step: Callable[[int], None] | None = None) -> MixingDisablingReport:
+def mixing_vs_disabling(
+    lens,
+    task,
+    texts: Sequence,
+    modes: Sequence[str] = ("uniform", "zero"),
+    batch_size: int = 32,
+    on_step: Callable[[int], None] | None = None,
+) -> MixingDisablingReport:
     """Run the sweep of every mode on `task` and relate it to the mixing profile of `texts`."""
     import warnings
 
@@ -111,8 +125,14 @@ def mixing_disabling_figure(rep: MixingDisablingReport, path: Path, title: str) 
     h2, l2 = a2.get_legend_handles_labels()
     a.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.18), ncol=2)
     for mode, marker in zip(rep.head_harm, "os", strict=False):
-        b.scatter(100 * rep.share.ravel(), rep.head_harm[mode].ravel(), s=14, marker=marker, alpha=0.7,
-                  label=f"{mode} (ρ = {rep.rho_heads[mode]:+.2f})")
+        b.scatter(
+            100 * rep.share.ravel(),
+            rep.head_harm[mode].ravel(),
+            s=14,
+            marker=marker,
+            alpha=0.7,
+            label=f"{mode} (ρ = {rep.rho_heads[mode]:+.2f})",
+        )
     b.axhline(0, color="0.6", lw=0.8)
     b.set_xlabel("head's share of the attention output norm (%)")
     b.set_ylabel(f"harm of disabling the head ({rep.metric} drop)")

@@ -44,12 +44,22 @@ class PatternAblation:
 
     def rows(self) -> list[tuple[str, int, float, float, float, float]]:
         """(type, heads, score, delta, random mean delta, random sd) for every type with heads."""
-        return [(t, self.n_heads[t], self.score[t], self.score[t] - self.baseline, self.random_mean[t],
-                 self.random_sd[t]) for t in PATTERNS if self.n_heads[t]]
+        return [
+            (t, self.n_heads[t], self.score[t], self.score[t] - self.baseline, self.random_mean[t], self.random_sd[t])
+            for t in PATTERNS
+            if self.n_heads[t]
+        ]
 
 
-def ablate_patterns(lens, task: Task, types: np.ndarray, mode: str = "uniform", draws: int = 5, seed: int = 0,
-                    on_step: Callable[[int], None] | None = None) -> PatternAblation:
+def ablate_patterns(
+    lens,
+    task: Task,
+    types: np.ndarray,
+    mode: str = "uniform",
+    draws: int = 5,
+    seed: int = 0,
+    on_step: Callable[[int], None] | None = None,
+) -> PatternAblation:
     """Disable all heads of each type in `types` ([L, H], from `head_types`) at once; same-size random controls."""
     if mode not in MODES:
         raise MixlensError(f"unknown ablation mode '{mode}' for pattern ablation; valid: {', '.join(MODES)}")
@@ -76,11 +86,14 @@ def ablate_patterns(lens, task: Task, types: np.ndarray, mode: str = "uniform", 
             score[t], r_mean[t], r_sd[t] = float("nan"), float("nan"), float("nan")
             continue
         score[t] = run(heads)
-        rand = [run([all_heads[i] for i in rng.choice(len(all_heads), len(heads), replace=False)]) - baseline
-                for _ in range(draws)]
+        rand = [
+            run([all_heads[i] for i in rng.choice(len(all_heads), len(heads), replace=False)]) - baseline
+            for _ in range(draws)
+        ]
         r_mean[t], r_sd[t] = float(np.mean(rand)), float(np.std(rand, ddof=1))
-    return PatternAblation(task.metric, task.higher_is_better, mode, baseline, types, counts, score, r_mean, r_sd,
-                           draws)
+    return PatternAblation(
+        task.metric, task.higher_is_better, mode, baseline, types, counts, score, r_mean, r_sd, draws
+    )
 
 
 def pattern_ablation_steps(types: np.ndarray, draws: int) -> int:

@@ -44,8 +44,10 @@ def split_indices(n: int, held_out: float, seed: int = 0) -> tuple[np.ndarray, n
     perm = np.random.default_rng(seed).permutation(n)
     k = int(round(n * held_out))
     if min(k, n - k) < MIN_SPLIT:
-        raise MixlensError(f"{n} examples split {n - k}/{k} is too small to confirm a pruning; "
-                           f"each split needs at least {MIN_SPLIT} examples")
+        raise MixlensError(
+            f"{n} examples split {n - k}/{k} is too small to confirm a pruning; "
+            f"each split needs at least {MIN_SPLIT} examples"
+        )
     return np.sort(perm[k:]), np.sort(perm[:k])
 
 
@@ -92,8 +94,14 @@ def _statistic(task: Task, values: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return values[idx].mean(1)
 
 
-def paired_bootstrap(task: Task, base: list[torch.Tensor], new: list[torch.Tensor], n_resamples: int = 1000,
-                     seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+def paired_bootstrap(
+    task: Task,
+    base: list[torch.Tensor],
+    new: list[torch.Tensor],
+    n_resamples: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> tuple[float, float]:
     """Percentile interval of metric(new) − metric(base) over `n_resamples` resamples of the examples (the same
     resample for both models)."""
     vb, vn = _example_values(task, base), _example_values(task, new)
@@ -144,16 +152,24 @@ def ablations_for(heads: Sequence[tuple[int, int]], mode: str = "zero") -> list[
     return [Ablation(la, tuple(sorted(hs)), mode) for la, hs in sorted(by.items())]
 
 
-def prune(lens, selection: Task, heldout: Task, *, max_heads: int | None = None, min_gain: float = 0.0,
-          n_resamples: int = 1000, seed: int = 0, on_step: Callable[[int], None] | None = None) -> PruneResult:
+def prune(
+    lens,
+    selection: Task,
+    heldout: Task,
+    *,
+    max_heads: int | None = None,
+    min_gain: float = 0.0,
+    n_resamples: int = 1000,
+    seed: int = 0,
+    on_step: Callable[[int], None] | None = None,
+) -> PruneResult:
     """Choose heads whose removal (mode zero) improves `selection`, and score the set on `heldout`."""
     if selection.metric != heldout.metric:
         raise MixlensError("the selection and held-out tasks must use the same metric")
     sign = 1.0 if selection.higher_is_better else -1.0
     res = sweep(lens, selection, "zero", on_step=on_step)
     gains = sign * res.delta_heads
-    order = sorted(((la, h) for la, h in zip(*np.nonzero(gains > min_gain), strict=True)),
-                   key=lambda lh: -gains[lh])
+    order = sorted(((la, h) for la, h in zip(*np.nonzero(gains > min_gain), strict=True)), key=lambda lh: -gains[lh])
     chosen: list[tuple[int, int]] = []
     current, steps = res.baseline, []
     for la, h in order:
@@ -170,8 +186,20 @@ def prune(lens, selection: Task, heldout: Task, *, max_heads: int | None = None,
     base = task_outputs(lens, heldout)
     new = task_outputs(lens, heldout, ablations_for(chosen)) if chosen else base
     ci = paired_bootstrap(heldout, base, new, n_resamples, seed) if chosen else (0.0, 0.0)
-    return PruneResult(selection.metric, selection.higher_is_better, chosen, gains, res.baseline, current,
-                       heldout.score(base), heldout.score(new), ci, selection.n_examples, heldout.n_examples, steps)
+    return PruneResult(
+        selection.metric,
+        selection.higher_is_better,
+        chosen,
+        gains,
+        res.baseline,
+        current,
+        heldout.score(base),
+        heldout.score(new),
+        ci,
+        selection.n_examples,
+        heldout.n_examples,
+        steps,
+    )
 
 
 # --- physical removal ---------------------------------------------------------------------------------------
@@ -194,8 +222,10 @@ def prune_model(model: Any, heads: Mapping[int, Sequence[int]]) -> None:
 
     adapter = resolve(model)
     if adapter.family.name not in PRUNABLE:
-        raise MixlensError(f"physical pruning supports {', '.join(PRUNABLE)} models, not {adapter.family.name}; "
-                           "use --disable to disable the heads instead")
+        raise MixlensError(
+            f"physical pruning supports {', '.join(PRUNABLE)} models, not {adapter.family.name}; "
+            "use --disable to disable the heads instead"
+        )
     for layer, hs in heads.items():
         lay = adapter.layers[layer]
         attn, d_h, n = lay.attn, lay.d_head, lay.n_heads
@@ -234,8 +264,9 @@ def load_pruned(path: str | Path) -> Any:
     config = transformers.AutoConfig.from_pretrained(path)
     removed = json.loads(json.dumps(getattr(config, CONFIG_KEY, {}) or {}))
     cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
-    model = (cls.from_config if cls is transformers.AutoModel else cls._from_config)(config,
-                                                                                       attn_implementation="eager")
+    model = (cls.from_config if cls is transformers.AutoModel else cls._from_config)(
+        config, attn_implementation="eager"
+    )
     prune_model(model, {int(k): v for k, v in removed.items()})
     model.load_state_dict(load_file(path / "model.safetensors"))
     return model.eval()

@@ -56,7 +56,7 @@ def _record(obj: object, where: str) -> RelationRecord:
         raise MixlensError(f"{where}: 'words' must be a non-empty list of non-empty strings (or give 'text')")
     pairs = obj.get("pairs")
     if not isinstance(pairs, list):
-        raise MixlensError(f"{where}: 'pairs' must be a list of {{\"from\": i, \"to\": j, \"relation\": ...}}")
+        raise MixlensError(f'{where}: \'pairs\' must be a list of {{"from": i, "to": j, "relation": ...}}')
     out = []
     for k, p in enumerate(pairs):
         if not isinstance(p, dict) or not isinstance(p.get("relation"), str) or not p["relation"]:
@@ -67,12 +67,15 @@ def _record(obj: object, where: str) -> RelationRecord:
             if isinstance(v, str):  # a word instead of an index: must occur exactly once
                 hits = [i for i, w in enumerate(words) if w == v]
                 if len(hits) != 1:
-                    raise MixlensError(f"{where}: pair {k + 1}: word '{v}' occurs {len(hits)} times in the "
-                                       "text (give its 0-based index instead)")
+                    raise MixlensError(
+                        f"{where}: pair {k + 1}: word '{v}' occurs {len(hits)} times in the "
+                        "text (give its 0-based index instead)"
+                    )
                 v = hits[0]
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < len(words):
-                raise MixlensError(f"{where}: pair {k + 1}: '{key}' = {v!r} is not a word index of the text "
-                                   f"(0..{len(words) - 1})")
+                raise MixlensError(
+                    f"{where}: pair {k + 1}: '{key}' = {v!r} is not a word index of the text (0..{len(words) - 1})"
+                )
             ends.append(v)
         if ends[0] == ends[1]:
             raise MixlensError(f"{where}: pair {k + 1} relates word {ends[0]} to itself")
@@ -102,29 +105,43 @@ def read_relations(path: str | Path, limit: int | None = None) -> list[RelationR
     return records
 
 
-def conllu_records(path: str | Path, relations: Sequence[str] = UD_RELATIONS,
-                   limit: int | None = None) -> list[RelationRecord]:
+def conllu_records(
+    path: str | Path, relations: Sequence[str] = UD_RELATIONS, limit: int | None = None
+) -> list[RelationRecord]:
     """Records from a CoNLL-U file: pairs dependent → head for the given relations (subtypes folded)."""
     from mixlens.stats.syntax import read_conllu
 
     wanted = set(relations)
-    return [RelationRecord(s.words, [RelationPair(d, h, r) for d, (h, r) in enumerate(zip(s.heads, s.relations,
-                                                                                        strict=True))
-                                     if r in wanted and h >= 0])
-            for s in read_conllu(path, limit)]
+    return [
+        RelationRecord(
+            s.words,
+            [
+                RelationPair(d, h, r)
+                for d, (h, r) in enumerate(zip(s.heads, s.relations, strict=True))
+                if r in wanted and h >= 0
+            ],
+        )
+        for s in read_conllu(path, limit)
+    ]
 
 
 def write_relations(records: Sequence[RelationRecord], path: str | Path) -> None:
     """The JSONL format `read_relations` reads."""
     from mixlens.result import atomic_write
 
-    lines = [json.dumps({"words": r.words, "pairs": [{"from": p.source, "to": p.target, "relation": p.relation}
-                                                     for p in r.pairs]}, ensure_ascii=False) for r in records]
+    lines = [
+        json.dumps(
+            {"words": r.words, "pairs": [{"from": p.source, "to": p.target, "relation": p.relation} for p in r.pairs]},
+            ensure_ascii=False,
+        )
+        for r in records
+    ]
     atomic_write(Path(path), ("\n".join(lines) + "\n").encode())
 
 
-def _split_traces(lens, words: list[list[str]], batch_size: int, max_length: int | None
-                  ) -> Iterator[tuple[Trace, list[list[int | None]]]]:
+def _split_traces(
+    lens, words: list[list[str]], batch_size: int, max_length: int | None
+) -> Iterator[tuple[Trace, list[list[int | None]]]]:
     """(trace, word id of each real token) per batch of pre-split word lists (the batching loop of this
     module; `lens.trace(enc, full=False)`: only attention maps are needed)."""
     from mixlens.lens import Encoded
@@ -133,11 +150,19 @@ def _split_traces(lens, words: list[list[str]], batch_size: int, max_length: int
     limit = min(max_length or lens.max_length, lens.max_length)
     for start in range(0, len(words), batch_size):
         batch = words[start : start + batch_size]
-        enc = tok(batch, is_split_into_words=True, truncation=True, max_length=limit, padding=True,
-                  padding_side="right", return_tensors="pt")
+        enc = tok(
+            batch,
+            is_split_into_words=True,
+            truncation=True,
+            max_length=limit,
+            padding=True,
+            padding_side="right",
+            return_tensors="pt",
+        )
         mask = enc["attention_mask"].bool()
-        inputs = {k: v.to(lens.device) for k, v in enc.items() if k in ("input_ids", "attention_mask",
-                                                                       "token_type_ids")}
+        inputs = {
+            k: v.to(lens.device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")
+        }
         tokens = [tok.convert_ids_to_tokens(enc["input_ids"][b][mask[b]].tolist()) for b in range(len(batch))]
         word_ids = [enc.word_ids(b)[: len(tokens[b])] for b in range(len(batch))]
         yield lens.trace(Encoded(inputs, tokens, word_ids, [0] * len(batch)), full=False), word_ids
@@ -159,8 +184,9 @@ class RelationReport:
         return t.loc[t.groupby(["relation", "view"], sort=True)["effect"].idxmax()].reset_index(drop=True)
 
 
-def permutation_test(strata: list[np.ndarray], observed: np.ndarray, n_permutations: int, seed: int
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def permutation_test(
+    strata: list[np.ndarray], observed: np.ndarray, n_permutations: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stratified permutation test. strata[k] [m_k, ...]: all values of pair k's stratum; observed [K, ...]:
     the annotated pairs' values → (mean, baseline, p), each [...]."""
     sizes = np.array([len(s) for s in strata])
@@ -202,8 +228,9 @@ def relation_heads(
     strata: dict[str, list[np.ndarray]] = {}  # relation → K × [m, V, L, H]
     skipped = 0
     words = [r.words for r in records]
-    for start, (tr, word_ids) in zip(range(0, len(records), batch_size),
-                                     _split_traces(lens, words, batch_size, max_length), strict=True):
+    for start, (tr, word_ids) in zip(
+        range(0, len(records), batch_size), _split_traces(lens, words, batch_size, max_length), strict=True
+    ):
         with torch.no_grad():
             maps = torch.stack([view_maps(tr, v) for v in VIEWS], 2).cpu()  # [B, L, V, H, n, n]
         for b, rec in enumerate(records[start : start + batch_size]):
@@ -231,11 +258,22 @@ def relation_heads(
         for v, view in enumerate(VIEWS):
             for layer in range(mean.shape[1]):
                 for head in range(mean.shape[2]):
-                    rows.append((rel, view, layer, head, len(observed[rel]), mean[v, layer, head],
-                                 base[v, layer, head], mean[v, layer, head] - base[v, layer, head],
-                                 p[v, layer, head]))
-    table = pd.DataFrame(rows, columns=["relation", "view", "layer", "head", "count", "mean", "baseline", "effect",
-                                        "p"])
+                    rows.append(
+                        (
+                            rel,
+                            view,
+                            layer,
+                            head,
+                            len(observed[rel]),
+                            mean[v, layer, head],
+                            base[v, layer, head],
+                            mean[v, layer, head] - base[v, layer, head],
+                            p[v, layer, head],
+                        )
+                    )
+    table = pd.DataFrame(
+        rows, columns=["relation", "view", "layer", "head", "count", "mean", "baseline", "effect", "p"]
+    )
     return RelationReport(table, len(records), skipped)
 
 
@@ -249,8 +287,12 @@ def relation_figure(report: RelationReport, path: Path, alpha: float = 0.01) -> 
     t = report.table
     rels = sorted(t["relation"].unique())
     n_layers, n_heads = int(t["layer"].max()) + 1, int(t["head"].max()) + 1
-    fig, axes = plt.subplots(len(rels), len(VIEWS), figsize=(0.42 * n_heads * len(VIEWS) + 2.5,
-                                                              0.42 * n_layers * len(rels) + 1.2), squeeze=False)
+    fig, axes = plt.subplots(
+        len(rels),
+        len(VIEWS),
+        figsize=(0.42 * n_heads * len(VIEWS) + 2.5, 0.42 * n_layers * len(rels) + 1.2),
+        squeeze=False,
+    )
     titles = {"attn": "attention weight", "norm": "norm-based weight ‖αf(x)‖"}
     for r, rel in enumerate(rels):
         for v, view in enumerate(VIEWS):

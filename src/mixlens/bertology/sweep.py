@@ -67,8 +67,11 @@ class SweepResult:
     def top_changes(self, k: int = 10) -> list[tuple[str, float]]:
         """The k ablations that hurt the metric most (by signed harm), as ('L{l}H{h}' or 'L{l}', delta)."""
         sign = -1.0 if self.higher_is_better else 1.0
-        items = [(f"L{la}H{h}", float(self.delta_heads[la, h])) for la in range(self.heads.shape[0])
-                 for h in range(self.heads.shape[1])]
+        items = [
+            (f"L{la}H{h}", float(self.delta_heads[la, h]))
+            for la in range(self.heads.shape[0])
+            for h in range(self.heads.shape[1])
+        ]
         items += [(f"L{la}", float(d)) for la, d in enumerate(self.delta_layers)]
         return sorted(items, key=lambda it: -sign * it[1])[:k]
 
@@ -119,8 +122,9 @@ def sweep(lens, task: Task, mode: str = "uniform", on_step: Callable[[int], None
                 on_step(1)
     baseline = task.score(base_parts)
     scores = np.array([[task.score(parts[layer][c]) for c in range(k)] for layer in range(n_layers)])
-    return SweepResult(task.metric, task.higher_is_better, mode, baseline, scores[:, :n_heads], scores[:, n_heads],
-                       task.n_examples)
+    return SweepResult(
+        task.metric, task.higher_is_better, mode, baseline, scores[:, :n_heads], scores[:, n_heads], task.n_examples
+    )
 
 
 def sweep_steps(lens, task: Task, mode: str) -> int:

@@ -42,13 +42,16 @@ class Task:
         raise NotImplementedError
 
 
-def sorted_batches(lens, texts: Sequence, batch_size: int, max_length: int | None
-                    ) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
+def sorted_batches(
+    lens, texts: Sequence, batch_size: int, max_length: int | None
+) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
     """Batches of `texts` sorted by token length, and the text index of each row in batch order."""
     lengths = [len(ids) for ids in lens.tokenizer(list(texts), truncation=False)["input_ids"]]
     order = np.argsort(lengths, kind="stable")
-    batches = [lens.encode([texts[j] for j in order[s : s + batch_size]], max_length).inputs
-               for s in range(0, len(order), max(1, batch_size))]
+    batches = [
+        lens.encode([texts[j] for j in order[s : s + batch_size]], max_length).inputs
+        for s in range(0, len(order), max(1, batch_size))
+    ]
     return batches, order
 
 
@@ -58,8 +61,14 @@ class StsTask(Task):
 
     metric, higher_is_better = "spearman", True
 
-    def __init__(self, lens, pairs: Sequence[tuple[str, str]], gold: Sequence[float], batch_size: int = 64,
-                 max_length: int | None = None):
+    def __init__(
+        self,
+        lens,
+        pairs: Sequence[tuple[str, str]],
+        gold: Sequence[float],
+        batch_size: int = 64,
+        max_length: int | None = None,
+    ):
         if len(pairs) != len(gold) or not pairs:
             raise MixlensError("the STS task needs one gold score per sentence pair (and at least one pair)")
         flat = [s for p in pairs for s in p]
@@ -90,8 +99,15 @@ class MlmTask(Task):
 
     metric, higher_is_better = "mlm_loss", False
 
-    def __init__(self, lens, texts: Sequence[str], batch_size: int = 32, max_length: int | None = None,
-                 rate: float = 0.15, seed: int = 0):
+    def __init__(
+        self,
+        lens,
+        texts: Sequence[str],
+        batch_size: int = 32,
+        max_length: int | None = None,
+        rate: float = 0.15,
+        seed: int = 0,
+    ):
         tok = lens.tokenizer
         if tok.mask_token_id is None:
             raise MixlensError("the MLM metric needs a tokenizer with a mask token")
@@ -114,8 +130,9 @@ class MlmTask(Task):
         if logits is None or logits.dim() != 3:
             raise MixlensError("the MLM metric needs a masked-LM head (load the model with head 'masked-lm')")
         labels = self.labels[i].repeat(logits.shape[0] // self.labels[i].shape[0], 1).to(logits.device)
-        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), labels, ignore_index=-100,
-                                               reduction="none")
+        ce = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2).float(), labels, ignore_index=-100, reduction="none"
+        )
         return torch.stack([ce.sum(1), (labels != -100).sum(1).float()], -1)
 
     def score(self, parts: list[torch.Tensor]) -> float:
@@ -128,8 +145,9 @@ class ClassificationTask(Task):
 
     metric, higher_is_better = "accuracy", True
 
-    def __init__(self, lens, texts: Sequence, labels: Sequence[int], batch_size: int = 32,
-                 max_length: int | None = None):
+    def __init__(
+        self, lens, texts: Sequence, labels: Sequence[int], batch_size: int = 32, max_length: int | None = None
+    ):
         if len(texts) != len(labels) or not texts:
             raise MixlensError("the accuracy metric needs one label per text (and at least one text)")
         self.batches, order = sorted_batches(lens, list(texts), batch_size, max_length)

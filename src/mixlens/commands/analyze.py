@@ -104,7 +104,13 @@ def analyze(
             raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
     with method_progress(methods, len(text)) as step:
         res = lens.analyze(
-            text, methods, heads=heads, max_length=max_length, truncate=not no_truncate, options=opts, on_batch=step,
+            text,
+            methods,
+            heads=heads,
+            max_length=max_length,
+            truncate=not no_truncate,
+            options=opts,
+            on_batch=step,
             targets=rows,
         )
     if fmt is Format.html:

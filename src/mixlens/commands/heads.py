@@ -79,8 +79,12 @@ def heads(
         for s in (*STATISTICS, "cls_colmax", "sep_colmax", "punct_colmax"):
             words = statistic_words(f"{v}_{s}")
             written.append(out / f"heatmap_{v}_{s}.png")
-            layer_head_heatmap(rep.grid(f"{v}_{s}"), f"Per head: {words} ({lens.name}, {len(texts)} inputs)",
-                               written[-1], label=words.split(",")[0])
+            layer_head_heatmap(
+                rep.grid(f"{v}_{s}"),
+                f"Per head: {words} ({lens.name}, {len(texts)} inputs)",
+                written[-1],
+                label=words.split(",")[0],
+            )
     if not no_cluster:
         t = rep.table.sort_values(["layer", "head"])
         for v in views:
@@ -132,6 +136,11 @@ def head_diff(
         per = df.groupby("layer")["cosine"].agg(["mean", "min"]).reset_index()
         print_frame(per, f"Attention cosine similarity {a.name} vs {b.name}, {len(texts)} inputs")
     if figures:
-        layer_head_heatmap(sim, f"Cosine similarity of attention maps: {a.name} vs {b.name}", out / "head_diff.png",
-                           cmap="magma", label="cosine similarity")
+        layer_head_heatmap(
+            sim,
+            f"Cosine similarity of attention maps: {a.name} vs {b.name}",
+            out / "head_diff.png",
+            cmap="magma",
+            label="cosine similarity",
+        )
         typer.echo(f"wrote {out / 'head_diff.png'}", err=True)

@@ -74,26 +74,48 @@ def prune_command(
         return make_task(lens, metric, [examples[i] for i in idx], score_column, label_column, batch_size)
 
     selection, heldout = task(sel_idx), task(held_idx)
-    with disabled(lens, base_off), progress(
-        sweep_steps(lens, selection, "zero") + lens.adapter.n_layers * lens.adapter.n_heads, "prune"
-    ) as step:
-        res = prune(lens, selection, heldout, max_heads=max_heads, min_gain=min_gain, n_resamples=resamples,
-                    seed=seed, on_step=step)
+    with (
+        disabled(lens, base_off),
+        progress(sweep_steps(lens, selection, "zero") + lens.adapter.n_layers * lens.adapter.n_heads, "prune") as step,
+    ):
+        res = prune(
+            lens,
+            selection,
+            heldout,
+            max_heads=max_heads,
+            min_gain=min_gain,
+            n_resamples=resamples,
+            seed=seed,
+            on_step=step,
+        )
     lo, hi = res.ci
-    print(f"selection split ({res.n_selection} examples): {res.metric} {res.selection_baseline:.4f} → "
-          f"{res.selection_score:.4f}")
-    print(f"held-out split ({res.n_heldout} examples): {res.metric} {res.heldout_baseline:.4f} → "
-          f"{res.heldout_score:.4f} (Δ {res.heldout_delta:+.4f}, 95% bootstrap interval [{lo:+.4f}, {hi:+.4f}], "
-          f"{resamples} resamples)")
+    print(
+        f"selection split ({res.n_selection} examples): {res.metric} {res.selection_baseline:.4f} → "
+        f"{res.selection_score:.4f}"
+    )
+    print(
+        f"held-out split ({res.n_heldout} examples): {res.metric} {res.heldout_baseline:.4f} → "
+        f"{res.heldout_score:.4f} (Δ {res.heldout_delta:+.4f}, 95% bootstrap interval [{lo:+.4f}, {hi:+.4f}], "
+        f"{resamples} resamples)"
+    )
     print(f"{len(res.heads)} heads removed; {'confirmed' if res.confirmed else 'not confirmed'} on held-out data")
     print(f"--disable {res.spec}" if res.heads else "no head helps")
     steps = pd.DataFrame(res.steps, columns=["head", f"selection_{res.metric}", "kept"])
     atomic_write(out / "prune_steps.csv", steps.to_csv(index=False).encode())
-    summary = {"metric": res.metric, "heads": res.spec, "selection_baseline": res.selection_baseline,
-               "selection_score": res.selection_score, "heldout_baseline": res.heldout_baseline,
-               "heldout_score": res.heldout_score, "heldout_delta": res.heldout_delta, "ci95": [lo, hi],
-               "confirmed": res.confirmed, "n_selection": res.n_selection, "n_heldout": res.n_heldout,
-               "disabled_before": disable or ""}
+    summary = {
+        "metric": res.metric,
+        "heads": res.spec,
+        "selection_baseline": res.selection_baseline,
+        "selection_score": res.selection_score,
+        "heldout_baseline": res.heldout_baseline,
+        "heldout_score": res.heldout_score,
+        "heldout_delta": res.heldout_delta,
+        "ci95": [lo, hi],
+        "confirmed": res.confirmed,
+        "n_selection": res.n_selection,
+        "n_heldout": res.n_heldout,
+        "disabled_before": disable or "",
+    }
     if save is not None:
         summary["saved"] = save_checkpoint(lens, [*expand(lens, base_off), *res.heads], heldout, save)
     atomic_write(out / "prune.json", (json.dumps(summary, indent=1) + "\n").encode())
@@ -126,13 +148,21 @@ def save_checkpoint(lens: Any, heads: list[tuple[int, int]], task: Any, path: Pa
     diff = float((got - want)[mask].abs().max())
     p0, p1 = n_parameters(lens.model), n_parameters(pruned)
     t0, t1 = forward_seconds(lens.model, inputs), forward_seconds(pruned, inputs)
-    print(f"saved {path}: {p1:,} parameters (original {p0:,}, −{100 * (p0 - p1) / p0:.1f} %); forward "
-          f"{1000 * t1:.1f} ms vs {1000 * t0:.1f} ms on {inputs['input_ids'].shape[0]} inputs; max |output − "
-          f"zero-ablated output| = {diff:.2e}")
+    print(
+        f"saved {path}: {p1:,} parameters (original {p0:,}, −{100 * (p0 - p1) / p0:.1f} %); forward "
+        f"{1000 * t1:.1f} ms vs {1000 * t0:.1f} ms on {inputs['input_ids'].shape[0]} inputs; max |output − "
+        f"zero-ablated output| = {diff:.2e}"
+    )
     if diff > 1e-4:
         raise MixlensError(f"the pruned model differs from zero ablation by {diff:.2e}")
-    return {"path": str(path), "parameters": p1, "parameters_original": p0, "forward_s": t1, "forward_s_original": t0,
-            "max_abs_diff_vs_zero_ablation": diff}
+    return {
+        "path": str(path),
+        "parameters": p1,
+        "parameters_original": p0,
+        "forward_s": t1,
+        "forward_s_original": t0,
+        "max_abs_diff_vs_zero_ablation": diff,
+    }
 
 
 def check_metric(metric: str | None) -> None:
@@ -183,12 +213,15 @@ def ablate_patterns_command(
         with progress(pattern_ablation_steps(types, draws), f"ablate ({metric}, {mode})") as step:
             res = ablate_patterns(lens, task, types, mode, draws, seed, on_step=step)
     print(f"baseline {res.metric} (no ablation, {task.n_examples} examples): {res.baseline:.4f}")
-    df = pd.DataFrame(res.rows(), columns=["type", "heads", res.metric, "delta", "random_delta_mean",
-                                           "random_delta_sd"])
+    df = pd.DataFrame(
+        res.rows(), columns=["type", "heads", res.metric, "delta", "random_delta_mean", "random_delta_sd"]
+    )
     print(df.to_string(index=False, float_format=lambda v: f"{v:+.4f}"))
     atomic_write(out / "ablate_patterns.csv", df.to_csv(index=False).encode())
-    kinds = pd.DataFrame([(la, h, res.types[la, h]) for la in range(res.types.shape[0])
-                          for h in range(res.types.shape[1])], columns=["layer", "head", "type"])
+    kinds = pd.DataFrame(
+        [(la, h, res.types[la, h]) for la in range(res.types.shape[0]) for h in range(res.types.shape[1])],
+        columns=["layer", "head", "type"],
+    )
     atomic_write(out / "head_types.csv", kinds.to_csv(index=False).encode())
     pattern_ablation_figure(res, out / "ablate_patterns.png")
     typer.echo(f"wrote {out}/ablate_patterns.csv, head_types.csv and ablate_patterns.png", err=True)

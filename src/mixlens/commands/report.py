@@ -32,8 +32,12 @@ MAX_PANELS = 4
 
 
 def from_option() -> Any:
-    return typer.Option(None, "--from", help="Render a saved analysis (Analysis.save) or the JSON of `mixlens "
-                        "analyze` instead of TEXT; no model is loaded.")
+    return typer.Option(
+        None,
+        "--from",
+        help="Render a saved analysis (Analysis.save) or the JSON of `mixlens "
+        "analyze` instead of TEXT; no model is loaded.",
+    )
 
 
 def read_saved(path: Path, text: list[str] | None, methods: list[str] | None) -> Any:

@@ -92,8 +92,9 @@ class ProcessBackend:
         from concurrent.futures import ProcessPoolExecutor
 
         threads = max(1, (os.cpu_count() or 1) // workers)
-        self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                                        initargs=(job, threads))
+        self.pool = ProcessPoolExecutor(
+            workers, mp_context=mp.get_context("spawn"), initializer=_init_worker, initargs=(job, threads)
+        )
         self.futures: set[Future[tuple[int, bytes, dict]]] = set()
         self.job, self.capacity = job, 2 * workers
 
@@ -127,11 +128,12 @@ class RayBackend:
         self.started = not ray.is_initialized()
         if self.started:
             try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                         configure_logging=False)
+                ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
-                raise MixlensError(f"cannot connect to Ray at {address or 'a new local cluster'}: "
-                                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                raise MixlensError(
+                    f"cannot connect to Ray at {address or 'a new local cluster'}: "
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                ) from None
         gpu = job.device.startswith("cuda")
         res = ray.cluster_resources()
         n = workers or max(1, int(res.get("GPU" if gpu else "CPU", 1)))

@@ -35,8 +35,9 @@ def _has_maps(dims: tuple[str, ...]) -> bool:
     return dims[:1] == ("layer",) and dims[-2:] == ("target", "source")
 
 
-def compute_shard(lens, job: Job, shard_id: int, examples: list[Example],
-                  on_batch: Callable[[int], None] | None = None) -> tuple[bytes, dict]:
+def compute_shard(
+    lens, job: Job, shard_id: int, examples: list[Example], on_batch: Callable[[int], None] | None = None
+) -> tuple[bytes, dict]:
     """Run the job's methods over one shard; returns (Parquet bytes with partial sums in metadata, info).
 
     Per example (row): index, text(s), fields (JSON), n_tokens, truncated_from, per-layer mean mixing ratio
@@ -63,34 +64,49 @@ def compute_shard(lens, job: Job, shard_id: int, examples: list[Example],
         summary[column][pos] = values
         samples.setdefault((stat, method, values.ndim), []).append(values)
 
-    for bt in lens.batches([e.text for e in examples], job.batch_size, job.max_length, order="length",
-                           max_tokens=job.max_tokens, trace=job.methods):
+    for bt in lens.batches(
+        [e.text for e in examples],
+        job.batch_size,
+        job.max_length,
+        order="length",
+        max_tokens=job.max_tokens,
+        trace=job.methods,
+    ):
         batch, enc, mask = bt.index, bt.enc, bt.trace.mask
         n_tok = mask.sum(1)
         n_tokens[batch] = n_tok.cpu().numpy()
         trunc_from[batch] = enc.truncated
         step = run_methods(bt.trace, job.methods, heads=job.heads, options=job.options)
         outs = step.values
-        summed = run_methods(bt.trace, per_head, options={k: v for k, v in job.options.items() if k in per_head}
-                             ).values if per_head else {}
+        summed = (
+            run_methods(bt.trace, per_head, options={k: v for k, v in job.options.items() if k in per_head}).values
+            if per_head
+            else {}
+        )
         kinds = token_kinds(lens, enc.inputs["input_ids"], mask)
         tok_mask = mask.cpu()
         if step.norms is not None:
             put("recon_error", "reconstruction_error", "", batch, step.norms.error.cpu().numpy())
             for v, ratio in step.norms.ratio.items():
                 r = ratio.cpu()  # [B, L, n], padded tokens 0
-                summary.setdefault(f"ratio.{v}", np.zeros((n_ex, r.shape[1]), np.float32))[batch] = \
-                    (r.sum(-1) / n_tok.cpu()[:, None]).numpy()
+                summary.setdefault(f"ratio.{v}", np.zeros((n_ex, r.shape[1]), np.float32))[batch] = (
+                    r.sum(-1) / n_tok.cpu()[:, None]
+                ).numpy()
                 samples.setdefault(("mixing_ratio", v, 2), []).append(r.permute(0, 2, 1)[tok_mask].numpy())  # [T, L]
         for s in specs:
-            maps = {"": summed[s.name], "heads.": outs[s.name]} if s.name in summed else \
-                {("heads." if job.heads and s.head_dims else ""): outs[s.name]}
+            maps = (
+                {"": summed[s.name], "heads.": outs[s.name]}
+                if s.name in summed
+                else {("heads." if job.heads and s.head_dims else ""): outs[s.name]}
+            )
             for prefix, m in maps.items():
                 if not _has_maps(s.dims_for(bool(prefix))):
                     continue
                 a = _rows_normalised(m)
-                stats = {"entropy": row_entropy(a, mask),
-                         **{f"mass.{t}": x for t, x in token_type_masses(a, kinds, mask).items()}}
+                stats = {
+                    "entropy": row_entropy(a, mask),
+                    **{f"mass.{t}": x for t, x in token_type_masses(a, kinds, mask).items()},
+                }
                 for stat, x in stats.items():
                     put(f"{s.name}.{prefix}{stat}", stat.replace(".", ":"), s.name, batch, x.cpu().numpy())
         for name in full:
@@ -120,6 +136,13 @@ def compute_shard(lens, job: Job, shard_id: int, examples: list[Example],
         for name, rows in full.items():
             cols[name] = pa.array(rows, pa.list_(pa.float32()))
             cols[f"{name}.shape"] = pa.array(shapes[name], pa.list_(pa.int32()))
-    info = {"job_id": job.job_id, "shard": shard_id, "examples": n_ex, "first_index": examples[0].index,
-            "last_index": examples[-1].index, "tokens": int(n_tokens.sum()), "truncated": int((trunc_from > 0).sum())}
+    info = {
+        "job_id": job.job_id,
+        "shard": shard_id,
+        "examples": n_ex,
+        "first_index": examples[0].index,
+        "last_index": examples[-1].index,
+        "tokens": int(n_tokens.sum()),
+        "truncated": int((trunc_from > 0).sum()),
+    }
     return sh.shard_bytes(pa.table(cols), sums, info), info

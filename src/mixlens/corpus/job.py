@@ -13,8 +13,21 @@ from mixlens.corpus.readers import Example
 STORES = ("summary", "full")
 BACKENDS = ("local", "ray")
 # Keys of the job that change results: a rerun with other values is refused unless --overwrite.
-IDENTITY = ("model", "head", "data", "data_file", "fmt", "text_column", "pair_column", "methods", "heads", "options",
-            "store", "shard_size", "max_length")
+IDENTITY = (
+    "model",
+    "head",
+    "data",
+    "data_file",
+    "fmt",
+    "text_column",
+    "pair_column",
+    "methods",
+    "heads",
+    "options",
+    "store",
+    "shard_size",
+    "max_length",
+)
 
 
 @dataclass(frozen=True)

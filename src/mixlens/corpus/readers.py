@@ -22,8 +22,16 @@ from mixlens.lens import has_visible
 
 Text = str | tuple[str, str]
 FORMATS = ("tsv", "csv", "jsonl", "parquet", "text")
-_SUFFIX = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
-           ".pq": "parquet", ".txt": "text", ".text": "text"}
+_SUFFIX = {
+    ".tsv": "tsv",
+    ".csv": "csv",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".txt": "text",
+    ".text": "text",
+}
 # Default columns, tried in order when --text-column is not given; the pairs win when both columns exist.
 TEXT_DEFAULTS = ("sentence", "text", "content", "document", "question", "premise")
 PAIR_DEFAULTS = (("sentence1", "sentence2"), ("premise", "hypothesis"), ("question1", "question2"))
@@ -132,8 +140,9 @@ def _delimited(path: Path, fmt: str) -> tuple[list[str], Iterator[dict[str, Any]
             if not values or values == [""]:
                 continue  # blank line
             if len(values) != len(header):
-                yield _Bad("malformed", f"line near {reader.line_num} has {len(values)} fields, the header "
-                           f"{len(header)}")
+                yield _Bad(
+                    "malformed", f"line near {reader.line_num} has {len(values)} fields, the header {len(header)}"
+                )
                 continue
             yield dict(zip(header, values, strict=True))
         yield from bad
@@ -233,17 +242,19 @@ def _text(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
 
 def _hf(src: str) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
     """`hf:NAME[:CONFIG][:SPLIT]` (split defaults to 'train'), streamed with `datasets`."""
-    parts = src[len(HF_PREFIX):].split(":")
+    parts = src[len(HF_PREFIX) :].split(":")
     if not parts[0] or len(parts) > 3:
-        raise MixlensError(f"bad dataset '{src}'; expected hf:NAME[:CONFIG]:SPLIT, "
-                           "e.g. hf:nyu-mll/glue:sst2:validation")
+        raise MixlensError(
+            f"bad dataset '{src}'; expected hf:NAME[:CONFIG]:SPLIT, e.g. hf:nyu-mll/glue:sst2:validation"
+        )
     name, config = parts[0], (parts[1] if len(parts) == 3 else None)
     split = parts[-1] if len(parts) > 1 else "train"
     try:
         import datasets
     except ImportError:
-        raise MixlensError("reading a Hugging Face dataset needs the 'datasets' package (pip install datasets)") \
-            from None
+        raise MixlensError(
+            "reading a Hugging Face dataset needs the 'datasets' package (pip install datasets)"
+        ) from None
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
         it = iter(ds)
@@ -251,8 +262,10 @@ def _hf(src: str) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
     except StopIteration:
         raise MixlensError(f"dataset {name} split '{split}' is empty") from None
     except Exception as e:  # network, unknown name/config/split: all user-facing
-        raise MixlensError(f"cannot load dataset {name} (config {config}, split {split}): "
-                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise MixlensError(
+            f"cannot load dataset {name} (config {config}, split {split}): "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
 
     def rows() -> Iterator[dict[str, Any] | _Bad]:
         yield first
@@ -276,12 +289,18 @@ def open_records(src: str | Path, fmt: str | None = None) -> tuple[list[str], It
     if path.stat().st_size == 0:
         raise MixlensError(f"{src} is empty")
     readers: dict[str, Callable[..., tuple[list[str], Iterator[dict[str, Any] | _Bad]]]] = {
-        "tsv": _delimited, "csv": _delimited, "jsonl": _jsonl, "parquet": _parquet, "text": _text}
+        "tsv": _delimited,
+        "csv": _delimited,
+        "jsonl": _jsonl,
+        "parquet": _parquet,
+        "text": _text,
+    }
     return readers[fmt](path, *((fmt,) if fmt in ("tsv", "csv") else ()))
 
 
-def resolve_columns(columns: list[str], text_column: str | None, pair_column: str | None,
-                    where: str) -> tuple[str, str | None]:
+def resolve_columns(
+    columns: list[str], text_column: str | None, pair_column: str | None, where: str
+) -> tuple[str, str | None]:
     """(text column, pair column or None) from the user's choice or the defaults; clear errors otherwise."""
     avail = ", ".join(columns) or "none"
     for name, flag in ((text_column, "--text-column"), (pair_column, "--pair-column")):
@@ -298,8 +317,9 @@ def resolve_columns(columns: list[str], text_column: str | None, pair_column: st
             return name, pair_column
     if len(columns) == 1 and columns[0] != pair_column:
         return columns[0], pair_column
-    raise MixlensError(f"{where}: cannot tell which column holds the text; pass --text-column "
-                       f"(available columns: {avail})")
+    raise MixlensError(
+        f"{where}: cannot tell which column holds the text; pass --text-column (available columns: {avail})"
+    )
 
 
 def _as_text(value: Any) -> str | None:
@@ -308,8 +328,15 @@ def _as_text(value: Any) -> str | None:
     return (value if isinstance(value, str) else str(value)).strip()
 
 
-def iter_examples(src: str | Path, text_column: str | None = None, pair_column: str | None = None,
-                  strict: bool = False, stats: Stats = None, *, fmt: str | None = None) -> Iterator[Example]:
+def iter_examples(
+    src: str | Path,
+    text_column: str | None = None,
+    pair_column: str | None = None,
+    strict: bool = False,
+    stats: Stats = None,
+    *,
+    fmt: str | None = None,
+) -> Iterator[Example]:
     """Stream the examples of SRC (a file path, or `hf:NAME[:CONFIG]:SPLIT` for a `datasets` dataset).
 
     Errors about the source itself (missing file, unknown column, empty file) are raised right away, before
@@ -322,16 +349,16 @@ def iter_examples(src: str | Path, text_column: str | None = None, pair_column: 
     return examples_from(records, tcol, pcol, strict, stats, where)
 
 
-def examples_from(records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str | None, strict: bool, stats: Stats,
-              where: str) -> Iterator[Example]:
+def examples_from(
+    records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str | None, strict: bool, stats: Stats, where: str
+) -> Iterator[Example]:
     any_row, index = False, -1
     for index, rec in enumerate(records):
         if isinstance(rec, dict):
             a = _as_text(rec.get(tcol))
             b = _as_text(rec.get(pcol)) if pcol is not None else ""
             if a is None or b is None:
-                rec = _Bad("malformed", f"record {index} has no value in column "
-                           f"'{tcol if a is None else pcol}'")
+                rec = _Bad("malformed", f"record {index} has no value in column '{tcol if a is None else pcol}'")
             elif not has_visible(a) or (pcol is not None and not has_visible(b)):
                 rec = _Bad("empty", f"record {index} has an empty text")
         if isinstance(rec, _Bad):
@@ -344,8 +371,9 @@ def examples_from(records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str
         assert a is not None and b is not None  # a record that stays a dict has both texts
         yield Example(index, (a, b) if pcol is not None else a, rec)
     if not any_row:
-        raise MixlensError(f"{where} has no rows" if index < 0 else f"{where} has no readable rows "
-                           f"({index + 1} skipped)")
+        raise MixlensError(
+            f"{where} has no rows" if index < 0 else f"{where} has no readable rows ({index + 1} skipped)"
+        )
 
 
 def count_records(src: str | Path, fmt: str | None = None) -> int | None:

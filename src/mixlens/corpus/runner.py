@@ -65,8 +65,10 @@ def _check_out(out: Path, job: Job, overwrite: bool) -> None:
     if old is not None:
         was, now = old.get("job", {}).get("data_file"), job.identity()["data_file"]
         if was is not None and now is not None and was != now:
-            raise MixlensError(f"{job.data} changed since the run in {out} began (size, modification time or content "
-                               "differ); use --overwrite to start afresh")
+            raise MixlensError(
+                f"{job.data} changed since the run in {out} began (size, modification time or content "
+                "differ); use --overwrite to start afresh"
+            )
         diff = [k for k in IDENTITY if old.get("job", {}).get(k) != job.identity()[k]]
         if diff:
             what = "; ".join(f"{k}: {old.get('job', {}).get(k)!r} → {job.identity()[k]!r}" for k in diff[:3])
@@ -119,8 +121,13 @@ def run_corpus(
         raise MixlensError(f"unknown --store '{store}'; valid: {', '.join(STORES)}")
     if backend not in BACKENDS:
         raise MixlensError(f"unknown --backend '{backend}'; valid: {', '.join(BACKENDS)}")
-    for name, v in (("--batch-size", batch_size), ("--max-tokens", max_tokens), ("--shard-size", shard_size),
-                    ("--workers", workers or 1), ("--max-length", 1 if max_length is None else max_length)):
+    for name, v in (
+        ("--batch-size", batch_size),
+        ("--max-tokens", max_tokens),
+        ("--shard-size", shard_size),
+        ("--workers", workers or 1),
+        ("--max-length", 1 if max_length is None else max_length),
+    ):
         if v < 1:
             raise MixlensError(f"{name} must be at least 1 (got {v})")
     if lens is not None and (backend == "ray" or (workers or 1) > 1):
@@ -138,9 +145,26 @@ def run_corpus(
     is_file = not (isinstance(data, str) and data.startswith("hf:"))
     path = Path(data).expanduser().resolve() if is_file else None
     model_name = lens.name if lens is not None else (str(model) if model else "all-MiniLM-L6-v2")  # as load()
-    job = Job(model, model_name, str(path or data), fmt, tcol, pcol, methods, heads, options, store, shard_size,
-              max_length, batch_size, max_tokens, head=head, device=device, allow_random_head=allow_random_head,
-              data_file=file_stamp(path) if path else None)
+    job = Job(
+        model,
+        model_name,
+        str(path or data),
+        fmt,
+        tcol,
+        pcol,
+        methods,
+        heads,
+        options,
+        store,
+        shard_size,
+        max_length,
+        batch_size,
+        max_tokens,
+        head=head,
+        device=device,
+        allow_random_head=allow_random_head,
+        data_file=file_stamp(path) if path else None,
+    )
     out = Path(out)
     _check_out(out, job, overwrite)
     if lens is None and backend == "local" and (workers or 1) == 1:
@@ -157,14 +181,30 @@ def run_corpus(
     def manifest(complete: bool) -> dict:
         infos = [done[k] for k in sorted(done)]
         return {
-            "format": sh.FORMAT, "version": __version__, "job_id": job.job_id, "job": job.identity(),
+            "format": sh.FORMAT,
+            "version": __version__,
+            "job_id": job.job_id,
+            "job": job.identity(),
             "params": {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict},
-            "model": model_name, "methods": list(methods), "complete": complete, "resumed_shards": resumed,
-            "shards": [{"shard": i["shard"], "file": str(sh.shard_path(out, i["shard"]).relative_to(out)),
-                        "examples": i["examples"], "truncated": i["truncated"]} for i in infos],
-            "counts": {"examples": sum(i["examples"] for i in infos), "tokens": sum(i["tokens"] for i in infos),
-                       "truncated": sum(i["truncated"] for i in infos), **{k: v for k, v in stats.as_dict().items()
-                                                                             if k != "read"}},
+            "model": model_name,
+            "methods": list(methods),
+            "complete": complete,
+            "resumed_shards": resumed,
+            "shards": [
+                {
+                    "shard": i["shard"],
+                    "file": str(sh.shard_path(out, i["shard"]).relative_to(out)),
+                    "examples": i["examples"],
+                    "truncated": i["truncated"],
+                }
+                for i in infos
+            ],
+            "counts": {
+                "examples": sum(i["examples"] for i in infos),
+                "tokens": sum(i["tokens"] for i in infos),
+                "truncated": sum(i["truncated"] for i in infos),
+                **{k: v for k, v in stats.as_dict().items() if k != "read"},
+            },
         }
 
     sh.write_manifest(out, manifest(False))
@@ -231,8 +271,16 @@ class _Progress:
             def render(self, task) -> Text:
                 return Text(f"{task.speed:.1f} ex/s" if task.speed else "… ex/s")
 
-        self.p = Progress(TextColumn("corpus"), BarColumn(), MofNCompleteColumn(), Rate(), TimeElapsedColumn(),
-                          TextColumn("ETA"), TimeRemainingColumn(), console=Console(stderr=True))
+        self.p = Progress(
+            TextColumn("corpus"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            Rate(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
         self.task = self.p.add_task("corpus", total=total)
 
     def advance(self, n: int, resumed: bool = False) -> None:

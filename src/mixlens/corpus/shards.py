@@ -50,8 +50,9 @@ class Sums:
             return
         v = v.reshape(v.shape[0], v.shape[1], -1) if v.ndim == 3 else v[:, :, None]
         per_head = values.ndim == 3
-        part = np.stack([np.full(v.shape[1:], v.shape[0], dtype=np.float64), v.sum(0), (v * v).sum(0),
-                         v.min(0), v.max(0)], axis=-1)  # [layer, head, 5]
+        part = np.stack(
+            [np.full(v.shape[1:], v.shape[0], dtype=np.float64), v.sum(0), (v * v).sum(0), v.min(0), v.max(0)], axis=-1
+        )  # [layer, head, 5]
         for layer in range(v.shape[1]):
             for h in range(v.shape[2]):
                 self._merge_one((stat, method, layer, h if per_head else -1), part[layer, h])
@@ -85,8 +86,7 @@ class Sums:
     @classmethod
     def from_json(cls, text: str | bytes) -> Sums:
         d = json.loads(text)
-        return cls({tuple(k): np.asarray(v, dtype=np.float64) for k, v in zip(d["keys"], d["values"],
-                                                                           strict=True)})
+        return cls({tuple(k): np.asarray(v, dtype=np.float64) for k, v in zip(d["keys"], d["values"], strict=True)})
 
     def table(self) -> pa.Table:
         """The aggregate table: one row per key with count, mean, std (population), min, max."""
@@ -95,12 +95,19 @@ class Sums:
         count = v[:, 0]
         mean = v[:, 1] / np.maximum(count, 1)
         var = np.maximum(v[:, 2] / np.maximum(count, 1) - mean**2, 0)
-        return pa.table({
-            "stat": [k[0] for k in keys], "method": [k[1] for k in keys],
-            "layer": pa.array([k[2] for k in keys], pa.int32()), "head": pa.array([k[3] for k in keys], pa.int32()),
-            "count": pa.array(count.astype(np.int64)), "mean": mean, "std": np.sqrt(var), "min": v[:, 3],
-            "max": v[:, 4],
-        })
+        return pa.table(
+            {
+                "stat": [k[0] for k in keys],
+                "method": [k[1] for k in keys],
+                "layer": pa.array([k[2] for k in keys], pa.int32()),
+                "head": pa.array([k[3] for k in keys], pa.int32()),
+                "count": pa.array(count.astype(np.int64)),
+                "mean": mean,
+                "std": np.sqrt(var),
+                "min": v[:, 3],
+                "max": v[:, 4],
+            }
+        )
 
 
 def shard_bytes(table: pa.Table, sums: Sums, info: dict) -> bytes:

@@ -69,8 +69,15 @@ class _Scalar(nn.Module):
         super().__init__()
         self.model, self.kind, self.pool, self.has_tti = model, ro.kind, ro.pool, has_tti
 
-    def forward(self, emb: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, foil: torch.Tensor,
-                e0: torch.Tensor, *tti: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        emb: torch.Tensor,
+        mask: torch.Tensor,
+        index: torch.Tensor,
+        foil: torch.Tensor,
+        e0: torch.Tensor,
+        *tti: torch.Tensor,
+    ) -> torch.Tensor:
         extra = {"token_type_ids": tti[0]} if self.has_tti else {}
         out = self.model(inputs_embeds=emb, attention_mask=mask, **extra)
         return scores(self.kind, self.pool, out, mask, index, foil, e0)[0]
@@ -91,8 +98,16 @@ def _row(values: torch.Tensor, mask: torch.Tensor, ro: Readout, causal: bool) ->
     return last[torch.arange(last.shape[0]), pos]
 
 
-def attribute(lens, inputs: dict[str, torch.Tensor], ro: Readout, methods: list[str], *, seed: int = 0,
-              reference: bool = False, timings: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+def attribute(
+    lens,
+    inputs: dict[str, torch.Tensor],
+    ro: Readout,
+    methods: list[str],
+    *,
+    seed: int = 0,
+    reference: bool = False,
+    timings: dict[str, float] | None = None,
+) -> dict[str, torch.Tensor]:
     """Scores [B, n] (padding 0) of each method for the batch `inputs` and its targets `ro`; with `reference`
     also `REFERENCE`. `timings` accumulates seconds per method."""
     from mixlens.methods import get
@@ -131,9 +146,13 @@ def attribute(lens, inputs: dict[str, torch.Tensor], ro: Readout, methods: list[
         from captum.attr import IntegratedGradients
 
         def ig() -> torch.Tensor:
-            a = IntegratedGradients(scalar).attribute(emb, baselines=torch.zeros_like(emb),
-                                                      additional_forward_args=args, n_steps=IG_STEPS,
-                                                      internal_batch_size=max(1, TOKEN_BUDGET // n))
+            a = IntegratedGradients(scalar).attribute(
+                emb,
+                baselines=torch.zeros_like(emb),
+                additional_forward_args=args,
+                n_steps=IG_STEPS,
+                internal_batch_size=max(1, TOKEN_BUDGET // n),
+            )
             return a.sum(-1)
 
         timed("integrated_gradients", ig)
@@ -143,16 +162,25 @@ def attribute(lens, inputs: dict[str, torch.Tensor], ro: Readout, methods: list[
         def occ() -> torch.Tensor:
             per = max(1, TOKEN_BUDGET // (n * emb.shape[0]))
             with torch.no_grad():
-                a = Occlusion(scalar).attribute(emb, sliding_window_shapes=(1, emb.shape[-1]), baselines=0.0,
-                                                additional_forward_args=args, perturbations_per_eval=per)
+                a = Occlusion(scalar).attribute(
+                    emb,
+                    sliding_window_shapes=(1, emb.shape[-1]),
+                    baselines=0.0,
+                    additional_forward_args=args,
+                    perturbations_per_eval=per,
+                )
             return a.mean(-1)  # each window's Δg is written to every element of the window
 
         timed("occlusion", occ)
     if "deeplift" in methods:
         from captum.attr import DeepLift
 
-        timed("deeplift", lambda: DeepLift(scalar).attribute(emb, baselines=torch.zeros_like(emb),
-                                                             additional_forward_args=args).sum(-1))
+        timed(
+            "deeplift",
+            lambda: (
+                DeepLift(scalar).attribute(emb, baselines=torch.zeros_like(emb), additional_forward_args=args).sum(-1)
+            ),
+        )
     if "gradient_shap" in methods:
         timed("gradient_shap", lambda: _gradient_shap(lens, scalar, emb, args, seed))
     if "lime" in methods:
@@ -165,11 +193,13 @@ def attribute(lens, inputs: dict[str, torch.Tensor], ro: Readout, methods: list[
         shared = (time.perf_counter() - t0) / len(maps)
         for m, spec in specs.items():
             if m == "decompx_classes":
+
                 def dec(spec: Method = spec) -> torch.Tensor:
                     c = spec(tr)  # [B, C, n]
                     rows = c[torch.arange(c.shape[0]), ro.index]
-                    return rows - torch.where(ro.foil[:, None] >= 0, c[torch.arange(c.shape[0]), ro.foil.clamp_min(0)],
-                                              0.0)
+                    return rows - torch.where(
+                        ro.foil[:, None] >= 0, c[torch.arange(c.shape[0]), ro.foil.clamp_min(0)], 0.0
+                    )
 
                 timed(m, dec)
             elif m == "decompx_logit":
@@ -177,6 +207,7 @@ def attribute(lens, inputs: dict[str, torch.Tensor], ro: Readout, methods: list[
 
                 timed(m, lambda: logit_scores(tr, ro.index, ro.foil))
             else:
+
                 def row(spec: Method = spec) -> torch.Tensor:
                     return _row(spec(tr).float().cpu(), mask.cpu(), ro, lens.adapter.family.causal)
 
@@ -192,8 +223,9 @@ def _encoded(inputs: dict[str, torch.Tensor]):
     return Encoded(inputs, [], [], [])
 
 
-def _gradient_shap(lens, scalar: nn.Module, emb: torch.Tensor, args: tuple[torch.Tensor, ...],
-                   seed: int) -> torch.Tensor:
+def _gradient_shap(
+    lens, scalar: nn.Module, emb: torch.Tensor, args: tuple[torch.Tensor, ...], seed: int
+) -> torch.Tensor:
     from captum.attr import GradientShap
 
     tok = lens.tokenizer
@@ -207,15 +239,17 @@ def _gradient_shap(lens, scalar: nn.Module, emb: torch.Tensor, args: tuple[torch
     total, done = torch.zeros(emb.shape[:2]), 0
     while done < SHAP_SAMPLES:  # captum evaluates all samples at once; chunks keep memory flat
         k = min(per, SHAP_SAMPLES - done)
-        a = GradientShap(scalar).attribute(emb, baselines=torch.cat(bases), n_samples=k, stdevs=0.0,
-                                           additional_forward_args=args)
+        a = GradientShap(scalar).attribute(
+            emb, baselines=torch.cat(bases), n_samples=k, stdevs=0.0, additional_forward_args=args
+        )
         total += a.sum(-1).detach().cpu() * k
         done += k
     return total / SHAP_SAMPLES
 
 
-def _lime(scalar: nn.Module, emb: torch.Tensor, args: tuple[torch.Tensor, ...], mask: torch.Tensor,
-          seed: int) -> torch.Tensor:
+def _lime(
+    scalar: nn.Module, emb: torch.Tensor, args: tuple[torch.Tensor, ...], mask: torch.Tensor, seed: int
+) -> torch.Tensor:
     from captum.attr import Lime
     from captum.attr._core.lime import get_exp_kernel_similarity_function
 
@@ -226,8 +260,14 @@ def _lime(scalar: nn.Module, emb: torch.Tensor, args: tuple[torch.Tensor, ...], 
         one = tuple(a[b : b + 1, :n] if k in (0, 4) else a[b : b + 1] for k, a in enumerate(args))  # see _args
         fm = torch.arange(n)[None, :, None].expand(1, n, emb.shape[-1])
         torch.manual_seed(seed)
-        a = lime.attribute(emb[b : b + 1, :n], baselines=0.0, additional_forward_args=one, feature_mask=fm,
-                           n_samples=LIME_SAMPLES, perturbations_per_eval=max(1, TOKEN_BUDGET // n))
+        a = lime.attribute(
+            emb[b : b + 1, :n],
+            baselines=0.0,
+            additional_forward_args=one,
+            feature_mask=fm,
+            n_samples=LIME_SAMPLES,
+            perturbations_per_eval=max(1, TOKEN_BUDGET // n),
+        )
         out[b, :n] = a[0, :, 0].detach().cpu()  # every hidden dim of a token carries the token's weight
     return out
 

@@ -49,8 +49,9 @@ def top_k(score: np.ndarray, special: np.ndarray, pct: float) -> np.ndarray:
     return np.sort(cand[order[:k]])
 
 
-def perturb(ids: list[int], chosen: np.ndarray, special: np.ndarray, keep: bool, removal: str,
-            mask_id: int | None) -> tuple[int, ...]:
+def perturb(
+    ids: list[int], chosen: np.ndarray, special: np.ndarray, keep: bool, removal: str, mask_id: int | None
+) -> tuple[int, ...]:
     """Remove the `chosen` positions (keep=False) or every non-special position but them (keep=True)."""
     hit = np.zeros(len(ids), dtype=bool)
     hit[chosen] = True
@@ -127,8 +128,9 @@ class Evaluation:
         out: dict[str, dict[str, object]] = {}
         for m in self.methods:
             per = self.per_example(m)
-            row: dict[str, object] = {k: float(np.nanmean(v)) if (~np.isnan(v)).any() else float("nan")
-                                      for k, v in per.items()}
+            row: dict[str, object] = {
+                k: float(np.nanmean(v)) if (~np.isnan(v)).any() else float("nan") for k, v in per.items()
+            }
             row["ci95"] = {k: bootstrap(v, self.seed) for k, v in per.items()}
             out[m] = row
         self._metrics = (len(self.examples), out)
@@ -141,8 +143,12 @@ class Evaluation:
         for m in self.methods:
             rem = np.column_stack([f0, np.stack([e.removed[m] for e in self.examples])])
             ci = [bootstrap(rem[:, j], self.seed) for j in range(rem.shape[1])]
-            out[m] = {"k": [0, *LEVELS], "mean": rem.mean(0).tolist(), "low": [c[0] for c in ci],
-                      "high": [c[1] for c in ci]}
+            out[m] = {
+                "k": [0, *LEVELS],
+                "mean": rem.mean(0).tolist(),
+                "low": [c[0] for c in ci],
+                "high": [c[1] for c in ci],
+            }
         return out
 
     def ranking(self, by: str = "aopc") -> list[str]:
@@ -151,13 +157,30 @@ class Evaluation:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "model": self.model, "version": self.version, "removal": self.removal, "metrics": self.metrics(),
-            "deletion_curves": self.curves(), "timings": self.timings, "notes": self.notes,
-            "definitions": {"k_comprehensiveness_sufficiency": list(KS), "k_aopc": list(AOPC_KS),
-                            "bootstrap_resamples": RESAMPLES, "seed": self.seed},
-            "examples": [{"text": e.text, "tokens": e.tokens, "target": e.target, "f": e.f,
-                          "scores": {m: [float(v) for v in e.scores[m]] for m in self.methods},
-                          "grad_x_input_l2": [float(v) for v in e.reference]} for e in self.examples],
+            "model": self.model,
+            "version": self.version,
+            "removal": self.removal,
+            "metrics": self.metrics(),
+            "deletion_curves": self.curves(),
+            "timings": self.timings,
+            "notes": self.notes,
+            "definitions": {
+                "k_comprehensiveness_sufficiency": list(KS),
+                "k_aopc": list(AOPC_KS),
+                "bootstrap_resamples": RESAMPLES,
+                "seed": self.seed,
+            },
+            "examples": [
+                {
+                    "text": e.text,
+                    "tokens": e.tokens,
+                    "target": e.target,
+                    "f": e.f,
+                    "scores": {m: [float(v) for v in e.scores[m]] for m in self.methods},
+                    "grad_x_input_l2": [float(v) for v in e.reference],
+                }
+                for e in self.examples
+            ],
         }
 
     def dumps(self) -> str:
@@ -168,8 +191,9 @@ def _special_mask(lens, ids: list[int]) -> np.ndarray:
     return np.array([r is not None and r != "unk" for r in lens.special_roles(ids)], dtype=bool)
 
 
-def _forward_f(lens, kind: str, pool: str, seqs: list[tuple[int, ...]], owners: list[int], index: torch.Tensor,
-               e0: torch.Tensor) -> np.ndarray:
+def _forward_f(
+    lens, kind: str, pool: str, seqs: list[tuple[int, ...]], owners: list[int], index: torch.Tensor, e0: torch.Tensor
+) -> np.ndarray:
     """f of every perturbed sequence (owner = its example's row in index / e0), batched by length. A sequence
     emptied by removal (models without special tokens) is read as the single BOS (else EOS, else CLS) token."""
     tok = lens.tokenizer
@@ -187,15 +211,22 @@ def _forward_f(lens, kind: str, pool: str, seqs: list[tuple[int, ...]], owners: 
         own = torch.tensor([owners[i] for i in rows])
         with torch.no_grad():
             res = lens.model(**inputs)
-            f = scores(kind, pool, res, inputs["attention_mask"], index[own], torch.full((len(rows),), -1),
-                       e0[own])[1]
+            f = scores(kind, pool, res, inputs["attention_mask"], index[own], torch.full((len(rows),), -1), e0[own])[1]
         out[rows] = f.float().cpu().numpy()
         start = stop
     return out
 
 
-def evaluate(lens, texts: Sequence[str], methods: Sequence[str] | None = None, *, removal: str = "delete",
-             batch_size: int = 8, seed: int = 0, progress: Callable[[int, int], None] | None = None) -> Evaluation:
+def evaluate(
+    lens,
+    texts: Sequence[str],
+    methods: Sequence[str] | None = None,
+    *,
+    removal: str = "delete",
+    batch_size: int = 8,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> Evaluation:
     """Evaluate `methods` (default: every applicable one but exact HTA) plus a seeded random baseline."""
     from mixlens import __version__
 
@@ -227,8 +258,18 @@ def evaluate(lens, texts: Sequence[str], methods: Sequence[str] | None = None, *
         for b, x in enumerate(ids):
             sc = {m: res[m][b, : len(x)].numpy() for m in real}
             sc[RANDOM] = rng.random(len(x))
-            batch.append(Example(chunk[b], enc.tokens[b], x, _special_mask(lens, x), targets[b].to_json(float(f0[b])),
-                                 float(f0[b]), sc, res[attr.REFERENCE][b, : len(x)].numpy()))
+            batch.append(
+                Example(
+                    chunk[b],
+                    enc.tokens[b],
+                    x,
+                    _special_mask(lens, x),
+                    targets[b].to_json(float(f0[b])),
+                    float(f0[b]),
+                    sc,
+                    res[attr.REFERENCE][b, : len(x)].numpy(),
+                )
+            )
         seqs: dict[tuple[tuple[int, ...], int], int] = {}  # (sequence, example) → row
         plan = []
         for b, e in enumerate(batch):

@@ -25,8 +25,12 @@ class Explained:
     scores: dict[str, np.ndarray]  # method → [n] one float per token
 
     def to_json(self) -> dict[str, object]:
-        return {"text": self.text, "tokens": self.tokens, "target": self.target.to_json(self.score),
-                "scores": {m: [float(v) for v in s] for m, s in self.scores.items()}}
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "target": self.target.to_json(self.score),
+            "scores": {m: [float(v) for v in s] for m, s in self.scores.items()},
+        }
 
 
 @dataclass
@@ -76,9 +80,17 @@ def pad_batch(lens, ids: list[list[int]]) -> dict[str, torch.Tensor]:
     return {k: v.to(lens.device) for k, v in out.items()}
 
 
-def explain(lens, texts: str | Sequence[str], methods: Sequence[str] | None = None, *,
-            target: str | int | None = None, foil: str | int | None = None, generate: int = 0,
-            batch_size: int = 8, seed: int = 0) -> Explanation:
+def explain(
+    lens,
+    texts: str | Sequence[str],
+    methods: Sequence[str] | None = None,
+    *,
+    target: str | int | None = None,
+    foil: str | int | None = None,
+    generate: int = 0,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> Explanation:
     """Explain `target` (default: the prediction) of each text with `methods` (default: every applicable one
     but exact HTA). `generate` = N > 0 (causal LMs): generate N tokens greedily, explaining each by its context."""
     from mixlens import __version__
@@ -108,8 +120,11 @@ def explain(lens, texts: str | Sequence[str], methods: Sequence[str] | None = No
             for b, x in enumerate(ids):
                 toks = lens.tokenizer.convert_ids_to_tokens(x)
                 text = chunk[b] if step == 0 else lens.tokenizer.decode(x)
-                done.append(Explained(text, toks, targets[b], float(score[b]),
-                                      {m: res[m][b, : len(x)].numpy() for m in methods}))
+                done.append(
+                    Explained(
+                        text, toks, targets[b], float(score[b]), {m: res[m][b, : len(x)].numpy() for m in methods}
+                    )
+                )
             if generate:
                 ids = [x + [t.index] for x, t in zip(ids, targets, strict=True)]
     return Explanation(lens.name, __version__, methods, done, timings)

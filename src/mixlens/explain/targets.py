@@ -55,8 +55,10 @@ def model_kind(model: torch.nn.Module) -> str:
         return "causal"
     if name.endswith("Model"):
         return "encoder"
-    raise MixlensError(f"explain supports sequence classifiers, causal LMs and base encoders, not {name}; "
-                       "load the model with head='sequence-classification', 'causal-lm' or 'base'")
+    raise MixlensError(
+        f"explain supports sequence classifiers, causal LMs and base encoders, not {name}; "
+        "load the model with head='sequence-classification', 'causal-lm' or 'base'"
+    )
 
 
 def pooling(model: torch.nn.Module) -> str:
@@ -107,8 +109,9 @@ def head_rows(kind: str, out, mask: torch.Tensor) -> torch.Tensor:
     return out.logits[torch.arange(last.shape[0], device=last.device), last]
 
 
-def scores(kind: str, pool: str, out, mask: torch.Tensor, index: torch.Tensor, foil: torch.Tensor,
-           e0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scores(
+    kind: str, pool: str, out, mask: torch.Tensor, index: torch.Tensor, foil: torch.Tensor, e0: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(g [B], f [B]) of one model output; see the module docstring."""
     if kind == "encoder":
         e = pooled(out.last_hidden_state, mask, pool)
@@ -155,8 +158,9 @@ def token_label(tokenizer, tid: int) -> str:
     return tokenizer.convert_ids_to_tokens(int(tid))
 
 
-def resolve(lens, inputs: dict[str, torch.Tensor], target: str | int | None = None,
-            foil: str | int | None = None) -> tuple[list[Target], Readout, torch.Tensor]:
+def resolve(
+    lens, inputs: dict[str, torch.Tensor], target: str | int | None = None, foil: str | int | None = None
+) -> tuple[list[Target], Readout, torch.Tensor]:
     """Targets of a batch (one unperturbed forward pass) → (targets, readout, f(x) [B] or the contrast g(x))."""
     model, kind = lens.model, model_kind(lens.model)
     mask = inputs["attention_mask"]
@@ -181,19 +185,25 @@ def resolve(lens, inputs: dict[str, torch.Tensor], target: str | int | None = No
         def name(i: int) -> str:
             return labels.get(i, str(i))
     else:
+
         def resolve_one(spec: str | int) -> int:
             return token_id(lens.tokenizer, spec)
 
         def name(i: int) -> str:
             return token_label(lens.tokenizer, i)
+
     idx = rows.argmax(-1).cpu() if target is None else torch.full((bsz,), resolve_one(target))
     fo = torch.full((bsz,), -1) if foil is None else torch.full((bsz,), resolve_one(foil))
     if foil is not None and bool((fo == idx).any()):
-        raise MixlensError(f"the foil '{foil}' is the target itself; a contrast needs two different "
-                           f"{'classes' if kind == 'classifier' else 'tokens'}")
+        raise MixlensError(
+            f"the foil '{foil}' is the target itself; a contrast needs two different "
+            f"{'classes' if kind == 'classifier' else 'tokens'}"
+        )
     ro = Readout(kind, "", idx, fo)
     g, f = scores(kind, "", out, mask, idx, fo, torch.zeros(bsz, 1))
     kind_name = "class" if kind == "classifier" else "token"
-    targets = [Target(kind_name, int(i), name(int(i)), None if int(o) < 0 else int(o),
-                      None if int(o) < 0 else name(int(o))) for i, o in zip(idx, fo, strict=True)]
+    targets = [
+        Target(kind_name, int(i), name(int(i)), None if int(o) < 0 else int(o), None if int(o) < 0 else name(int(o)))
+        for i, o in zip(idx, fo, strict=True)
+    ]
     return targets, ro, (g if foil is not None else f).detach().cpu()

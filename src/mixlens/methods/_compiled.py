@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 PAIRS_PER_CALL = 32768  # (target, source) pairs per attention-pass call when a layer is split over threads
 TOKENS_PER_CALL = 32  # tokens per token-pass call when a block is split over threads
 
+
 def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int, cf_budget: int) -> None:
     """Everything per token of every layer (sets each layer's `results` and writes f_norm, ratio and scale of `maps`).
 
@@ -36,11 +37,22 @@ def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_bl
         h, t_len, _ = st.inputs.vh.shape
         p = st.weights.consts.probes.shape[0]
         new = st.inputs.vh.new_empty
-        st.results = TokenResults(grams=new(2, h * (h + 1) // 2, t_len), probe_f=new(h, p, t_len), diag=new(2, t_len),
-                                  total_r=new(t_len, p), check=new(2, t_len),
-                                  probe_err=new(t_len) if tok.all_rows else st.inputs.vh.new_zeros(t_len))
-        args[st.index] = (st.index, kernel_args(st.inputs), kernel_args(st.weights.consts), where,
-                          kernel_args(st.results), out)
+        st.results = TokenResults(
+            grams=new(2, h * (h + 1) // 2, t_len),
+            probe_f=new(h, p, t_len),
+            diag=new(2, t_len),
+            total_r=new(t_len, p),
+            check=new(2, t_len),
+            probe_err=new(t_len) if tok.all_rows else st.inputs.vh.new_zeros(t_len),
+        )
+        args[st.index] = (
+            st.index,
+            kernel_args(st.inputs),
+            kernel_args(st.weights.consts),
+            where,
+            kernel_args(st.results),
+            out,
+        )
         jobs += [(st, s, min(s + token_block, t_len)) for s in range(0, t_len, token_block)]
     for group in _groups(jobs, cf_budget):
         sizes = [st.inputs.vh.shape[0] * (e - s) * st.weights.w_c.shape[-1] for st, s, e in group]
@@ -49,8 +61,13 @@ def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_bl
             cf = space[at : at + size].view(st.inputs.vh.shape[0], e - s, -1)  # [H, c, d], a view of one buffer
             cfs.append(torch.matmul(st.inputs.vh[:, s:e], st.weights.w_c, out=cf))
             at += size
-        parallel([(token_pass, cf.numpy(), s, a, b, *args[st.index])
-                  for (st, s, e), cf in zip(group, cfs, strict=True) for a, b in token_splits(e - s)])
+        parallel(
+            [
+                (token_pass, cf.numpy(), s, a, b, *args[st.index])
+                for (st, s, e), cf in zip(group, cfs, strict=True)
+                for a, b in token_splits(e - s)
+            ]
+        )
 
 
 def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, causal: bool) -> None:
@@ -58,8 +75,13 @@ def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, caus
     layer's results.probe_err. All layers' row ranges go to the threads of `parallel` at once."""
     where, out = kernel_args(tok.layout), kernel_args(maps)
     splits = row_splits(tok.layout.lengths.numpy(), tok.layout.targets.numpy(), causal)
-    parallel([(attention_pass, r0, r1, st.index, causal, kernel_args(st.inputs), where, kernel_args(st.done), out)
-              for st in layers for r0, r1 in splits])
+    parallel(
+        [
+            (attention_pass, r0, r1, st.index, causal, kernel_args(st.inputs), where, kernel_args(st.done), out)
+            for st in layers
+            for r0, r1 in splits
+        ]
+    )
 
 
 def _groups(jobs: list[tuple[LayerState, int, int]], cf_budget: int) -> list[list[tuple[LayerState, int, int]]]:

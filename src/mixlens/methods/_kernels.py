@@ -90,8 +90,18 @@ class Maps(NamedTuple):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def token_pass(cf: np.ndarray, start: int, t0: int, t1: int, layer: int, inputs: tuple, weights: tuple, layout: tuple,
-               results: tuple, maps: tuple) -> None:  # pragma: no cover - compiled
+def token_pass(
+    cf: np.ndarray,
+    start: int,
+    t0: int,
+    t1: int,
+    layer: int,
+    inputs: tuple,
+    weights: tuple,
+    layout: tuple,
+    results: tuple,
+    maps: tuple,
+) -> None:  # pragma: no cover - compiled
     """Everything per token of one layer, for tokens start + t0 .. start + t1 - 1 of one block, where cf [H, c, d] =
     C f^h = v^h W_O^h C of the block's tokens start .. start + c - 1. The structures come as plain tuples (see
     `kernel_args`): LayerInputs, LayerWeights, Layout, TokenResults, Maps.
@@ -101,8 +111,13 @@ def token_pass(cf: np.ndarray, start: int, t0: int, t1: int, layer: int, inputs:
 
     With μ^h = v^h·mean(W_O^h): f^h·f^h' = C f^h·C f^h' + d μ^h μ^h'. With total = attention output − b_O and
     u_ii = Σ_h α^h_ii f^h: t_ii = u_ii + x_i and off_i = total − u_ii = Σ_{j≠i} t_ij."""
-    inp, wt, where, res, out = (LayerInputs(*inputs), LayerWeights(*weights), Layout(*layout), TokenResults(*results),
-                                Maps(*maps))
+    inp, wt, where, res, out = (
+        LayerInputs(*inputs),
+        LayerWeights(*weights),
+        Layout(*layout),
+        TokenResults(*results),
+        Maps(*maps),
+    )
     vh, a_ii, x, attn_out, mix_in, mix_out = inp.vh, inp.a_ii, inp.x, inp.attn_out, inp.mix_in, inp.mix_out
     mean_w, gamma, gamma2, beta, b_o = wt.mean_w, wt.gamma, wt.gamma2, wt.beta, wt.b_o
     probes, w_probe, rms = wt.probes, wt.w_probe, wt.rms
@@ -212,8 +227,9 @@ def token_pass(cf: np.ndarray, start: int, t0: int, t1: int, layer: int, inputs:
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def attention_pass(r0: int, r1: int, layer: int, causal: bool, inputs: tuple, layout: tuple, results: tuple,
-                   maps: tuple) -> None:  # pragma: no cover - compiled
+def attention_pass(
+    r0: int, r1: int, layer: int, causal: bool, inputs: tuple, layout: tuple, results: tuple, maps: tuple
+) -> None:  # pragma: no cover - compiled
     """Rows r0 .. r1 - 1 of the flattened [B·K] target rows of one layer (row k of input b is position
     Layout.targets[b, k]), from α and the token pass's TokenResults (the structures as plain tuples: LayerInputs,
     Layout, TokenResults, Maps). Writes the maps n, n_res, n_resln, alpha_mean at [b, `layer`, k] (norms
@@ -253,10 +269,10 @@ def attention_pass(r0: int, r1: int, layer: int, causal: bool, inputs: tuple, la
             while h2 + 1 < heads:
                 a2 = alpha[b, h2, i, :end]
                 a3 = alpha[b, h2 + 1, i, :end]
-                g0 = grams[0, p, o:o + end]
-                g1 = grams[1, p, o:o + end]
-                g2 = grams[0, p + 1, o:o + end]
-                g3 = grams[1, p + 1, o:o + end]
+                g0 = grams[0, p, o : o + end]
+                g1 = grams[1, p, o : o + end]
+                g2 = grams[0, p + 1, o : o + end]
+                g3 = grams[1, p + 1, o : o + end]
                 for j in range(end):
                     q = ah[j] * a2[j]
                     q2 = ah[j] * a3[j]
@@ -266,8 +282,8 @@ def attention_pass(r0: int, r1: int, layer: int, causal: bool, inputs: tuple, la
                 h2 += 2
             if h2 < heads:
                 a2 = alpha[b, h2, i, :end]
-                g0 = grams[0, p, o:o + end]
-                g1 = grams[1, p, o:o + end]
+                g0 = grams[0, p, o : o + end]
+                g1 = grams[1, p, o : o + end]
                 for j in range(end):
                     q = ah[j] * a2[j]
                     plain[j] += g0[j] * q
@@ -276,7 +292,7 @@ def attention_pass(r0: int, r1: int, layer: int, causal: bool, inputs: tuple, la
             for j in range(end):
                 mean[j] += ah[j]
             for k in range(n_probes):
-                fp = probe_f[h, k, o:o + end]
+                fp = probe_f[h, k, o : o + end]
                 acc = zero
                 for j in range(end):
                     acc += ah[j] * fp[j]

@@ -84,9 +84,14 @@ def _token_pass(st: LayerState, tok: RealTokens, maps: Maps, token_block: int) -
     maps.scale[:, index] = tok.scatter(s_i)
     err = torch.maximum((y - mix_in).abs().amax(-1), (rebuilt - mix_out).abs().amax(-1))
     top = torch.maximum(mix_in.abs().amax(-1), rebuilt.abs().amax(-1))
-    st.results = TokenResults(grams=grams, probe_f=torch.matmul(cst.w_probe, vh.transpose(1, 2)),
-                              diag=torch.stack([tn, ptn / s_i]), total_r=total @ cst.probes.T,
-                              check=torch.stack([err, top]), probe_err=vh.new_empty(t_len))
+    st.results = TokenResults(
+        grams=grams,
+        probe_f=torch.matmul(cst.w_probe, vh.transpose(1, 2)),
+        diag=torch.stack([tn, ptn / s_i]),
+        total_r=total @ cst.probes.T,
+        check=torch.stack([err, top]),
+        probe_err=vh.new_empty(t_len),
+    )
 
 
 def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps) -> None:
@@ -115,8 +120,14 @@ def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps) -> N
             d = tok.scatter(v).gather(1, targets) * mask_t
             m[:, st.index].scatter_(2, targets[:, :, None], d[:, :, None])
         fp = tok.scatter(res.probe_f.permute(2, 0, 1)).permute(0, 2, 1, 3)  # [B, H, n, P]
-        err = (torch.matmul(alpha, fp).sum(1) - tok.scatter(res.total_r).gather(
-            1, targets[:, :, None].expand(-1, -1, res.total_r.shape[1]))).abs().amax(-1)  # [B, K]
+        err = (
+            (
+                torch.matmul(alpha, fp).sum(1)
+                - tok.scatter(res.total_r).gather(1, targets[:, :, None].expand(-1, -1, res.total_r.shape[1]))
+            )
+            .abs()
+            .amax(-1)
+        )  # [B, K]
         if rows is None:
             res.probe_err.copy_(tok.gather(err.flatten()))
         else:

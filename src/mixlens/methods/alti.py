@@ -49,8 +49,9 @@ def projected_head_vectors(lt: LayerTrace, lay: Layer, p) -> torch.Tensor:
     return torch.einsum("bhjk,hkd->bhjd", v, w)
 
 
-def _example(alpha: torch.Tensor, pf: torch.Tensor, px: torch.Tensor, y: torch.Tensor,
-             rows: torch.Tensor) -> torch.Tensor:
+def _example(
+    alpha: torch.Tensor, pf: torch.Tensor, px: torch.Tensor, y: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
     """ALTI rows of one input (real tokens only) at target positions rows [K]. alpha [H, K, n] (those rows of α,
     already scaled by 1/s_i), pf [H, n, d], px [n, d] (scaled), y [n, d] → c [K(target), n(source)]."""
     h, k, n = alpha.shape
@@ -69,8 +70,9 @@ def _example(alpha: torch.Tensor, pf: torch.Tensor, px: torch.Tensor, y: torch.T
     return out
 
 
-def _layer(lt: LayerTrace, lay: Layer, pre_ln: bool,
-           mask: torch.Tensor) -> Callable[[torch.Tensor | None], torch.Tensor]:
+def _layer(
+    lt: LayerTrace, lay: Layer, pre_ln: bool, mask: torch.Tensor
+) -> Callable[[torch.Tensor | None], torch.Tensor]:
     """ALTI contributions of one layer, rows normalised, as a function of target positions rows [B, K] → [B, K, n]
     (None: every row, [B, n, n]); padding 0."""
     p, inv, y = _maps(lt, lay, pre_ln)
@@ -102,8 +104,13 @@ def alti_matrices(trace: Trace) -> torch.Tensor:
     mode (cached on the trace)."""
     if trace.memo.alti is None:
         pre_ln = trace.adapter.family.pre_ln
-        trace.memo.alti = torch.stack([_layer(lt, lay, pre_ln, trace.mask)(targets_of(trace)) for lt, lay in
-                                           zip(trace.layers, trace.adapter.layers, strict=True)], dim=1)
+        trace.memo.alti = torch.stack(
+            [
+                _layer(lt, lay, pre_ln, trace.mask)(targets_of(trace))
+                for lt, lay in zip(trace.layers, trace.adapter.layers, strict=True)
+            ],
+            dim=1,
+        )
     return trace.memo.alti
 
 
@@ -119,6 +126,7 @@ def alti_rollout(trace: Trace) -> torch.Tensor:
     targets = targets_of(trace)
     if targets is not None:
         pre_ln = trace.adapter.family.pre_ln
-        return rollout_rows(trace, lambda m: _layer(trace.layers[m], trace.adapter.layers[m], pre_ln, trace.mask),
-                            targets)
+        return rollout_rows(
+            trace, lambda m: _layer(trace.layers[m], trace.adapter.layers[m], pre_ln, trace.mask), targets
+        )
     return rollout(alti_matrices(trace))

@@ -154,8 +154,10 @@ def _head(model: Any, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | 
     """(linear steps with their activations, the final norm before the head, whether the last token is read)."""
     name = type(model).__name__
     if not name.endswith("ForSequenceClassification"):
-        raise MixlensError(f"decompx needs a sequence-classification model, got {name}; load it with "
-                           "head='sequence-classification' (CLI: --head sequence-classification)")
+        raise MixlensError(
+            f"decompx needs a sequence-classification model, got {name}; load it with "
+            "head='sequence-classification' (CLI: --head sequence-classification)"
+        )
     if family == "bert":
         pooler = model.bert.pooler
         return [(pooler.dense, torch.tanh), (model.classifier, None)], None, False
@@ -236,14 +238,21 @@ def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decom
         out = [decompose(trace, b, value_bias) for b in range(trace.mask.shape[0])]
         for b, dec in enumerate(out):
             if dec.error > TOLERANCE:
-                raise ReconstructionError(f"input {b + 1}: DecompX class scores differ from the logits by "
-                                          f"{dec.error:.3g} (relative; tolerance {TOLERANCE})")
+                raise ReconstructionError(
+                    f"input {b + 1}: DecompX class scores differ from the logits by "
+                    f"{dec.error:.3g} (relative; tolerance {TOLERANCE})"
+                )
         trace.memo.decompx[value_bias] = out
     return trace.memo.decompx[value_bias]
 
 
-VALUE_BIAS_OPTION = Option("value_bias", str, "values", choices=VALUE_BIAS,
-                           help="first layer's b_V: inside each token's value vector, or shared by AbsDot")
+VALUE_BIAS_OPTION = Option(
+    "value_bias",
+    str,
+    "values",
+    choices=VALUE_BIAS,
+    help="first layer's b_V: inside each token's value vector, or shared by AbsDot",
+)
 
 
 @register("decompx", needs_ffn=True, options=(VALUE_BIAS_OPTION,))

@@ -19,8 +19,10 @@ from mixlens.trace import Trace
 def _unembedding(trace: Trace) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(W_U [V, d], bias [V] or None) of a causal LM head."""
     if not trace.adapter.family.causal or trace.logits is None or trace.logits.dim() != 3:
-        raise MixlensError("decompx_logit needs a causal language model (load it with head='causal-lm'); "
-                           f"got {type(trace.model).__name__}")
+        raise MixlensError(
+            "decompx_logit needs a causal language model (load it with head='causal-lm'); "
+            f"got {type(trace.model).__name__}"
+        )
     head = trace.model.get_output_embeddings()
     return head.weight, getattr(head, "bias", None)
 
@@ -46,15 +48,20 @@ def logit_scores(trace: Trace, tokens: torch.Tensor, foils: torch.Tensor | None 
             scores = share(scores[:, None], const.reshape(1))[:, 0]
         err = (scores.sum() - want).abs().item() / max(real.abs().max().item(), torch.finfo(real.dtype).tiny)
         if err > TOLERANCE:
-            raise ReconstructionError(f"input {b + 1}: DecompX logit scores differ from the logit by {err:.3g} "
-                                      f"(relative; tolerance {TOLERANCE})")
+            raise ReconstructionError(
+                f"input {b + 1}: DecompX logit scores differ from the logit by {err:.3g} "
+                f"(relative; tolerance {TOLERANCE})"
+            )
         out[b, : pos + 1] = scores
     return out
 
 
-@register("decompx_logit", dims=("source",), needs_ffn=True, options=(
-    Option("target", int, "pred", min=0, words=("pred",), help="token id of the explained logit, or 'pred'"),
-))
+@register(
+    "decompx_logit",
+    dims=("source",),
+    needs_ffn=True,
+    options=(Option("target", int, "pred", min=0, words=("pred",), help="token id of the explained logit, or 'pred'"),),
+)
 def decompx_logit(trace: Trace, *, target: int | str = "pred") -> torch.Tensor:
     """DecompX next-token logit (causal LMs): signed contribution of each token to the target logit; sums = logit."""
     _unembedding(trace)

@@ -64,8 +64,7 @@ def _rest(lt: LayerTrace, lay: Layer, inv: torch.Tensor) -> torch.Tensor:
     return bias1 + ln2.project(ffn) / s2 + ln2.shift().float()
 
 
-def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor,
-           index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
+def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
     """N-Enc of one post-LN layer after its self-check, as a function of target positions rows [B, K] → [B, K, n]
     (None: every row, [B, n, n]; unmasked)."""
     p, inv = _maps(lt, lay)
@@ -79,8 +78,9 @@ def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor,
     err = ((rebuilt - lt.out.float()).abs() * mask[..., None]).amax()
     scale = lt.out.float().abs().amax().clamp_min(1.0)
     if err > TOLERANCE * scale:
-        raise ReconstructionError(f"layer {index}: GlobEnc's decomposition differs from the real layer output by "
-                                  f"{err.item():.3g}")
+        raise ReconstructionError(
+            f"layer {index}: GlobEnc's decomposition differs from the real layer output by {err.item():.3g}"
+        )
 
     def rows_of(rows: torch.Tensor | None) -> torch.Tensor:
         if rows is None:
@@ -113,8 +113,13 @@ def n_enc(trace: Trace) -> torch.Tensor:
         elif trace.adapter.family.pre_ln:
             mats = block_norms(trace).n_res * pair_mask(trace.mask)
         else:
-            mats = torch.stack([_layer(lt, lay, trace.mask, i)(None) for i, (lt, lay) in
-                                enumerate(zip(trace.layers, trace.adapter.layers, strict=True))], dim=1)
+            mats = torch.stack(
+                [
+                    _layer(lt, lay, trace.mask, i)(None)
+                    for i, (lt, lay) in enumerate(zip(trace.layers, trace.adapter.layers, strict=True))
+                ],
+                dim=1,
+            )
             mats = mats * pair_mask(trace.mask)
         trace.memo.globenc = mats
     return trace.memo.globenc
@@ -126,8 +131,11 @@ def globenc(trace: Trace) -> torch.Tensor:
     return n_enc(trace)
 
 
-@register("globenc_rollout", needs_ffn=True, options=(
-    Option("normalize", bool, False, help="scale the rows of every layer's N-Enc to 1 before the product"),))
+@register(
+    "globenc_rollout",
+    needs_ffn=True,
+    options=(Option("normalize", bool, False, help="scale the rows of every layer's N-Enc to 1 before the product"),),
+)
 def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:
     """GlobEnc global attribution: rollout of N-Enc over layers 1..l (normalize=true: rows to 1 first)."""
     targets = targets_of(trace)

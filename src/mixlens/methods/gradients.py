@@ -27,8 +27,13 @@ INPUTS = ("word", "embedding")
 INPUT_POINTS = {"word": "embed", "embedding": "blocks.0.resid_pre"}  # the edit point that adds δ [B, n, d_in]
 MODES = ("exact", "estimate")
 OPTIONS = (
-    Option("input", str, "word", choices=INPUTS, help="differentiate w.r.t. the word-piece embeddings or the "
-           "embedding-layer output"),
+    Option(
+        "input",
+        str,
+        "word",
+        choices=INPUTS,
+        help="differentiate w.r.t. the word-piece embeddings or the embedding-layer output",
+    ),
     Option("mode", str, "exact", choices=MODES, help="exact: n·d_in JVPs; estimate: Hutchinson probes (with stderr)"),
     Option("probes", int, 16, min=2, help="Rademacher probes per source token (estimate mode)"),
     Option("seed", int, 0, min=0, help="probe seed (estimate mode)"),
@@ -102,8 +107,16 @@ def _chunk(trace: Trace, chunk: int | None) -> int:
     return max(1, min(512, _CHUNK_BUDGET // (b * n * 4 * d)))
 
 
-def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16, seed: int = 0,
-                   chunk: int | None = None, sources: list[int] | None = None) -> JacobianNorms:
+def jacobian_norms(
+    trace: Trace,
+    *,
+    input: str = "word",
+    mode: str = "exact",
+    probes: int = 16,
+    seed: int = 0,
+    chunk: int | None = None,
+    sources: list[int] | None = None,
+) -> JacobianNorms:
     """‖∂e^l_i/∂x_j‖²_F and ‖∂o^{l,h}_i/∂x_j‖²_F for all layers, heads, targets and sources (padding zeroed).
 
     Exact: n·d_in JVPs. Estimate: n·probes JVPs with Rademacher probes supported on one source position each.
@@ -162,8 +175,12 @@ def jacobian_norms(trace: Trace, *, input: str = "word", mode: str = "exact", pr
         extra = (None,) * (2 if heads else 1)
         return t.detach() * mask[(slice(None), *extra, slice(None), None)] * mask[(slice(None), *extra, None)]
 
-    out = JacobianNorms(arrange(sq_h, False), arrange(sq_o, True), None if se_h is None else arrange(se_h, False),
-                        None if se_o is None else arrange(se_o, True))
+    out = JacobianNorms(
+        arrange(sq_h, False),
+        arrange(sq_o, True),
+        None if se_h is None else arrange(se_h, False),
+        None if se_o is None else arrange(se_o, True),
+    )
     trace.memo.jacobian_norms[key] = out
     return out
 
@@ -197,8 +214,9 @@ def hta(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int =
 
 
 @register("head_attribution", dims=LHTS, extra_passes=True, options=OPTIONS, extras={"stderr": LHTS})
-def head_attribution(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16,
-                     seed: int = 0) -> MethodOutput:
+def head_attribution(
+    trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16, seed: int = 0
+) -> MethodOutput:
     """Per-head global attribution ‖∂o^{l,h}_i/∂x_j‖_F, rows normalised (Pascual 2021)."""
     jn = jacobian_norms(trace, input=input, mode=mode, probes=probes, seed=seed)
     return _output(*shares(jn.heads, jn.heads_se))  # [B, L, H, target, source]; stderr in estimate mode

@@ -30,8 +30,20 @@ from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
-__all__ = ["RATIO_VARIANTS", "TOLERANCE", "BlockNorms", "attn_sum", "block_norms", "head_vectors", "norm",
-           "norm_res", "norm_resln", "pair_rows", "quad_norm", "quad_norms"]
+__all__ = [
+    "RATIO_VARIANTS",
+    "TOLERANCE",
+    "BlockNorms",
+    "attn_sum",
+    "block_norms",
+    "head_vectors",
+    "norm",
+    "norm_res",
+    "norm_resln",
+    "pair_rows",
+    "quad_norm",
+    "quad_norms",
+]
 
 RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
 TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
@@ -127,8 +139,11 @@ class Weights:
 
 def _weights(lay: Layer, index: int) -> Weights:
     norm, w_o = lay.ln_mix, lay.w_o
-    key = ("norms", index, *(None if t is None else (t.data_ptr(), t._version)
-                             for t in (w_o, norm.weight, norm.bias, lay.b_o)))
+    key = (
+        "norms",
+        index,
+        *(None if t is None else (t.data_ptr(), t._version) for t in (w_o, norm.weight, norm.bias, lay.b_o)),
+    )
     if key not in lay.cache:
         h, d = lay.n_heads, w_o.shape[-1]
         w = w_o.detach().float().reshape(h, lay.d_head, d)  # [H, d_h, d]  W_O^h
@@ -138,12 +153,22 @@ def _weights(lay: Layer, index: int) -> Weights:
         b_o = lay.b_o.detach().float() if lay.b_o is not None else w.new_zeros(d)
         gamma, beta = norm.weight.detach().float(), norm.shift().detach().float()
         consts = LayerWeights(
-            mean_w=mean_w, gamma=gamma, gamma2=gamma.pow(2), beta=beta, b_o=b_o, probes=probes,
+            mean_w=mean_w,
+            gamma=gamma,
+            gamma2=gamma.pow(2),
+            beta=beta,
+            b_o=b_o,
+            probes=probes,
             w_probe=(probes @ w.reshape(h * lay.d_head, d).T).view(PROBES, h, lay.d_head).transpose(0, 1).contiguous(),
-            eps=norm.eps, rms=norm.rms)
+            eps=norm.eps,
+            rms=norm.rms,
+        )
         lay.cache.clear()  # stale versions
-        lay.cache[key] = Weights(w_c=w if norm.rms else w - mean_w[..., None],
-                                 bias_terms=torch.stack([norm.project(b_o).detach(), beta]), consts=consts)
+        lay.cache[key] = Weights(
+            w_c=w if norm.rms else w - mean_w[..., None],
+            bias_terms=torch.stack([norm.project(b_o).detach(), beta]),
+            consts=consts,
+        )
     return lay.cache[key]
 
 
@@ -168,25 +193,40 @@ class LayerState:
         alpha = lt.alpha_mix.float().contiguous()  # α / s^post_i with a sandwich norm
         vh = tok.gather(repeat_kv(lt.value, lay.n_heads).float().transpose(1, 2).flatten(0, 1))  # [T, H, d_h]
         a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(1, 2).flatten(0, 1))  # [T, H]
-        x, attn_out, mix_in, mix_out = (t.float().flatten(0, 1).contiguous()
-                                        for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out))
-        inputs = LayerInputs(alpha=alpha, vh=vh.transpose(0, 1).contiguous(), a_ii=a_ii.T.contiguous(), x=x,
-                             attn_out=attn_out, mix_in=mix_in, mix_out=mix_out)
+        x, attn_out, mix_in, mix_out = (
+            t.float().flatten(0, 1).contiguous() for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)
+        )
+        inputs = LayerInputs(
+            alpha=alpha,
+            vh=vh.transpose(0, 1).contiguous(),
+            a_ii=a_ii.T.contiguous(),
+            x=x,
+            attn_out=attn_out,
+            mix_in=mix_in,
+            mix_out=mix_out,
+        )
         return cls(index, lay, _weights(lay, index), inputs)
 
 
-def _maps(b: int, n_layers: int, heads: int, n: int, rows: int, device: torch.device, written: bool,
-          causal: bool) -> Maps:
+def _maps(
+    b: int, n_layers: int, heads: int, n: int, rows: int, device: torch.device, written: bool, causal: bool
+) -> Maps:
     """The output maps ([B, L, rows, n] for pairs), left uninitialised where the passes will write every cell
     (`written`: compiled, no padding; a causal upper triangle is never written)."""
+
     def alloc(*shape: int, every_cell: bool) -> torch.Tensor:
         return (torch.empty if every_cell else torch.zeros)(*shape, device=device)
 
     pair = [alloc(b, n_layers, rows, n, every_cell=written and not causal) for _ in range(4)]
-    return Maps(f_norm=alloc(b, n_layers, heads, n, every_cell=written),
-                ratio=alloc(len(RATIO_VARIANTS), b, n_layers, n, every_cell=written),
-                scale=alloc(b, n_layers, n, every_cell=written), n=pair[0], n_res=pair[1], n_resln=pair[2],
-                alpha_mean=pair[3])
+    return Maps(
+        f_norm=alloc(b, n_layers, heads, n, every_cell=written),
+        ratio=alloc(len(RATIO_VARIANTS), b, n_layers, n, every_cell=written),
+        scale=alloc(b, n_layers, n, every_cell=written),
+        n=pair[0],
+        n_res=pair[1],
+        n_resln=pair[2],
+        alpha_mean=pair[3],
+    )
 
 
 def _compiled_on(t: torch.Tensor) -> bool:
@@ -219,10 +259,19 @@ def block_norms(trace: Trace) -> BlockNorms:
         tok = RealTokens.of(trace.mask, targets)
         ad, (b, n) = trace.adapter, trace.mask.shape
         compiled, causal = _compiled_on(trace.mask), ad.family.causal
-        maps = _maps(b, ad.n_layers, ad.layers[0].n_heads, n, tok.layout.targets.shape[1], trace.mask.device,
-                     compiled and tok.full, causal)
-        layers = [LayerState.of(lt, lay, tok, i) for i, (lt, lay) in enumerate(zip(trace.layers, ad.layers,
-                                                                                      strict=True))]
+        maps = _maps(
+            b,
+            ad.n_layers,
+            ad.layers[0].n_heads,
+            n,
+            tok.layout.targets.shape[1],
+            trace.mask.device,
+            compiled and tok.full,
+            causal,
+        )
+        layers = [
+            LayerState.of(lt, lay, tok, i) for i, (lt, lay) in enumerate(zip(trace.layers, ad.layers, strict=True))
+        ]
         if compiled:
             _compiled.token_passes(layers, tok, maps, TOKEN_BLOCK, CF_BUDGET)
             _compiled.attention_passes(layers, tok, maps, causal)
@@ -240,8 +289,13 @@ def block_norms(trace: Trace) -> BlockNorms:
         if targets is not None:  # kept for `pair_rows` (rollouts propagate through every row of each layer)
             trace.memo.norm_states = (layers, tok, maps)
         trace.memo.block_norms = BlockNorms(
-            f_norm=maps.f_norm, n=maps.n, n_res=maps.n_res, n_resln=maps.n_resln,
-            ratio=dict(zip(RATIO_VARIANTS, maps.ratio, strict=True)), error=error, scale=maps.scale,
+            f_norm=maps.f_norm,
+            n=maps.n,
+            n_res=maps.n_res,
+            n_resln=maps.n_resln,
+            ratio=dict(zip(RATIO_VARIANTS, maps.ratio, strict=True)),
+            error=error,
+            scale=maps.scale,
             bias_terms=torch.stack([st.weights.bias_terms for st in layers]),
         )
     return trace.memo.block_norms

@@ -100,13 +100,24 @@ def _layer(trace: Trace, index: int) -> Decomposition:
     norm_out = g.sum(2) + bias  # [B, n, d]
 
     w_own = 1 - alpha.mean(1).diagonal(dim1=1, dim2=2)  # 1 − ᾱ_ii  [B, n]
-    ratio = {"W": w_own, "N": mixing_ratio(u), "Res-W": w_own / 2, "Res-N": mixing_ratio(t),
-             "ResLN-N": mixing_ratio(g)}
+    ratio = {"W": w_own, "N": mixing_ratio(u), "Res-W": w_own / 2, "Res-N": mixing_ratio(t), "ResLN-N": mixing_ratio(g)}
     error = torch.maximum((y - lt.mix_in.float()).abs().amax(-1), (norm_out - lt.mix_out.float()).abs().amax(-1))
     return Decomposition(
-        f=f, u=u, t=t, y=y, s=s, g=g, bias=bias, norm_out=norm_out, w=alpha, n_head=per_head.norm(dim=-1),
-        n=u.norm(dim=-1), n_res=t.norm(dim=-1), n_resln=g.norm(dim=-1),
-        ratio={k: torch.where(real, ratio[k], 0) for k in RATIO_VARIANTS}, error=torch.where(real, error, 0).amax(-1),
+        f=f,
+        u=u,
+        t=t,
+        y=y,
+        s=s,
+        g=g,
+        bias=bias,
+        norm_out=norm_out,
+        w=alpha,
+        n_head=per_head.norm(dim=-1),
+        n=u.norm(dim=-1),
+        n_res=t.norm(dim=-1),
+        n_resln=g.norm(dim=-1),
+        ratio={k: torch.where(real, ratio[k], 0) for k in RATIO_VARIANTS},
+        error=torch.where(real, error, 0).amax(-1),
     )
 
 

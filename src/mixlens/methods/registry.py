@@ -83,8 +83,15 @@ class Option:
 
     def describe(self) -> str:
         """One line for `mixlens methods`: name, accepted values, default, help."""
-        default = "none" if self.default is None else str(self.default).lower() if self.type is bool else \
-            repr(self.default) if isinstance(self.default, str) else str(self.default)
+        default = (
+            "none"
+            if self.default is None
+            else str(self.default).lower()
+            if self.type is bool
+            else repr(self.default)
+            if isinstance(self.default, str)
+            else str(self.default)
+        )
         return f"{self.name}: {self.expected()} (default {default})" + (f" — {self.help}" if self.help else "")
 
     def check(self, method: str, value: object) -> object:
@@ -164,8 +171,9 @@ class Method:
         for opt in self.options:
             if opt.name == key:
                 return opt
-        raise MixlensError(f"method '{self.name}' has no option '{key}'; options: "
-                           f"{', '.join(o.name for o in self.options) or 'none'}")
+        raise MixlensError(
+            f"method '{self.name}' has no option '{key}'; options: {', '.join(o.name for o in self.options) or 'none'}"
+        )
 
     def defaults(self) -> dict[str, object]:
         return {o.name: o.default for o in self.options}
@@ -186,8 +194,10 @@ class Method:
         for key, t in out.extras.items():
             axes = self.extras.get(key)
             if axes is None or t.dim() != len(axes) + 1 or t.shape[0] != out.values.shape[0]:
-                raise RuntimeError(f"method '{self.name}' returned extra '{key}' {tuple(t.shape)}, not declared "
-                                   f"as [batch, {', '.join(axes or ())}]")
+                raise RuntimeError(
+                    f"method '{self.name}' returned extra '{key}' {tuple(t.shape)}, not declared "
+                    f"as [batch, {', '.join(axes or ())}]"
+                )
         return out
 
     def __call__(self, trace: Trace, heads: bool = False, **options: object) -> torch.Tensor:
@@ -218,8 +228,11 @@ def register(
     def deco(fn: F) -> F:
         if name in REGISTRY:
             raise RuntimeError(f"method '{name}' registered twice")
-        params = {k: p.default for k, p in inspect.signature(fn).parameters.items()
-                  if p.kind is p.KEYWORD_ONLY and k != "heads"}
+        params = {
+            k: p.default
+            for k, p in inspect.signature(fn).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and k != "heads"
+        }
         declared = {o.name: o.default for o in options}
         if params != declared:
             raise RuntimeError(f"method '{name}': options {declared} do not match the keyword parameters {params}")
@@ -227,8 +240,9 @@ def register(
             if not key.isidentifier():
                 raise RuntimeError(f"method '{name}': extra name '{key}' is not an identifier")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        REGISTRY[name] = Method(name, fn, dims, head_dims, needs_ffn, extra_passes, summary, tuple(options),
-                                dict(extras or {}))
+        REGISTRY[name] = Method(
+            name, fn, dims, head_dims, needs_ffn, extra_passes, summary, tuple(options), dict(extras or {})
+        )
         return fn
 
     return deco
@@ -245,8 +259,9 @@ def names() -> list[str]:
     return list(REGISTRY)
 
 
-def check_options(methods: list[str] | tuple[str, ...], options: Mapping[str, Mapping[str, object]] | None
-                  ) -> dict[str, dict[str, object]]:
+def check_options(
+    methods: list[str] | tuple[str, ...], options: Mapping[str, Mapping[str, object]] | None
+) -> dict[str, dict[str, object]]:
     """Options per method name (Python values) checked before any model work: every name must be among
     `methods`, every option declared and of the declared type."""
     out: dict[str, dict[str, object]] = {}

@@ -57,8 +57,9 @@ def row_pair_mask(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def rollout_rows(trace: Trace, layer_rows: LayerRows, targets: torch.Tensor, *,
-                 normalize: bool = False) -> torch.Tensor:
+def rollout_rows(
+    trace: Trace, layer_rows: LayerRows, targets: torch.Tensor, *, normalize: bool = False
+) -> torch.Tensor:
     """Rows `targets` [B, K] of every layer's rollout R_l = M_l ⋯ M_0, never forming an n × n product: row t of R_l
     is e_t M_l M_{l−1} ⋯ M_0, so going down the layers (m = L−1 … 0) each state r (one per output layer l ≥ m and
     target) becomes r · M_m = Σ_i r_i M_m[i, :], with the rows of M_m built `ROW_CHUNK` at a time by
@@ -138,8 +139,10 @@ def attention_flow(trace: Trace) -> torch.Tensor:
     """Attention flow (Abnar & Zuidema 2020): max-flow over 0.5·A+0.5·I layers, rows normalised; inputs ≤ 32 tokens."""
     lengths = trace.lengths
     if max(lengths) > FLOW_MAX_TOKENS:
-        raise MixlensError(f"attention_flow is limited to {FLOW_MAX_TOKENS} tokens (it runs n² max-flows per "
-                           f"layer); an input has {max(lengths)}: shorten it or use attention_rollout")
+        raise MixlensError(
+            f"attention_flow is limited to {FLOW_MAX_TOKENS} tokens (it runs n² max-flows per "
+            f"layer); an input has {max(lengths)}: shorten it or use attention_rollout"
+        )
     a_hat = residual_attention(trace)
     out = torch.zeros_like(a_hat)
     for b, n in enumerate(lengths):

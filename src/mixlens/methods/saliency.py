@@ -61,16 +61,19 @@ def _check_target(target: Target) -> None:
         raise MixlensError(f"target must be 'pred', a class/token index or a Python callable, got {target!r}")
 
 
-def _selector(trace: Trace, target: Target, position: int | None,
-              logits: torch.Tensor | None) -> tuple[Callable, tuple[torch.Tensor, ...]]:
+def _selector(
+    trace: Trace, target: Target, position: int | None, logits: torch.Tensor | None
+) -> tuple[Callable, tuple[torch.Tensor, ...]]:
     """(select(output, inputs, *extra) -> [B], extra per-input tensors); extra rows travel with captum's batch.
     `logits`: the model's output at the real inputs ([B, classes] or [B, n, vocab]), which 'pred' reads."""
     _check_target(target)
     if callable(target):
         return (lambda out, inputs: target(out, inputs)), ()
     if logits is None:
-        raise MixlensError("this model has no output head; load it with a head (e.g. --head sequence-classification) "
-                           "or pass a Python callable as target")
+        raise MixlensError(
+            "this model has no output head; load it with a head (e.g. --head sequence-classification) "
+            "or pass a Python callable as target"
+        )
     dev = logits.device
     if logits.dim() == 2:  # [B, classes]
         if isinstance(target, int) and not 0 <= target < logits.shape[-1]:
@@ -95,8 +98,9 @@ def _forward(trace: Trace, emb: torch.Tensor, inputs: dict[str, torch.Tensor]):
         return trace.model(**inputs)
 
 
-def scalar_fn(trace: Trace, target: Target = "pred", position: int | None = None
-              ) -> tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...]]:
+def scalar_fn(
+    trace: Trace, target: Target = "pred", position: int | None = None
+) -> tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...]]:
     """(f(emb [B, n, d], *inputs, *extra) -> [B], the real word embeddings e [B, n, d], (*inputs, *extra)).
     'pred' reads the trace's logits, or (a trace without a forward pass) those of one plain forward."""
     keys = list(trace.inputs)
@@ -110,7 +114,7 @@ def scalar_fn(trace: Trace, target: Target = "pred", position: int | None = None
 
     def f(emb: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         inputs = dict(zip(keys, args[: len(keys)], strict=True))
-        return select(_forward(trace, emb, inputs), inputs, *args[len(keys):])
+        return select(_forward(trace, emb, inputs), inputs, *args[len(keys) :])
 
     return f, emb, (*trace.inputs.values(), *extra)
 
@@ -134,23 +138,33 @@ def _chunk_rows(trace: Trace, steps: int, internal_batch_size: int | None) -> in
     return min(b * steps, max(b, IG_TOKENS_PER_CHUNK // n // b * b))
 
 
-def output_attribution(trace: Trace, kind: str = "saliency", *, target: Target = "pred", position: int | None = None,
-                       reduction: str = "l2", baseline: str = "zero", steps: int = 50,
-                       internal_batch_size: int | None = None) -> OutputAttribution:
+def output_attribution(
+    trace: Trace,
+    kind: str = "saliency",
+    *,
+    target: Target = "pred",
+    position: int | None = None,
+    reduction: str = "l2",
+    baseline: str = "zero",
+    steps: int = 50,
+    internal_batch_size: int | None = None,
+) -> OutputAttribution:
     """Attribute one scalar per input to its word embeddings; see the module docstring. Integrated gradients run the
     steps in chunks of `internal_batch_size` rows (input × step; default ≈ 2048 tokens), so memory stays bounded."""
     if kind not in KINDS:
         raise MixlensError(f"unknown saliency kind '{kind}'; valid: {', '.join(KINDS)}")
-    ig = {"baseline": baseline, "steps": steps, "internal_batch_size": internal_batch_size} \
-        if kind == "integrated_gradients" else {}
+    ig = (
+        {"baseline": baseline, "steps": steps, "internal_batch_size": internal_batch_size}
+        if kind == "integrated_gradients"
+        else {}
+    )
     get(kind).check({"target": target, "position": position, "reduction": reduction, **ig})  # declared options
     if kind != "integrated_gradients":
         _check_target(target)
         with torch.enable_grad():
             x = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"]).detach().requires_grad_(True)
             out = _forward(trace, x, trace.inputs)  # one forward: 'pred' reads its own logits when the trace has none
-            logits = trace.logits if trace.logits is not None or callable(target) else \
-                getattr(out, "logits", None)
+            logits = trace.logits if trace.logits is not None or callable(target) else getattr(out, "logits", None)
             select, extra = _selector(trace, target, position, None if logits is None else logits.detach())
             value = select(out, trace.inputs, *extra)
             (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂f_b/∂e
@@ -168,53 +182,99 @@ def output_attribution(trace: Trace, kind: str = "saliency", *, target: Target =
         with torch.no_grad():
             base = trace.adapter.base.get_input_embeddings()(torch.full_like(trace.inputs["input_ids"], pad_id))
     with torch.enable_grad():
-        raw, delta = IntegratedGradients(f).attribute(emb, baselines=base, additional_forward_args=args,
-                                                      n_steps=steps, internal_batch_size=rows,
-                                                      return_convergence_delta=True)
+        raw, delta = IntegratedGradients(f).attribute(
+            emb,
+            baselines=base,
+            additional_forward_args=args,
+            n_steps=steps,
+            internal_batch_size=rows,
+            return_convergence_delta=True,
+        )
     with torch.no_grad():
         value, base_value = f(emb, *args), f(base, *args)
-    return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw.detach(), value, base_value,
-                             delta.detach())
+    return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw.detach(), value, base_value, delta.detach())
 
 
 TARGET = (
-    Option("target", int, "pred", min=0, words=("pred",), python_callable=True,
-           help="class index / token id of the scalar, 'pred' (the predicted one) or (Python) f(output, inputs)"),
-    Option("position", int, None, min=0, optional=True,
-           help="token position of an LM target (default: the [MASK], or the last token of a causal LM)"),
+    Option(
+        "target",
+        int,
+        "pred",
+        min=0,
+        words=("pred",),
+        python_callable=True,
+        help="class index / token id of the scalar, 'pred' (the predicted one) or (Python) f(output, inputs)",
+    ),
+    Option(
+        "position",
+        int,
+        None,
+        min=0,
+        optional=True,
+        help="token position of an LM target (default: the [MASK], or the last token of a causal LM)",
+    ),
     Option("reduction", str, "l2", choices=REDUCTIONS, help="over hidden dims: ‖·‖₂, ‖·‖₁ or the signed sum"),
 )
 
 
 @register("saliency", dims=("source",), extra_passes=True, options=TARGET)
-def saliency(trace: Trace, *, target: Target = "pred", position: int | None = None,
-             reduction: str = "l2") -> torch.Tensor:
+def saliency(
+    trace: Trace, *, target: Target = "pred", position: int | None = None, reduction: str = "l2"
+) -> torch.Tensor:
     """Gradient of a target scalar w.r.t. the word embeddings, reduced over hidden dims: [B, source]."""
     return output_attribution(trace, "saliency", target=target, position=position, reduction=reduction).values
 
 
 @register("grad_x_input", dims=("source",), extra_passes=True, options=TARGET)
-def grad_x_input(trace: Trace, *, target: Target = "pred", position: int | None = None,
-                 reduction: str = "l2") -> torch.Tensor:
+def grad_x_input(
+    trace: Trace, *, target: Target = "pred", position: int | None = None, reduction: str = "l2"
+) -> torch.Tensor:
     """Gradient × word embedding for a target scalar, reduced over hidden dims: [B, source]."""
     return output_attribution(trace, "grad_x_input", target=target, position=position, reduction=reduction).values
 
 
-@register("integrated_gradients", dims=("source",), extra_passes=True, extras={"delta": ()}, options=(
-    *TARGET,
-    Option("baseline", str, "zero", choices=BASELINES, help="the embeddings integrated from: zeros or [PAD]s"),
-    Option("steps", int, 50, min=2, help="integration steps"),
-    Option("internal_batch_size", int, None, min=1, optional=True,
-           help="input × step rows per captum chunk (default: about 2048 tokens), bounding memory"),
-))
-def integrated_gradients(trace: Trace, *, target: Target = "pred", position: int | None = None,
-                         reduction: str = "l2", baseline: str = "zero", steps: int = 50,
-                         internal_batch_size: int | None = None) -> MethodOutput:
+@register(
+    "integrated_gradients",
+    dims=("source",),
+    extra_passes=True,
+    extras={"delta": ()},
+    options=(
+        *TARGET,
+        Option("baseline", str, "zero", choices=BASELINES, help="the embeddings integrated from: zeros or [PAD]s"),
+        Option("steps", int, 50, min=2, help="integration steps"),
+        Option(
+            "internal_batch_size",
+            int,
+            None,
+            min=1,
+            optional=True,
+            help="input × step rows per captum chunk (default: about 2048 tokens), bounding memory",
+        ),
+    ),
+)
+def integrated_gradients(
+    trace: Trace,
+    *,
+    target: Target = "pred",
+    position: int | None = None,
+    reduction: str = "l2",
+    baseline: str = "zero",
+    steps: int = 50,
+    internal_batch_size: int | None = None,
+) -> MethodOutput:
     """Integrated gradients (captum) at the word embeddings for a target scalar, the steps run in chunks of
     `internal_batch_size` input × step rows (default ≈ 2048 tokens): [B, source].
 
     Extra `delta` [B]: captum's convergence delta."""
-    res = output_attribution(trace, "integrated_gradients", target=target, position=position, reduction=reduction,
-                             baseline=baseline, steps=steps, internal_batch_size=internal_batch_size)
+    res = output_attribution(
+        trace,
+        "integrated_gradients",
+        target=target,
+        position=position,
+        reduction=reduction,
+        baseline=baseline,
+        steps=steps,
+        internal_batch_size=internal_batch_size,
+    )
     assert res.delta is not None  # integrated gradients report it
     return MethodOutput(res.values, {"delta": res.delta})

@@ -32,8 +32,9 @@ def _zeroed_outputs(trace: Trace, index: int, rows: torch.Tensor, sources: range
     inputs = {k: v[rows.to(v.device)].repeat_interleave(m, dim=0) for k, v in trace.inputs.items()}
     extra = {"use_cache": False} if trace.adapter.family.causal else {}
     x_in = x[rows.to(x.device)].repeat_interleave(m, dim=0)  # [R·m, n, d]
-    with hooked(trace.adapter, {f"blocks.{index}.attn.v": lambda v: v * keep}, start=index, resid_pre=x_in,
-                stop_after=index) as rec:
+    with hooked(
+        trace.adapter, {f"blocks.{index}.attn.v": lambda v: v * keep}, start=index, resid_pre=x_in, stop_after=index
+    ) as rec:
         trace.model(**inputs, **extra)
     return rec["out"][0].reshape(len(rows), m, n, d)
 

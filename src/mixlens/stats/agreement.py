@@ -93,23 +93,40 @@ class LocalGlobal:
         return out
 
     def to_json(self) -> dict[str, object]:
-        return {"n_inputs": self.n_inputs, "n_rows": self.n_rows, "params": self.params,
-                "scores": {k: v.tolist() for k, v in self.scores.items()},
-                "js_per_layer": self.js_per_layer().tolist(),
-                "masses": {"local": {k: v.tolist() for k, v in self.local.items()},
-                           "global": {k: v.tolist() for k, v in self.global_.items()}},
-                "dominant": {"local": [[TOKEN_TYPES[i] for i in r] for r in self.dominant("local")],
-                             "global": [[TOKEN_TYPES[i] for i in r] for r in self.dominant("global")]},
-                "same_dominant_share": float((self.dominant("local") == self.dominant("global")).mean()),
-                "persistent": self.persistent_patterns()}
+        return {
+            "n_inputs": self.n_inputs,
+            "n_rows": self.n_rows,
+            "params": self.params,
+            "scores": {k: v.tolist() for k, v in self.scores.items()},
+            "js_per_layer": self.js_per_layer().tolist(),
+            "masses": {
+                "local": {k: v.tolist() for k, v in self.local.items()},
+                "global": {k: v.tolist() for k, v in self.global_.items()},
+            },
+            "dominant": {
+                "local": [[TOKEN_TYPES[i] for i in r] for r in self.dominant("local")],
+                "global": [[TOKEN_TYPES[i] for i in r] for r in self.dominant("global")],
+            },
+            "same_dominant_share": float((self.dominant("local") == self.dominant("global")).mean()),
+            "persistent": self.persistent_patterns(),
+        }
 
     def dumps(self) -> str:
         return json.dumps(self.to_json())
 
 
-def compare_local_global(lens, texts: Iterable, *, batch_size: int = 8, max_length: int | None = None,
-                         input: str = "word", mode: str = "estimate", probes: int = 16, seed: int = 0,
-                         on_batch: Callable[[int], None] | None = None) -> LocalGlobal:
+def compare_local_global(
+    lens,
+    texts: Iterable,
+    *,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    input: str = "word",
+    mode: str = "estimate",
+    probes: int = 16,
+    seed: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> LocalGlobal:
     """Average the local-vs-global comparison over `texts` (an iterable of str or (str, str)), batch by batch."""
     sums: dict[str, torch.Tensor] = {}
     n_inputs = n_rows = 0
@@ -123,8 +140,11 @@ def compare_local_global(lens, texts: Iterable, *, batch_size: int = 8, max_leng
         glob = head_attribution(tr, input=input, mode=mode, probes=probes, seed=seed).values
         mask = tr.mask
         rows = mask.float()[:, None, None, :]  # [B, 1, 1, n]
-        per_row = {"js": js_rows(attn, glob, mask), "pearson": pearson_rows(attn, glob, mask),
-                   "spearman": spearman_rows(attn, glob, mask)}
+        per_row = {
+            "js": js_rows(attn, glob, mask),
+            "pearson": pearson_rows(attn, glob, mask),
+            "spearman": spearman_rows(attn, glob, mask),
+        }
         for k, v in per_row.items():  # nan rows (constant maps, e.g. 1-key causal rows) are left out
             ok = rows.expand_as(v) * ~v.isnan()
             sums[k] = sums.get(k, 0) + (v.nan_to_num() * ok).sum((0, 3))
@@ -153,6 +173,11 @@ def compare_local_global(lens, texts: Iterable, *, batch_size: int = 8, max_leng
     scores = {k: (sums[k] / sums[k + "#"].clamp_min(1)).numpy() for k in SCORES}
     local = {t: (sums[f"local.{t}"] / n_rows).numpy() for t in TOKEN_TYPES}
     glob_m = {t: (sums[f"global.{t}"] / n_rows).numpy() for t in TOKEN_TYPES}
-    return LocalGlobal(scores, local, glob_m, n_inputs, n_rows,
-                       {"model": lens.name, "input": input, "mode": mode, "probes": probes, "seed": seed})
-
+    return LocalGlobal(
+        scores,
+        local,
+        glob_m,
+        n_inputs,
+        n_rows,
+        {"model": lens.name, "input": input, "mode": mode, "probes": probes, "seed": seed},
+    )

@@ -40,8 +40,9 @@ def view_maps(trace: Trace, view: str) -> torch.Tensor:
     if view == "attn":
         return stacked_alpha(trace)
     if view == "norm":  # α^h_ij ‖f^h(x_j)‖, the per-head `norm` method, without the head-summed extras
-        f_norm = torch.stack([head_vectors(lt, lay).norm(dim=-1) for lt, lay in
-                              zip(trace.layers, trace.adapter.layers, strict=True)], 1)  # [B, L, H, n]
+        f_norm = torch.stack(
+            [head_vectors(lt, lay).norm(dim=-1) for lt, lay in zip(trace.layers, trace.adapter.layers, strict=True)], 1
+        )  # [B, L, H, n]
         a = stacked_alpha(trace) * f_norm[:, :, :, None, :]
         return a / a.sum(-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
     raise MixlensError(f"unknown view '{view}'; valid: {', '.join(VIEWS)}")
@@ -58,8 +59,9 @@ def column_max(maps: torch.Tensor, where: torch.Tensor, mask: torch.Tensor) -> t
     return col.masked_fill(torch.isinf(col), float("nan"))
 
 
-def input_statistics(maps: torch.Tensor, kinds: dict[str, torch.Tensor], mask: torch.Tensor,
-                     smooth: float = SMOOTH) -> dict[str, torch.Tensor]:
+def input_statistics(
+    maps: torch.Tensor, kinds: dict[str, torch.Tensor], mask: torch.Tensor, smooth: float = SMOOTH
+) -> dict[str, torch.Tensor]:
     """All per-head statistics of one view for each input: maps [B, L, H, n, n] → {name: [B, L, H]}."""
     out = dict(token_type_masses(maps, kinds, mask))
     out["entropy"] = row_entropy(maps, mask, smooth)
@@ -83,8 +85,9 @@ class _Mean:
             self.count[k] = self.count.get(k, 0) + ok.sum(0)
 
     def mean(self) -> dict[str, np.ndarray]:
-        return {k: np.where(self.count[k] > 0, self.total[k] / np.maximum(self.count[k], 1), np.nan)
-                for k in self.total}
+        return {
+            k: np.where(self.count[k] > 0, self.total[k] / np.maximum(self.count[k], 1), np.nan) for k in self.total
+        }
 
 
 @dataclass
@@ -149,8 +152,9 @@ def head_statistics(
             on_batch(len(bt.index))
     first = next(iter(means.values())).mean()
     n_layers, n_heads = first["cls"].shape
-    table = pd.DataFrame({"layer": np.repeat(np.arange(n_layers), n_heads),
-                          "head": np.tile(np.arange(n_heads), n_layers)})
+    table = pd.DataFrame(
+        {"layer": np.repeat(np.arange(n_layers), n_heads), "head": np.tile(np.arange(n_heads), n_layers)}
+    )
     for v in views:
         stats = means[v].mean()
         for k in (*STATISTICS, *(f"{t}_colmax" for t in COLMAX_TYPES)):
@@ -160,14 +164,22 @@ def head_statistics(
 
 
 @torch.no_grad()
-def attention_similarity(lens_a, lens_b, texts: Sequence, *, batch_size: int = 32, max_length: int | None = None,
-                         on_batch: Callable[[int], None] | None = None) -> np.ndarray:
+def attention_similarity(
+    lens_a,
+    lens_b,
+    texts: Sequence,
+    *,
+    batch_size: int = 32,
+    max_length: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> np.ndarray:
     """Fine-tuning change: per (layer, head) cosine similarity of the two models' attention maps (the real
     n×n block of each input flattened), mean over inputs → [L, H]. Both models must share a tokenizer."""
     a_l, b_l = lens_a.adapter, lens_b.adapter
     if (a_l.n_layers, a_l.n_heads) != (b_l.n_layers, b_l.n_heads):
-        raise MixlensError(f"the models differ in shape: {a_l.n_layers}×{a_l.n_heads} vs "
-                           f"{b_l.n_layers}×{b_l.n_heads} (layers × heads)")
+        raise MixlensError(
+            f"the models differ in shape: {a_l.n_layers}×{a_l.n_heads} vs {b_l.n_layers}×{b_l.n_heads} (layers × heads)"
+        )
     if lens_a.tokenizer.get_vocab() != lens_b.tokenizer.get_vocab():
         raise MixlensError("the two models use different vocabularies; their attention maps cannot be compared")
     total: torch.Tensor | None = None

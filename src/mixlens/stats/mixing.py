@@ -26,11 +26,11 @@ def expansion_rate(adapter: Adapter) -> torch.Tensor:
         rates = []
         for h in range(lay.n_heads):
             g = h // rep  # grouped-query attention: value head shared by `rep` query heads
-            wv = lay.w_v[:, g * dh:(g + 1) * dh].double()
-            wo = lay.w_o[h * dh:(h + 1) * dh].double()
+            wv = lay.w_v[:, g * dh : (g + 1) * dh].double()
+            wo = lay.w_o[h * dh : (h + 1) * dh].double()
             sq = torch.trace((wv.T @ wv) @ (wo @ wo.T)) + 1.0
             if lay.b_v is not None:
-                sq = sq + (lay.b_v[g * dh:(g + 1) * dh].double() @ wo).pow(2).sum()
+                sq = sq + (lay.b_v[g * dh : (g + 1) * dh].double() @ wo).pow(2).sum()
             rates.append(torch.sqrt(sq / (d + 1)))
         out.append(torch.stack(rates))
     return torch.stack(out).float()

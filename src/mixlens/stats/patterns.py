@@ -61,8 +61,11 @@ def pattern_scores(a: np.ndarray, segments: Sequence[int] | None = None, top_k: 
     seg = None if segments is None else np.asarray(segments)
     d, v, b = _scores_raw(a, seg, top_k)
     ud, uv, ub = _scores_raw(np.full((n, n), 1.0 / n), seg, top_k)
-    return {"diagonal": _excess(d, ud), "vertical": _excess(v, uv),
-            "block": _excess(b, ub) if seg is not None and len(np.unique(seg)) > 1 else 0.0}
+    return {
+        "diagonal": _excess(d, ud),
+        "vertical": _excess(v, uv),
+        "block": _excess(b, ub) if seg is not None and len(np.unique(seg)) > 1 else 0.0,
+    }
 
 
 def classify(a: np.ndarray, segments: Sequence[int] | None = None, th: Thresholds = Thresholds()) -> str:
@@ -93,8 +96,16 @@ def pattern_shares(labels: np.ndarray) -> np.ndarray:
     return np.stack([(labels == p).mean((0, 2)) for p in PATTERNS], -1)
 
 
-def classify_inputs(lens, texts, *, view: str = "attn", batch_size: int = 32, max_length: int | None = None,
-                    th: Thresholds = Thresholds(), on_batch=None) -> np.ndarray:
+def classify_inputs(
+    lens,
+    texts,
+    *,
+    view: str = "attn",
+    batch_size: int = 32,
+    max_length: int | None = None,
+    th: Thresholds = Thresholds(),
+    on_batch=None,
+) -> np.ndarray:
     """Pattern type of every head on every input: → [inputs, L, H] of str (in input order)."""
     import torch
 
@@ -108,8 +119,9 @@ def classify_inputs(lens, texts, *, view: str = "attn", batch_size: int = 32, ma
         seps = token_kinds(lens, bt.enc.inputs["input_ids"], bt.trace.mask)["sep"].numpy()
         for b, n in enumerate(bt.trace.lengths):
             seg = segments_from_separators(seps[b, :n])
-            out[bt.index[b]] = [[classify(maps[b, la, h, :n, :n], seg, th) for h in range(maps.shape[2])]
-                                for la in range(maps.shape[1])]
+            out[bt.index[b]] = [
+                [classify(maps[b, la, h, :n, :n], seg, th) for h in range(maps.shape[2])] for la in range(maps.shape[1])
+            ]
         if on_batch:
             on_batch(len(bt.index))
     return np.array(out, dtype=object)

@@ -125,8 +125,7 @@ class SyntaxReport:
         top = s.loc[s.groupby(["relation", "direction"])["accuracy"].idxmax()]
         out = top.merge(self.baselines, on=["relation", "direction"])
         out.insert(2, "count", out["relation"].map(self.counts))
-        return out.sort_values(["count", "relation", "direction"], ascending=[False, True, True]).reset_index(
-            drop=True)
+        return out.sort_values(["count", "relation", "direction"], ascending=[False, True, True]).reset_index(drop=True)
 
 
 def syntax_heads(
@@ -183,4 +182,6 @@ def syntax_heads(
     return SyntaxReport(
         pd.DataFrame(rows, columns=["relation", "direction", "layer", "head", "accuracy"]),
         pd.DataFrame(brows, columns=["relation", "direction", "baseline_offset", "baseline_accuracy"]),
-        counts, len(sentences))
+        counts,
+        len(sentences),
+    )

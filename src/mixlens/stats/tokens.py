@@ -21,13 +21,17 @@ def token_kinds(lens, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, 
     """Boolean source masks [B, n] for 'cls' (or bos), 'sep' (or eos) and 'punct', found by role."""
     tok = lens.tokenizer
     cls_ids = {i for i in (tok.cls_token_id,) if i is not None} or {i for i in (tok.bos_token_id,) if i is not None}
-    sep_ids = {i for i in (tok.sep_token_id, tok.eos_token_id) if i is not None} - cls_ids or \
-        {i for i in (tok.sep_token_id, tok.eos_token_id) if i is not None}
+    sep_ids = {i for i in (tok.sep_token_id, tok.eos_token_id) if i is not None} - cls_ids or {
+        i for i in (tok.sep_token_id, tok.eos_token_id) if i is not None
+    }
     ids = input_ids.cpu()
     punct = torch.tensor([[is_punct(t) for t in tok.convert_ids_to_tokens(row.tolist())] for row in ids])
     m = mask.cpu().bool()
-    return {"cls": torch.isin(ids, torch.tensor(sorted(cls_ids))) & m,
-            "sep": torch.isin(ids, torch.tensor(sorted(sep_ids))) & m, "punct": punct & m}
+    return {
+        "cls": torch.isin(ids, torch.tensor(sorted(cls_ids))) & m,
+        "sep": torch.isin(ids, torch.tensor(sorted(sep_ids))) & m,
+        "punct": punct & m,
+    }
 
 
 def token_type_masses(
@@ -48,7 +52,7 @@ def token_type_masses(
     diag = {"self": 0, "prev": -1, "next": 1}
     for k, off in diag.items():
         d = a.diagonal(offset=off, dim1=-2, dim2=-1)  # [B, ..., n-|off|]
-        mm = m[..., max(0, -off): m.shape[-1] - max(0, off)] if off else m
+        mm = m[..., max(0, -off) : m.shape[-1] - max(0, off)] if off else m
         out[k] = (d * mm).sum(-1) / rows
     return out
 

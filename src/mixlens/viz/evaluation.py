@@ -30,8 +30,13 @@ def plot(ev, path: str | Path) -> None:
     aopc = np.array([met[m]["aopc"] for m in ranked])
     ci = np.array([met[m]["ci95"]["aopc"] for m in ranked])
     y = np.arange(len(ranked))[::-1]
-    bx.barh(y, aopc, xerr=np.abs(ci.T - aopc), color=[("0.6" if m == "random" else colours[k])
-                                                        for k, m in enumerate(ranked)], capsize=2)
+    bx.barh(
+        y,
+        aopc,
+        xerr=np.abs(ci.T - aopc),
+        color=[("0.6" if m == "random" else colours[k]) for k, m in enumerate(ranked)],
+        capsize=2,
+    )
     bx.set_yticks(y, ranked, fontsize=8)
     bx.set_xlabel("AOPC (higher = more faithful)")
     bx.set_title("Ranking")

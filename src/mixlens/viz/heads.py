@@ -30,9 +30,15 @@ def save(fig: Figure, path: str | Path, dpi: int | None = RASTER_DPI) -> None:
 
 VIEW_WORDS = {"attn": "attention weights", "norm": "norm-based contributions ‖αf(x)‖"}
 STAT_WORDS = {
-    "cls": "mass on [CLS]", "sep": "mass on [SEP]", "punct": "mass on punctuation", "self": "mass on the token itself",
-    "prev": "mass on the previous token", "next": "mass on the next token", "entropy": "row entropy (nats)",
-    "cls_colmax": "max column mean on [CLS]", "sep_colmax": "max column mean on [SEP]",
+    "cls": "mass on [CLS]",
+    "sep": "mass on [SEP]",
+    "punct": "mass on punctuation",
+    "self": "mass on the token itself",
+    "prev": "mass on the previous token",
+    "next": "mass on the next token",
+    "entropy": "row entropy (nats)",
+    "cls_colmax": "max column mean on [CLS]",
+    "sep_colmax": "max column mean on [SEP]",
     "punct_colmax": "max column mean on punctuation",
 }
 
@@ -67,7 +73,11 @@ def _annotated(ax: Any, grid: np.ndarray, cmap: str, vmin: float | None, vmax: f
 
 
 def layer_head_heatmap(
-    grid: np.ndarray, title: str, path: str | Path, cmap: str = "viridis", center: bool = False,
+    grid: np.ndarray,
+    title: str,
+    path: str | Path,
+    cmap: str = "viridis",
+    center: bool = False,
     label: str = "",
 ) -> None:
     """A [layer, head] grid as a heatmap with each value written in its cell (text colour by cell luminance);
@@ -101,8 +111,11 @@ def sweep_figure(res: Any, path: str | Path) -> None:
     ax_l.set(xticks=[], title="whole layer")
     names = {"spearman": "Spearman ρ", "accuracy": "accuracy", "mlm_loss": "masked-LM loss"}
     metric = names.get(res.metric, res.metric)
-    fig.suptitle(f"Change of {metric} when disabling heads ({res.mode} ablation; baseline {res.baseline:.3f}, "
-                 f"{res.n_examples} examples)", fontsize=9)
+    fig.suptitle(
+        f"Change of {metric} when disabling heads ({res.mode} ablation; baseline {res.baseline:.3f}, "
+        f"{res.n_examples} examples)",
+        fontsize=9,
+    )
     fig.colorbar(im, ax=[ax_h, ax_l], label=f"{metric}, ablated − baseline", fraction=0.05, pad=0.03)
     save(fig, path)
 
@@ -163,14 +176,22 @@ def pattern_ablation_figure(res: Any, path: str | Path) -> None:
     fig = Figure(figsize=(1.5 * len(rows) + 3, 4))
     ax = fig.subplots()
     ax.bar(x - 0.2, [r[3] for r in rows], 0.4, label="heads of the type", color="C3")
-    ax.bar(x + 0.2, [r[4] for r in rows], 0.4, yerr=[r[5] for r in rows], capsize=3,
-           label=f"as many random heads (mean ± sd, {res.draws} draws)", color="C7")
+    ax.bar(
+        x + 0.2,
+        [r[4] for r in rows],
+        0.4,
+        yerr=[r[5] for r in rows],
+        capsize=3,
+        label=f"as many random heads (mean ± sd, {res.draws} draws)",
+        color="C7",
+    )
     ax.axhline(0, color="k", lw=0.6)
     ax.set_xticks(x, [f"{r[0]}\n({r[1]} heads)" for r in rows], fontsize=8)
     names = {"spearman": "Spearman ρ", "accuracy": "accuracy", "mlm_loss": "masked-LM loss"}
     ax.set_ylabel(f"change of {names.get(res.metric, res.metric)}")
-    ax.set_title(f"Disabling all heads of one pattern type ({res.mode} ablation; baseline {res.baseline:.3f})",
-                 fontsize=9)
+    ax.set_title(
+        f"Disabling all heads of one pattern type ({res.mode} ablation; baseline {res.baseline:.3f})", fontsize=9
+    )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     save(fig, path)

@@ -43,20 +43,26 @@ def _header(e) -> str:
 
 def render_fragment(expl) -> str:
     """An HTML fragment (own CSS) with one table per input: one row per method, tokens coloured by score."""
-    parts = [f'<div class="mlx-report"><style>{_CSS}</style>',
-             f'<h2>Explanations — {html.escape(expl.model)}</h2>',
-             '<p class="mlx-meta">red: toward the target, blue: against it; colour scaled to each method\'s '
-             'max |score| on the input; hover a token for its value</p>']
+    parts = [
+        f'<div class="mlx-report"><style>{_CSS}</style>',
+        f"<h2>Explanations — {html.escape(expl.model)}</h2>",
+        '<p class="mlx-meta">red: toward the target, blue: against it; colour scaled to each method\'s '
+        "max |score| on the input; hover a token for its value</p>",
+    ]
     for k, e in enumerate(expl.inputs):
-        parts.append(f'<p class="mlx-text">{k + 1}. {html.escape(e.text)} — '
-                     f'<span class="mlx-target">{html.escape(_header(e))}</span></p><table class="mlx-hl">')
+        parts.append(
+            f'<p class="mlx-text">{k + 1}. {html.escape(e.text)} — '
+            f'<span class="mlx-target">{html.escape(_header(e))}</span></p><table class="mlx-hl">'
+        )
         for m, s in e.scores.items():
             cells = []
             for tok, v, w in zip(e.tokens, s, _scaled(np.asarray(s, dtype=float)), strict=True):
                 r, g, b = _rgb(float(w))
                 fg = "#fff" if abs(w) > 0.6 else "#1d1d1f"
-                cells.append(f'<span class="mlx-tok" style="background:rgb({r},{g},{b});color:{fg}" '
-                             f'title="{html.escape(m)} · {html.escape(tok)}: {float(v):.4g}">{html.escape(tok)}</span>')
+                cells.append(
+                    f'<span class="mlx-tok" style="background:rgb({r},{g},{b});color:{fg}" '
+                    f'title="{html.escape(m)} · {html.escape(tok)}: {float(v):.4g}">{html.escape(tok)}</span>'
+                )
             parts.append(f"<tr><th>{html.escape(m)}</th><td>{''.join(cells)}</td></tr>")
         parts.append("</table>")
     parts.append("</div>")
@@ -65,9 +71,11 @@ def render_fragment(expl) -> str:
 
 def render_page(expl) -> str:
     """A self-contained HTML page (no scripts, no external resources)."""
-    return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
-            f"<title>mixlens explain — {html.escape(expl.model)}</title></head>\n<body>\n"
-            f"{render_fragment(expl)}\n</body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+        f"<title>mixlens explain — {html.escape(expl.model)}</title></head>\n<body>\n"
+        f"{render_fragment(expl)}\n</body></html>\n"
+    )
 
 
 def print_terminal(expl, console=None) -> None:

@@ -55,8 +55,15 @@ def _shade(x: float, top: float) -> str:
     return f"black on rgb({r},{g},{bl})"
 
 
-def show_attribution(attr: Attribution, inputs: int | Sequence[int] | None = None, *, layer: int = -1,
-                     head: int | None = None, max_tokens: int = 16, console: Any = None) -> None:
+def show_attribution(
+    attr: Attribution,
+    inputs: int | Sequence[int] | None = None,
+    *,
+    layer: int = -1,
+    head: int | None = None,
+    max_tokens: int = 16,
+    console: Any = None,
+) -> None:
     """Print `attr` for `inputs` (see `Attribution.show`)."""
     from rich.console import Console
     from rich.table import Table
@@ -101,8 +108,9 @@ def show_attribution(attr: Attribution, inputs: int | Sequence[int] | None = Non
             for j in range(m):
                 row = [f"[{_shade(x, top)}]{x:.4g}[/]" for x in cols[:, j].tolist()]
                 if len(cols) == 1:
-                    row.append(("█" if cols[0, j] >= 0 else "▒") * round(BAR * abs(float(cols[0, j])) / top)
-                               if top > 0 else "")
+                    row.append(
+                        ("█" if cols[0, j] >= 0 else "▒") * round(BAR * abs(float(cols[0, j])) / top) if top > 0 else ""
+                    )
                 table.add_row(toks[j], *row)
         console.print(table)
         if cut:
