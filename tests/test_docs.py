@@ -3,7 +3,10 @@
 Python blocks of one file run in order in one shared namespace; bash blocks run each `mixlens ...` command
 (continuation lines joined, comments dropped) through the in-process CLI and expect exit code 0. Each file runs
 in a fresh directory next to a tiny `../shared/data` (SST-2 and STS-B shaped), so the documented relative data
-paths resolve to small inputs; model placeholders name the bundled model. A block preceded by the line
+paths resolve to small inputs; model placeholders name the bundled model, with random classifier heads allowed
+(those examples test plumbing; the refusal of random heads is tested in test_hardening.py), and
+`artifacts/sst2-minilm` (the fine-tuned classifier of experiments/finetune_sst2.py, which CI does not train) is a
+saved, untrained two-label classifier built from the bundled model. A block preceded by the line
 `<!-- docs-test: skip: REASON -->` is not run (the reason says why: a server, an install, data we do not have).
 """
 
@@ -58,6 +61,20 @@ def test_every_doc_has_blocks_found():
 
 
 @pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A stand-in for artifacts/sst2-minilm: the bundled model saved with a (untrained) SST-2 label head."""
+    import transformers
+
+    out = tmp_path_factory.mktemp("sst2-minilm")
+    net = transformers.AutoModelForSequenceClassification.from_pretrained(
+        default_model_path(), num_labels=2, id2label={0: "negative", 1: "positive"},
+        label2id={"negative": 0, "positive": 1})
+    net.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
 def given():
     """What the docs take as the reader's own objects: texts, and a model built by hand (model + tokenizer)."""
     lens = mixlens.load()
@@ -65,14 +82,22 @@ def given():
 
 
 @pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
-def test_doc_blocks_run(path, tmp_path, monkeypatch, given, capsys):
+def test_doc_blocks_run(path, tmp_path, monkeypatch, given, checkpoint, capsys):
     data = tmp_path / "shared" / "data"
     for name, rows in (("sst2", SST2), ("stsb", STSB)):
         (data / name).mkdir(parents=True)
         (data / name / "dev.tsv").write_text("\n".join(rows) + "\n")
     work = tmp_path / "repo"
-    work.mkdir()
+    (work / "artifacts").mkdir(parents=True)
+    (work / "artifacts" / "sst2-minilm").symlink_to(checkpoint, target_is_directory=True)
     monkeypatch.chdir(work)
+    real_load = mixlens.lens.load
+
+    def load(*args: object, **kwargs: object) -> mixlens.Lens:
+        return real_load(*args, **{**kwargs, "allow_random_head": True})
+
+    monkeypatch.setattr(mixlens.lens, "load", load)
+    monkeypatch.setattr(mixlens, "load", load)
     ns: dict = {"__name__": f"docs_{path.stem}", **given}
     ran = 0
     for line, lang, code, skip in blocks(path):

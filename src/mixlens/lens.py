@@ -63,14 +63,14 @@ def resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tu
     src = str(model)
     p = Path(src).expanduser()
     if gguf_file is not None:
-        for extra in ("gguf", "accelerate"):
-            if importlib.util.find_spec(extra) is None:
-                raise MixlensError(f"reading GGUF files needs the '{extra}' package: pip install \"mixlens[gguf]\"")
         if not p.is_dir():
             raise MixlensError(f"'{src}' is not a directory (with gguf_file, the model is the folder holding it)")
         if not (p / gguf_file).is_file():
             present = sorted(f.name for f in p.glob("*.gguf"))
             raise MixlensError(f"no GGUF file '{gguf_file}' in '{src}'; present: {', '.join(present) or 'none'}")
+        for extra in ("gguf", "accelerate"):
+            if importlib.util.find_spec(extra) is None:
+                raise MixlensError(f"reading GGUF files needs the '{extra}' package: pip install \"mixlens[gguf]\"")
         return str(p), True
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
