@@ -99,8 +99,9 @@ def test_report_switches_and_shows_the_right_cells(drv, views, tmp_path):
     root = drv.find_element(By.CSS_SELECTOR, ".mlx-report")
     assert root.get_attribute("data-ready") == "1"
     n = len(res.tokens[0])
-    assert state(drv, root) == {**state(drv, root), "method": "attention", "layer": 0, "head": -1, "n": n}
-    np.testing.assert_allclose(shown(drv, root, n), res["attention"].input(0)[0], rtol=RTOL, atol=1e-7)
+    # the report opens on the decomposition (N-ResLN), not raw attention
+    assert state(drv, root) == {**state(drv, root), "method": "norm_resln", "layer": 0, "head": -1, "n": n}
+    np.testing.assert_allclose(shown(drv, root, n), res["norm_resln"].input(0)[0], rtol=RTOL, atol=1e-7)
 
     pick(root, "method", "norm")
     pick(root, "layer", "3")
@@ -164,8 +165,8 @@ def test_notebook_outputs_do_not_clash(drv, views, tmp_path):
     pick(second, "layer", "4")
     pick(second, "head", "2")
     np.testing.assert_allclose(shown(drv, second, n), heads["norm"].input(0)[4, 2], rtol=RTOL, atol=1e-7)
-    assert (state(drv, first)["layer"], state(drv, first)["method"]) == (0, "attention")
-    np.testing.assert_allclose(shown(drv, first, n), res["attention"].input(0)[0], rtol=RTOL, atol=1e-7)
+    assert (state(drv, first)["layer"], state(drv, first)["method"]) == (0, "norm_resln")
+    np.testing.assert_allclose(shown(drv, first, n), res["norm_resln"].input(0)[0], rtol=RTOL, atol=1e-7)
     pick(first, "method", "norm")
     assert state(drv, second)["method"] == "norm" and state(drv, second)["layer"] == 4
     assert drv.execute_script("return typeof mlxMount === 'undefined' && typeof mlxViewer === 'undefined'")
@@ -187,7 +188,7 @@ def test_viewer_analyses_typed_text(drv, bundled):
         root = WebDriverWait(drv, 60).until(lambda d: d.find_element(By.CSS_SELECTOR, ".mlx-report[data-ready='1']"))
         ref = bundled.analyze(["The dog chased the ball."], ["attention", "norm_resln"], heads=True)
         n = len(ref.tokens[0])
-        np.testing.assert_allclose(shown(drv, root, n), ref["attention"].input(0)[0].mean(0), rtol=RTOL, atol=1e-7)
+        np.testing.assert_allclose(shown(drv, root, n), ref["norm_resln"].input(0)[0], rtol=RTOL, atol=1e-7)
         pick(root, "method", "norm_resln")
         pick(root, "layer", "5")
         np.testing.assert_allclose(shown(drv, root, n), ref["norm_resln"].input(0)[5], rtol=RTOL, atol=1e-7)
