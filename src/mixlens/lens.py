@@ -18,7 +18,7 @@ from mixlens import methods as method_registry
 from mixlens.adapters import Adapter, family_for, resolve
 from mixlens.errors import MixlensError
 from mixlens.pipeline import Targets, needs_capture, plan_batches, resolve_targets, run_methods, trace_flags
-from mixlens.result import Analysis, Attribution, Blocks
+from mixlens.result import Analysis, Attribution, BiasBlocks, Blocks
 from mixlens.trace import Edit, Trace, run_traced
 
 DEFAULT_METHODS = ("attention", "norm", "norm_res", "norm_resln")
@@ -361,7 +361,8 @@ class Lens:
         parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {s.name: [] for s in specs}
         extras: dict[str, dict[str, list[tuple[np.ndarray, np.ndarray]]]] = {s.name: {} for s in specs}
         ratios: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-        biases: list[tuple[np.ndarray, np.ndarray]] = []
+        scales: list[tuple[np.ndarray, np.ndarray]] = []  # s_i per batch, for the bias (built when read)
+        bias_terms: np.ndarray | None = None
         errors: np.ndarray | None = None
         tokens: list[list[str]] = [[] for _ in range(n_in)]
         words: list[list[int | None]] = [[] for _ in range(n_in)]
@@ -397,7 +398,8 @@ class Lens:
                     ratios.setdefault(view, []).append((idx, r.cpu().numpy()))
                 errors = np.zeros(n_in, np.float32) if errors is None else errors
                 errors[idx] = step.norms.error.amax(1).cpu().numpy()
-                biases.append((idx, step.norms.bias.cpu().numpy()))
+                scales.append((idx, step.norms.scale.cpu().numpy()))
+                bias_terms = step.norms.bias_terms.cpu().numpy()
             for k, b in enumerate(batch.index):
                 tokens[b], words[b] = enc.tokens[k], enc.words[k]
             if on_batch:
@@ -427,7 +429,7 @@ class Lens:
             attributions=attributions,
             ratios={v: Blocks(p, ("layer", "target"), lengths) for v, p in ratios.items()},
             reconstruction_error=errors,
-            bias=Blocks(biases, ("layer", "target", "hidden"), lengths) if biases else None,
+            bias=None if bias_terms is None else BiasBlocks(Blocks(scales, ("layer", "target"), lengths), bias_terms),
         )
 
     def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: Any):

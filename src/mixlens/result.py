@@ -185,6 +185,44 @@ class Blocks:
         return cls.checked(parts, dims, lengths, what, rows)
 
 
+
+class BiasBlocks(Blocks):
+    """The bias part of the norm output, g_i(b_O) + β = P(b_O) / s_i + β: [rows, layer, target, hidden] per block,
+    built when read from what is stored, the per-token scale s_i (`scale`, a Blocks of [layer, target], 0 at
+    padding) and the per-layer `terms` [layer, 2, hidden] (P(b_O), β). Holds L·n instead of L·n·d floats per
+    input."""
+
+    def __init__(self, scale: Blocks, terms: np.ndarray):
+        self.scale, self.terms = scale, terms
+        self.dims, self.lengths = ("layer", "target", "hidden"), scale.lengths
+        self._where, self._full = scale._where, None
+
+    def _bias(self, s: np.ndarray) -> np.ndarray:
+        """[rows, L, n] scales → [rows, L, n, d] bias, 0 at padding."""
+        inv = np.divide(1, s, out=np.zeros_like(s), where=s > 0)
+        return (inv[..., None] * self.terms[:, 0, None] + self.terms[:, 1, None]) * (s > 0)[..., None]
+
+    @property
+    def parts(self) -> list[tuple[np.ndarray, np.ndarray]]:  # type: ignore[override]
+        return [(i, self._bias(s)) for i, s in self.scale.parts]
+
+    @property
+    def nbytes(self) -> int:
+        return self.scale.nbytes + self.terms.nbytes
+
+    def row(self, b: int) -> np.ndarray:
+        return self._bias(self.scale.row(b)[None])[0]
+
+    @classmethod
+    def concat(cls, stores: Sequence[Blocks], lengths: list[int]) -> Blocks:
+        """Lazy again when every store is a BiasBlocks of the same per-layer terms."""
+        if all(isinstance(s, BiasBlocks) for s in stores):
+            lazy = [s for s in stores if isinstance(s, BiasBlocks)]
+            if all(np.array_equal(s.terms, lazy[0].terms) for s in lazy):
+                return cls(Blocks.concat([s.scale for s in lazy], lengths), lazy[0].terms)
+        return Blocks.concat(stores, lengths)
+
+
 # ---- reading untrusted files ----
 
 
@@ -959,7 +997,7 @@ class Analysis:
         bias = (
             None
             if first.bias_store is None
-            else Blocks.concat([a.bias_store for a in analyses if a.bias_store is not None], lengths)
+            else BiasBlocks.concat([a.bias_store for a in analyses if a.bias_store is not None], lengths)
         )
         err = (
             None
