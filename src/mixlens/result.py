@@ -185,7 +185,6 @@ class Blocks:
         return cls.checked(parts, dims, lengths, what, rows)
 
 
-
 class BiasBlocks(Blocks):
     """The bias part of the norm output, g_i(b_O) + β = P(b_O) / s_i + β: [rows, layer, target, hidden] per block,
     built when read from what is stored, the per-token scale s_i (`scale`, a Blocks of [layer, target], 0 at
