@@ -3,11 +3,14 @@ norm_resln + mixing ratios, reconstruction check, result assembly), relative to 
 
 Ratio = time(`lens.analyze(texts)`, end to end: tokenisation, traced forward, decomposition, results) /
 time(plain forward with output_attentions=True on already tokenised inputs), medians of interleaved repeats in
-one run. "internal" leaves out tokenisation and result assembly (traced forward + `run_methods`); "vs
-tokenize+forward" also counts the tokenizer call in the plain side. Peak RSS of the 512-token cases is
-measured in fresh subprocesses.
+one run (the ratio of the fastest runs is printed beside it: under load it is the steadier of the two). The
+parts: "traced" = `lens.trace` (the forward pass with capture hooks, stopped after the last attention block),
+"decomposition" = `run_methods` on that trace, "rest" = analyze − traced − decomposition (tokenisation, batching,
+result assembly); "vs tokenize+forward" also counts the tokenizer call in the plain side. Peak RSS of the
+512-token cases is measured in fresh subprocesses. The load average is printed before and after: quote numbers
+only from an idle machine.
 
-    python benchmarks/bench_core.py [--repeats 7]
+    python benchmarks/bench_core.py [--repeats 9] [--no-rss]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -28,6 +32,7 @@ import mixlens
 from mixlens.lens import DEFAULT_METHODS
 from mixlens.pipeline import run_methods, trace_flags
 
+TARGET = 1.3  # issue #15 item 8: analyze / plain forward at every size
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.tsv"
 
 
@@ -40,8 +45,10 @@ def sst2_sentences(k: int) -> list[str]:
 
 
 def long_text(lens: mixlens.Lens, n_tokens: int) -> str:
-    words = ("the quick brown fox jumps over the lazy dog while a small bird sings in the old tree , "
-             "and the river runs quietly past the sleeping town .").split()
+    words = (
+        "the quick brown fox jumps over the lazy dog while a small bird sings in the old tree , "
+        "and the river runs quietly past the sleeping town ."
+    ).split()
     text = " ".join(words[i % len(words)] for i in range(n_tokens * 2))
     ids = lens.tokenizer(text)["input_ids"][1 : n_tokens - 1]
     return lens.tokenizer.decode(ids)
@@ -53,29 +60,48 @@ def analysis(lens: mixlens.Lens, texts: list[str]) -> None:
 
 def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float]:
     enc = lens.encode(texts)
-    fwd, tok_fwd, ana, internal = [], [], [], []
+    times: dict[str, list[float]] = {k: [] for k in ("forward", "analyze", "traced", "decomposition", "tok_fwd")}
     ffn, full = trace_flags(DEFAULT_METHODS)
     with torch.no_grad():
-        lens.model(**enc.inputs, output_attentions=True)
-        analysis(lens, texts)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+        for _ in range(2):  # warm-up: compiled kernels, caches, the allocator
             lens.model(**enc.inputs, output_attentions=True)
+            analysis(lens, texts)
+        for _ in range(repeats):  # each call's result is dropped after its timer stops, as a caller keeps it
+            t0 = time.perf_counter()
+            out = lens.model(**enc.inputs, output_attentions=True)
             t1 = time.perf_counter()
-            lens.analyze(texts)
+            del out
+            t1b = time.perf_counter()
+            res = lens.analyze(texts)
             t2 = time.perf_counter()
-            run_methods(lens.trace(enc, ffn=ffn, full=full), DEFAULT_METHODS)
+            del res
+            t2b = time.perf_counter()
+            trace = lens.trace(enc, ffn=ffn, full=full)
             t3 = time.perf_counter()
-            inputs = lens.tokenizer(texts, padding=True, return_tensors="pt")
-            lens.model(**inputs, output_attentions=True)
+            step = run_methods(trace, DEFAULT_METHODS)
             t4 = time.perf_counter()
-            fwd.append(t1 - t0)
-            ana.append(t2 - t1)
-            internal.append(t3 - t2)
-            tok_fwd.append(t4 - t3)
-    f, a, i, tf = (statistics.median(x) for x in (fwd, ana, internal, tok_fwd))
-    return {"tokens": enc.inputs["input_ids"].shape[1], "batch": len(texts), "forward_s": f, "analyze_s": a,
-            "ratio": a / f, "internal_ratio": i / f, "ratio_vs_tokenize_forward": a / tf}
+            del trace, step
+            t4b = time.perf_counter()
+            inputs = lens.tokenizer(texts, padding=True, return_tensors="pt")
+            out = lens.model(**inputs, output_attentions=True)
+            t5 = time.perf_counter()
+            del out
+            for key, dt in zip(times, (t1 - t0, t2 - t1b, t3 - t2b, t4 - t3, t5 - t4b), strict=True):
+                times[key].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    f = med["forward"]
+    return {
+        "tokens": enc.inputs["input_ids"].shape[1],
+        "batch": len(texts),
+        "forward_s": f,
+        "analyze_s": med["analyze"],
+        "ratio": med["analyze"] / f,
+        "ratio_of_fastest": min(times["analyze"]) / min(times["forward"]),
+        "traced": med["traced"] / f,
+        "decomposition": med["decomposition"] / f,
+        "rest": (med["analyze"] - med["traced"] - med["decomposition"]) / f,
+        "ratio_vs_tokenize_forward": med["analyze"] / med["tok_fwd"],
+    }
 
 
 def peak_rss(model: str, n_tokens: int) -> float:
@@ -105,27 +131,44 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     args = ap.parse_args()
     lens = mixlens.load()
+    print(
+        f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}, torch threads {torch.get_num_threads()}"
+    )
     rows = {
         "(a) 32 SST-2 dev sentences": ratio(lens, sst2_sentences(32), args.repeats),
         "(b) one 128-token input": ratio(lens, [long_text(lens, 128)], args.repeats),
-        "(c) one 512-token input": ratio(lens, [long_text(lens, 512)], max(3, args.repeats // 2)),
+        "(c) one 512-token input": ratio(lens, [long_text(lens, 512)], args.repeats),
     }
     for name, r in rows.items():
-        print(f"{name:32s} tokens={r['tokens']:4d} forward={1e3 * r['forward_s']:8.1f} ms "
-              f"analyze={1e3 * r['analyze_s']:8.1f} ms  ratio={r['ratio']:.2f}  (internal {r['internal_ratio']:.2f}, "
-              f"vs tokenize+forward {r['ratio_vs_tokenize_forward']:.2f})")
-    rss = {} if args.no_rss else {"bundled 512": peak_rss("bundled", 512),
-                                  "bert-base 512": peak_rss("bert-base-random", 512)}
+        print(
+            f"{name:28s} tokens={r['tokens']:4d} forward={1e3 * r['forward_s']:7.1f} ms "
+            f"analyze={1e3 * r['analyze_s']:7.1f} ms  ratio={r['ratio']:.2f} (fastest {r['ratio_of_fastest']:.2f}, "
+            f"target <= {TARGET})  traced {r['traced']:.2f} + decomposition {r['decomposition']:.2f} + rest "
+            f"{r['rest']:.2f}; vs tokenize+forward {r['ratio_vs_tokenize_forward']:.2f}"
+        )
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    rss = (
+        {}
+        if args.no_rss
+        else {"bundled 512": peak_rss("bundled", 512), "bert-base 512": peak_rss("bert-base-random", 512)}
+    )
     for k, v in rss.items():
         print(f"peak RSS {k:14s} {v:.2f} GiB")
-    print(json.dumps({"ratios": {k: round(v["ratio"], 3) for k, v in rows.items()},
-                      "peak_rss_gib": {k: round(v, 3) for k, v in rss.items()},
-                      "torch_threads": torch.get_num_threads(),
-                      "self_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+    print(
+        json.dumps(
+            {
+                "ratios": {k: round(v["ratio"], 3) for k, v in rows.items()},
+                "parts": {k: {p: round(v[p], 3) for p in ("traced", "decomposition", "rest")} for k, v in rows.items()},
+                "peak_rss_gib": {k: round(v, 3) for k, v in rss.items()},
+                "torch_threads": torch.get_num_threads(),
+                "self_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
