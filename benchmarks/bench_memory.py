@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -36,10 +37,22 @@ def main() -> None:
     n = ap.parse_args().short
     out = subprocess.run([sys.executable, "-c", CODE.format(n=n)], capture_output=True, text=True, check=True)
     base, peak, held, dt = map(float, out.stdout.split())
-    print(f"{n} short inputs + one 512-token input: peak RSS {peak:.2f} GiB (after loading the model {base:.2f}), "
-          f"results held {held:.3f} GiB, analyze {dt:.1f} s")
-    print(json.dumps({"short": n, "peak_rss_gib": round(peak, 3), "model_loaded_rss_gib": round(base, 3),
-                      "results_gib": round(held, 4), "seconds": round(dt, 1)}))
+    print(
+        f"{n} short inputs + one 512-token input: peak RSS {peak:.2f} GiB (after loading the model {base:.2f}), "
+        f"results held {held:.3f} GiB, analyze {dt:.1f} s; target < 2 GB: {'met' if peak * 2**30 < 2e9 else 'OVER'}; "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print(
+        json.dumps(
+            {
+                "short": n,
+                "peak_rss_gib": round(peak, 3),
+                "model_loaded_rss_gib": round(base, 3),
+                "results_gib": round(held, 4),
+                "seconds": round(dt, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
