@@ -11,7 +11,7 @@ from mixlens.cli import main
 from mixlens.errors import MixlensError
 from mixlens.methods.saliency import output_attribution
 
-from .conftest import random_model
+from .conftest import random_lens, random_model
 
 TEXTS = ["A dog barked.", "Short one, a bit longer."]
 
@@ -140,3 +140,49 @@ def test_output_saliency_runs_no_captured_forward(tokenizer, monkeypatch):
         for b in range(len(TEXTS)):
             n = len(an.tokens[b])
             torch.testing.assert_close(torch.from_numpy(an[k].values[b, :n]), v[b, :n])
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
+def test_lm_logits_only_at_target(tokenizer, family, per_row, monkeypatch):
+    """A causal LM's target logit is computed at its position only (`logits_to_keep`: one row per input, or the
+    batch's positions where the model code takes only a 1-D one), with the numbers of the full-logit model:
+    plain autograd and captum's IntegratedGradients on f(e) = logits[b, position, token] of all positions."""
+    from captum.attr import IntegratedGradients
+
+    lens = random_lens(family, tokenizer, head="AutoModelForCausalLM")
+    if not per_row:
+        monkeypatch.setattr("mixlens.methods.saliency.per_row_keep", lambda model: False)
+    tr = lens.trace(["A dog barked.", "Short one, a bit longer.", "A cat."])  # three lengths, right padding
+    b = tr.mask.shape[0]
+    others = {k: v for k, v in tr.inputs.items() if k != "input_ids"}
+    e = lens.model.get_input_embeddings()(tr.inputs["input_ids"]).detach()
+
+    def f(emb, at, tok, *more):  # the full-logit model's target logit
+        out = lens.model(inputs_embeds=emb, **dict(zip(others, more, strict=True)))
+        return out.logits[torch.arange(len(at)), at, tok]
+
+    rows_in: list[tuple[int, ...]] = []
+    head = lens.model.get_output_embeddings().register_forward_hook(lambda m, a, o: rows_in.append(a[0].shape))
+    try:
+        for target, position, at in (("pred", None, tr.mask.sum(-1) - 1), (7, 2, torch.full((b,), 2))):
+            rows_in.clear()
+            res = output_attribution(tr, "grad_x_input", target=target, position=position)
+            assert rows_in == [(b, 1 if per_row else len(set(at.tolist())), 64)]  # not [b, n, d]
+            x = e.clone().requires_grad_(True)
+            full = lens.model(inputs_embeds=x, **others).logits[torch.arange(b), at]  # [B, vocab]
+            tok = full.argmax(-1) if target == "pred" else torch.full((b,), target)
+            value = full[torch.arange(b), tok]
+            (grad,) = torch.autograd.grad(value.sum(), x)
+            torch.testing.assert_close(res.target_value, value.detach())
+            torch.testing.assert_close(res.raw, grad * e)
+
+            ig = output_attribution(tr, "integrated_gradients", target=target, position=position, steps=8)
+            extra = (at, tok, *others.values())
+            ref, delta = IntegratedGradients(f).attribute(
+                e, additional_forward_args=extra, n_steps=8, return_convergence_delta=True
+            )
+            torch.testing.assert_close(ig.raw, ref)
+            torch.testing.assert_close(ig.delta, delta, atol=1e-5, rtol=1e-4)
+    finally:
+        head.remove()

@@ -4,12 +4,14 @@ The scalar f is a class logit (sequence classifier), a token's logit at one posi
 causal LM: the last token), or any function `target(model_output, inputs) -> [B]` given in Python. Attribution is
 at the word-embedding output e_j (the engine's edit point `embed` replaces it, so position embeddings and
 LayerNorm are applied exactly once), reduced over hidden dims: ‖·‖₂ (default), ‖·‖₁ or the signed sum. Integrated
-gradients come from captum; with reduction='sum' they satisfy Σ_j IG_j ≈ f(x) − f(baseline) up to the
-convergence delta captum reports.
+gradients come from captum; with reduction='sum' they satisfy Σ_j IG_j ≈ f(x) − f(baseline) up to captum's
+convergence delta Σ_j IG_j − (f(x) − f(baseline)). An LM target's logits are computed at its position only.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,11 +63,49 @@ def _check_target(target: Target) -> None:
         raise MixlensError(f"target must be 'pred', a class/token index or a Python callable, got {target!r}")
 
 
+def per_row_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's code reads a 2-D `logits_to_keep` as positions per row (transformers'
+    `slice_logits_to_keep`); older model code indexes the position axis with it, which takes only a 1-D one."""
+    return getattr(sys.modules[type(model).__module__], "slice_logits_to_keep", None) is not None
+
+
+class LogitRows:
+    """Which logit rows an LM forward computes. Models whose forward takes transformers' `logits_to_keep` compute
+    them only at the target positions, so the head's forward and backward cost scale with inputs, not tokens: each
+    row's own position (2-D `logits_to_keep` [R, 1], `each`) or, where the model's code only takes a 1-D one, the
+    union of the batch's positions (`kept` [K]). Any other model (or a Python callable target) computes all.
+    `at` [B]: each input's target position (each), its index among `kept`, or None (decided from the logits)."""
+
+    def __init__(self, trace: Trace, target: Target, position: int | None):
+        self.each, self.kept, self.at = False, None, None
+        model = trace.model
+        if callable(target) or model.get_output_embeddings() is None:
+            return
+        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+            return
+        pos = _positions(trace, position).to(trace.mask.device)
+        if per_row_keep(model):
+            self.each, self.at = True, pos
+        else:
+            self.kept, self.at = torch.unique(pos, return_inverse=True)
+
+    def kwargs(self, at: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The model call's keyword arguments for rows whose targets are `at` [R] (None: not an LM target)."""
+        if self.each and at is not None:
+            return {"logits_to_keep": at[:, None]}
+        return {} if self.kept is None else {"logits_to_keep": self.kept}
+
+    def index(self, at: torch.Tensor) -> torch.Tensor:
+        """Each row's index [R] on the position axis of the logits computed with `kwargs(at)`."""
+        return torch.zeros_like(at) if self.each else at
+
+
 def _selector(
-    trace: Trace, target: Target, position: int | None, logits: torch.Tensor | None
+    trace: Trace, target: Target, position: int | None, logits: torch.Tensor | None, rows: LogitRows
 ) -> tuple[Callable, tuple[torch.Tensor, ...]]:
-    """(select(output, inputs, *extra) -> [B], extra per-input tensors); extra rows travel with captum's batch.
-    `logits`: the model's output at the real inputs ([B, classes] or [B, n, vocab]), which 'pred' reads."""
+    """(select(output, inputs, *extra) -> [B], extra per-input tensors); extra rows travel with captum's batch (for
+    an LM target the first is `at`, see `LogitRows`). `logits`: the model's output at the real inputs, computed with
+    `rows.kwargs(rows.at)` ([B, classes] or [B, positions, vocab]), which 'pred' reads."""
     _check_target(target)
     if callable(target):
         return (lambda out, inputs: target(out, inputs)), ()
@@ -80,43 +120,44 @@ def _selector(
             raise MixlensError(f"class {target} out of range; the model has {logits.shape[-1]} classes")
         cls = torch.full((logits.shape[0],), target, device=dev) if isinstance(target, int) else logits.argmax(-1)
         return (lambda out, inputs, c: out.logits.gather(1, c[:, None])[:, 0]), (cls,)
-    pos = _positions(trace, position).to(dev)  # [B, n, vocab]
-    rows = logits[torch.arange(logits.shape[0], device=dev), pos]
-    if isinstance(target, int) and not 0 <= target < rows.shape[-1]:
-        raise MixlensError(f"token id {target} out of range; the vocabulary has {rows.shape[-1]} entries")
-    tok = torch.full((rows.shape[0],), target, device=dev) if isinstance(target, int) else rows.argmax(-1)
+    at = rows.at if rows.at is not None else _positions(trace, position).to(dev)  # [B, positions, vocab]
+    target_rows = logits[torch.arange(logits.shape[0], device=dev), rows.index(at)]
+    if isinstance(target, int) and not 0 <= target < target_rows.shape[-1]:
+        raise MixlensError(f"token id {target} out of range; the vocabulary has {target_rows.shape[-1]} entries")
+    tok = torch.full((logits.shape[0],), target, device=dev) if isinstance(target, int) else target_rows.argmax(-1)
 
-    def pick(out, inputs, p, t):
-        return out.logits[torch.arange(p.shape[0], device=p.device), p, t]
+    def pick(out, inputs, a, t):
+        return out.logits[torch.arange(a.shape[0], device=a.device), rows.index(a), t]
 
-    return pick, (pos, tok)
+    return pick, (at, tok)
 
 
-def _forward(trace: Trace, emb: torch.Tensor, inputs: dict[str, torch.Tensor]):
+def _forward(trace: Trace, emb: torch.Tensor, inputs: dict[str, torch.Tensor], kwargs: dict[str, torch.Tensor]):
     """The model's output with the word embeddings replaced by `emb` [B, n, d] (edit point `embed`, no capture)."""
     with hooked(trace.adapter, {"embed": lambda _: emb}):
-        return trace.model(**inputs)
+        return trace.model(**inputs, **kwargs)
 
 
 def scalar_fn(
     trace: Trace, target: Target = "pred", position: int | None = None
-) -> tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...]]:
-    """(f(emb [B, n, d], *inputs, *extra) -> [B], the real word embeddings e [B, n, d], (*inputs, *extra)).
-    'pred' reads the trace's logits, or (a trace without a forward pass) those of one plain forward."""
+) -> tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    """(f(emb [B, n, d], *inputs, *extra) -> [B], the real word embeddings e [B, n, d], (*inputs, *extra), f(e) [B]).
+    One plain forward at e gives f(e) and the logits that 'pred' reads."""
     keys = list(trace.inputs)
     _check_target(target)
+    rows = LogitRows(trace, target, position)
     with torch.no_grad():
         emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"])
-        logits = trace.logits
-        if logits is None and not callable(target):
-            logits = getattr(trace.model(**trace.inputs), "logits", None)
-    select, extra = _selector(trace, target, position, logits)
+        out = _forward(trace, emb, trace.inputs, rows.kwargs(rows.at))
+        select, extra = _selector(trace, target, position, getattr(out, "logits", None), rows)
+        value = select(out, trace.inputs, *extra)
 
     def f(emb: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         inputs = dict(zip(keys, args[: len(keys)], strict=True))
-        return select(_forward(trace, emb, inputs), inputs, *args[len(keys) :])
+        more = args[len(keys) :]
+        return select(_forward(trace, emb, inputs, rows.kwargs(more[0] if more else None)), inputs, *more)
 
-    return f, emb, (*trace.inputs.values(), *extra)
+    return f, emb, (*trace.inputs.values(), *extra), value
 
 
 def reduce_hidden(raw: torch.Tensor, reduction: str, mask: torch.Tensor) -> torch.Tensor:
@@ -161,17 +202,18 @@ def output_attribution(
     get(kind).check({"target": target, "position": position, "reduction": reduction, **ig})  # declared options
     if kind != "integrated_gradients":
         _check_target(target)
+        rows = LogitRows(trace, target, position)
         with torch.enable_grad():
             x = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"]).detach().requires_grad_(True)
-            out = _forward(trace, x, trace.inputs)  # one forward: 'pred' reads its own logits when the trace has none
-            logits = trace.logits if trace.logits is not None or callable(target) else getattr(out, "logits", None)
-            select, extra = _selector(trace, target, position, None if logits is None else logits.detach())
+            out = _forward(trace, x, trace.inputs, rows.kwargs(rows.at))  # one forward: 'pred' reads its logits
+            logits = getattr(out, "logits", None)
+            select, extra = _selector(trace, target, position, None if logits is None else logits.detach(), rows)
             value = select(out, trace.inputs, *extra)
             (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂f_b/∂e
         raw = grad if kind == "saliency" else grad * x.detach()
         return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw, value.detach())
-    rows = _chunk_rows(trace, steps, internal_batch_size)
-    f, emb, args = scalar_fn(trace, target, position)
+    chunk = _chunk_rows(trace, steps, internal_batch_size)
+    f, emb, args, value = scalar_fn(trace, target, position)
     from captum.attr import IntegratedGradients
 
     base = torch.zeros_like(emb)
@@ -182,17 +224,14 @@ def output_attribution(
         with torch.no_grad():
             base = trace.adapter.base.get_input_embeddings()(torch.full_like(trace.inputs["input_ids"], pad_id))
     with torch.enable_grad():
-        raw, delta = IntegratedGradients(f).attribute(
-            emb,
-            baselines=base,
-            additional_forward_args=args,
-            n_steps=steps,
-            internal_batch_size=rows,
-            return_convergence_delta=True,
+        ig = IntegratedGradients(f).attribute(
+            emb, baselines=base, additional_forward_args=args, n_steps=steps, internal_batch_size=chunk
         )
+    raw = ig.detach()
     with torch.no_grad():
-        value, base_value = f(emb, *args), f(base, *args)
-    return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw.detach(), value, base_value, delta.detach())
+        base_value = f(base, *args)
+    delta = raw.flatten(1).sum(1) - (value - base_value)  # captum's convergence delta, from f(x) computed once
+    return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw, value, base_value, delta)
 
 
 TARGET = (
