@@ -33,7 +33,17 @@ from mixlens.explain.targets import Readout, scores
 if TYPE_CHECKING:
     from mixlens.methods.registry import Method
 
-MAPS = ("attention", "attention_rollout", "globenc_rollout", "alti_rollout", "value_zeroing_rollout", "hta")
+MAPS = (
+    "attention",
+    "attention_rollout",
+    "norm_rollout",
+    "norm_res_rollout",
+    "norm_resln_rollout",
+    "globenc_rollout",
+    "alti_rollout",
+    "value_zeroing_rollout",
+    "hta",
+)
 GRADIENT = ("saliency", "grad_x_input", "integrated_gradients")
 CAPTUM = ("occlusion", "deeplift", "gradient_shap", "lime")
 SLOW = ("hta",)  # exact forward-mode Jacobians: n·d JVPs per input; left out of the default set
