@@ -173,3 +173,34 @@ def test_an_emptied_input_is_read_as_the_start_token(tokenizer):
     idx = torch.tensor([5])
     f = _forward_f(lens, "causal", "", [(), (start,)], [0, 0], idx, torch.zeros(1, 1))
     assert f[0] == f[1] and 0 < f[0] < 1
+
+
+def test_cli_mask_removal_without_a_mask_token_writes_nothing(classifier, tmp_path, capsys):
+    from copy import deepcopy
+
+    tok = deepcopy(classifier.tokenizer)
+    tok.mask_token = None
+    model_dir = tmp_path / "no-mask"
+    classifier.model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "d.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{t}\t1\n" for t in TEXTS))
+    dest = tmp_path / "never"
+    rc, out, err = run_cli(["evaluate", "--model", str(model_dir), "--data", str(data), "--removal", "mask",
+                            "--method", "attention", "--out", str(dest)], capsys)
+    assert rc == 2 and "needs a model with a mask token" in err and len(err.strip().splitlines()) == 1
+    assert not dest.exists() and out == ""
+
+
+def test_cli_model_head_and_its_deprecated_alias(saved, tmp_path, capsys):
+    data = tmp_path / "d.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{t}\t1\n" for t in TEXTS[:1]))
+    base = ["evaluate", "--model", str(saved), "--data", str(data), "--method", "attention", "--format", "json"]
+    rc, out, err = run_cli([*base, "--model-head", "sequence-classification", "--out", str(tmp_path / "a")], capsys)
+    assert rc == 0 and "deprecated" not in err
+    new = json.loads(out)
+    rc, out, err = run_cli([*base, "--head", "sequence-classification", "--out", str(tmp_path / "b")], capsys)
+    assert rc == 0 and "--head is deprecated" in err
+    assert json.loads(out)["metrics"]["attention"]["aopc"] == new["metrics"]["attention"]["aopc"]
+    rc, _, err = run_cli([*base, "--model-head", "base", "--head", "causal-lm", "--out", str(tmp_path / "c")], capsys)
+    assert rc == 2 and "give the model head once" in err and not (tmp_path / "c").exists()

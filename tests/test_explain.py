@@ -165,11 +165,27 @@ def test_cli_json_schema_and_html(saved, tmp_path, capsys):
     (["--model", "lm", "--target", "the", "--foil", "the"], "is the target itself"),
     (["--model", "clf", "--generate", "2"], "needs a causal language model"),
 ])
-def test_cli_bad_input_one_line_exit_2(saved, tmp_path, capsys, args, message):
+@pytest.mark.parametrize("fmt", ["json", "html"])
+def test_cli_bad_input_one_line_exit_2(saved, tmp_path, capsys, monkeypatch, args, message, fmt):
     args = [a if a not in ("clf", "lm") else str(saved / a) for a in args]
-    dest = tmp_path / "never.json"
-    rc, out, err = run_cli(["explain", "a charming film", "--method", "attention", "--out", str(dest), *args], capsys)
-    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and not dest.exists()
+    dest = tmp_path / "never"
+    monkeypatch.chdir(tmp_path)  # html without --out would write mixlens-explain.html here
+    rc, out, err = run_cli(["explain", "a charming film", "--method", "attention", "--format", fmt, *args], capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and out == ""
+    rc, out, err = run_cli(["explain", "a charming film", "--method", "attention", "--format", fmt,
+                            "--out", str(dest), *args], capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_model_head_and_its_deprecated_alias(saved, capsys):
+    base = ["explain", "a charming film", "--model", str(saved / "clf"), "--method", "attention", "--format", "json"]
+    rc, out, err = run_cli([*base, "--model-head", "sequence-classification"], capsys)
+    assert rc == 0 and "deprecated" not in err
+    rc, old, err = run_cli([*base, "--head", "sequence-classification"], capsys)
+    assert rc == 0 and "--head is deprecated" in err and json.loads(old) == json.loads(out)
+    rc, helptext, _ = run_cli(["explain", "--help"], capsys)
+    assert rc == 0 and "--model-head" in helptext and "--head" not in helptext  # the old name is hidden
 
 
 def test_lens_explain_and_notebook_view(classifier):
