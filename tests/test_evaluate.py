@@ -204,3 +204,25 @@ def test_cli_model_head_and_its_deprecated_alias(saved, tmp_path, capsys):
     assert json.loads(out)["metrics"]["attention"]["aopc"] == new["metrics"]["attention"]["aopc"]
     rc, _, err = run_cli([*base, "--model-head", "base", "--head", "causal-lm", "--out", str(tmp_path / "c")], capsys)
     assert rc == 2 and "give the model head once" in err and not (tmp_path / "c").exists()
+
+
+def test_notes_name_the_methods_left_out(classifier):
+    ev = evaluate(classifier, TEXTS[:1], ["attention"])
+    assert ev.notes[0].startswith("not evaluated: ") and "decompx_classes" in ev.notes[0]
+    assert any("left out of the default set" in n and "hta" in n for n in ev.notes)
+    assert not any("hta" in n for n in evaluate(classifier, TEXTS[:1], ["attention", "hta"]).notes)
+
+
+def test_shared_attributions_and_the_json_round_trip(classifier):
+    from mixlens.explain.evaluate import Evaluation, evaluate_removals
+
+    both = evaluate_removals(classifier, TEXTS, ["attention", "grad_x_input"], removals=("delete", "mask"),
+                             batch_size=2)
+    for removal, ev in both.items():
+        alone = evaluate(classifier, TEXTS, ["attention", "grad_x_input"], removal=removal, batch_size=2)
+        assert ev.removal == removal and ev.metrics() == alone.metrics()
+        t = ev.timings
+        assert t["total"] == pytest.approx(t["attributions"] + t["forward"] + t["own"]) and t["own"] > 0
+        back = Evaluation.from_json(json.loads(ev.dumps()))
+        assert back.metrics() == ev.metrics() and back.curves() == ev.curves() and back.removal == removal
+    assert both["delete"].metrics() != both["mask"].metrics()

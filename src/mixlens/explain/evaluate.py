@@ -294,8 +294,14 @@ def evaluate_removals(
         raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
     kind = model_kind(lens.model)
     chosen = list(methods) if methods else attr.default_methods(kind)
-    notes = [] if methods else [f"left out of the default set (too slow on long runs): {', '.join(attr.SLOW)}"]
     real = attr.check_methods(kind, [m for m in chosen if m != RANDOM])
+    left = [m for m in attr.applicable(kind) if m not in real]
+    slow = [m for m in left if m in attr.SLOW]
+    notes = [f"not evaluated: {', '.join(left)}"] if left else []
+    if slow:
+        notes.append(
+            f"left out of the default set (too slow on long runs: n·d forward-mode JVPs per input): {', '.join(slow)}"
+        )
     all_methods = [*real, RANDOM]
     rng = np.random.default_rng(seed)
     shared: dict[str, float] = {}  # seconds per method (attributions)
