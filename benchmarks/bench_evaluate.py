@@ -58,9 +58,23 @@ def merge(parts: list[Evaluation]) -> Evaluation:
                       first.notes)
 
 
-def report(ev: Evaluation) -> None:
-    met, t, n = ev.metrics(), ev.timings, len(ev.examples)
-    print(f"\n{ev.removal}: {n} examples, ranked by AOPC")
+def markdown(ev: Evaluation, timed: int) -> str:
+    """The ranked table of docs/evaluate.md: each metric's mean [95 % interval], attribution seconds per example
+    (the timings are those of the first `timed` examples)."""
+    met, n = ev.metrics(), timed
+    rows = ["| method | AOPC | comprehensiveness | sufficiency ↓ | Spearman with ‖G×I‖ | attribution s/example |",
+            "|---|---|---|---|---|---|"]
+    for m in ev.ranking():
+        r = met[m]
+        cells = [f"{r[k]:.3f} [{r['ci95'][k][0]:.3f}, {r['ci95'][k][1]:.3f}]"
+                 for k in ("aopc", "comprehensiveness", "sufficiency", "spearman_gxi")]
+        rows.append(f"| `{m}` | {' | '.join(cells)} | {ev.timings.get(m, 0.0) / n:.2f} |")
+    return "\n".join(rows)
+
+
+def report(ev: Evaluation, timed: int) -> None:
+    met, t, n = ev.metrics(), ev.timings, timed
+    print(f"\n{ev.removal}: {len(ev.examples)} examples, ranked by AOPC (timings: {n} examples)")
     print(f"{'method':22s} {'AOPC':>7s} {'comp':>7s} {'suff':>7s} {'ρ G×I':>7s} {'s/example':>10s}")
     for m in ev.ranking():
         r = met[m]
@@ -86,11 +100,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--resume", action="store_true", help="continue from the examples saved in --out")
     ap.add_argument("--out", type=Path, default=Path("out/eval-sst2"))
+    ap.add_argument("--report", action="store_true", help="compute nothing: report the saved run(s) in --out")
+    ap.add_argument("--first", type=int, default=0, help="with --report: only the first N saved examples")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     removals = args.removal or ["delete"]
     dirs = {r: args.out / r if len(removals) > 1 else args.out for r in removals}
+    if args.report:
+        for d in dirs.values():
+            ev = Evaluation.from_json(json.loads((d / "evaluation.json").read_text()))
+            timed = len(ev.examples)
+            if args.first:
+                ev.examples = ev.examples[: args.first]
+            plot(ev, d / "evaluation.png")
+            report(ev, timed)
+            print(markdown(ev, timed))
+        return
     if args.data.suffix == ".conllu":
         texts = conllu_prefixes(args.data)[args.skip : args.skip + args.limit]
     else:
@@ -125,7 +151,7 @@ def main() -> None:
     for r in removals:
         ev = merge(parts[r])
         plot(ev, dirs[r] / "evaluation.png")
-        report(ev)
+        report(ev, len(ev.examples))
 
 
 if __name__ == "__main__":

@@ -226,3 +226,21 @@ def test_shared_attributions_and_the_json_round_trip(classifier):
         back = Evaluation.from_json(json.loads(ev.dumps()))
         assert back.metrics() == ev.metrics() and back.curves() == ev.curves() and back.removal == removal
     assert both["delete"].metrics() != both["mask"].metrics()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_causal_f_unembeds_only_the_last_positions(tokenizer, family):
+    """`_forward_f` on a causal LM (logits of the last real positions only) equals the full-logits definition."""
+    from mixlens.explain.evaluate import _forward_f, keeps_logits
+    from mixlens.explain.explain import pad_batch
+
+    lens = random_lens(family, tokenizer, head="AutoModelForCausalLM", seed=3)
+    assert keeps_logits(lens.model)
+    ids = [tokenizer(t)["input_ids"] for t in TEXTS]
+    seqs = [tuple(ids[0]), tuple(ids[1]), tuple(ids[2]), tuple(ids[2][:4]), tuple(ids[0][:2])]
+    owners, index = [0, 1, 2, 2, 0], torch.tensor([7, 11, 13])
+    got = _forward_f(lens, "causal", "", seqs, owners, index, torch.zeros(3, 1))
+    for s, o, g in zip(seqs, owners, got, strict=True):
+        with torch.no_grad():
+            p = lens.model(**pad_batch(lens, [list(s)])).logits[0, -1].softmax(-1)[index[o]]
+        assert g == pytest.approx(float(p), rel=1e-5, abs=1e-7)

@@ -225,6 +225,23 @@ def _special_mask(lens, ids: list[int]) -> np.ndarray:
     return np.array([r is not None and r != "unk" for r in lens.special_roles(ids)], dtype=bool)
 
 
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (the unembedding of chosen positions only)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _last_token_f(model: torch.nn.Module, inputs: dict[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """Causal LMs: the target token's probability at each row's last real token, unembedding only the distinct last
+    positions of the batch (sorted by length, so few) instead of all n: [B]."""
+    last = inputs["attention_mask"].sum(-1) - 1  # [B]
+    keep, where = torch.unique(last, return_inverse=True)
+    logits = model(**inputs, logits_to_keep=keep).logits  # [B, len(keep), V]
+    rows = logits[torch.arange(last.shape[0], device=last.device), where]  # [B, V]
+    return rows.float().softmax(-1).gather(1, index.to(rows.device)[:, None])[:, 0]
+
+
 def _forward_f(
     lens, kind: str, pool: str, seqs: list[tuple[int, ...]], owners: list[int], index: torch.Tensor, e0: torch.Tensor
 ) -> np.ndarray:
@@ -244,8 +261,12 @@ def _forward_f(
         inputs = pad_batch(lens, [list(seqs[i]) for i in rows])
         own = torch.tensor([owners[i] for i in rows])
         with torch.no_grad():
-            res = lens.model(**inputs)
-            f = scores(kind, pool, res, inputs["attention_mask"], index[own], torch.full((len(rows),), -1), e0[own])[1]
+            if kind == "causal" and keeps_logits(lens.model):
+                f = _last_token_f(lens.model, inputs, index[own])
+            else:
+                res = lens.model(**inputs)
+                mask = inputs["attention_mask"]
+                f = scores(kind, pool, res, mask, index[own], torch.full((len(rows),), -1), e0[own])[1]
         out[rows] = f.float().cpu().numpy()
         start = stop
     return out
