@@ -5,7 +5,9 @@
 
 Evaluates in chunks of `--chunk` inputs and rewrites DIR/evaluation.json (DIR/REMOVAL/evaluation.json for
 several removals; the attributions are computed once and shared) after each chunk, so a long run can be stopped and
-still reports every finished example; `--resume` continues from the saved examples. Prints the time per method,
+still reports every finished example; `--resume` continues from the saved examples. `--report` computes nothing
+and reports saved runs (`--part DIR`, repeatable: runs over consecutive slices of the inputs, merged into --out;
+`--first N`: the first N examples only). Prints the time per method,
 the perturbed forward passes and the evaluation's own cost (everything else) as a share of the total; the split is
 also in the JSON (`timings`).
 """
@@ -58,6 +60,19 @@ def merge(parts: list[Evaluation]) -> Evaluation:
                       first.notes)
 
 
+def consecutive(parts: list[Evaluation]) -> list[Evaluation]:
+    """Runs over consecutive slices of the inputs, each cut where the next one begins (a run stopped after passing
+    the next slice's start); the timings of a cut run are scaled by the share of its examples kept."""
+    out = []
+    for part, nxt in zip(parts, [*parts[1:], None], strict=True):
+        texts = [e.text for e in part.examples]
+        stop = texts.index(nxt.examples[0].text) if nxt is not None and nxt.examples[0].text in texts else len(texts)
+        share = stop / len(texts)
+        out.append(Evaluation(part.model, part.version, part.removal, part.methods, part.examples[:stop], part.seed,
+                              {k: v * share for k, v in part.timings.items()}, part.notes))
+    return out
+
+
 def markdown(ev: Evaluation, timed: int) -> str:
     """The ranked table of docs/evaluate.md: each metric's mean [95 % interval], attribution seconds per example
     (the timings are those of the first `timed` examples)."""
@@ -102,14 +117,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("out/eval-sst2"))
     ap.add_argument("--report", action="store_true", help="compute nothing: report the saved run(s) in --out")
     ap.add_argument("--first", type=int, default=0, help="with --report: only the first N saved examples")
+    ap.add_argument("--part", type=Path, action="append", default=[],
+                    help="with --report: saved runs over consecutive inputs (repeatable, in order), merged into --out")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     removals = args.removal or ["delete"]
     dirs = {r: args.out / r if len(removals) > 1 else args.out for r in removals}
     if args.report:
-        for d in dirs.values():
-            ev = Evaluation.from_json(json.loads((d / "evaluation.json").read_text()))
+        for r, d in dirs.items():
+            if args.part:
+                sub = r if len(removals) > 1 else "."
+                ev = merge(consecutive([Evaluation.from_json(json.loads((p / sub / "evaluation.json").read_text()))
+                                        for p in args.part]))
+                d.mkdir(parents=True, exist_ok=True)
+                atomic_write(d / "evaluation.json", ev.dumps().encode())
+            else:
+                ev = Evaluation.from_json(json.loads((d / "evaluation.json").read_text()))
             timed = len(ev.examples)
             if args.first:
                 ev.examples = ev.examples[: args.first]
