@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("out/eval-sst2"))
     ap.add_argument("--report", action="store_true", help="compute nothing: report the saved run(s) in --out")
     ap.add_argument("--first", type=int, default=0, help="with --report: only the first N saved examples")
+    ap.add_argument("--dpi", type=int, default=200, help="resolution of the figure")
     ap.add_argument("--part", type=Path, action="append", default=[],
                     help="with --report: saved runs over consecutive inputs (repeatable, in order), merged into --out")
     args = ap.parse_args()
@@ -137,7 +138,7 @@ def main() -> None:
             timed = len(ev.examples)
             if args.first:
                 ev.examples = ev.examples[: args.first]
-            plot(ev, d / "evaluation.png")
+            plot(ev, d / "evaluation.png", dpi=args.dpi)
             report(ev, timed)
             print(markdown(ev, timed))
         return
