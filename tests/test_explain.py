@@ -191,3 +191,17 @@ def test_cli_model_head_and_its_deprecated_alias(saved, capsys):
 def test_lens_explain_and_notebook_view(classifier):
     ex = classifier.explain(["a charming film"], ["attention"])
     assert "mlx-tok" in ex._repr_html_() and ex.to_json()["inputs"][0]["text"] == "a charming film"
+
+
+def test_token_budget_shrinks_for_large_models(bundled):
+    from types import SimpleNamespace
+
+    from mixlens.explain.attributions import ACTIVATION_FLOATS, TOKEN_BUDGET, token_budget
+
+    assert token_budget(bundled.model) == TOKEN_BUDGET  # the bundled 6-layer, d = 384 encoder: the full budget
+
+    class BigForCausalLM(torch.nn.Module):  # SmolLM2-135M's sizes
+        config = SimpleNamespace(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
+
+    want = ACTIVATION_FLOATS // (24 * 576 * 30 + 2 * 49152)
+    assert token_budget(BigForCausalLM()) == want and 64 < want < TOKEN_BUDGET
