@@ -244,3 +244,19 @@ def test_causal_f_unembeds_only_the_last_positions(tokenizer, family):
         with torch.no_grad():
             p = lens.model(**pad_batch(lens, [list(s)])).logits[0, -1].softmax(-1)[index[o]]
         assert g == pytest.approx(float(p), rel=1e-5, abs=1e-7)
+
+
+def test_non_finite_scores_are_noted(classifier, monkeypatch):
+    from mixlens.explain import attributions as attr
+
+    real = attr.attribute
+
+    def overflowing(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["attention"][0, 1] = float("inf")
+        return out
+
+    monkeypatch.setattr(attr, "attribute", overflowing)
+    ev = evaluate(classifier, TEXTS, ["attention", "saliency"], batch_size=2)
+    assert "attention: non-finite scores (overflow) on 2 of 3 inputs; its ranks are arbitrary" in ev.notes
+    assert not any(n.startswith("saliency") for n in ev.notes)

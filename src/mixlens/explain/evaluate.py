@@ -360,6 +360,10 @@ def evaluate_removals(
             examples[removal] += done
         if progress:
             progress(start + len(batch), len(texts))
+    for m in real:
+        bad = sum(not np.isfinite(e.scores[m]).all() for e in examples[removals[0]])
+        if bad:
+            notes.append(f"{m}: non-finite scores (overflow) on {bad} of {len(texts)} inputs; its ranks are arbitrary")
     total_shared = time.perf_counter() - t_start - sum(o["removal"] for o in own.values())
     out = {}
     for removal in removals:
