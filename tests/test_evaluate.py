@@ -173,3 +173,90 @@ def test_an_emptied_input_is_read_as_the_start_token(tokenizer):
     idx = torch.tensor([5])
     f = _forward_f(lens, "causal", "", [(), (start,)], [0, 0], idx, torch.zeros(1, 1))
     assert f[0] == f[1] and 0 < f[0] < 1
+
+
+def test_cli_mask_removal_without_a_mask_token_writes_nothing(classifier, tmp_path, capsys):
+    from copy import deepcopy
+
+    tok = deepcopy(classifier.tokenizer)
+    tok.mask_token = None
+    model_dir = tmp_path / "no-mask"
+    classifier.model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "d.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{t}\t1\n" for t in TEXTS))
+    dest = tmp_path / "never"
+    rc, out, err = run_cli(["evaluate", "--model", str(model_dir), "--data", str(data), "--removal", "mask",
+                            "--method", "attention", "--out", str(dest)], capsys)
+    assert rc == 2 and "needs a model with a mask token" in err and len(err.strip().splitlines()) == 1
+    assert not dest.exists() and out == ""
+
+
+def test_cli_model_head_and_its_deprecated_alias(saved, tmp_path, capsys):
+    data = tmp_path / "d.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{t}\t1\n" for t in TEXTS[:1]))
+    base = ["evaluate", "--model", str(saved), "--data", str(data), "--method", "attention", "--format", "json"]
+    rc, out, err = run_cli([*base, "--model-head", "sequence-classification", "--out", str(tmp_path / "a")], capsys)
+    assert rc == 0 and "deprecated" not in err
+    new = json.loads(out)
+    rc, out, err = run_cli([*base, "--head", "sequence-classification", "--out", str(tmp_path / "b")], capsys)
+    assert rc == 0 and "--head is deprecated" in err
+    assert json.loads(out)["metrics"]["attention"]["aopc"] == new["metrics"]["attention"]["aopc"]
+    rc, _, err = run_cli([*base, "--model-head", "base", "--head", "causal-lm", "--out", str(tmp_path / "c")], capsys)
+    assert rc == 2 and "give the model head once" in err and not (tmp_path / "c").exists()
+
+
+def test_notes_name_the_methods_left_out(classifier):
+    ev = evaluate(classifier, TEXTS[:1], ["attention"])
+    assert ev.notes[0].startswith("not evaluated: ") and "decompx_classes" in ev.notes[0]
+    assert any("left out of the default set" in n and "hta" in n for n in ev.notes)
+    assert not any("hta" in n for n in evaluate(classifier, TEXTS[:1], ["attention", "hta"]).notes)
+
+
+def test_shared_attributions_and_the_json_round_trip(classifier):
+    from mixlens.explain.evaluate import Evaluation, evaluate_removals
+
+    both = evaluate_removals(classifier, TEXTS, ["attention", "grad_x_input"], removals=("delete", "mask"),
+                             batch_size=2)
+    for removal, ev in both.items():
+        alone = evaluate(classifier, TEXTS, ["attention", "grad_x_input"], removal=removal, batch_size=2)
+        assert ev.removal == removal and ev.metrics() == alone.metrics()
+        t = ev.timings
+        assert t["total"] == pytest.approx(t["attributions"] + t["forward"] + t["own"]) and t["own"] > 0
+        back = Evaluation.from_json(json.loads(ev.dumps()))
+        assert back.metrics() == ev.metrics() and back.curves() == ev.curves() and back.removal == removal
+    assert both["delete"].metrics() != both["mask"].metrics()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_causal_f_unembeds_only_the_last_positions(tokenizer, family):
+    """`_forward_f` on a causal LM (logits of the last real positions only) equals the full-logits definition."""
+    from mixlens.explain.evaluate import _forward_f, keeps_logits
+    from mixlens.explain.explain import pad_batch
+
+    lens = random_lens(family, tokenizer, head="AutoModelForCausalLM", seed=3)
+    assert keeps_logits(lens.model)
+    ids = [tokenizer(t)["input_ids"] for t in TEXTS]
+    seqs = [tuple(ids[0]), tuple(ids[1]), tuple(ids[2]), tuple(ids[2][:4]), tuple(ids[0][:2])]
+    owners, index = [0, 1, 2, 2, 0], torch.tensor([7, 11, 13])
+    got = _forward_f(lens, "causal", "", seqs, owners, index, torch.zeros(3, 1))
+    for s, o, g in zip(seqs, owners, got, strict=True):
+        with torch.no_grad():
+            p = lens.model(**pad_batch(lens, [list(s)])).logits[0, -1].softmax(-1)[index[o]]
+        assert g == pytest.approx(float(p), rel=1e-5, abs=1e-7)
+
+
+def test_non_finite_scores_are_noted(classifier, monkeypatch):
+    from mixlens.explain import attributions as attr
+
+    real = attr.attribute
+
+    def overflowing(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out["attention"][0, 1] = float("inf")
+        return out
+
+    monkeypatch.setattr(attr, "attribute", overflowing)
+    ev = evaluate(classifier, TEXTS, ["attention", "saliency"], batch_size=2)
+    assert "attention: non-finite scores (overflow) on 2 of 3 inputs; its ranks are arbitrary" in ev.notes
+    assert not any(n.startswith("saliency") for n in ev.notes)

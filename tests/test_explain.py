@@ -165,13 +165,43 @@ def test_cli_json_schema_and_html(saved, tmp_path, capsys):
     (["--model", "lm", "--target", "the", "--foil", "the"], "is the target itself"),
     (["--model", "clf", "--generate", "2"], "needs a causal language model"),
 ])
-def test_cli_bad_input_one_line_exit_2(saved, tmp_path, capsys, args, message):
+@pytest.mark.parametrize("fmt", ["json", "html"])
+def test_cli_bad_input_one_line_exit_2(saved, tmp_path, capsys, monkeypatch, args, message, fmt):
     args = [a if a not in ("clf", "lm") else str(saved / a) for a in args]
-    dest = tmp_path / "never.json"
-    rc, out, err = run_cli(["explain", "a charming film", "--method", "attention", "--out", str(dest), *args], capsys)
-    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and not dest.exists()
+    dest = tmp_path / "never"
+    monkeypatch.chdir(tmp_path)  # html without --out would write mixlens-explain.html here
+    rc, out, err = run_cli(["explain", "a charming film", "--method", "attention", "--format", fmt, *args], capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and out == ""
+    rc, out, err = run_cli(["explain", "a charming film", "--method", "attention", "--format", fmt,
+                            "--out", str(dest), *args], capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_model_head_and_its_deprecated_alias(saved, capsys):
+    base = ["explain", "a charming film", "--model", str(saved / "clf"), "--method", "attention", "--format", "json"]
+    rc, out, err = run_cli([*base, "--model-head", "sequence-classification"], capsys)
+    assert rc == 0 and "deprecated" not in err
+    rc, old, err = run_cli([*base, "--head", "sequence-classification"], capsys)
+    assert rc == 0 and "--head is deprecated" in err and json.loads(old) == json.loads(out)
+    rc, helptext, _ = run_cli(["explain", "--help"], capsys)
+    assert rc == 0 and "--model-head" in helptext and "--head" not in helptext  # the old name is hidden
 
 
 def test_lens_explain_and_notebook_view(classifier):
     ex = classifier.explain(["a charming film"], ["attention"])
     assert "mlx-tok" in ex._repr_html_() and ex.to_json()["inputs"][0]["text"] == "a charming film"
+
+
+def test_token_budget_shrinks_for_large_models(bundled):
+    from types import SimpleNamespace
+
+    from mixlens.explain.attributions import ACTIVATION_FLOATS, TOKEN_BUDGET, token_budget
+
+    assert token_budget(bundled.model) == TOKEN_BUDGET  # the bundled 6-layer, d = 384 encoder: the full budget
+
+    class BigForCausalLM(torch.nn.Module):  # SmolLM2-135M's sizes
+        config = SimpleNamespace(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
+
+    want = ACTIVATION_FLOATS // (24 * 576 * 30 + 2 * 49152)
+    assert token_budget(BigForCausalLM()) == want and 64 < want < TOKEN_BUDGET

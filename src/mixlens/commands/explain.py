@@ -9,7 +9,13 @@ from pathlib import Path
 
 import typer
 
-from mixlens.commands.options import gguf_file_option, model_option
+from mixlens.commands.options import (
+    deprecated_head_option,
+    gguf_file_option,
+    model_head_option,
+    model_option,
+    pick_model_head,
+)
 from mixlens.errors import MixlensError
 
 FORMATS = ("table", "json", "html")
@@ -21,11 +27,8 @@ def register(app: typer.Typer) -> None:
         text: list[str] = typer.Argument(..., help="One or more texts."),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
-        head: str | None = typer.Option(
-            None,
-            "--head",
-            help="Model head: sequence-classification, causal-lm, base (default: from the model config).",
-        ),
+        model_head: str | None = model_head_option(),
+        head: str | None = deprecated_head_option(),
         method: list[str] = typer.Option(
             None, "--method", help="Method (repeatable); default: every applicable method but exact HTA."
         ),
@@ -53,7 +56,7 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in FORMATS:
             raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
-        lens = load(model, gguf_file=gguf_file, head=head)
+        lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
         res = explain(lens, text, method or None, target=target, foil=foil, generate=generate, seed=seed)
         if fmt == "html":
             dest = out or Path("mixlens-explain.html")
@@ -78,7 +81,8 @@ def register(app: typer.Typer) -> None:
         data: Path = typer.Option(
             ..., "--data", help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record."
         ),
-        head: str | None = typer.Option(None, "--head", help="Model head (default: from the model config)."),
+        model_head: str | None = model_head_option(),
+        head: str | None = deprecated_head_option(),
         text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
         method: list[str] = typer.Option(
             None,
@@ -116,7 +120,7 @@ def register(app: typer.Typer) -> None:
             raise MixlensError("evaluate takes single texts, not sentence pairs")
         if not texts:
             raise MixlensError(f"no examples to evaluate in '{data}'" + (f" after skipping {skip}" if skip else ""))
-        lens = load(model, gguf_file=gguf_file, head=head)
+        lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
         if removal == "mask" and lens.tokenizer.mask_token_id is None:
             raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
         ev = evaluate(

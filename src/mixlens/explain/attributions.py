@@ -13,7 +13,7 @@
   (expected gradients from the zero and the pad/mask-token baselines, 16 samples, seeded) and `lime` (100 seeded
   samples of token subsets, exponential kernel on cosine distance, closed-form weighted ridge).
 
-Every captum method evaluates its perturbations in chunks of at most `TOKEN_BUDGET` tokens, so memory stays flat
+Every captum method evaluates its perturbations in chunks of at most `token_budget(model)` tokens, so memory stays flat
 on long inputs. All outputs are [B, n] with padding 0.
 """
 
@@ -33,15 +33,39 @@ from mixlens.explain.targets import Readout, scores
 if TYPE_CHECKING:
     from mixlens.methods.registry import Method
 
-MAPS = ("attention", "attention_rollout", "globenc_rollout", "alti_rollout", "value_zeroing_rollout", "hta")
+MAPS = (
+    "attention",
+    "attention_rollout",
+    "norm_rollout",
+    "norm_res_rollout",
+    "norm_resln_rollout",
+    "globenc_rollout",
+    "alti_rollout",
+    "value_zeroing_rollout",
+    "hta",
+)
 GRADIENT = ("saliency", "grad_x_input", "integrated_gradients")
 CAPTUM = ("occlusion", "deeplift", "gradient_shap", "lime")
 SLOW = ("hta",)  # exact forward-mode Jacobians: n·d JVPs per input; left out of the default set
 REFERENCE = "grad_x_input_l2"  # ‖∂g/∂e_j ⊙ e_j‖₂, the agreement reference of the GlobEnc paper
-TOKEN_BUDGET = 4096  # tokens per forward pass of a captum method's perturbations
+TOKEN_BUDGET = 4096  # at most this many tokens per forward pass of a captum method's perturbations
+ACTIVATION_FLOATS = 1 << 28  # and about this many floats kept for the backward pass (1 GiB in float32)
 IG_STEPS = 50
 SHAP_SAMPLES = 16
 LIME_SAMPLES = 100
+
+
+def token_budget(model: nn.Module) -> int:
+    """Tokens per chunk of perturbations: `TOKEN_BUDGET`, fewer for large models, so that the activations kept for
+    the backward pass (about 24·d floats per layer and token, plus the logits and their gradient of a causal LM's
+    vocabulary) stay near `ACTIVATION_FLOATS`."""
+    from mixlens.explain.targets import model_kind
+
+    cfg = model.config
+    d = int(getattr(cfg, "hidden_size", 0) or model.get_input_embeddings().embedding_dim)
+    layers = int(getattr(cfg, "num_hidden_layers", 1) or 1)
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0) if model_kind(model) == "causal" else 0
+    return max(64, min(TOKEN_BUDGET, ACTIVATION_FLOATS // (24 * d * layers + 2 * vocab)))
 
 
 def applicable(kind: str) -> list[str]:
@@ -128,6 +152,7 @@ def attribute(
     scalar = _Scalar(model, ro, "token_type_ids" in inputs)
     args = _args(inputs, ro)
     n = mask.shape[1]
+    budget = token_budget(model)
 
     if {"saliency", "grad_x_input"} & set(methods) or reference:
         t0 = time.perf_counter()
@@ -151,7 +176,7 @@ def attribute(
                 baselines=torch.zeros_like(emb),
                 additional_forward_args=args,
                 n_steps=IG_STEPS,
-                internal_batch_size=max(1, TOKEN_BUDGET // n),
+                internal_batch_size=max(1, budget // n),
             )
             return a.sum(-1)
 
@@ -160,7 +185,7 @@ def attribute(
         from captum.attr import Occlusion
 
         def occ() -> torch.Tensor:
-            per = max(1, TOKEN_BUDGET // (n * emb.shape[0]))
+            per = max(1, budget // (n * emb.shape[0]))
             with torch.no_grad():
                 a = Occlusion(scalar).attribute(
                     emb,
@@ -184,7 +209,7 @@ def attribute(
     if "gradient_shap" in methods:
         timed("gradient_shap", lambda: _gradient_shap(lens, scalar, emb, args, seed))
     if "lime" in methods:
-        timed("lime", lambda: _lime(scalar, emb, args, mask, seed))
+        timed("lime", lambda: _lime(scalar, emb, args, mask, seed, budget))
     maps = [m for m in methods if m in MAPS or m.startswith("decompx")]
     if maps:
         specs = {m: get(m) for m in maps}
@@ -235,7 +260,7 @@ def _gradient_shap(
         with torch.no_grad():
             bases.append(lens.model.get_input_embeddings()(torch.full_like(args[0][:1], base_id)))
     torch.manual_seed(seed)
-    per = max(1, TOKEN_BUDGET // (emb.shape[0] * emb.shape[1]))
+    per = max(1, token_budget(lens.model) // (emb.shape[0] * emb.shape[1]))
     total, done = torch.zeros(emb.shape[:2]), 0
     while done < SHAP_SAMPLES:  # captum evaluates all samples at once; chunks keep memory flat
         k = min(per, SHAP_SAMPLES - done)
@@ -248,7 +273,7 @@ def _gradient_shap(
 
 
 def _lime(
-    scalar: nn.Module, emb: torch.Tensor, args: tuple[torch.Tensor, ...], mask: torch.Tensor, seed: int
+    scalar: nn.Module, emb: torch.Tensor, args: tuple[torch.Tensor, ...], mask: torch.Tensor, seed: int, budget: int
 ) -> torch.Tensor:
     from captum.attr import Lime
     from captum.attr._core.lime import get_exp_kernel_similarity_function
@@ -266,7 +291,7 @@ def _lime(
             additional_forward_args=one,
             feature_mask=fm,
             n_samples=LIME_SAMPLES,
-            perturbations_per_eval=max(1, TOKEN_BUDGET // n),
+            perturbations_per_eval=max(1, budget // n),
         )
         out[b, :n] = a[0, :, 0].detach().cpu()  # every hidden dim of a token carries the token's weight
     return out

@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import numpy as np
@@ -178,10 +178,44 @@ class Evaluation:
                     "f": e.f,
                     "scores": {m: [float(v) for v in e.scores[m]] for m in self.methods},
                     "grad_x_input_l2": [float(v) for v in e.reference],
+                    "ids": e.ids,
+                    "special": [bool(v) for v in e.special],
+                    "f_removed": {m: [float(v) for v in e.removed[m]] for m in self.methods},
+                    "f_kept": {m: [float(v) for v in e.kept[m]] for m in self.methods},
                 }
                 for e in self.examples
             ],
         }
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Evaluation:
+        """The Evaluation saved by `to_json` (metrics and curves are recomputed from the examples)."""
+        methods = list(doc["metrics"])
+        examples = [
+            Example(
+                e["text"],
+                e["tokens"],
+                e["ids"],
+                np.array(e["special"], dtype=bool),
+                e["target"],
+                e["f"],
+                {m: np.array(e["scores"][m]) for m in methods},
+                np.array(e["grad_x_input_l2"]),
+                {m: np.array(e["f_removed"][m]) for m in methods},
+                {m: np.array(e["f_kept"][m]) for m in methods},
+            )
+            for e in doc["examples"]
+        ]
+        return cls(
+            doc["model"],
+            doc["version"],
+            doc["removal"],
+            methods,
+            examples,
+            doc["definitions"]["seed"],
+            doc["timings"],
+            doc["notes"],
+        )
 
     def dumps(self) -> str:
         return json.dumps(self.to_json())
@@ -189,6 +223,23 @@ class Evaluation:
 
 def _special_mask(lens, ids: list[int]) -> np.ndarray:
     return np.array([r is not None and r != "unk" for r in lens.special_roles(ids)], dtype=bool)
+
+
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (the unembedding of chosen positions only)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _last_token_f(model: torch.nn.Module, inputs: dict[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """Causal LMs: the target token's probability at each row's last real token, unembedding only the distinct last
+    positions of the batch (sorted by length, so few) instead of all n: [B]."""
+    last = inputs["attention_mask"].sum(-1) - 1  # [B]
+    keep, where = torch.unique(last, return_inverse=True)
+    logits = model(**inputs, logits_to_keep=keep).logits  # [B, len(keep), V]
+    rows = logits[torch.arange(last.shape[0], device=last.device), where]  # [B, V]
+    return rows.float().softmax(-1).gather(1, index.to(rows.device)[:, None])[:, 0]
 
 
 def _forward_f(
@@ -210,8 +261,12 @@ def _forward_f(
         inputs = pad_batch(lens, [list(seqs[i]) for i in rows])
         own = torch.tensor([owners[i] for i in rows])
         with torch.no_grad():
-            res = lens.model(**inputs)
-            f = scores(kind, pool, res, inputs["attention_mask"], index[own], torch.full((len(rows),), -1), e0[own])[1]
+            if kind == "causal" and keeps_logits(lens.model):
+                f = _last_token_f(lens.model, inputs, index[own])
+            else:
+                res = lens.model(**inputs)
+                mask = inputs["attention_mask"]
+                f = scores(kind, pool, res, mask, index[own], torch.full((len(rows),), -1), e0[own])[1]
         out[rows] = f.float().cpu().numpy()
         start = stop
     return out
@@ -228,32 +283,58 @@ def evaluate(
     progress: Callable[[int, int], None] | None = None,
 ) -> Evaluation:
     """Evaluate `methods` (default: every applicable one but exact HTA) plus a seeded random baseline."""
+    return evaluate_removals(
+        lens, texts, methods, removals=(removal,), batch_size=batch_size, seed=seed, progress=progress
+    )[removal]
+
+
+def evaluate_removals(
+    lens,
+    texts: Sequence[str],
+    methods: Sequence[str] | None = None,
+    *,
+    removals: Sequence[str] = ("delete",),
+    batch_size: int = 8,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Evaluation]:
+    """`evaluate` for several removal rules at once: the attributions are computed once and shared. Each
+    Evaluation's timings are what a run of its removal alone would have spent (the shared part plus its own
+    perturbed forwards and bookkeeping)."""
     from mixlens import __version__
 
     t_start = time.perf_counter()
-    texts = [t for t in texts]
+    texts = list(texts)
     if not texts:
         raise MixlensError("no examples to evaluate (the data file is empty?)")
-    if removal not in REMOVALS:
-        raise MixlensError(f"unknown removal '{removal}'; valid: {', '.join(REMOVALS)}")
+    for removal in removals:
+        if removal not in REMOVALS:
+            raise MixlensError(f"unknown removal '{removal}'; valid: {', '.join(REMOVALS)}")
     mask_id = lens.tokenizer.mask_token_id
-    if removal == "mask" and mask_id is None:
+    if "mask" in removals and mask_id is None:
         raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
     kind = model_kind(lens.model)
     chosen = list(methods) if methods else attr.default_methods(kind)
-    notes = [] if methods else [f"left out of the default set (too slow on long runs): {', '.join(attr.SLOW)}"]
     real = attr.check_methods(kind, [m for m in chosen if m != RANDOM])
+    left = [m for m in attr.applicable(kind) if m not in real]
+    slow = [m for m in left if m in attr.SLOW]
+    notes = [f"not evaluated: {', '.join(left)}"] if left else []
+    if slow:
+        notes.append(
+            f"left out of the default set (too slow on long runs: n·d forward-mode JVPs per input): {', '.join(slow)}"
+        )
     all_methods = [*real, RANDOM]
     rng = np.random.default_rng(seed)
-    timings: dict[str, float] = {"forward": 0.0}
-    examples: list[Example] = []
+    shared: dict[str, float] = {}  # seconds per method (attributions)
+    own = {r: {"forward": 0.0, "removal": 0.0} for r in removals}  # per removal: perturbed forwards, the rest
+    examples: dict[str, list[Example]] = {r: [] for r in removals}
     for start in range(0, len(texts), batch_size):
         chunk = texts[start : start + batch_size]
         enc = lens.encode(chunk)
         ids = [enc.inputs["input_ids"][b, : len(t)].tolist() for b, t in enumerate(enc.tokens)]
         inputs = pad_batch(lens, ids)
         targets, ro, f0 = resolve(lens, inputs, None, None)
-        res = attr.attribute(lens, inputs, ro, real, seed=seed, reference=True, timings=timings)
+        res = attr.attribute(lens, inputs, ro, real, seed=seed, reference=True, timings=shared)
         batch = []
         for b, x in enumerate(ids):
             sc = {m: res[m][b, : len(x)].numpy() for m in real}
@@ -270,34 +351,61 @@ def evaluate(
                     res[attr.REFERENCE][b, : len(x)].numpy(),
                 )
             )
-        seqs: dict[tuple[tuple[int, ...], int], int] = {}  # (sequence, example) → row
-        plan = []
-        for b, e in enumerate(batch):
-            for m in all_methods:
-                for keep, levels in ((False, LEVELS), (True, KS)):
-                    for k in levels:
-                        s = perturb(e.ids, top_k(e.scores[m], e.special, k), e.special, keep, removal, mask_id)
-                        plan.append((b, m, keep, k, seqs.setdefault((s, b), len(seqs))))
-        t0 = time.perf_counter()
-        keys = list(seqs)
         e0 = ro.e0 if ro.e0 is not None else torch.zeros(len(batch), 1)
-        fs = _forward_f(lens, ro.kind, ro.pool, [s for s, _ in keys], [b for _, b in keys], ro.index, e0)
-        timings["forward"] += time.perf_counter() - t0
-        for e in batch:
-            e.removed = {m: np.zeros(len(LEVELS)) for m in all_methods}
-            e.kept = {m: np.zeros(len(KS)) for m in all_methods}
-        for b, m, keep, k, row in plan:
-            if keep:
-                batch[b].kept[m][KS.index(k)] = fs[row]
-            else:
-                batch[b].removed[m][LEVELS.index(k)] = fs[row]
-        examples += batch
+        for removal in removals:
+            t0 = time.perf_counter()
+            done = [replace(e) for e in batch] if len(removals) > 1 else batch
+            _perturbed_f(lens, ro, e0, done, all_methods, removal, mask_id, own[removal])
+            own[removal]["removal"] += time.perf_counter() - t0
+            examples[removal] += done
         if progress:
-            progress(len(examples), len(texts))
-    timings["total"] = time.perf_counter() - t_start
-    timings["attributions"] = sum(v for k, v in timings.items() if k in real)
-    timings["own"] = timings["total"] - timings["attributions"] - timings["forward"]
-    return Evaluation(lens.name, __version__, removal, all_methods, examples, seed, timings, notes)
+            progress(start + len(batch), len(texts))
+    for m in real:
+        bad = sum(not np.isfinite(e.scores[m]).all() for e in examples[removals[0]])
+        if bad:
+            notes.append(f"{m}: non-finite scores (overflow) on {bad} of {len(texts)} inputs; its ranks are arbitrary")
+    total_shared = time.perf_counter() - t_start - sum(o["removal"] for o in own.values())
+    out = {}
+    for removal in removals:
+        t = {**shared, "forward": own[removal]["forward"], "total": total_shared + own[removal]["removal"]}
+        t["attributions"] = sum(v for k, v in shared.items() if k in real)
+        t["own"] = t["total"] - t["attributions"] - t["forward"]
+        out[removal] = Evaluation(lens.name, __version__, removal, all_methods, examples[removal], seed, t, notes)
+    return out
+
+
+def _perturbed_f(
+    lens,
+    ro,
+    e0: torch.Tensor,
+    batch: list[Example],
+    methods: list[str],
+    removal: str,
+    mask_id: int | None,
+    timings: dict[str, float],
+) -> None:
+    """Fill each example's `removed` and `kept` f values: every perturbed input of the batch de-duplicated and run
+    together, sorted by length."""
+    seqs: dict[tuple[tuple[int, ...], int], int] = {}  # (sequence, example) → row
+    plan = []
+    for b, e in enumerate(batch):
+        for m in methods:
+            for keep, levels in ((False, LEVELS), (True, KS)):
+                for k in levels:
+                    s = perturb(e.ids, top_k(e.scores[m], e.special, k), e.special, keep, removal, mask_id)
+                    plan.append((b, m, keep, k, seqs.setdefault((s, b), len(seqs))))
+    t0 = time.perf_counter()
+    keys = list(seqs)
+    fs = _forward_f(lens, ro.kind, ro.pool, [s for s, _ in keys], [b for _, b in keys], ro.index, e0)
+    timings["forward"] += time.perf_counter() - t0
+    for e in batch:
+        e.removed = {m: np.zeros(len(LEVELS)) for m in methods}
+        e.kept = {m: np.zeros(len(KS)) for m in methods}
+    for b, m, keep, k, row in plan:
+        if keep:
+            batch[b].kept[m][KS.index(k)] = fs[row]
+        else:
+            batch[b].removed[m][LEVELS.index(k)] = fs[row]
 
 
 def stderr_progress(done: int, total: int) -> None:

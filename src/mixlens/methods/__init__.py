@@ -7,6 +7,7 @@ from mixlens.methods import (  # noqa: F401  (registration side effects)
     decompx_logit,
     globenc,
     gradients,
+    norm_rollouts,
     norms,
     rollout,
     saliency,

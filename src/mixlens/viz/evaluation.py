@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 
-def plot(ev, path: str | Path) -> None:
+def plot(ev, path: str | Path, dpi: int = 200) -> None:
     """Left: mean f(x without top-K %) vs K per method (bands: bootstrap 95 %). Right: AOPC per method, ranked."""
     import matplotlib
 
@@ -43,5 +43,5 @@ def plot(ev, path: str | Path) -> None:
     bx.grid(axis="x", alpha=0.3)
     fig.suptitle(ev.model, fontsize=10)
     fig.tight_layout()
-    fig.savefig(str(path), dpi=200)
+    fig.savefig(str(path), dpi=dpi)
     plt.close(fig)

@@ -1,0 +1,69 @@
+"""Rollouts of the norm maps (N, N-Res, N-ResLN; GlobEnc paper's comparison): equal to the plain product of the
+reference decomposition's maps on every family, padding 0, batched == unbatched, and their explain rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mixlens.errors import MixlensError
+from mixlens.explain import explain
+from mixlens.methods.reference import decompose
+from mixlens.pipeline import run_methods
+from tests.conftest import SENTENCES, random_lens
+
+ROLLOUTS = {"norm_rollout": "n", "norm_res_rollout": "n_res", "norm_resln_rollout": "n_resln"}
+
+
+def product(mats: np.ndarray) -> np.ndarray:
+    """R_0 = M_0, R_l = M_l R_{l−1}, one input: mats [L, n, n] → [L, n, n] (plain loop, float64)."""
+    out, acc = np.zeros_like(mats), np.eye(mats.shape[-1])
+    for layer, m in enumerate(mats):
+        acc = m @ acc
+        out[layer] = acc
+    return out
+
+
+def test_rollouts_equal_the_product_of_the_reference_maps(family_lens):
+    tr = family_lens.trace(SENTENCES)
+    ref = decompose(tr)
+    res = family_lens.analyze(SENTENCES, list(ROLLOUTS), batch_size=3)
+    single = family_lens.analyze(SENTENCES, list(ROLLOUTS), batch_size=1)
+    lengths = [len(t) for t in res.tokens]
+    assert len(set(lengths)) > 1  # padded batch
+    for name, field in ROLLOUTS.items():
+        v = res[name].values  # [B, L, n, n]
+        for b, n in enumerate(lengths):
+            want = product(getattr(ref, field)[b, :, :n, :n].double().numpy())
+            scale = np.abs(want).max()
+            np.testing.assert_allclose(v[b, :, :n, :n], want, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+            assert not v[b, :, n:].any() and not v[b, :, :, n:].any(), name
+        np.testing.assert_allclose(v, single[name].values, rtol=1e-4, atol=1e-5 * np.abs(v).max(), err_msg=name)
+    if family_lens.adapter.family.causal:
+        for name in ROLLOUTS:
+            assert np.abs(np.triu(res[name].values, k=1)).max() == 0, name
+
+
+def test_norm_res_rollout_differs_from_norm_rollout(bundled):
+    """The residual really enters: N-Res's diagonal is larger than N's, so the products differ."""
+    res = bundled.analyze(SENTENCES[:1], ["norm_rollout", "norm_res_rollout"])
+    a, b = res["norm_rollout"].input(0)[-1], res["norm_res_rollout"].input(0)[-1]
+    assert np.abs(a - b).max() > 0.1 * np.abs(b).max()
+
+
+def test_target_row_mode_is_refused(bundled):
+    tr = bundled.trace(bundled.encode(SENTENCES[:1]))
+    with pytest.raises(MixlensError, match="norm_rollout"):
+        run_methods(tr, ["norm_rollout"], targets=[1])
+
+
+def test_explain_reads_the_cls_row_of_the_last_layer(tokenizer):
+    clf = random_lens("bert", tokenizer, head="AutoModelForSequenceClassification")
+    ex = explain(clf, SENTENCES[:2], list(ROLLOUTS))
+    res = clf.analyze(SENTENCES[:2], list(ROLLOUTS))
+    for b, e in enumerate(ex.inputs):
+        for name in ROLLOUTS:
+            want = res[name].input(b)[-1, 0]  # [CLS] row of the last layer
+            np.testing.assert_allclose(e.scores[name], want, rtol=1e-5, atol=1e-7, err_msg=name)
+            assert torch.isfinite(torch.as_tensor(e.scores[name])).all()
