@@ -16,7 +16,14 @@ from mixlens.adapters import Layer
 from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.norms import head_vectors
 from mixlens.methods.registry import register
-from mixlens.methods.rollout import pair_mask, rollout, rollout_rows, row_normalize, row_pair_mask
+from mixlens.methods.rollout import (
+    kept_matrices,
+    pair_mask,
+    rollout,
+    rollout_rows,
+    row_normalize,
+    row_pair_mask,
+)
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 ROW_CHUNK_ELEMENTS = 1 << 20  # floats of T vectors held at once (4 MB: the chunk stays in cache)
@@ -70,7 +77,7 @@ def _example(
     return out
 
 
-def _layer(
+def layer_fn(
     lt: LayerTrace, lay: Layer, pre_ln: bool, mask: torch.Tensor
 ) -> Callable[[torch.Tensor | None], torch.Tensor]:
     """ALTI contributions of one layer, rows normalised, as a function of target positions rows [B, K] → [B, K, n]
@@ -103,14 +110,20 @@ def alti_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer ALTI contributions, rows normalised: [B, L, n, n], or their target rows [B, L, K, n] in target-row
     mode (cached on the trace)."""
     if trace.memo.alti is None:
-        pre_ln = trace.adapter.family.pre_ln
-        trace.memo.alti = torch.stack(
-            [
-                _layer(lt, lay, pre_ln, trace.mask)(targets_of(trace))
-                for lt, lay in zip(trace.layers, trace.adapter.layers, strict=True)
-            ],
-            dim=1,
-        )
+        pre_ln, targets = trace.adapter.family.pre_ln, targets_of(trace)
+        kept, mats = trace.memo.layer_rows.get("alti"), kept_matrices(trace, "alti")
+        if kept is not None:  # streamed
+            trace.memo.alti = torch.stack(kept, dim=1)
+        elif mats is not None and targets is not None:
+            trace.memo.alti = torch.stack([mats(m)(targets) for m in range(len(trace.layers))], dim=1)
+        else:
+            trace.memo.alti = torch.stack(
+                [
+                    layer_fn(lt, lay, pre_ln, trace.mask)(targets)
+                    for lt, lay in zip(trace.layers, trace.adapter.layers, strict=True)
+                ],
+                dim=1,
+            )
     return trace.memo.alti
 
 
@@ -126,7 +139,8 @@ def alti_rollout(trace: Trace) -> torch.Tensor:
     targets = targets_of(trace)
     if targets is not None:
         pre_ln = trace.adapter.family.pre_ln
-        return rollout_rows(
-            trace, lambda m: _layer(trace.layers[m], trace.adapter.layers[m], pre_ln, trace.mask), targets
+        layer_rows = kept_matrices(trace, "alti") or (
+            lambda m: layer_fn(trace.layers[m], trace.adapter.layers[m], pre_ln, trace.mask)
         )
+        return rollout_rows(trace, layer_rows, targets)
     return rollout(alti_matrices(trace))
