@@ -184,7 +184,7 @@ class LayerStream:
         if "attention_rollout" in names:
             self.keep("mats", "attention_rollout", index, rollout.residual_rows(lt.alpha, mask, None))
         if names & {"alti", "alti_rollout"}:
-            fn = alti.layer_fn(lt, lay, self.adapter.family.pre_ln, mask)
+            fn = alti.layer_fn(lt, lay, self.adapter.family.pre_ln, mask, self.adapter.family.causal)
             if "alti_rollout" in names:
                 self.keep("mats", "alti", index, fn(None))
             else:

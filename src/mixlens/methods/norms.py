@@ -267,8 +267,16 @@ class NormRun:
         tok = RealTokens.of(mask, targets)
         compiled, (b, n) = _compiled_on(mask), mask.shape
         rows = tok.layout.targets.shape[1]
-        maps = _maps(b, adapter.n_layers, adapter.layers[0].n_heads, n, rows, mask.device, compiled and tok.full,
-                     adapter.family.causal)
+        maps = _maps(
+            b,
+            adapter.n_layers,
+            adapter.layers[0].n_heads,
+            n,
+            rows,
+            mask.device,
+            compiled and tok.full,
+            adapter.family.causal,
+        )
         return cls(adapter, tok, maps, [], compiled)
 
     def token_passes(self, layers: list[LayerState]) -> None:
