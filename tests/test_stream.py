@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mixlens
 import mixlens.methods.norms as norms
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.pipeline import TARGET_METHODS, LayerStream, resolve_targets, run_methods, stream_trace
 from tests.conftest import SENTENCES, random_lens
+from tests.test_real_models import CHECKPOINTS, model_dir
 
 FAMILIES = ["bert", "gpt2", "llama", "mpnet", "gemma3_text"]  # post-LN, causal pre-LN (LayerNorm, RMS), sandwich
 
@@ -120,3 +122,21 @@ def test_analyze_streams_target_rows(tokenizer, monkeypatch):
             want = full[m].input(b)[:, [len(toks) - 1]]
             torch.testing.assert_close(torch.from_numpy(got[m].input(b)), torch.from_numpy(want), rtol=1e-5,
                                        atol=1e-6)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_streamed_rows_on_real_checkpoints(name):
+    """Real checkpoints (skipped when not fetched): streamed rows equal full mode's, the per-run check passes."""
+    lens = mixlens.load(model_dir(name), head="base")
+    methods = [m for m in TARGET_METHODS if m not in lens.adapter.family.refuses]
+    enc = lens.encode(SENTENCES)
+    # unnormalised, 30 layers of N-Res overflow float32
+    opts = {"globenc_rollout": {"normalize": True}} if "globenc_rollout" in methods else {}
+    full = run_methods(lens.trace(enc, ffn=True), methods, options=opts).values
+    tr = _stream(lens, enc, methods, [1, -1])
+    got = run_methods(tr, methods, options=opts, targets=[1, -1])
+    assert got.norms is not None
+    rows = resolve_targets([1, -1], tr.lengths)
+    for m in methods:
+        want = _rows(full[m], rows)
+        torch.testing.assert_close(got.values[m], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=m)
