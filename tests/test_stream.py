@@ -76,7 +76,8 @@ def test_the_trace_holds_target_rows_and_one_n_squared_matrix_per_rollout(family
             alive.clear()
             tr = _stream(lens, enc, methods, "last")
             assert alive == list(range(layers))
-            assert sum(lt.alpha.numel() for lt in tr.layers) == 0
+            fields = ("x", "alpha", "value", "attn_out", "mix_in", "mix_out", "out")
+            assert sum(getattr(lt, f).numel() for lt in tr.layers for f in fields) == 0  # every layer consumed
             held = {k: sum(t.nbytes for t in v) for k, v in tr.memo.layer_rows.items()}
             assert held == {"alpha": layers * heads * 1 * n * 4}
             assert sum(t.nbytes for v in tr.memo.layer_mats.values() for t in v) == mats * layers * n * n * 4

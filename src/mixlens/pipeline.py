@@ -220,8 +220,11 @@ def stream_trace(
             f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(TARGET_METHODS)}"
         )
     stream = LayerStream(adapter, mask, methods, rows.to(mask.device))
-    ffn, full = trace_flags(methods)
-    trace = run_traced(adapter, model, inputs, ffn=ffn, tokenizer=tokenizer, full=full, sink=stream)
+    post_ln_globenc = not adapter.family.pre_ln and any(m in ("globenc", "globenc_rollout") for m in methods)
+    # the sink is the only reader: FFN activations and layer outputs only for GlobEnc's LN2 (post-LN)
+    trace = run_traced(
+        adapter, model, inputs, ffn=post_ln_globenc, tokenizer=tokenizer, full=post_ln_globenc, sink=stream
+    )
     trace.memo = stream.memo
     return trace
 

@@ -55,10 +55,11 @@ _POINT = re.compile(r"blocks\.(\d+)\.(" + "|".join(re.escape(p) for p in BLOCK_P
 
 @dataclass
 class LayerTrace:
-    """What one layer saw and produced. Shapes use B=batch, n=tokens, d=hidden, H heads."""
+    """What one layer saw and produced. Shapes use B=batch, n=tokens, d=hidden, H heads. In a trace whose layers a
+    sink consumed during the forward pass (`run_traced(sink=)`), every tensor field but `post_scale` is empty ([0])."""
 
     x: torch.Tensor  # [B, n, d] residual stream entering the layer
-    alpha: torch.Tensor  # [B, H, n(target), n(source)]; empty ([0]) once a layer sink consumed it (`run_traced`)
+    alpha: torch.Tensor  # [B, H, n(target), n(source)]
     value: torch.Tensor  # [B, H_kv, n, d_head] value vectors (bias included; pre-LN: of LN(x))
     attn_out: torch.Tensor  # [B, n, d] real attention output (output projection, b_O included)
     mix_in: torch.Tensor  # [B, n, d] real input of ln_mix: x + attention output
@@ -480,15 +481,21 @@ def run_traced(
     the model head (the last layer's `out` and the logits are then None).
 
     `sink(l, layer_trace)` is called inside the forward pass as soon as layer l is complete (its output, or its
-    ln_mix for the last layer when `full=False`), with everything the trace will hold for it; α is then dropped
-    (the trace keeps an empty tensor), so at most one layer's α [B, H, n, n] is alive at a time: the sink keeps
-    what it needs of it."""
+    ln_mix for the last layer when `full=False`), with everything a trace holds of it; then that layer's tensors are
+    dropped (the trace keeps empty ones, and `post_scale`), so at most one layer's α [B, H, n, n] is alive at a
+    time and the trace holds O(layers · n) floats: the sink keeps what it needs."""
     output = None
+    thin: list[LayerTrace] = []  # the consumed layers, as the trace keeps them
 
     def consume(k: int) -> None:
         assert sink is not None
-        sink(k, _layer_trace(adapter, rec, k))
-        rec["alpha"][k] = rec["alpha"][k].new_empty(0)
+        lt = _layer_trace(adapter, rec, k)
+        sink(k, lt)
+        empty = lt.x.new_empty(0)
+        for items in rec.values():
+            if len(items) > k:
+                items[k] = empty
+        thin.append(LayerTrace(empty, empty, empty, empty, empty, empty, empty, post_scale=lt.post_scale))
 
     with hooked(adapter, edits, ffn and full, stop_at_mix=not full, on_layer=None if sink is None else consume) as rec:
         output = model(**inputs)
@@ -498,6 +505,6 @@ def run_traced(
     for key, count in counts.items():
         if count != n:
             raise RuntimeError(f"capture of '{key}' fired {count} times for {n} layers")
-    layers = [_layer_trace(adapter, rec, i) for i in range(n)]
+    layers = thin if sink is not None else [_layer_trace(adapter, rec, i) for i in range(n)]
     logits = getattr(output, "logits", None)
     return Trace(adapter=adapter, model=model, inputs=inputs, layers=layers, logits=logits, tokenizer=tokenizer)
