@@ -13,6 +13,7 @@ import torch
 
 from mixlens.adapters import Adapter
 from mixlens.errors import MixlensError
+from mixlens.methods import alti, attention, globenc, rollout
 from mixlens.methods import get as get_method
 from mixlens.methods.norms import BlockNorms, NormRun, block_norms, stream_layer
 from mixlens.methods.registry import check_options
@@ -56,6 +57,14 @@ def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | 
             raise MixlensError(f"targets {wanted} name the same position twice in input {b + 1} ({n} tokens)")
         rows.append(pos)
     return torch.tensor(rows, dtype=torch.long)
+
+
+def _check_target_methods(names: Sequence[str]) -> None:
+    refused = [m for m in names if m not in TARGET_METHODS]
+    if refused:
+        raise MixlensError(
+            f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(TARGET_METHODS)}"
+        )
 
 
 def plan_batches(
@@ -113,11 +122,7 @@ def run_methods(
     options = check_options([s.name for s in specs], options)
     rows = resolve_targets(targets, trace.lengths)
     if rows is not None:
-        refused = [s.name for s in specs if s.name not in TARGET_METHODS]
-        if refused:
-            raise MixlensError(
-                f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(TARGET_METHODS)}"
-            )
+        _check_target_methods([s.name for s in specs])
         rows = rows.to(trace.mask.device)
     old = trace.memo.targets
     same = old is None and rows is None or old is not None and rows is not None and torch.equal(old, rows)
@@ -173,8 +178,6 @@ class LayerStream:
         got.append(t)
 
     def __call__(self, index: int, lt: LayerTrace) -> None:
-        from mixlens.methods import alti, attention, globenc, rollout
-
         lay, mask, rows, names = self.adapter.layers[index], self.mask, self.rows, self.names
         self.keep("rows", "alpha", index, attention.alpha_rows(lt.alpha.float(), rows))
         if self.memo.norm_run is not None:
@@ -214,11 +217,7 @@ def stream_trace(
     rows = resolve_targets(targets, mask.sum(-1).tolist())
     if rows is None:
         raise MixlensError("streaming computes target rows: give targets other than 'all'")
-    refused = [m for m in methods if m not in TARGET_METHODS]
-    if refused:
-        raise MixlensError(
-            f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(TARGET_METHODS)}"
-        )
+    _check_target_methods([get_method(m).name for m in methods])
     stream = LayerStream(adapter, mask, methods, rows.to(mask.device))
     post_ln_globenc = not adapter.family.pre_ln and any(m in ("globenc", "globenc_rollout") for m in methods)
     # the sink is the only reader: FFN activations and layer outputs only for GlobEnc's LN2 (post-LN)
