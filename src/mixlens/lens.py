@@ -328,13 +328,12 @@ class Lens:
                 tok, local = _Tokenized(self, [texts[b] for b in rows], limit, truncate), range(len(rows))
             enc = tok.batch(self, local)
             bare = Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
-            streamed = capture and not isinstance(trace, bool) and streams(trace, targets)
-            traced = (
-                stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer)
-                if streamed
-                else self.trace(enc, ffn=ffn, full=full)
-            )
-            yield Batch(list(rows), enc, None if trace is False else traced if capture else bare)
+            traced: Trace | None = None if trace is False else bare
+            if capture and not isinstance(trace, bool) and streams(trace, targets):
+                traced = stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer)
+            elif capture:
+                traced = self.trace(enc, ffn=ffn, full=full)
+            yield Batch(list(rows), enc, traced)
 
     @torch.no_grad()
     def trace(
