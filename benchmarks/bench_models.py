@@ -1,11 +1,13 @@
 """End-to-end cost on the real checkpoints of scripts/fetch_models.py (absent ones are skipped).
 
-    python benchmarks/bench_models.py [--repeats 3] [--case smollm2] [--no-torch] [--no-rss] [--no-warmup]
+    python benchmarks/bench_models.py [--repeats 3] [--case smollm2-last] [--no-torch] [--no-rss] [--no-warmup]
 
-Per case: `mixlens.load` + `lens.analyze(text, methods, targets=...)` (maps + mixing ratios + the per-run check)
-against a plain forward pass with `output_attentions=True` of the same model and input, for the compiled passes and
-the torch passes (`mixlens.methods.norms.COMPILED = False`); the peak RSS of a fresh process that loads the model and
-runs one analysis; the load average (`os.getloadavg`) when the case finished.
+Per case (`--case`: the cases whose id contains it): `mixlens.load` once, then `lens.analyze(text, methods,
+targets=...)` end to end (maps + mixing ratios + the per-run check; with targets, target-row streaming) against a
+plain forward pass of the same model and input (`model(**inputs, output_attentions=True)`, the eager attention that
+`mixlens.load` selects), for the compiled passes and the torch passes (`mixlens.methods.norms.COMPILED = False`, what
+runs on a GPU); the peak RSS of a fresh process that loads the model and runs one analysis; the load average
+(`os.getloadavg`) when the case finished. Times are medians of `--repeats` calls after one untimed call.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import mixlens.methods.norms as norms
 
 ROOT = Path(os.environ.get("MIXLENS_MODELS", Path.home() / ".cache" / "mixlens" / "models")).expanduser()
 METHODS = ["norm", "norm_res", "norm_resln"]
-CASES = (  # model, tokens, methods, targets
-    ("all-mpnet-base-v2", 128, METHODS, None),
-    ("all-mpnet-base-v2", 512, METHODS, None),
-    ("smollm2-135m-instruct", 2048, [*METHODS, "globenc_rollout"], "last"),
-    ("smollm2-135m-instruct", 2048, ["alti_rollout"], "last"),
-    ("smollm2-135m-instruct", 2048, METHODS, None),
+CASES = (  # id, model, tokens, methods, targets
+    ("mpnet-128", "all-mpnet-base-v2", 128, METHODS, None),
+    ("mpnet-512", "all-mpnet-base-v2", 512, METHODS, None),
+    ("smollm2-last", "smollm2-135m-instruct", 2048, [*METHODS, "globenc_rollout"], "last"),
+    ("smollm2-alti", "smollm2-135m-instruct", 2048, ["alti_rollout"], "last"),
+    ("smollm2-full", "smollm2-135m-instruct", 2048, METHODS, None),
 )
 FILLER = ("the film is a charming and often affecting journey through memory , loss and the small mercies of "
           "ordinary life , told with wit and without sentimentality . ")
@@ -91,7 +93,8 @@ def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--case", default="", help="run only the cases whose model name contains this")
+    ap.add_argument("--case", default="", help="run only the cases whose id contains this: " + ", ".join(
+        c[0] for c in CASES))
     ap.add_argument("--no-torch", action="store_true", help="skip the torch passes")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS processes")
     ap.add_argument("--no-warmup", action="store_true", help="no untimed first call (numba's cache already warm)")
@@ -99,11 +102,11 @@ def main() -> None:
     global WARMUP
     WARMUP = not args.no_warmup
     modes = (True,) if args.no_torch else (True, False)
-    print(f"torch threads {torch.get_num_threads()}")
-    print("model | tokens | methods | targets | forward s | analyze s (compiled) | ratio | analyze s (torch) | ratio | "
-          "peak RSS GiB | load avg")
-    for name, n_tokens, methods, targets in CASES:
-        if args.case not in name:
+    print(f"torch threads {torch.get_num_threads()}; forward: model(**inputs, output_attentions=True), eager attention")
+    print("case | model | tokens | methods | targets | forward s | analyze s (compiled) | ratio | analyze s (torch) | "
+          "ratio | peak RSS GiB | load avg")
+    for case, name, n_tokens, methods, targets in CASES:
+        if args.case not in case:
             continue
         if not (ROOT / name / "config.json").is_file():
             print(f"{name}: not fetched, skipped")
@@ -112,8 +115,8 @@ def main() -> None:
         rss = "-" if args.no_rss else f"{peak_rss(name, n_tokens, methods, targets):.2f}"
         torch_cols = f"{res[False]:.3f} | {res[False] / t_fwd:.2f}x" if False in res else "- | -"
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        print(f"{name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | {t_fwd:.3f} | {res[True]:.3f} | "
-              f"{res[True] / t_fwd:.2f}x | {torch_cols} | {rss} | {load}", flush=True)
+        print(f"{case} | {name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | {t_fwd:.3f} | "
+              f"{res[True]:.3f} | {res[True] / t_fwd:.2f}x | {torch_cols} | {rss} | {load}", flush=True)
 
 
 if __name__ == "__main__":

@@ -89,12 +89,21 @@ def test_alti_and_globenc_vectors_rebuild_the_real_outputs(family_lens):
                                    rtol=1e-4)
 
 
-def test_alti_chunking_matches_one_chunk(bundled, monkeypatch):
-    tr = bundled.trace(SENTENCES)
+@pytest.mark.parametrize("family", ["bert", "gpt2"])  # a causal model's rows skip the sources after the target
+def test_alti_blocking_and_the_torch_path_match(family, tokenizer, monkeypatch):
+    """The compiled L1 kernel in blocks of 1 row, and the torch path in chunks of 1 row and of many, equal the
+    compiled default (itself checked against the explicit vectors above)."""
+    import mixlens.methods.norms as norms
+
+    tr = random_lens(family, tokenizer).trace(SENTENCES)
     whole = alti_mod.alti(tr)
-    monkeypatch.setattr(alti_mod, "ROW_CHUNK_ELEMENTS", 1)  # one target row per chunk
-    tr.memo = Memo()
-    torch.testing.assert_close(alti_mod.alti(tr), whole, atol=1e-6, rtol=1e-5)
+    for compiled, attr in ((True, "ROW_BLOCK"), (False, "ROW_CHUNK_ELEMENTS"), (False, None)):
+        with monkeypatch.context() as mp:
+            mp.setattr(norms, "COMPILED", compiled)
+            if attr:
+                mp.setattr(alti_mod, attr, 1)  # one target row per block / chunk
+            tr.memo = Memo()
+            torch.testing.assert_close(alti_mod.alti(tr), whole, atol=1e-6, rtol=1e-5)
 
 
 # ---- known answers on a hand-built BERT: uniform attention, W_V = W_O = I, no FFN, plain LayerNorms ----

@@ -17,7 +17,16 @@ import torch
 from mixlens import methods as method_registry
 from mixlens.adapters import Adapter, family_for, resolve
 from mixlens.errors import MixlensError
-from mixlens.pipeline import Targets, needs_capture, plan_batches, resolve_targets, run_methods, trace_flags
+from mixlens.pipeline import (
+    Targets,
+    needs_capture,
+    plan_batches,
+    resolve_targets,
+    run_methods,
+    stream_trace,
+    streams,
+    trace_flags,
+)
 from mixlens.result import Analysis, Attribution, BiasBlocks, Blocks
 from mixlens.trace import Edit, Trace, run_traced
 
@@ -287,13 +296,15 @@ class Lens:
         max_tokens: int | None = None,
         max_cells: int | None = None,
         trace: bool | Sequence[str] = False,
+        targets: Targets = None,
     ) -> Iterator[Batch]:
         """Batches of `texts`, each tokenized once: `order='input'` cuts the inputs in order into batches of
         `batch_size`; `order='length'` tokenizes all inputs first and packs them longest first into batches of
         ≤ `batch_size` inputs, ≤ `max_tokens` padded tokens and ≤ `max_cells` padded token pairs (inputs · n², which
         bounds the [.., n, n] maps); `Batch.index` says where each input came from.
         `trace`: False (no forward pass), True (a full trace) or registry method names (a trace with the FFN
-        activations / whole forward pass those methods need; none, only the inputs, when no method reads it)."""
+        activations / whole forward pass those methods need; none, only the inputs, when no method reads it).
+        `targets` with method names (all of `TARGET_METHODS`): target-row streaming (`pipeline.stream_trace`)."""
         texts = _check_texts(texts)
         if order not in ("input", "length"):
             raise MixlensError(f"unknown batch order '{order}'; valid: input, length")
@@ -317,9 +328,12 @@ class Lens:
                 tok, local = _Tokenized(self, [texts[b] for b in rows], limit, truncate), range(len(rows))
             enc = tok.batch(self, local)
             bare = Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
-            yield Batch(
-                list(rows), enc, None if trace is False else self.trace(enc, ffn=ffn, full=full) if capture else bare
-            )
+            traced: Trace | None = None if trace is False else bare
+            if capture and not isinstance(trace, bool) and streams(trace, targets):
+                traced = stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer)
+            elif capture:
+                traced = self.trace(enc, ffn=ffn, full=full)
+            yield Batch(list(rows), enc, traced)
 
     @torch.no_grad()
     def trace(
@@ -376,6 +390,7 @@ class Lens:
             order="length",
             max_cells=batch_size * CELLS_PER_INPUT,
             trace=names,
+            targets=targets,
         ):
             enc, idx = batch.enc, np.asarray(batch.index)
             for k, n in enumerate(enc.truncated):

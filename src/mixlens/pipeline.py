@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mixlens.adapters import Adapter
 from mixlens.errors import MixlensError
+from mixlens.methods import alti, attention, globenc, rollout
 from mixlens.methods import get as get_method
-from mixlens.methods.norms import BlockNorms, block_norms
+from mixlens.methods.norms import BlockNorms, NormRun, block_norms, stream_layer
 from mixlens.methods.registry import check_options
-from mixlens.trace import Memo, Trace
+from mixlens.trace import LayerTrace, Memo, Trace, run_traced
 
 Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
 # methods that compute only requested target rows (the rollouts by propagating those rows down the layers)
@@ -30,6 +32,7 @@ TARGET_METHODS = (
     "alti_rollout",
     "attention_rollout",
 )
+NORM_ENGINE = ("norm", "norm_res", "norm_resln")  # the norm engine's own methods
 
 
 def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | None:
@@ -54,6 +57,14 @@ def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | 
             raise MixlensError(f"targets {wanted} name the same position twice in input {b + 1} ({n} tokens)")
         rows.append(pos)
     return torch.tensor(rows, dtype=torch.long)
+
+
+def _check_target_methods(names: Sequence[str]) -> None:
+    refused = [m for m in names if m not in TARGET_METHODS]
+    if refused:
+        raise MixlensError(
+            f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(TARGET_METHODS)}"
+        )
 
 
 def plan_batches(
@@ -111,22 +122,110 @@ def run_methods(
     options = check_options([s.name for s in specs], options)
     rows = resolve_targets(targets, trace.lengths)
     if rows is not None:
-        refused = [s.name for s in specs if s.name not in TARGET_METHODS]
-        if refused:
-            raise MixlensError(
-                f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(TARGET_METHODS)}"
-            )
+        _check_target_methods([s.name for s in specs])
         rows = rows.to(trace.mask.device)
     old = trace.memo.targets
     same = old is None and rows is None or old is not None and rows is not None and torch.equal(old, rows)
+    if trace.memo.streamed and (not same or not {s.name for s in specs} <= trace.memo.streamed):
+        raise MixlensError(
+            f"this trace was streamed for methods {', '.join(sorted(trace.memo.streamed))} and its target rows only "
+            "(its attention maps are gone): trace the input again for other methods or targets"
+        )
     if not same:
         trace.memo = Memo()  # results of other rows
     if rows is not None:
         trace.memo.targets = rows
-    if any(s.fn.__module__ == block_norms.__module__ for s in specs):
-        block_norms(trace)
+    if any(s.fn.__module__ == block_norms.__module__ for s in specs) or trace.memo.norm_run is not None:
+        block_norms(trace)  # a streamed trace's norm passes ran: their per-run check runs here
     outs = {s.name: s.run(trace, heads=heads, **options.get(s.name, {})) for s in specs}
     return Step({k: o.values for k, o in outs.items()}, trace.memo.block_norms, {k: o.extras for k, o in outs.items()})
+
+
+def streams(methods: Sequence[str], targets: Targets) -> bool:
+    """Whether `methods` with `targets` run in target-row streaming mode (`stream_trace`): target rows, and every
+    method able to compute them."""
+    rows = not (targets is None or isinstance(targets, str) and targets == "all")
+    return rows and all(m in TARGET_METHODS for m in methods)
+
+
+class LayerStream:
+    """The layer sink of target-row streaming (`run_traced(sink=)`): at each layer, while its α [B, H, n, n] is
+    alive, computes and keeps only what `methods` read afterwards (on `memo`, the streamed trace's Memo):
+
+    - `layer_rows["alpha"]`: the target rows of α [B, H, K, n] (attention, per-head norm maps);
+    - the norm engine's token and attention passes (`norms.stream_layer`): the target rows of the pair maps, the
+      per-token quantities and what the per-run check needs, when a norm-engine method (or GlobEnc of a pre-LN
+      model, which is N-Res there) is requested;
+    - for a rollout, the layer's head-summed matrix [B, n, n] that the backward row propagation multiplies by
+      (`layer_mats`: Â for attention_rollout, ALTI, N-Enc / N-Res); for alti and globenc alone, their target rows
+      (`layer_rows`).
+    Memory: layers · (H + maps) · K · n, plus layers · n² per requested rollout."""
+
+    def __init__(self, adapter: Adapter, mask: torch.Tensor, methods: Sequence[str], rows: torch.Tensor):
+        self.adapter, self.mask, self.rows = adapter, mask, rows
+        self.names = frozenset(methods)
+        pre_ln = adapter.family.pre_ln
+        globenc = bool(self.names & {"globenc", "globenc_rollout"})
+        self.memo = Memo(targets=rows, streamed=self.names)
+        if self.names & set(NORM_ENGINE) or (pre_ln and globenc):
+            self.memo.norm_run = NormRun.start(adapter, mask, rows)
+        self.every_row = pre_ln and "globenc_rollout" in self.names  # N-Res matrices for the GlobEnc rollout
+
+    def keep(self, kind: str, name: str, index: int, t: torch.Tensor) -> None:
+        store = self.memo.layer_mats if kind == "mats" else self.memo.layer_rows
+        got = store.setdefault(name, [])
+        assert len(got) == index, f"layer {index} streamed out of order"
+        got.append(t)
+
+    def __call__(self, index: int, lt: LayerTrace) -> None:
+        lay, mask, rows, names = self.adapter.layers[index], self.mask, self.rows, self.names
+        self.keep("rows", "alpha", index, attention.alpha_rows(lt.alpha.float(), rows))
+        if self.memo.norm_run is not None:
+            n_res = stream_layer(self.memo.norm_run, lt, index, self.every_row)
+            if n_res is not None:
+                self.keep("mats", "globenc", index, n_res * rollout.pair_mask(mask)[:, 0])
+        if "attention_rollout" in names:
+            self.keep("mats", "attention_rollout", index, rollout.residual_rows(lt.alpha, mask, None))
+        if names & {"alti", "alti_rollout"}:
+            fn = alti.layer_fn(lt, lay, self.adapter.family.pre_ln, mask, self.adapter.family.causal)
+            if "alti_rollout" in names:
+                self.keep("mats", "alti", index, fn(None))
+            else:
+                self.keep("rows", "alti", index, fn(rows))
+        if names & {"globenc", "globenc_rollout"} and not self.adapter.family.pre_ln:
+            fn = globenc.layer_fn(lt, lay, mask, index)
+            if "globenc_rollout" in names:
+                self.keep("mats", "globenc", index, fn(None) * rollout.pair_mask(mask)[:, 0])
+            else:
+                self.keep("rows", "globenc", index, fn(rows) * rollout.row_pair_mask(mask, rows))
+
+
+@torch.no_grad()
+def stream_trace(
+    adapter: Adapter,
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    methods: Sequence[str],
+    targets: Targets,
+    tokenizer: object | None = None,
+) -> Trace:
+    """One forward pass in target-row streaming mode for `methods` (all in `TARGET_METHODS`) and `targets` (not
+    all rows): each layer is consumed by a `LayerStream` as soon as it is complete and its α dropped, so the trace
+    never holds the layers' n × n attention maps. `run_methods(trace, methods, targets=targets)` then finishes
+    (rollout row propagation, the per-run check) from what the stream kept; other methods or targets are refused."""
+    mask = inputs["attention_mask"].bool()
+    rows = resolve_targets(targets, mask.sum(-1).tolist())
+    if rows is None:
+        raise MixlensError("streaming computes target rows: give targets other than 'all'")
+    _check_target_methods([get_method(m).name for m in methods])
+    stream = LayerStream(adapter, mask, methods, rows.to(mask.device))
+    post_ln_globenc = not adapter.family.pre_ln and any(m in ("globenc", "globenc_rollout") for m in methods)
+    # the sink is the only reader: FFN activations and layer outputs only for GlobEnc's LN2 (post-LN)
+    trace = run_traced(
+        adapter, model, inputs, ffn=post_ln_globenc, tokenizer=tokenizer, full=post_ln_globenc, sink=stream
+    )
+    trace.memo = stream.memo
+    return trace
 
 
 def trace_flags(methods: Sequence[str]) -> tuple[bool, bool]:

@@ -39,11 +39,12 @@ from mixlens.adapters import Adapter, get_path
 from mixlens.errors import MixlensError
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
+LayerSink = Callable[[int, "LayerTrace"], None]  # (layer index, that layer's complete record) → None
 BLOCK_POINTS = ("resid_pre", "attn.v", "attn.pattern", "attn.z")
 if TYPE_CHECKING:
     from mixlens.methods._kernels import Maps
     from mixlens.methods.decompx import Decomposition
-    from mixlens.methods.norms import LayerState, RealTokens
+    from mixlens.methods.norms import LayerState, NormRun, RealTokens
 
     NormStates = tuple[list[LayerState], RealTokens, Maps]
     from mixlens.methods.gradients import JacobianKey, JacobianNorms
@@ -54,7 +55,8 @@ _POINT = re.compile(r"blocks\.(\d+)\.(" + "|".join(re.escape(p) for p in BLOCK_P
 
 @dataclass
 class LayerTrace:
-    """What one layer saw and produced. Shapes use B=batch, n=tokens, d=hidden, H heads."""
+    """What one layer saw and produced. Shapes use B=batch, n=tokens, d=hidden, H heads. In a trace whose layers a
+    sink consumed during the forward pass (`run_traced(sink=)`), every tensor field but `post_scale` is empty ([0])."""
 
     x: torch.Tensor  # [B, n, d] residual stream entering the layer
     alpha: torch.Tensor  # [B, H, n(target), n(source)]
@@ -90,6 +92,12 @@ class Memo:
     jacobian_norms: dict[JacobianKey, JacobianNorms] = field(default_factory=dict)
     targets: torch.Tensor | None = None  # [B, K] positions of target-row mode (`run_methods(targets=)`); None: all
     norm_states: NormStates | None = None  # target-row mode: the engine's per-layer state, for `norms.pair_rows`
+    norm_run: NormRun | None = None  # streamed trace: the norm engine's passes, run during the forward pass
+    streamed: frozenset[str] = frozenset()  # streamed trace: the methods its layer sink served (α is gone)
+    layer_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # streamed: quantity → per layer
+    # [B, K, n] target rows (`alpha`: [B, H, K, n])
+    layer_mats: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # streamed: quantity → per layer the
+    # [B, n, n] matrix a rollout propagates the target rows through
 
 
 @dataclass
@@ -315,6 +323,7 @@ def hooked(
     resid_pre: torch.Tensor | None = None,
     stop_after: int | None = None,
     stop_at_mix: bool = False,
+    on_layer: Callable[[int], None] | None = None,
 ) -> Iterator[dict[str, list[torch.Tensor]]]:
     """Capture hooks and `edits` (edit point name → fn, see the module docstring) for ONE model call.
 
@@ -327,6 +336,8 @@ def hooked(
     - `stop_after`: end the forward pass right after the output of that layer; `stop_at_mix`: right after its
       ln_mix instead (default layer: the last). A stopped forward pass leaves the `with` body at once (the
       model call returns nothing): read the layer outputs from the record.
+    - `on_layer(k)`: called as soon as item k of the record is complete: at the layer's output, or at its ln_mix
+      for a pass stopped there (the record may be thinned in it, e.g. α dropped).
     """
     edits = dict(edits or {})
     stop = _check(adapter, edits, start, stop_after, resid_pre)
@@ -348,9 +359,14 @@ def hooked(
         rec["x"].append(h)
         return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
 
+    def complete() -> None:
+        if on_layer is not None:
+            on_layer(s.layer - start)
+
     def leave(m: nn.Module, args: tuple, out: Any) -> None:
         if s.active:
             rec["out"].append(_first(out))
+            complete()
             if halt_out and s.layer == stop:
                 raise _Stop(s)
 
@@ -359,6 +375,7 @@ def hooked(
             rec["mix_in"].append(args[0])
             rec["mix_out"].append(out)
             if stop_at_mix and s.layer == stop:
+                complete()
                 raise _Stop(s)
 
     def embed(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
@@ -426,6 +443,29 @@ def hooked(
                 mod.forward = own
 
 
+def _layer_trace(adapter: Adapter, rec: dict[str, list[torch.Tensor]], k: int) -> LayerTrace:
+    """Item k of a complete record (layer k of a pass started at layer 0) as a LayerTrace."""
+
+    def opt(name: str) -> torch.Tensor | None:
+        return rec[name][k] if len(rec.get(name, ())) > k else None
+
+    ln_post, post_raw = adapter.layers[k].ln_post, opt("post_raw")
+    return LayerTrace(
+        x=rec["x"][k],
+        alpha=rec["alpha"][k],
+        value=rec["value"][k],
+        attn_out=rec["attn_out"][k],
+        mix_in=rec["mix_in"][k],
+        mix_out=rec["mix_out"][k],
+        out=opt("out"),
+        ffn_pre=opt("ffn_pre"),
+        ffn_act=opt("ffn_act"),
+        ln_out_in=opt("ln_out_in"),
+        ffn_gate=opt("ffn_gate"),
+        post_scale=None if post_raw is None or ln_post is None else ln_post.scale(post_raw.float()),
+    )
+
+
 def run_traced(
     adapter: Adapter,
     model: nn.Module,
@@ -434,43 +474,37 @@ def run_traced(
     ffn: bool = False,
     tokenizer: object | None = None,
     full: bool = True,
+    sink: LayerSink | None = None,
 ) -> Trace:
     """One forward pass with capture hooks → Trace (call under torch.no_grad() for analysis). `full=False`
     stops after the last layer's ln_mix: everything the attention-block methods use, without the last FFN and
-    the model head (the last layer's `out` and the logits are then None)."""
+    the model head (the last layer's `out` and the logits are then None).
+
+    `sink(l, layer_trace)` is called inside the forward pass as soon as layer l is complete (its output, or its
+    ln_mix for the last layer when `full=False`), with everything a trace holds of it; then that layer's tensors are
+    dropped (the trace keeps empty ones, and `post_scale`), so at most one layer's α [B, H, n, n] is alive at a
+    time and the trace holds O(layers · n) floats: the sink keeps what it needs."""
     output = None
-    with hooked(adapter, edits, ffn and full, stop_at_mix=not full) as rec:
+    thin: list[LayerTrace] = []  # the consumed layers, as the trace keeps them
+
+    def consume(k: int) -> None:
+        assert sink is not None
+        lt = _layer_trace(adapter, rec, k)
+        sink(k, lt)
+        empty = lt.x.new_empty(0)
+        for items in rec.values():
+            if len(items) > k:
+                items[k] = empty
+        thin.append(LayerTrace(empty, empty, empty, empty, empty, empty, empty, post_scale=lt.post_scale))
+
+    with hooked(adapter, edits, ffn and full, stop_at_mix=not full, on_layer=None if sink is None else consume) as rec:
         output = model(**inputs)
-    outs: list[torch.Tensor | None] = [*rec["out"], *([] if full else [None])]
     n = adapter.n_layers
-    counts = {k: len(rec[k]) for k in ("x", "attn_out", "mix_in", "mix_out", "alpha", "value")} | {"out": len(outs)}
+    counts = {k: len(rec[k]) for k in ("x", "attn_out", "mix_in", "mix_out", "alpha", "value")}
+    counts["out"] = len(rec["out"]) + (0 if full else 1)
     for key, count in counts.items():
         if count != n:
             raise RuntimeError(f"capture of '{key}' fired {count} times for {n} layers")
-    opt = {
-        k: rec[k] if len(rec.get(k, [])) == n else [None] * n
-        for k in ("ffn_pre", "ffn_act", "ln_out_in", "ffn_gate", "post_raw")
-    }
-    post = [
-        None if raw is None or lay.ln_post is None else lay.ln_post.scale(raw.float())
-        for raw, lay in zip(opt["post_raw"], adapter.layers, strict=True)
-    ]
-    layers = [
-        LayerTrace(
-            x=rec["x"][i],
-            alpha=rec["alpha"][i],
-            value=rec["value"][i],
-            attn_out=rec["attn_out"][i],
-            mix_in=rec["mix_in"][i],
-            mix_out=rec["mix_out"][i],
-            out=outs[i],
-            ffn_pre=opt["ffn_pre"][i],
-            ffn_act=opt["ffn_act"][i],
-            ln_out_in=opt["ln_out_in"][i],
-            ffn_gate=opt["ffn_gate"][i],
-            post_scale=post[i],
-        )
-        for i in range(n)
-    ]
+    layers = thin if sink is not None else [_layer_trace(adapter, rec, i) for i in range(n)]
     logits = getattr(output, "logits", None)
     return Trace(adapter=adapter, model=model, inputs=inputs, layers=layers, logits=logits, tokenizer=tokenizer)

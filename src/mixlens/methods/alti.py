@@ -3,23 +3,37 @@
 Post-LN: T_i(x_j) = g_i(t_ij) = P1(t_ij)/s1_i and y_i = the real LN1 output, so y_i = Σ_j T_i(x_j) + g_i(b_O) + β
 exactly. Pre-LN (GPT-2, Llama): the residual path has no norm, so T_i(x_j) = t_ij and y_i = the real residual sum
 x_i + attention output. Contribution c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁), rows normalised to 1.
-The L1 rule needs the vectors T_i(x_j); they are built in chunks of target rows to bound memory.
+The L1 rule needs the vectors T_i(x_j) (no Gram shortcut): on the CPU a compiled kernel builds each one in a buffer
+of d floats and reduces it at once; elsewhere torch builds them in chunks of target rows to bound memory. A causal
+row's sources after its target contribute 0 and are skipped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
+from numba import njit
 
 from mixlens.adapters import Layer
+from mixlens.methods import norms
+from mixlens.methods._compiled import parallel
 from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.norms import head_vectors
 from mixlens.methods.registry import register
-from mixlens.methods.rollout import pair_mask, rollout, rollout_rows, row_normalize, row_pair_mask
+from mixlens.methods.rollout import (
+    kept_matrices,
+    pair_mask,
+    rollout,
+    rollout_rows,
+    row_normalize,
+    row_pair_mask,
+)
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
-ROW_CHUNK_ELEMENTS = 1 << 20  # floats of T vectors held at once (4 MB: the chunk stays in cache)
+ROW_CHUNK_ELEMENTS = 1 << 20  # torch: floats of T vectors held at once (4 MB: the chunk stays in cache)
+ROW_BLOCK = 32  # compiled: target rows per kernel call (they share each source's head vectors in cache)
 
 
 def _maps(lt: LayerTrace, lay: Layer, pre_ln: bool):
@@ -49,29 +63,82 @@ def projected_head_vectors(lt: LayerTrace, lay: Layer, p) -> torch.Tensor:
     return torch.einsum("bhjk,hkd->bhjd", v, w)
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def _l1_rows(
+    k0: int,
+    k1: int,
+    alpha: np.ndarray,
+    pf: np.ndarray,
+    px: np.ndarray,
+    y: np.ndarray,
+    rows: np.ndarray,
+    ends: np.ndarray,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    """Target rows k0 .. k1 − 1 of one input: out[k, j] = max(0, ‖y_k‖₁ − ‖y_k − T_k(x_j)‖₁) for sources j < ends[k],
+    T_k(x_j) = Σ_h alpha[h, k, j] pf[h, j] (+ px[k] at j = rows[k]); alpha [H, K, n], pf [H, n, d], px and y [K, d].
+    Sources outer, the block's targets inner: the H · d floats of a source's head vectors are read from memory once
+    per block and stay in cache; the d-vector of one pair is built and L1-reduced in a buffer of d floats."""
+    heads, d = pf.shape[0], pf.shape[2]
+    tmp = np.empty(d, np.float32)
+    y1 = np.empty(k1 - k0, np.float32)
+    for k in range(k0, k1):
+        acc = np.float32(0.0)
+        for e in range(d):
+            acc += abs(y[k, e])
+        y1[k - k0] = acc
+    for j in range(ends[k0:k1].max()):
+        for k in range(k0, k1):
+            if j >= ends[k]:
+                continue
+            for e in range(d):
+                tmp[e] = y[k, e]
+            for h in range(heads):
+                a = alpha[h, k, j]
+                if a != 0:
+                    for e in range(d):
+                        tmp[e] -= a * pf[h, j, e]
+            if j == rows[k]:
+                for e in range(d):
+                    tmp[e] -= px[k, e]
+            acc = np.float32(0.0)
+            for e in range(d):
+                acc += abs(tmp[e])
+            out[k, j] = max(y1[k - k0] - acc, np.float32(0.0))
+
+
 def _example(
-    alpha: torch.Tensor, pf: torch.Tensor, px: torch.Tensor, y: torch.Tensor, rows: torch.Tensor
+    alpha: torch.Tensor, pf: torch.Tensor, px: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, causal: bool
 ) -> torch.Tensor:
     """ALTI rows of one input (real tokens only) at target positions rows [K]. alpha [H, K, n] (those rows of α,
-    already scaled by 1/s_i), pf [H, n, d], px [n, d] (scaled), y [n, d] → c [K(target), n(source)]."""
+    already scaled by 1/s_i), pf [H, n, d], px [n, d] (scaled), y [n, d] → c [K(target), n(source)]. A causal row
+    skips the sources after its target (α = 0 there, so T = 0 and c = 0). CPU: the compiled kernel `_l1_rows` on
+    blocks of `ROW_BLOCK` rows over torch's threads; else torch, in chunks of `ROW_CHUNK_ELEMENTS` floats."""
     h, k, n = alpha.shape
     d = y.shape[-1]
+    ends = rows + 1 if causal else torch.full_like(rows, n)
+    if norms.COMPILED and alpha.device.type == "cpu":
+        out = torch.zeros(k, n)
+        args = [t.detach().float().contiguous().numpy() for t in (alpha, pf, px[rows], y[rows])]
+        args += [rows.contiguous().numpy(), ends.contiguous().numpy(), out.numpy()]
+        parallel([(_l1_rows, s, min(k, s + ROW_BLOCK), *args) for s in range(0, k, ROW_BLOCK)])
+        return out
     a = alpha.permute(2, 1, 0)  # [j, K, H]
     pfj = pf.transpose(0, 1)  # [j, H, d]
-    out = torch.empty(k, n)
+    out = torch.zeros(k, n)
     step = max(1, ROW_CHUNK_ELEMENTS // (n * d))
     for s in range(0, k, step):
         r = slice(s, min(k, s + step))
-        pos = rows[r]
-        t = torch.matmul(a[:, r], pfj)  # [j, r, d]: Σ_h α^h_ij P f^h_j / s_i for targets i in r
+        pos, end = rows[r], int(ends[r].max())
+        t = torch.matmul(a[:end, r], pfj[:end])  # [j, r, d]: Σ_h α^h_ij P f^h_j / s_i for targets i in r
         t[pos, torch.arange(len(pos))] += px[pos]
         dist = torch.linalg.vector_norm(t.sub_(y[pos]), ord=1, dim=-1)  # ‖y_i − T_i(x_j)‖₁  [j, r]
-        out[r] = (y[pos].abs().sum(-1)[None] - dist).clamp_min_(0).T
+        out[r, :end] = (y[pos].abs().sum(-1)[None] - dist).clamp_min_(0).T
     return out
 
 
-def _layer(
-    lt: LayerTrace, lay: Layer, pre_ln: bool, mask: torch.Tensor
+def layer_fn(
+    lt: LayerTrace, lay: Layer, pre_ln: bool, mask: torch.Tensor, causal: bool
 ) -> Callable[[torch.Tensor | None], torch.Tensor]:
     """ALTI contributions of one layer, rows normalised, as a function of target positions rows [B, K] → [B, K, n]
     (None: every row, [B, n, n]); padding 0."""
@@ -86,14 +153,18 @@ def _layer(
             alpha = lt.alpha.float() * inv[:, None, :, None]
             out = torch.zeros(b, n, n)
             for k, m in enumerate(lengths):  # real tokens only: no work on padding
-                out[k, :m, :m] = _example(alpha[k, :, :m, :m], pf[k, :, :m], px[k, :m], y[k, :m], torch.arange(m))
+                out[k, :m, :m] = _example(
+                    alpha[k, :, :m, :m], pf[k, :, :m], px[k, :m], y[k, :m], torch.arange(m), causal
+                )
             return row_normalize(out * pair_mask(mask)[:, 0])
         alpha = alpha_rows(lt.alpha.float(), rows) * inv.gather(1, rows)[:, None, :, None]
         out = torch.zeros(b, rows.shape[1], n)
         for k, m in enumerate(lengths):
             real = rows[k] < m
             if real.any():
-                out[k, real, :m] = _example(alpha[k, :, real, :m], pf[k, :, :m], px[k, :m], y[k, :m], rows[k, real])
+                out[k, real, :m] = _example(
+                    alpha[k, :, real, :m], pf[k, :, :m], px[k, :m], y[k, :m], rows[k, real], causal
+                )
         return row_normalize(out * row_pair_mask(mask, rows))
 
     return rows_of
@@ -103,14 +174,20 @@ def alti_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer ALTI contributions, rows normalised: [B, L, n, n], or their target rows [B, L, K, n] in target-row
     mode (cached on the trace)."""
     if trace.memo.alti is None:
-        pre_ln = trace.adapter.family.pre_ln
-        trace.memo.alti = torch.stack(
-            [
-                _layer(lt, lay, pre_ln, trace.mask)(targets_of(trace))
-                for lt, lay in zip(trace.layers, trace.adapter.layers, strict=True)
-            ],
-            dim=1,
-        )
+        pre_ln, targets = trace.adapter.family.pre_ln, targets_of(trace)
+        kept, mats = trace.memo.layer_rows.get("alti"), kept_matrices(trace, "alti")
+        if kept is not None:  # streamed
+            trace.memo.alti = torch.stack(kept, dim=1)
+        elif mats is not None and targets is not None:
+            trace.memo.alti = torch.stack([mats(m)(targets) for m in range(len(trace.layers))], dim=1)
+        else:
+            trace.memo.alti = torch.stack(
+                [
+                    layer_fn(lt, lay, pre_ln, trace.mask, trace.adapter.family.causal)(targets)
+                    for lt, lay in zip(trace.layers, trace.adapter.layers, strict=True)
+                ],
+                dim=1,
+            )
     return trace.memo.alti
 
 
@@ -126,7 +203,10 @@ def alti_rollout(trace: Trace) -> torch.Tensor:
     targets = targets_of(trace)
     if targets is not None:
         pre_ln = trace.adapter.family.pre_ln
-        return rollout_rows(
-            trace, lambda m: _layer(trace.layers[m], trace.adapter.layers[m], pre_ln, trace.mask), targets
+        layer_rows = kept_matrices(trace, "alti") or (
+            lambda m: layer_fn(
+                trace.layers[m], trace.adapter.layers[m], pre_ln, trace.mask, trace.adapter.family.causal
+            )
         )
+        return rollout_rows(trace, layer_rows, targets)
     return rollout(alti_matrices(trace))

@@ -19,12 +19,22 @@ def alpha_rows(alpha: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return alpha.gather(2, rows[:, None, :, None].expand(b, h, rows.shape[1], n))
 
 
+def target_alpha(trace: Trace, index: int) -> torch.Tensor:
+    """The target rows of layer `index`'s α [B, H, K, n]: kept by the layer sink of a streamed trace, else gathered."""
+    kept = trace.memo.layer_rows.get("alpha")
+    if kept is not None:
+        return kept[index]
+    rows = targets_of(trace)
+    assert rows is not None, "target rows of a trace in target-row mode"
+    return alpha_rows(trace.layers[index].alpha.float(), rows)
+
+
 def stacked_alpha(trace: Trace) -> torch.Tensor:
     """α of every layer, padded target rows zeroed: [batch, layer, head, target, source] (target: the rows of
     `targets_of(trace)` when set)."""
     rows = targets_of(trace)
     if rows is not None:
-        return torch.stack([alpha_rows(lt.alpha.float(), rows) for lt in trace.layers], dim=1)
+        return torch.stack([target_alpha(trace, i) for i in range(len(trace.layers))], dim=1)
     a = torch.stack([lt.alpha for lt in trace.layers], dim=1).float()
     return a * trace.mask[:, None, None, :, None]
 

@@ -21,7 +21,7 @@ from mixlens.methods.alti import projected_head_vectors
 from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.norms import TOLERANCE, attn_sum, block_norms, head_vectors, pair_rows, quad_norm
 from mixlens.methods.registry import Option, register
-from mixlens.methods.rollout import pair_mask, rollout, rollout_rows, row_pair_mask
+from mixlens.methods.rollout import kept_matrices, pair_mask, rollout, rollout_rows, row_pair_mask
 from mixlens.trace import LayerTrace, Trace
 
 
@@ -64,7 +64,9 @@ def _rest(lt: LayerTrace, lay: Layer, inv: torch.Tensor) -> torch.Tensor:
     return bias1 + ln2.project(ffn) / s2 + ln2.shift().float()
 
 
-def _layer(lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
+def layer_fn(
+    lt: LayerTrace, lay: Layer, mask: torch.Tensor, index: int
+) -> Callable[[torch.Tensor | None], torch.Tensor]:
     """N-Enc of one post-LN layer after its self-check, as a function of target positions rows [B, K] → [B, K, n]
     (None: every row, [B, n, n]; unmasked)."""
     p, inv = _maps(lt, lay)
@@ -98,7 +100,7 @@ def _layer_rows(trace: Trace, index: int) -> Callable[[torch.Tensor], torch.Tens
     """Layer `index`'s N-Enc rows: positions rows [B, K] → [B, K, n], padding 0."""
     if trace.adapter.family.pre_ln:
         return lambda rows: pair_rows(trace, index, rows).n_res[:, 0] * row_pair_mask(trace.mask, rows)
-    fn = _layer(trace.layers[index], trace.adapter.layers[index], trace.mask, index)
+    fn = layer_fn(trace.layers[index], trace.adapter.layers[index], trace.mask, index)
     return lambda rows: fn(rows) * row_pair_mask(trace.mask, rows)
 
 
@@ -108,14 +110,21 @@ def n_enc(trace: Trace) -> torch.Tensor:
     trace)."""
     if trace.memo.globenc is None:
         targets = targets_of(trace)
-        if targets is not None:
+        kept, streamed = trace.memo.layer_rows.get("globenc"), kept_matrices(trace, "globenc")
+        if targets is not None and kept is not None:
+            mats = torch.stack(kept, dim=1)
+        elif targets is not None and streamed is not None:
+            mats = torch.stack([streamed(m)(targets) for m in range(len(trace.layers))], dim=1)
+        elif targets is not None and trace.adapter.family.pre_ln:  # N-Res: the norm engine's target rows
+            mats = block_norms(trace).n_res * row_pair_mask(trace.mask, targets)[:, None]
+        elif targets is not None:
             mats = torch.stack([_layer_rows(trace, i)(targets) for i in range(len(trace.layers))], dim=1)
         elif trace.adapter.family.pre_ln:
             mats = block_norms(trace).n_res * pair_mask(trace.mask)
         else:
             mats = torch.stack(
                 [
-                    _layer(lt, lay, trace.mask, i)(None)
+                    layer_fn(lt, lay, trace.mask, i)(None)
                     for i, (lt, lay) in enumerate(zip(trace.layers, trace.adapter.layers, strict=True))
                 ],
                 dim=1,
@@ -140,5 +149,6 @@ def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:
     """GlobEnc global attribution: rollout of N-Enc over layers 1..l (normalize=true: rows to 1 first)."""
     targets = targets_of(trace)
     if targets is not None:
-        return rollout_rows(trace, lambda m: _layer_rows(trace, m), targets, normalize=normalize)
+        layer_rows = kept_matrices(trace, "globenc") or (lambda m: _layer_rows(trace, m))
+        return rollout_rows(trace, layer_rows, targets, normalize=normalize)
     return rollout(n_enc(trace), normalize=normalize)

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mixlens.adapters import Layer
+from mixlens.adapters import Adapter, Layer
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods import _compiled, _torch_passes
 from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, TokenResults
 from mixlens.methods._torch_passes import quad_norm, quad_norms
-from mixlens.methods.attention import alpha_rows, targets_of
+from mixlens.methods.attention import target_alpha, targets_of
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
@@ -34,6 +34,7 @@ __all__ = [
     "RATIO_VARIANTS",
     "TOLERANCE",
     "BlockNorms",
+    "NormRun",
     "attn_sum",
     "block_norms",
     "head_vectors",
@@ -43,6 +44,7 @@ __all__ = [
     "pair_rows",
     "quad_norm",
     "quad_norms",
+    "stream_layer",
 ]
 
 RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
@@ -233,62 +235,74 @@ def _compiled_on(t: torch.Tensor) -> bool:
     return COMPILED and t.device.type == "cpu"
 
 
-def _check(layers: list[LayerState], tok: RealTokens) -> torch.Tensor:
+def _check(results: list[tuple[int, TokenResults]], tok: RealTokens) -> torch.Tensor:
     """Raise `ReconstructionError` naming the first layer whose decomposition misses the real outputs; else the max
-    abs error per input and layer [B, L]."""
-    err = torch.stack([torch.maximum(st.done.check[0], st.done.probe_err) for st in layers])  # [L, T]
-    tol = TOLERANCE * torch.stack([st.done.check[1] for st in layers]).amax(1).clamp_min(1.0)  # [L]
+    abs error per input and layer [B, L]. `results`: (layer index, its token/attention pass results) per layer."""
+    err = torch.stack([torch.maximum(res.check[0], res.probe_err) for _, res in results])  # [L, T]
+    tol = TOLERANCE * torch.stack([res.check[1] for _, res in results]).amax(1).clamp_min(1.0)  # [L]
     worst = err.amax(1)
-    for st, e, t in zip(layers, worst.tolist(), tol.tolist(), strict=True):
+    for (index, _), e, t in zip(results, worst.tolist(), tol.tolist(), strict=True):
         if e > t:
             raise ReconstructionError(
-                f"layer {st.index}: the decomposition differs from the real attention-block output by {e:.3g} "
+                f"layer {index}: the decomposition differs from the real attention-block output by {e:.3g} "
                 f"(tolerance {t:.3g}); the adapter for this architecture does not match the model"
             )
     return tok.scatter(err.T).amax(1)
 
 
-@torch.no_grad()
-def block_norms(trace: Trace) -> BlockNorms:
-    """Compute (once per trace, then cached) every norm-based quantity of every layer, and check each layer's
-    decomposition against the real attention output, norm input and norm output (`ReconstructionError`). In
-    target-row mode (`targets_of(trace)` [B, K]) the pair maps hold only those rows and the check covers their
-    attention rows; the per-token quantities (ratios, scale, f_norm) cover every token."""
-    if trace.memo.block_norms is None:
-        targets = targets_of(trace)
-        tok = RealTokens.of(trace.mask, targets)
-        ad, (b, n) = trace.adapter, trace.mask.shape
-        compiled, causal = _compiled_on(trace.mask), ad.family.causal
+@dataclass
+class NormRun:
+    """The norm engine on one forward pass: all layers at once (`block_norms`) or one layer at a time as the forward
+    pass produces them (`stream_layer`, target-row streaming), then `finish`."""
+
+    adapter: Adapter
+    tok: RealTokens
+    maps: Maps
+    results: list[tuple[int, TokenResults]]  # per layer done: (index, what its passes computed)
+    compiled: bool
+    sandwich: bool = False  # a layer had a sandwich norm: the head mean of α is not in `maps.alpha_mean`
+
+    @classmethod
+    def start(cls, adapter: Adapter, mask: torch.Tensor, targets: torch.Tensor | None) -> NormRun:
+        tok = RealTokens.of(mask, targets)
+        compiled, (b, n) = _compiled_on(mask), mask.shape
+        rows = tok.layout.targets.shape[1]
         maps = _maps(
             b,
-            ad.n_layers,
-            ad.layers[0].n_heads,
+            adapter.n_layers,
+            adapter.layers[0].n_heads,
             n,
-            tok.layout.targets.shape[1],
-            trace.mask.device,
+            rows,
+            mask.device,
             compiled and tok.full,
-            causal,
+            adapter.family.causal,
         )
-        layers = [
-            LayerState.of(lt, lay, tok, i) for i, (lt, lay) in enumerate(zip(trace.layers, ad.layers, strict=True))
-        ]
-        if compiled:
-            _compiled.token_passes(layers, tok, maps, TOKEN_BLOCK, CF_BUDGET)
-            _compiled.attention_passes(layers, tok, maps, causal)
+        return cls(adapter, tok, maps, [], compiled)
+
+    def token_passes(self, layers: list[LayerState]) -> None:
+        if self.compiled:
+            _compiled.token_passes(layers, self.tok, self.maps, TOKEN_BLOCK, CF_BUDGET)
         else:
-            _torch_passes.token_passes(layers, tok, maps, TOKEN_BLOCK)
+            _torch_passes.token_passes(layers, self.tok, self.maps, TOKEN_BLOCK)
+
+    def attention_passes(self, layers: list[LayerState], tok: RealTokens, maps: Maps) -> None:
+        if self.compiled:
+            _compiled.attention_passes(layers, tok, maps, self.adapter.family.causal)
+        else:
             _torch_passes.attention_passes(layers, tok, maps)
-        error = _check(layers, tok)
-        sandwich = [i for i, lt in enumerate(trace.layers) if lt.post_scale is not None]
-        if sandwich:  # the passes saw α / s^post: the weight-based ratios and the head mean come from α itself
-            for i in sandwich:
-                w = (1 - trace.layers[i].alpha.float().diagonal(dim1=2, dim2=3).mean(1)) * trace.mask
-                maps.ratio[0, :, i], maps.ratio[2, :, i] = w, w / 2
-        else:
-            trace.memo.alpha_mean = maps.alpha_mean
-        if targets is not None:  # kept for `pair_rows` (rollouts propagate through every row of each layer)
-            trace.memo.norm_states = (layers, tok, maps)
-        trace.memo.block_norms = BlockNorms(
+
+    def weight_ratios(self, lt: LayerTrace, index: int) -> None:
+        """A sandwich layer's passes saw α / s^post: its weight-based ratios come from α itself."""
+        if lt.post_scale is not None:
+            w = (1 - lt.alpha.float().diagonal(dim1=2, dim2=3).mean(1)) * self.tok.mask
+            self.maps.ratio[0, :, index], self.maps.ratio[2, :, index] = w, w / 2
+            self.sandwich = True
+
+    def finish(self) -> BlockNorms:
+        """The per-run exactness check over every layer, then the result."""
+        error = _check(self.results, self.tok)
+        maps, ad = self.maps, self.adapter
+        return BlockNorms(
             f_norm=maps.f_norm,
             n=maps.n,
             n_res=maps.n_res,
@@ -296,9 +310,67 @@ def block_norms(trace: Trace) -> BlockNorms:
             ratio=dict(zip(RATIO_VARIANTS, maps.ratio, strict=True)),
             error=error,
             scale=maps.scale,
-            bias_terms=torch.stack([st.weights.bias_terms for st in layers]),
+            bias_terms=torch.stack([_weights(lay, i).bias_terms for i, lay in enumerate(ad.layers)]),
         )
-    return trace.memo.block_norms
+
+
+@torch.no_grad()
+def stream_layer(run: NormRun, lt: LayerTrace, index: int, every_row: bool = False) -> torch.Tensor | None:
+    """Both passes of one layer, inside the forward pass (target-row streaming): writes layer `index` of the maps
+    (its target rows) and keeps only the pass results the check needs, not α. `every_row`: the attention pass runs
+    over every row and the layer's N-Res matrix [B, n(target), n(source)] (padding 0) is returned (what a rollout
+    propagates through); the target rows are taken from it."""
+    tok, maps = run.tok, run.maps
+    st = LayerState.of(lt, run.adapter.layers[index], tok, index)
+    run.token_passes([st])
+    run.weight_ratios(lt, index)
+    if not every_row:
+        run.attention_passes([st], tok, maps)
+        run.results.append((index, st.done))
+        return None
+    b, n = tok.mask.shape
+    positions = torch.arange(n, device=tok.mask.device).repeat(b, 1)
+    every = RealTokens(tok.mask, tok.layout._replace(targets=positions), tok.full, True)
+    pair = [torch.zeros(b, 1, n, n, device=tok.mask.device) for _ in range(4)]
+    view = Maps(maps.f_norm, maps.ratio, maps.scale[:, index : index + 1].contiguous(), *pair)
+    run.attention_passes([LayerState(0, st.layer, st.weights, st.inputs, st.results)], every, view)
+    rows = tok.layout.targets
+    for out, full in zip((maps.n, maps.n_res, maps.n_resln, maps.alpha_mean), pair, strict=True):
+        out[:, index] = full[:, 0].gather(1, rows[:, :, None].expand(-1, -1, n))
+    run.results.append((index, st.done))
+    return pair[1][:, 0]
+
+
+@torch.no_grad()
+def block_norms(trace: Trace) -> BlockNorms:
+    """Compute (once per trace, then cached) every norm-based quantity of every layer, and check each layer's
+    decomposition against the real attention output, norm input and norm output (`ReconstructionError`). In
+    target-row mode (`targets_of(trace)` [B, K]) the pair maps hold only those rows and the check covers their
+    attention rows; the per-token quantities (ratios, scale, f_norm) cover every token. A trace streamed in
+    target-row mode (`pipeline.stream_trace`) had its passes run during the forward pass: only the check is left."""
+    memo = trace.memo
+    if memo.block_norms is None:
+        run = memo.norm_run
+        if run is None:
+            targets = targets_of(trace)
+            run = NormRun.start(trace.adapter, trace.mask, targets)
+            layers = [
+                LayerState.of(lt, lay, run.tok, i)
+                for i, (lt, lay) in enumerate(zip(trace.layers, trace.adapter.layers, strict=True))
+            ]
+            run.token_passes(layers)
+            run.attention_passes(layers, run.tok, run.maps)
+            for i, lt in enumerate(trace.layers):
+                run.weight_ratios(lt, i)
+            run.results = [(st.index, st.done) for st in layers]
+            if targets is not None:  # kept for `pair_rows` (rollouts propagate through every row of each layer)
+                memo.norm_states = (layers, run.tok, run.maps)
+        elif len(run.results) != trace.adapter.n_layers:
+            raise RuntimeError(f"the norm engine streamed {len(run.results)} of {trace.adapter.n_layers} layers")
+        if not run.sandwich:
+            memo.alpha_mean = run.maps.alpha_mean
+        memo.block_norms = run.finish()
+    return memo.block_norms
 
 
 @torch.no_grad()
@@ -307,7 +379,7 @@ def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     token pass kept by `block_norms` in target-row mode: a Maps whose n, n_res, n_resln, alpha_mean are
     [B, 1, K', n] (other fields: the whole call's)."""
     block_norms(trace)
-    assert trace.memo.norm_states is not None, "pair_rows needs a trace in target-row mode"
+    assert trace.memo.norm_states is not None, "pair_rows needs a (not streamed) trace in target-row mode"
     layers, tok, maps = trace.memo.norm_states
     st, tok = layers[index], tok.with_targets(rows)
     b, n = tok.mask.shape
@@ -329,7 +401,10 @@ def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
         return bn.n
     rows = targets_of(trace)
     if rows is not None:
-        alpha = torch.stack([alpha_rows(lt.alpha_mix.float(), rows) for lt in trace.layers], dim=1)
+        post = [None if lt.post_scale is None else lt.post_scale.gather(1, rows) for lt in trace.layers]  # [B, K]
+        alpha = torch.stack(
+            [target_alpha(trace, i) / (1 if s is None else s[:, None, :, None]) for i, s in enumerate(post)], dim=1
+        )  # the target rows of α_mix
         return alpha * bn.f_norm[:, :, :, None, :]
     alpha = torch.stack([lt.alpha_mix for lt in trace.layers], dim=1).float()
     return alpha * bn.f_norm[:, :, :, None, :] * trace.mask[:, None, None, :, None]

@@ -95,12 +95,24 @@ def residual_attention(trace: Trace) -> torch.Tensor:
     return row_normalize(0.5 * a + 0.5 * eye)
 
 
-def residual_attention_rows(trace: Trace, index: int, rows: torch.Tensor) -> torch.Tensor:
-    """Rows at positions rows [B, K] of layer `index`'s Â (as `residual_attention`): [B, K, n]."""
-    pm = row_pair_mask(trace.mask, rows)
-    a = alpha_rows(trace.layers[index].alpha.float(), rows).mean(1) * pm
+def residual_rows(alpha: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """Rows at positions rows [B, K] (None: every row) of one layer's Â (as `residual_attention`) from its α
+    [B, H, n, n] and the real-token mask [B, n]: [B, K, n]."""
+    if rows is None:
+        rows = torch.arange(mask.shape[1], device=mask.device).repeat(len(mask), 1)
+    pm = row_pair_mask(mask, rows)
+    a = alpha_rows(alpha.float(), rows).mean(1) * pm
     eye = (rows[:, :, None] == torch.arange(pm.shape[-1], device=rows.device)) * pm
     return row_normalize(0.5 * a + 0.5 * eye)
+
+
+def kept_matrices(trace: Trace, name: str) -> LayerRows | None:
+    """Streamed trace: the per-layer matrices `name` [B, n, n] its layer sink kept, as `LayerRows` for
+    `rollout_rows`; None when it kept none."""
+    mats = trace.memo.layer_mats.get(name)
+    if mats is None:
+        return None
+    return lambda m: lambda rows: mats[m].gather(1, rows[:, :, None].expand(-1, -1, mats[m].shape[-1]))
 
 
 @register("attention_rollout")
@@ -108,7 +120,10 @@ def attention_rollout(trace: Trace) -> torch.Tensor:
     """Attention rollout (Abnar & Zuidema 2020): product of 0.5·mean attention + 0.5·I over layers 1..l."""
     targets = targets_of(trace)
     if targets is not None:
-        return rollout_rows(trace, lambda m: lambda rows: residual_attention_rows(trace, m, rows), targets)
+        layer_rows = kept_matrices(trace, "attention_rollout") or (
+            lambda m: lambda rows: residual_rows(trace.layers[m].alpha, trace.mask, rows)
+        )
+        return rollout_rows(trace, layer_rows, targets)
     return rollout(residual_attention(trace))
 
 

@@ -1,0 +1,143 @@
+"""Target-row streaming (`pipeline.stream_trace`): each layer is consumed inside the forward pass and its α dropped;
+the results equal the rows of full mode, and the trace holds layers · n · K (plus n² per layer for a rollout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixlens
+import mixlens.methods.norms as norms
+from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.pipeline import TARGET_METHODS, LayerStream, resolve_targets, run_methods, stream_trace
+from tests.conftest import SENTENCES, random_lens
+from tests.test_real_models import CHECKPOINTS, model_dir
+
+FAMILIES = ["bert", "gpt2", "llama", "mpnet", "gemma3_text"]  # post-LN, causal pre-LN (LayerNorm, RMS), sandwich
+
+
+def _rows(full: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows [B, K] of the target axis (third from the end) of [B, ..., n, n] → [B, ..., K, n]."""
+    idx = rows.view(rows.shape[0], *[1] * (full.dim() - 3), rows.shape[1], 1)
+    return full.gather(-2, idx.expand(*full.shape[:-2], rows.shape[1], full.shape[-1]))
+
+
+def _stream(lens, enc, methods, spec):
+    return stream_trace(lens.adapter, lens.model, enc.inputs, methods, spec, lens.tokenizer)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_rows_equal_the_rows_of_full_mode(family, compiled, tokenizer, monkeypatch):
+    monkeypatch.setattr(norms, "COMPILED", compiled)
+    lens = random_lens(family, tokenizer)
+    methods = [m for m in TARGET_METHODS if m not in lens.adapter.family.refuses]
+    enc = lens.encode(SENTENCES)  # three lengths: a padded batch
+    full = run_methods(lens.trace(enc, ffn=True), methods)
+    heads_full = run_methods(lens.trace(enc), ["attention", "norm"], heads=True).values
+    for spec in ("last", [0, -1, 2]):
+        tr = _stream(lens, enc, methods, spec)
+        assert all(lt.alpha.numel() == 0 for lt in tr.layers)  # every layer's α was consumed and dropped
+        rows = resolve_targets(spec, tr.lengths)
+        got = run_methods(tr, methods, targets=spec)
+        for m in methods:
+            want = _rows(full.values[m], rows)
+            assert got.values[m].shape == want.shape, m
+            torch.testing.assert_close(got.values[m], want, rtol=1e-5, atol=1e-5 * float(want.abs().max()), msg=m)
+        assert got.norms is not None and full.norms is not None
+        for view, r in full.norms.ratio.items():  # per-token quantities cover every token
+            torch.testing.assert_close(got.norms.ratio[view], r, rtol=1e-5, atol=1e-6, msg=view)
+        torch.testing.assert_close(got.norms.scale, full.norms.scale)
+        torch.testing.assert_close(got.norms.f_norm, full.norms.f_norm)
+        assert float(got.norms.error.max()) <= norms.TOLERANCE * 100
+        tr = _stream(lens, enc, ["attention", "norm"], spec)
+        for m, v in run_methods(tr, ["attention", "norm"], heads=True, targets=spec).values.items():
+            torch.testing.assert_close(v, _rows(heads_full[m], rows), rtol=1e-5, atol=1e-6, msg=m)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_the_trace_holds_target_rows_and_one_n_squared_matrix_per_rollout(family, tokenizer):
+    """Bytes held after the forward pass: α rows (layers · H · K · n), no α; a rollout adds its layers · n² matrices.
+    While the forward pass runs, only the running layer's α is alive."""
+    lens = random_lens(family, tokenizer)
+    enc = lens.encode(["a b c d e f g h i j k l"])
+    layers, heads, n = lens.adapter.n_layers, lens.adapter.layers[0].n_heads, enc.inputs["input_ids"].shape[1]
+    alive: list[int] = []
+    call = LayerStream.__call__
+
+    def spy(self, index, lt):
+        alive.append(len(self.memo.layer_rows.get("alpha", [])))  # the layers consumed before this one
+        call(self, index, lt)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LayerStream, "__call__", spy)
+        for methods, mats in ((["norm", "norm_res", "norm_resln"], 0), (["norm_res", "globenc_rollout"], 1),
+                              (["alti_rollout", "attention_rollout"], 2)):
+            alive.clear()
+            tr = _stream(lens, enc, methods, "last")
+            assert alive == list(range(layers))
+            fields = ("x", "alpha", "value", "attn_out", "mix_in", "mix_out", "out")
+            assert sum(getattr(lt, f).numel() for lt in tr.layers for f in fields) == 0  # every layer consumed
+            held = {k: sum(t.nbytes for t in v) for k, v in tr.memo.layer_rows.items()}
+            assert held == {"alpha": layers * heads * 1 * n * 4}
+            assert sum(t.nbytes for v in tr.memo.layer_mats.values() for t in v) == mats * layers * n * n * 4
+            run_methods(tr, methods, targets="last")
+
+
+def test_the_per_run_check_runs_on_a_streamed_trace(tokenizer, monkeypatch):
+    lens = random_lens("llama", tokenizer)
+    enc = lens.encode(SENTENCES[:1])
+    monkeypatch.setattr(norms, "TOLERANCE", -1.0)  # every layer misses it
+    for methods in (["norm"], ["globenc_rollout"]):  # GlobEnc of a pre-LN model is N-Res: the norm engine runs
+        tr = _stream(lens, enc, methods, "last")
+        with pytest.raises(ReconstructionError, match="layer 0"):
+            run_methods(tr, methods, targets="last")
+
+
+def test_a_streamed_trace_refuses_other_methods_and_targets(tokenizer):
+    lens = random_lens("gpt2", tokenizer)
+    enc = lens.encode(SENTENCES[:1])
+    tr = _stream(lens, enc, ["norm"], "last")
+    for methods, spec in ((["alti"], "last"), (["norm"], [0]), (["norm"], None)):
+        with pytest.raises(MixlensError, match="streamed for methods norm"):
+            run_methods(tr, methods, targets=spec)
+    with pytest.raises(MixlensError, match="'value_zeroing' cannot compute target rows"):
+        _stream(lens, enc, ["value_zeroing"], "last")
+    with pytest.raises(MixlensError, match="targets other than 'all'"):
+        _stream(lens, enc, ["norm"], "all")
+
+
+def test_analyze_streams_target_rows(tokenizer, monkeypatch):
+    """`lens.analyze(targets=...)` takes the streaming path, and its rows equal full mode's."""
+    lens = random_lens("llama", tokenizer)
+    calls: list[int] = []
+    call = LayerStream.__call__
+    monkeypatch.setattr(LayerStream, "__call__", lambda self, i, lt: (calls.append(i), call(self, i, lt)))
+    methods = ["norm_resln", "globenc_rollout", "alti_rollout"]
+    full = lens.analyze(SENTENCES, methods)
+    assert not calls
+    got = lens.analyze(SENTENCES, methods, targets="last")
+    assert calls
+    for m in methods:
+        for b, toks in enumerate(got.tokens):
+            want = full[m].input(b)[:, [len(toks) - 1]]
+            torch.testing.assert_close(torch.from_numpy(got[m].input(b)), torch.from_numpy(want), rtol=1e-5,
+                                       atol=1e-6)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_streamed_rows_on_real_checkpoints(name):
+    """Real checkpoints (skipped when not fetched): streamed rows equal full mode's, the per-run check passes."""
+    lens = mixlens.load(model_dir(name), head="base")
+    methods = [m for m in TARGET_METHODS if m not in lens.adapter.family.refuses]
+    enc = lens.encode(SENTENCES)
+    # unnormalised, 30 layers of N-Res overflow float32
+    opts = {"globenc_rollout": {"normalize": True}} if "globenc_rollout" in methods else {}
+    full = run_methods(lens.trace(enc, ffn=True), methods, options=opts).values
+    tr = _stream(lens, enc, methods, [1, -1])
+    got = run_methods(tr, methods, options=opts, targets=[1, -1])
+    assert got.norms is not None
+    rows = resolve_targets([1, -1], tr.lengths)
+    for m in methods:
+        want = _rows(full[m], rows)
+        torch.testing.assert_close(got.values[m], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=m)
