@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -75,3 +77,7 @@ def test_mixing_vs_disabling_on_a_small_model(tokenizer):
     np.testing.assert_allclose(rep.layer_harm["zero"], -direct.delta_layers)  # Spearman: higher is better
     np.testing.assert_allclose(rep.head_harm["zero"], -direct.delta_heads)
     assert rep.ratio.shape == (3,) and rep.share.shape == direct.heads.shape
+    shifted = dataclasses.replace(direct, heads=direct.heads + 1.0)  # a finished sweep is used, not rerun
+    again = mixing_vs_disabling(lens, task, [s for p in pairs for s in p], modes=("zero",), done={"zero": shifted})
+    np.testing.assert_allclose(again.head_harm["zero"], rep.head_harm["zero"] - 1.0)
+    np.testing.assert_allclose(again.ratio, rep.ratio)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from mixlens.bertology.sweep import head_means, sweep
+from mixlens.bertology.sweep import head_means, read_sweep_csv, sweep
 from mixlens.bertology.tasks import ClassificationTask, MlmTask, StsTask
+from mixlens.errors import MixlensError
 from mixlens.interventions import Ablation, ablated_trace, head_contexts, merged_edits
 from mixlens.trace import hooked
 from tests.conftest import SENTENCES, data_file, random_lens, run_cli
@@ -171,6 +172,11 @@ def test_cli_sweep_stsb(tmp_path, capsys):
     assert code == 0, err
     assert "baseline spearman" in out and (tmp_path / "sweep.png").is_file()
     assert len((tmp_path / "sweep.csv").read_text().splitlines()) == 1 + 72 + 6
+    res = read_sweep_csv(tmp_path / "sweep.csv", "uniform", 4)  # back as printed by the command
+    assert res.heads.shape == (6, 12) and res.layers.shape == (6,) and res.higher_is_better
+    assert f"{res.baseline:.4f}" in out.split("baseline spearman")[1].splitlines()[0]
+    printed = [line.split() for line in out.split("largest harms")[1].splitlines()[1:11]]
+    assert [[name, f"{d:+.4f}"] for name, d in res.top_changes(10)] == printed
 
 
 @pytest.mark.parametrize("args,msg", [(["--mode", "bogus"], "unknown ablation mode"),
@@ -180,3 +186,10 @@ def test_cli_sweep_errors(args, msg, capsys):
     f = data_file("stsb", "dev.tsv")
     code, _, err = run_cli(["sweep", "-d", str(f), "--limit", "2", *args], capsys)
     assert code == 2 and msg in err and "Traceback" not in err
+
+
+def test_read_sweep_csv_rejects_other_tables(tmp_path):
+    f = tmp_path / "other.csv"
+    f.write_text("layer,head,bleu,delta\n0,0,0.5,0.1\n")
+    with pytest.raises(MixlensError, match="not a sweep.csv"):
+        read_sweep_csv(f, "uniform", 1)

@@ -10,15 +10,19 @@ signed so that positive = worse) over layers and over heads (NaN where either si
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from mixlens.errors import MixlensError
 from mixlens.trace import Trace
+
+if TYPE_CHECKING:
+    from mixlens.bertology.sweep import SweepResult
 
 
 def _traces(lens, texts: Sequence, batch_size: int, max_length: int | None) -> Iterator[Trace]:
@@ -80,8 +84,11 @@ def mixing_vs_disabling(
     modes: Sequence[str] = ("uniform", "zero"),
     batch_size: int = 32,
     on_step: Callable[[int], None] | None = None,
+    done: Mapping[str, SweepResult] | None = None,
 ) -> MixingDisablingReport:
-    """Run the sweep of every mode on `task` and relate it to the mixing profile of `texts`."""
+    """Run the sweep of every mode on `task` and relate it to the mixing profile of `texts`. `done`: sweeps
+    already run on the same task ({mode: result}, e.g. `read_sweep_csv` of `mixlens sweep` outputs), used instead
+    of running those modes again."""
     import warnings
 
     from scipy.stats import ConstantInputWarning, spearmanr
@@ -92,7 +99,7 @@ def mixing_vs_disabling(
     layer_harm, head_harm, rho_l, rho_h = {}, {}, {}, {}
     baseline = float("nan")
     for mode in modes:
-        res = sweep(lens, task, mode, on_step)
+        res = done[mode] if done and mode in done else sweep(lens, task, mode, on_step)
         sign = -1.0 if res.higher_is_better else 1.0
         layer_harm[mode], head_harm[mode] = sign * res.delta_layers, sign * res.delta_heads
         with warnings.catch_warnings():

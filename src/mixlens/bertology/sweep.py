@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,6 +20,8 @@ from mixlens.bertology.tasks import Task
 from mixlens.errors import MixlensError
 from mixlens.interventions import MODES, edits_for, head_contexts
 from mixlens.trace import Trace, hooked, run_traced
+
+HIGHER_IS_BETTER = {"spearman": True, "accuracy": True, "mlm_loss": False}  # the metrics of mixlens.bertology.tasks
 
 
 def _context_sums(trace: Trace) -> tuple[torch.Tensor, int]:
@@ -125,6 +128,22 @@ def sweep(lens, task: Task, mode: str = "uniform", on_step: Callable[[int], None
     return SweepResult(
         task.metric, task.higher_is_better, mode, baseline, scores[:, :n_heads], scores[:, n_heads], task.n_examples
     )
+
+
+def read_sweep_csv(path: str | Path, mode: str, n_examples: int) -> SweepResult:
+    """A `sweep.csv` written by `mixlens sweep` (layer, head or 'all', score, delta) back as a `SweepResult`, to
+    relate a finished sweep to other measures without running it again (`mode` and `n_examples` as it was run)."""
+    import pandas as pd
+
+    df = pd.read_csv(path, dtype={"head": str})
+    metric = str(df.columns[2])
+    if list(df.columns) != ["layer", "head", metric, "delta"] or metric not in HIGHER_IS_BETTER:
+        raise MixlensError(f"{path} is not a sweep.csv of `mixlens sweep` (columns {', '.join(df.columns)})")
+    whole = df["head"] == "all"
+    heads = df[~whole].astype({"head": int}).pivot(index="layer", columns="head", values=metric).to_numpy()
+    layers = df[whole].sort_values("layer")[metric].to_numpy()
+    baseline = float((df[metric] - df["delta"]).median())  # every row stores score and score − baseline
+    return SweepResult(metric, HIGHER_IS_BETTER[metric], mode, baseline, heads, layers, n_examples)
 
 
 def sweep_steps(lens, task: Task, mode: str) -> int:

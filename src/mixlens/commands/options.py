@@ -6,7 +6,10 @@ these at start-up, and `mixlens --help` must not pay for torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import typer
@@ -216,3 +219,26 @@ def disable_option() -> Any:
     return typer.Option(
         None, "--disable", help="Heads to disable throughout, as if pruned (z ← 0), e.g. L5H8,L0H9; L3 = whole layer."
     )
+
+
+def option_block(*options: tuple[str, Any, Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Declare a block of options once for several commands: `@option_block((name, type, typer default), ...)`
+    on `def cmd(block: SimpleNamespace, <own options>)` gives the command the block's options first, then its
+    own (as `--help` lists them); the block's values reach it as `block.<name>`."""
+
+    def wrap(fn: Callable[..., None]) -> Callable[..., None]:
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        own = [p.replace(kind=keyword) for p in list(inspect.signature(fn, eval_str=True).parameters.values())[1:]]
+        shared = [inspect.Parameter(name, keyword, default=default, annotation=kind) for name, kind, default in options]
+
+        @functools.wraps(fn)
+        def command(**values: Any) -> None:
+            fn(SimpleNamespace(**{name: values.pop(name) for name, _, _ in options}), **values)
+
+        signature = inspect.Signature([*shared, *own])
+        del command.__wrapped__  # typer reads this signature, not fn's
+        command.__signature__ = signature  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+        return command
+
+    return wrap

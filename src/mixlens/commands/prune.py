@@ -4,6 +4,7 @@ every head of one Kovaleva type at once vs random heads) (docs/bertology.md)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import typer
@@ -15,6 +16,7 @@ from mixlens.commands.options import (
     disable_option,
     limit_option,
     model_option,
+    option_block,
     pair_column_option,
     read_examples,
     text_column_option,
@@ -29,20 +31,41 @@ def register(app: typer.Typer) -> None:
     app.command("ablate-patterns")(ablate_patterns_command)
 
 
-def _metric_option() -> Any:
-    return typer.Option(None, "--metric", help="sts, mlm or accuracy; default from the model head.")
+TASK_OPTIONS = (  # the data, model and metric of the task the heads are disabled on (prune, ablate-patterns)
+    ("data", str, data_option()),
+    ("model", str | None, model_option()),
+    ("metric", str | None, typer.Option(None, "--metric", help="sts, mlm or accuracy; default from the model head.")),
+    ("text_column", str | None, text_column_option()),
+    ("pair_column", str | None, pair_column_option()),
+    ("score_column", str, typer.Option("score", "--score-column", help="Gold similarity column (sts).")),
+    ("label_column", str, typer.Option("label", "--label-column", help="Gold label column (accuracy).")),
+    ("limit", int | None, limit_option()),
+    ("batch_size", int, batch_size_option()),
+)
 
 
+def _examples(opts: SimpleNamespace) -> list[Any]:
+    """The examples of a `TASK_OPTIONS` block (the metric name checked first)."""
+    if opts.metric is not None and opts.metric not in METRICS:
+        raise MixlensError(f"unknown metric '{opts.metric}'; valid: {', '.join(METRICS)}")
+    return read_examples(opts.data, opts.text_column, opts.pair_column, check_limit(opts.limit))
+
+
+def _lens(opts: SimpleNamespace) -> tuple[Any, str]:
+    """The model of a `TASK_OPTIONS` block and its metric (by default the one its head calls for)."""
+    from mixlens.lens import load
+
+    lens = load(opts.model)
+    return lens, opts.metric or metric_for(lens)
+
+
+def _task(lens: Any, metric: str, opts: SimpleNamespace, examples: list[Any]) -> Any:
+    return make_task(lens, metric, examples, opts.score_column, opts.label_column, opts.batch_size)
+
+
+@option_block(*TASK_OPTIONS)
 def prune_command(
-    data: str = data_option(),
-    model: str | None = model_option(),
-    metric: str | None = _metric_option(),
-    text_column: str | None = text_column_option(),
-    pair_column: str | None = pair_column_option(),
-    score_column: str = typer.Option("score", "--score-column", help="Gold similarity column (sts)."),
-    label_column: str = typer.Option("label", "--label-column", help="Gold label column (accuracy)."),
-    limit: int | None = limit_option(),
-    batch_size: int = batch_size_option(),
+    opts: SimpleNamespace,
     held_out: float = typer.Option(0.5, "--held-out", help="Fraction of the examples kept apart to confirm."),
     seed: int = typer.Option(0, "--seed", help="Seed of the split and of the bootstrap."),
     max_heads: int | None = typer.Option(None, "--max-heads", min=1, help="Remove at most this many heads."),
@@ -60,20 +83,13 @@ def prune_command(
     from mixlens.bertology.prune import prune, split_indices
     from mixlens.bertology.sweep import sweep_steps
     from mixlens.interventions import disabled, parse_heads
-    from mixlens.lens import load
     from mixlens.result import atomic_write
 
-    check_metric(metric)
-    examples = read_examples(data, text_column, pair_column, check_limit(limit))
+    examples = _examples(opts)
     sel_idx, held_idx = split_indices(len(examples), held_out, seed)
-    lens = load(model)
+    lens, metric = _lens(opts)
     base_off = parse_heads(disable or "", lens)
-    metric = metric or metric_for(lens)
-
-    def task(idx: Any) -> Any:
-        return make_task(lens, metric, [examples[i] for i in idx], score_column, label_column, batch_size)
-
-    selection, heldout = task(sel_idx), task(held_idx)
+    selection, heldout = (_task(lens, metric, opts, [examples[i] for i in idx]) for idx in (sel_idx, held_idx))
     with (
         disabled(lens, base_off),
         progress(sweep_steps(lens, selection, "zero") + lens.adapter.n_layers * lens.adapter.n_heads, "prune") as step,
@@ -165,21 +181,9 @@ def save_checkpoint(lens: Any, heads: list[tuple[int, int]], task: Any, path: Pa
     }
 
 
-def check_metric(metric: str | None) -> None:
-    if metric is not None and metric not in METRICS:
-        raise MixlensError(f"unknown metric '{metric}'; valid: {', '.join(METRICS)}")
-
-
+@option_block(*TASK_OPTIONS)
 def ablate_patterns_command(
-    data: str = data_option(),
-    model: str | None = model_option(),
-    metric: str | None = _metric_option(),
-    text_column: str | None = text_column_option(),
-    pair_column: str | None = pair_column_option(),
-    score_column: str = typer.Option("score", "--score-column", help="Gold similarity column (sts)."),
-    label_column: str = typer.Option("label", "--label-column", help="Gold label column (accuracy)."),
-    limit: int | None = limit_option(),
-    batch_size: int = batch_size_option(),
+    opts: SimpleNamespace,
     mode: str = typer.Option("uniform", "--mode", help="uniform (Kovaleva) or zero."),
     draws: int = typer.Option(5, "--draws", help="Random head sets per type (the control)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random heads."),
@@ -193,23 +197,20 @@ def ablate_patterns_command(
     from mixlens.bertology.pattern_ablation import MODES, ablate_patterns, head_types, pattern_ablation_steps
     from mixlens.commands.options import check_view
     from mixlens.interventions import disabled, parse_heads
-    from mixlens.lens import load
     from mixlens.result import atomic_write
     from mixlens.stats.patterns import classify_inputs
     from mixlens.viz.heads import pattern_ablation_figure
 
-    check_metric(metric)
     check_view(view)
     if mode not in MODES:
         raise MixlensError(f"unknown ablation mode '{mode}' for pattern ablation; valid: {', '.join(MODES)}")
-    examples = read_examples(data, text_column, pair_column, check_limit(limit))
-    lens = load(model)
-    metric = metric or metric_for(lens)
-    task = make_task(lens, metric, examples, score_column, label_column, batch_size)
+    examples = _examples(opts)
+    lens, metric = _lens(opts)
+    task = _task(lens, metric, opts, examples)
     texts = [t for e in examples for t in (e.text if metric == "sts" else (e.text,))]
     with disabled(lens, parse_heads(disable or "", lens)):
         with progress(len(texts), "pattern types") as step:
-            types = head_types(classify_inputs(lens, texts, view=view, batch_size=batch_size, on_batch=step))
+            types = head_types(classify_inputs(lens, texts, view=view, batch_size=opts.batch_size, on_batch=step))
         with progress(pattern_ablation_steps(types, draws), f"ablate ({metric}, {mode})") as step:
             res = ablate_patterns(lens, task, types, mode, draws, seed, on_step=step)
     print(f"baseline {res.metric} (no ablation, {task.n_examples} examples): {res.baseline:.4f}")

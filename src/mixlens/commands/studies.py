@@ -2,26 +2,55 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import typer
 
-from mixlens.commands.options import gguf_file_option, model_option
+from mixlens.commands.options import gguf_file_option, model_option, option_block
 from mixlens.errors import MixlensError
 
 
-def _texts(data: str, text_column: str | None, limit: int | None) -> list[str]:
+def _texts_and_lens(inputs: SimpleNamespace) -> tuple[list[str], Any]:
+    """The texts of the data file of a `TEXT_STUDY` block, and the model they go through."""
     from mixlens.commands.options import check_limit, read_examples
+    from mixlens.lens import load
 
-    examples = read_examples(data, text_column, None, check_limit(limit))
+    examples = read_examples(inputs.data, inputs.text_column, None, check_limit(inputs.limit))
     if not examples:
-        raise MixlensError(f"{data} holds no texts")
-    return [ex.text for ex in examples]
+        raise MixlensError(f"{inputs.data} holds no texts")
+    return [ex.text for ex in examples], load(inputs.model, gguf_file=inputs.gguf_file)
+
+
+def _write(
+    out: Path, tables: dict[str, Any], figure: Callable[[Path], None], figure_name: str, frame: Any, title: str
+) -> str:
+    """Write the tables (name → DataFrame, as CSV) and the figure into `out`, print `frame` under `title`; → the
+    files written, for the closing line."""
+    from mixlens.commands.output import print_frame
+    from mixlens.result import atomic_write
+
+    for name, df in tables.items():
+        atomic_write(out / name, df.to_csv(index=False).encode())
+    figure(out / figure_name)
+    print_frame(frame, title)
+    names = [*tables, figure_name]
+    return f"{out}/{', '.join(names[:-1])} and {names[-1]}"
 
 
 TEXT_COL = typer.Option(None, "--text-column", help="Column holding the text (default: sentence/text/...).")
 LIMIT = typer.Option(None, "--limit", "-n", help="Use only the first N records.")
 BATCH = typer.Option(32, "--batch-size", min=1, help="Inputs per forward pass.")
+TEXT_STUDY = (  # the options of the studies over a file of texts (frequency, identify)
+    ("data", str, typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file.")),
+    ("model", str | None, model_option()),
+    ("gguf_file", str | None, gguf_file_option()),
+    ("text_column", str | None, TEXT_COL),
+    ("limit", int | None, LIMIT),
+    ("batch_size", int, BATCH),
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -64,9 +93,8 @@ def register(app: typer.Typer) -> None:
             write_relations,
         )
         from mixlens.commands.options import check_limit
-        from mixlens.commands.output import print_frame, progress
+        from mixlens.commands.output import progress
         from mixlens.lens import load
-        from mixlens.result import atomic_write
 
         if (data is None) == (from_conllu is None):
             raise MixlensError("give exactly one of --data (relation JSONL) and --from-conllu")
@@ -84,53 +112,39 @@ def register(app: typer.Typer) -> None:
             rep = relation_heads(
                 lens, records, n_permutations=permutations, seed=seed, batch_size=batch_size, on_batch=step
             )
-        atomic_write(out / "relations.csv", rep.table.to_csv(index=False).encode())
-        relation_figure(rep, out / "relations.png")
-        print_frame(
-            rep.best(),
-            f"Best head per relation and view — {lens.name}, {rep.n_records} records, {permutations} permutations",
+        title = f"Best head per relation and view — {lens.name}, {rep.n_records} records, {permutations} permutations"
+        files = _write(
+            out, {"relations.csv": rep.table}, lambda p: relation_figure(rep, p), "relations.png", rep.best(), title
         )
-        typer.echo(f"wrote {out}/relations.csv and relations.png ({rep.skipped} pairs left out)", err=True)
+        typer.echo(f"wrote {files} ({rep.skipped} pairs left out)", err=True)
 
     @app.command("frequency")
+    @option_block(*TEXT_STUDY)
     def frequency_cmd(
-        data: str = typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file."),
-        model: str | None = model_option(),
-        gguf_file: str | None = gguf_file_option(),
-        text_column: str | None = TEXT_COL,
-        limit: int | None = LIMIT,
-        batch_size: int = BATCH,
+        inputs: SimpleNamespace,
         lang: str = typer.Option("en", "--lang", help="wordfreq language code."),
         out: Path = typer.Option(Path("mixlens-frequency"), "--out", "-o", help="Directory for tables and figure."),
     ) -> None:
         """Spearman ρ per layer between word frequency (wordfreq) and ResLN-N mixing / own / context norms."""
         from mixlens.bertology.frequency import frequency_figure, frequency_study
-        from mixlens.commands.output import print_frame, progress
-        from mixlens.lens import load
-        from mixlens.result import atomic_write
+        from mixlens.commands.output import progress
 
-        texts = _texts(data, text_column, limit)
-        lens = load(model, gguf_file=gguf_file)
+        texts, lens = _texts_and_lens(inputs)
         with progress(len(texts), "frequency") as step:
-            rep = frequency_study(lens, texts, lang=lang, batch_size=batch_size, on_batch=step)
-        atomic_write(out / "frequency_rho.csv", rep.rho.to_csv(index=False).encode())
-        atomic_write(out / "frequency_tokens.csv", rep.tokens.to_csv(index=False).encode())
-        frequency_figure(rep, out / "frequency.png", f"{lens.name}: {len(rep.tokens)} tokens of {len(texts)} inputs")
-        print_frame(
-            rep.rho,
+            rep = frequency_study(lens, texts, lang=lang, batch_size=inputs.batch_size, on_batch=step)
+        tables = {"frequency_rho.csv": rep.rho, "frequency_tokens.csv": rep.tokens}
+        caption = f"{lens.name}: {len(rep.tokens)} tokens of {len(texts)} inputs"
+        title = (
             f"Spearman ρ with word frequency — {lens.name}, {len(rep.tokens)} tokens "
-            f"({rep.left_out} special or unknown left out)",
+            f"({rep.left_out} special or unknown left out)"
         )
-        typer.echo(f"wrote {out}/frequency_rho.csv, frequency_tokens.csv and frequency.png", err=True)
+        files = _write(out, tables, lambda p: frequency_figure(rep, p, caption), "frequency.png", rep.rho, title)
+        typer.echo(f"wrote {files}", err=True)
 
     @app.command("identify")
+    @option_block(*TEXT_STUDY)
     def identify_cmd(
-        data: str = typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file."),
-        model: str | None = model_option(),
-        gguf_file: str | None = gguf_file_option(),
-        text_column: str | None = TEXT_COL,
-        limit: int | None = LIMIT,
-        batch_size: int = BATCH,
+        inputs: SimpleNamespace,
         train_share: float = typer.Option(0.5, "--train-share", help="Share of sentences the probes train on."),
         seed: int = typer.Option(0, "--seed", help="Seed of the split and the MLP."),
         probe: list[str] = typer.Option(None, "--probe", help="nn_cos, nn_l2, linear, mlp (repeatable; default all)."),
@@ -139,12 +153,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Share of tokens whose input token is recovered from each layer's hidden state (Brunner 2020)."""
         from mixlens.bertology.identifiability import PROBES, identifiability, identifiability_figure
-        from mixlens.commands.output import print_frame, progress
-        from mixlens.lens import load
-        from mixlens.result import atomic_write
+        from mixlens.commands.output import progress
 
-        texts = _texts(data, text_column, limit)
-        lens = load(model, gguf_file=gguf_file)
+        texts, lens = _texts_and_lens(inputs)
         with progress(len(texts), "hidden states") as step:
             rep = identifiability(
                 lens,
@@ -153,14 +164,20 @@ def register(app: typer.Typer) -> None:
                 seed=seed,
                 probes=list(probe) if probe else PROBES,
                 mlp_epochs=mlp_epochs,
-                batch_size=batch_size,
+                batch_size=inputs.batch_size,
                 on_step=step,
             )
-        atomic_write(out / "identify.csv", rep.table.to_csv(index=False).encode())
-        identifiability_figure(rep, out / "identify.png", f"Token identifiability — {lens.name}")
-        print_frame(
-            rep.table,
+        title = (
             f"Share of identified held-out tokens — {lens.name}, {rep.n_test_tokens} tokens in "
-            f"{rep.n_test_sentences} sentences (probes trained on {rep.n_train_sentences})",
+            f"{rep.n_test_sentences} sentences (probes trained on {rep.n_train_sentences})"
         )
-        typer.echo(f"wrote {out}/identify.csv and identify.png", err=True)
+        caption = f"Token identifiability — {lens.name}"
+        files = _write(
+            out,
+            {"identify.csv": rep.table},
+            lambda p: identifiability_figure(rep, p, caption),
+            "identify.png",
+            rep.table,
+            title,
+        )
+        typer.echo(f"wrote {files}", err=True)

@@ -1,0 +1,35 @@
+"""`mixlens frequency` and `mixlens identify` end to end (their options are one shared block, `TEXT_STUDY`)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from tests.conftest import data_file, run_cli
+
+
+def test_cli_frequency(tmp_path, capsys):
+    f = data_file("sst2", "dev.tsv")
+    args = ["frequency", "-d", str(f), "--limit", "3", "--batch-size", "2", "-o", str(tmp_path)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert "frequency_rho.csv, frequency_tokens.csv and frequency.png" in err
+    for name in ("frequency_rho.csv", "frequency_tokens.csv", "frequency.png"):
+        assert (tmp_path / name).is_file()
+
+
+def test_cli_identify(tmp_path, capsys):
+    f = data_file("sst2", "dev.tsv")
+    args = ["identify", "-d", str(f), "--limit", "6", "--probe", "nn_cos", "--probe", "linear", "-o", str(tmp_path)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert "identify.csv and identify.png" in err and (tmp_path / "identify.png").is_file()
+    table = pd.read_csv(tmp_path / "identify.csv")
+    assert "nn_cos" in table.to_csv() and "linear" in table.to_csv() and "mlp" not in table.to_csv()
+
+
+def test_cli_studies_empty_data(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for cmd in ("frequency", "identify"):
+        code, _, err = run_cli([cmd, "-d", str(empty), "-o", str(tmp_path / cmd)], capsys)
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
