@@ -16,7 +16,7 @@ from mixlens.methods import alti as alti_mod
 from mixlens.methods.alti import alti_vectors
 from mixlens.methods.globenc import globenc_vectors
 from mixlens.methods.norms import block_norms
-from mixlens.methods.rollout import FLOW_MAX_TOKENS, rollout
+from mixlens.methods.rollout import FLOW_MAX_TOKENS, in_range, rollout
 from mixlens.trace import Memo
 from tests.conftest import SENTENCES, random_lens
 
@@ -226,3 +226,26 @@ def test_cli_runs_global_methods(tmp_path, capsys):
     m = data["inputs"][0]["methods"]
     np.testing.assert_allclose(np.array(m["globenc_rollout"]["values"]).sum(-1), 1, atol=1e-5)
     assert m["value_zeroing"]["dims"] == ["layer", "target", "source"]
+
+
+def test_unnormalised_rollout_stays_finite_and_proportional() -> None:
+    """30 layers whose maps grow each row ~40× (deep pre-LN norm maps): float32 products overflow; ours are the
+    float64 product up to one positive factor per input and layer (full) or per row (rows)."""
+    g = torch.Generator().manual_seed(0)
+    mats = torch.rand(2, 30, 5, 5, generator=g) * 20
+    exact = [mats[:, 0].double()]
+    for layer in range(1, 30):
+        exact.append(mats[:, layer].double() @ exact[-1])
+    assert not torch.isfinite(exact[-1].float()).all()  # the plain float32 product would overflow
+    got = rollout(mats)
+    assert torch.isfinite(got).all()
+    for layer in (0, 10, 29):
+        ratio = got[:, layer].double() / exact[layer]
+        assert torch.allclose(ratio, ratio.flatten(1)[:, :1, None], rtol=1e-4)  # one factor per input
+
+
+def test_in_range_leaves_small_values_alone() -> None:
+    x = torch.tensor([[1.0, 2.0], [3.0e30, 1.0e30]])
+    out = in_range(x, (1,))
+    assert torch.equal(out[0], x[0])
+    assert out[1].max() <= 1 and torch.allclose(out[1, 1] / out[1, 0], torch.tensor(1 / 3))

@@ -37,16 +37,31 @@ def row_normalize(m: torch.Tensor) -> torch.Tensor:
     return m / torch.where(s > 0, s, torch.ones_like(s))
 
 
+RESCALE_ABOVE = 2.0**64  # unnormalised products of deep models leave float32's range (≈ 2^128)
+
+
+def in_range(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """x divided, per slice over `dims`, by the power of two just above its largest magnitude where that exceeds
+    `RESCALE_ABOVE` (other slices unchanged): a positive factor per slice, so rankings and ratios within it stay."""
+    top = x.abs().amax(dim=dims, keepdim=True)
+    if not bool((top > RESCALE_ABOVE).any()):
+        return x
+    return x / torch.where(top > RESCALE_ABOVE, torch.exp2(torch.ceil(torch.log2(top))), torch.ones_like(top))
+
+
 def rollout(mats: torch.Tensor, *, normalize: bool = False) -> torch.Tensor:
     """Cumulative product R_l = M_l R_{l−1} (R_0 = M_0) of per-layer matrices mats [B, L, n, n] → [B, L, n, n].
 
-    With `normalize`, the rows of every M_l are scaled to sum to 1 first (then every row of R_l does too)."""
+    With `normalize`, the rows of every M_l are scaled to sum to 1 first (then every row of R_l does too). Without,
+    the product can grow by a factor per layer (norm maps of deep pre-LN decoders): once R_l of an input exceeds
+    `RESCALE_ABOVE` it is divided by a power of two (`in_range`), so R_l is exact up to one positive factor per input
+    and layer instead of overflowing to inf."""
     mats = row_normalize(mats) if normalize else mats
     out = torch.empty_like(mats)
     acc = mats[:, 0]
     out[:, 0] = acc
     for layer in range(1, mats.shape[1]):
-        acc = mats[:, layer] @ acc
+        acc = in_range(mats[:, layer] @ acc, (1, 2))
         out[:, layer] = acc
     return out
 
@@ -64,7 +79,8 @@ def rollout_rows(
     is e_t M_l M_{l−1} ⋯ M_0, so going down the layers (m = L−1 … 0) each state r (one per output layer l ≥ m and
     target) becomes r · M_m = Σ_i r_i M_m[i, :], with the rows of M_m built `ROW_CHUNK` at a time by
     `layer_rows(m)(rows)` (and skipped where every r_i is 0). Memory: the states, [B, L, K, n]; compute
-    Σ_m (L − m)·K·n² per input. `normalize`: rows of every M_m scaled to sum to 1 first. → [B, L, K, n]."""
+    Σ_m (L − m)·K·n² per input. `normalize`: rows of every M_m scaled to sum to 1 first; without, a row beyond
+    `RESCALE_ABOVE` is divided by a power of two (`in_range`). → [B, L, K, n]."""
     b, n = trace.mask.shape
     n_layers, k = len(trace.layers), targets.shape[1]
     dev = targets.device
@@ -82,7 +98,7 @@ def rollout_rows(
                 continue
             mat = rows_of(positions[c0 : c0 + ROW_CHUNK].expand(b, -1))  # [B, c, n]
             new.baddbmm_(part, row_normalize(mat) if normalize else mat)
-        out[:, m:] = new.view(b, n_layers - m, k, n)
+        out[:, m:] = in_range(new, (2,)).view(b, n_layers - m, k, n)  # one positive factor per row at most
     return out
 
 
