@@ -12,11 +12,14 @@ from mixlens.commands.options import (
     check_limit,
     check_view,
     data_option,
+    figures_option,
     gguf_file_option,
     limit_option,
     model_option,
+    out_dir_option,
     pair_column_option,
     read_examples,
+    table_format_option,
     text_column_option,
 )
 from mixlens.commands.output import TableFormat, print_frame, progress, write_table
@@ -36,16 +39,13 @@ def heads(
     limit: int | None = limit_option(),
     batch_size: int = batch_size_option(),
     view: list[str] = typer.Option(None, "--view", help="attn and/or norm (default: both)."),
-    fmt: TableFormat = typer.Option(
-        TableFormat.table,
-        "--format",
-        "-f",
-        help="table: print the per-layer summary, write heads.parquet/.csv to --out; csv/json: the table to stdout.",
+    fmt: TableFormat = table_format_option(
+        "table: print the per-layer summary, write heads.parquet/.csv to --out; csv/json: the table to stdout."
     ),
-    out: Path = typer.Option(Path("mixlens-heads"), "--out", "-o", help="Directory for tables and figures."),
+    out: Path = out_dir_option("mixlens-heads", "Directory for tables and figures."),
     no_cluster: bool = typer.Option(False, "--no-cluster", help="Skip the JS distances and MDS plot."),
     cluster_limit: int = typer.Option(200, "--cluster-limit", min=1, help="Inputs used for JS distances."),
-    figures: bool = typer.Option(False, "--figures", help="Also write PNG figures (heatmaps, MDS maps) to --out."),
+    figures: bool = figures_option("Also write PNG figures (heatmaps, MDS maps) to --out."),
     no_figures: bool = typer.Option(False, "--no-figures", hidden=True, help="Deprecated: figures are now opt-in."),
 ) -> None:
     """Per-head token-type masses, Kovaleva column maxima and entropy on attention and norm views."""
@@ -112,9 +112,9 @@ def head_diff(
     pair_column: str | None = pair_column_option(),
     limit: int | None = limit_option(),
     batch_size: int = batch_size_option(),
-    fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f"),
-    out: Path = typer.Option(Path("mixlens-head-diff"), "--out", "-o", help="Directory for table and heatmap."),
-    figures: bool = typer.Option(False, "--figures", help="Also write the heatmap head_diff.png to --out."),
+    fmt: TableFormat = table_format_option(),
+    out: Path = out_dir_option("mixlens-head-diff", "Directory for table and heatmap."),
+    figures: bool = figures_option("Also write the heatmap head_diff.png to --out."),
 ) -> None:
     """Per (layer, head) cosine similarity of the attention maps of two checkpoints (fine-tuning change)."""
     import pandas as pd

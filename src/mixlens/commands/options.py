@@ -7,10 +7,12 @@ these at start-up, and `mixlens --help` must not pay for torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import typer
 
+from mixlens.commands.output import TableFormat
 from mixlens.errors import MixlensError
 
 
@@ -66,24 +68,72 @@ def max_length_option() -> Any:
     return typer.Option(None, "--max-length", min=1, help="Token limit per input (default: the model's).")
 
 
-def data_option() -> Any:
-    return typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file.")
+def data_option(help: str = "TSV/CSV/JSONL/Parquet/plain-text file.") -> Any:
+    """`--data/-d`: the dataset file (required)."""
+    return typer.Option(..., "--data", "-d", help=help)
 
 
-def text_column_option() -> Any:
-    return typer.Option(None, "--text-column", help="Column holding the text (default: sentence/text/...).")
+def text_column_option(help: str = "Column holding the text (default: sentence/text/...).") -> Any:
+    return typer.Option(None, "--text-column", help=help)
 
 
-def pair_column_option() -> Any:
-    return typer.Option(None, "--pair-column", help="Column holding the second text of a pair.")
+def pair_column_option(help: str = "Column holding the second text of a pair.") -> Any:
+    return typer.Option(None, "--pair-column", help=help)
 
 
-def limit_option() -> Any:
-    return typer.Option(None, "--limit", "-n", help="Use only the first N examples.")
+def limit_option(help: str = "Use only the first N examples.") -> Any:
+    return typer.Option(None, "--limit", "-n", help=help)
 
 
-def batch_size_option() -> Any:
-    return typer.Option(32, "--batch-size", min=1, help="Inputs per forward pass.")
+def batch_size_option(default: int = 32, help: str | None = "Inputs per forward pass.") -> Any:
+    return typer.Option(default, "--batch-size", min=1, help=help)
+
+
+def method_list_option(help: str = "Method name (repeatable); default: attention, norm, norm_res, norm_resln.") -> Any:
+    """`--method NAME` (repeatable)."""
+    return typer.Option(None, "--method", help=help)
+
+
+def method_options_option(help: str = "Method option METHOD.KEY=VALUE (repeatable).") -> Any:
+    """`--option METHOD.KEY=VALUE` (repeatable), read by `parse_options`."""
+    return typer.Option(None, "--option", help=help)
+
+
+def out_dir_option(default: str, help: str) -> Any:
+    """`--out/-o DIR`: the directory a dataset command writes its tables (and figures) to."""
+    return typer.Option(Path(default), "--out", "-o", help=help)
+
+
+def table_format_option(help: str | None = None) -> Any:
+    """`--format/-f table|csv|json|parquet` (`TableFormat`)."""
+    return typer.Option(TableFormat.table, "--format", "-f", help=help)
+
+
+def figures_option(help: str) -> Any:
+    """`--figures`: figures are opt-in."""
+    return typer.Option(False, "--figures", help=help)
+
+
+def view_option(help: str = "attn or norm.") -> Any:
+    """`--view attn|norm`: attention weights or the norm-based maps (checked by `check_view`)."""
+    return typer.Option("attn", "--view", help=help)
+
+
+def seed_option(help: str) -> Any:
+    return typer.Option(0, "--seed", help=help)
+
+
+def metric_option(help: str = "sts, mlm or accuracy; default from the model head.") -> Any:
+    """`--metric` of the head-disabling commands."""
+    return typer.Option(None, "--metric", help=help)
+
+
+def score_column_option() -> Any:
+    return typer.Option("score", "--score-column", help="Gold similarity column (sts).")
+
+
+def label_column_option() -> Any:
+    return typer.Option("label", "--label-column", help="Gold label column (accuracy).")
 
 
 def parse_options(items: Sequence[str] | None) -> dict[str, dict[str, object]]:

@@ -11,12 +11,16 @@ from mixlens.commands.options import (
     check_limit,
     check_view,
     data_option,
+    figures_option,
     gguf_file_option,
     limit_option,
     model_option,
+    out_dir_option,
     pair_column_option,
     read_examples,
+    table_format_option,
     text_column_option,
+    view_option,
 )
 from mixlens.commands.output import TableFormat, print_frame, progress, write_table
 
@@ -33,10 +37,10 @@ def patterns(
     pair_column: str | None = pair_column_option(),
     limit: int | None = limit_option(),
     batch_size: int = batch_size_option(),
-    view: str = typer.Option("attn", "--view", help="attn or norm."),
-    fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f"),
-    out: Path = typer.Option(Path("mixlens-patterns"), "--out", "-o", help="Directory for table and figure."),
-    figures: bool = typer.Option(False, "--figures", help="Also write the figure patterns.png to --out."),
+    view: str = view_option(),
+    fmt: TableFormat = table_format_option(),
+    out: Path = out_dir_option("mixlens-patterns", "Directory for table and figure."),
+    figures: bool = figures_option("Also write the figure patterns.png to --out."),
 ) -> None:
     """Share of each Kovaleva pattern type (vertical, diagonal, ...) per layer over a dataset."""
     import pandas as pd

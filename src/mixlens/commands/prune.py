@@ -13,10 +13,13 @@ from mixlens.commands.options import (
     check_limit,
     data_option,
     disable_option,
+    label_column_option,
     limit_option,
+    metric_option,
     model_option,
     pair_column_option,
     read_examples,
+    score_column_option,
     text_column_option,
 )
 from mixlens.commands.output import progress
@@ -29,18 +32,14 @@ def register(app: typer.Typer) -> None:
     app.command("ablate-patterns")(ablate_patterns_command)
 
 
-def _metric_option() -> Any:
-    return typer.Option(None, "--metric", help="sts, mlm or accuracy; default from the model head.")
-
-
 def prune_command(
     data: str = data_option(),
     model: str | None = model_option(),
-    metric: str | None = _metric_option(),
+    metric: str | None = metric_option(),
     text_column: str | None = text_column_option(),
     pair_column: str | None = pair_column_option(),
-    score_column: str = typer.Option("score", "--score-column", help="Gold similarity column (sts)."),
-    label_column: str = typer.Option("label", "--label-column", help="Gold label column (accuracy)."),
+    score_column: str = score_column_option(),
+    label_column: str = label_column_option(),
     limit: int | None = limit_option(),
     batch_size: int = batch_size_option(),
     held_out: float = typer.Option(0.5, "--held-out", help="Fraction of the examples kept apart to confirm."),
@@ -173,11 +172,11 @@ def check_metric(metric: str | None) -> None:
 def ablate_patterns_command(
     data: str = data_option(),
     model: str | None = model_option(),
-    metric: str | None = _metric_option(),
+    metric: str | None = metric_option(),
     text_column: str | None = text_column_option(),
     pair_column: str | None = pair_column_option(),
-    score_column: str = typer.Option("score", "--score-column", help="Gold similarity column (sts)."),
-    label_column: str = typer.Option("label", "--label-column", help="Gold label column (accuracy)."),
+    score_column: str = score_column_option(),
+    label_column: str = label_column_option(),
     limit: int | None = limit_option(),
     batch_size: int = batch_size_option(),
     mode: str = typer.Option("uniform", "--mode", help="uniform (Kovaleva) or zero."),

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import typer
 
-from mixlens.commands.options import gguf_file_option, model_option
+from mixlens.commands.options import (
+    batch_size_option,
+    data_option,
+    gguf_file_option,
+    limit_option,
+    model_option,
+    text_column_option,
+)
 from mixlens.errors import MixlensError
 
 
@@ -19,9 +26,9 @@ def _texts(data: str, text_column: str | None, limit: int | None) -> list[str]:
     return [ex.text for ex in examples]
 
 
-TEXT_COL = typer.Option(None, "--text-column", help="Column holding the text (default: sentence/text/...).")
-LIMIT = typer.Option(None, "--limit", "-n", help="Use only the first N records.")
-BATCH = typer.Option(32, "--batch-size", min=1, help="Inputs per forward pass.")
+TEXT_COL = text_column_option()
+LIMIT = limit_option("Use only the first N records.")
+BATCH = batch_size_option()
 
 
 def register(app: typer.Typer) -> None:
@@ -94,7 +101,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("frequency")
     def frequency_cmd(
-        data: str = typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file."),
+        data: str = data_option(),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
         text_column: str | None = TEXT_COL,
@@ -125,7 +132,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("identify")
     def identify_cmd(
-        data: str = typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file."),
+        data: str = data_option(),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
         text_column: str | None = TEXT_COL,

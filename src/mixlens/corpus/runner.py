@@ -85,6 +85,7 @@ def run_corpus(
     methods: list[str] | tuple[str, ...] | None = None,
     *,
     model: str | None = None,
+    gguf_file: str | None = None,
     lens=None,
     text_column: str | None = None,
     pair_column: str | None = None,
@@ -109,8 +110,9 @@ def run_corpus(
     """Run `methods` over every example of `data` and write shards, aggregate and manifest to `out`.
 
     `data`: a TSV/CSV/JSONL/Parquet/text file or `hf:NAME[:CONFIG]:SPLIT`. `lens` (in-process only) overrides
-    `model`. Rerunning the same call resumes: finished shards are kept and not recomputed. `backend='local'`
-    with `workers` > 1 uses worker processes; `backend='ray'` uses Ray actors (`address`: an existing cluster).
+    `model` (`gguf_file`: a GGUF file in the `model` directory). Rerunning the same call resumes: finished shards are
+    kept and not recomputed. `backend='local'` with `workers` > 1 uses worker processes; `backend='ray'` uses Ray
+    actors (`address`: an existing cluster).
     """
     from mixlens.lens import DEFAULT_METHODS
 
@@ -164,13 +166,16 @@ def run_corpus(
         device=device,
         allow_random_head=allow_random_head,
         data_file=file_stamp(path) if path else None,
+        gguf_file=gguf_file,
     )
     out = Path(out)
+    if lens is None:  # a missing model folder or GGUF file fails before --out is made, also for workers and Ray
+        from mixlens.lens import resolve_source
+
+        resolve_source(model, gguf_file)
     _check_out(out, job, overwrite)
     if lens is None and backend == "local" and (workers or 1) == 1:
-        from mixlens.lens import load
-
-        lens = load(model, head=head, device=device, allow_random_head=allow_random_head)
+        lens = job.load()
     (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
     sh.remove_stale_temps(out)
     done = sh.finished_shards(out, job.job_id)
