@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,7 @@ def register(app: typer.Typer) -> None:
                 address=address,
                 head=pick_model_head(model_head, head),
                 device=device,
-                progress=not quiet,
+                progress=not quiet and sys.stderr.isatty(),  # progress only on a terminal
                 allow_random_head=allow_random_head,
             )
         except KeyboardInterrupt:

@@ -13,6 +13,7 @@ from mixlens.commands.options import (
     check_limit,
     data_option,
     disable_option,
+    gguf_file_option,
     label_column_option,
     limit_option,
     metric_option,
@@ -35,6 +36,7 @@ def register(app: typer.Typer) -> None:
 def prune_command(
     data: str = data_option(),
     model: str | None = model_option(),
+    gguf_file: str | None = gguf_file_option(),
     metric: str | None = metric_option(),
     text_column: str | None = text_column_option(),
     pair_column: str | None = pair_column_option(),
@@ -65,7 +67,7 @@ def prune_command(
     check_metric(metric)
     examples = read_examples(data, text_column, pair_column, check_limit(limit))
     sel_idx, held_idx = split_indices(len(examples), held_out, seed)
-    lens = load(model)
+    lens = load(model, gguf_file=gguf_file)
     base_off = parse_heads(disable or "", lens)
     metric = metric or metric_for(lens)
 
@@ -172,6 +174,7 @@ def check_metric(metric: str | None) -> None:
 def ablate_patterns_command(
     data: str = data_option(),
     model: str | None = model_option(),
+    gguf_file: str | None = gguf_file_option(),
     metric: str | None = metric_option(),
     text_column: str | None = text_column_option(),
     pair_column: str | None = pair_column_option(),
@@ -202,7 +205,7 @@ def ablate_patterns_command(
     if mode not in MODES:
         raise MixlensError(f"unknown ablation mode '{mode}' for pattern ablation; valid: {', '.join(MODES)}")
     examples = read_examples(data, text_column, pair_column, check_limit(limit))
-    lens = load(model)
+    lens = load(model, gguf_file=gguf_file)
     metric = metric or metric_for(lens)
     task = make_task(lens, metric, examples, score_column, label_column, batch_size)
     texts = [t for e in examples for t in (e.text if metric == "sts" else (e.text,))]

@@ -58,6 +58,27 @@ class CorpusResult:
         return pa.concat_tables([pq.read_table(sh.shard_path(self.out, s), columns=columns) for s in ids]).to_pandas()
 
 
+def _check_model(model: str | None, gguf_file: str | None, lens, max_length: int | None, pair: bool) -> None:
+    """Model errors that need no weights, before --out is made (also for workers and Ray, which load the model
+    elsewhere): a missing model folder or GGUF file, a --max-length below what the special tokens need."""
+    from mixlens.lens import check_max_length, resolve_source
+
+    if lens is None:
+        src, _ = resolve_source(model, gguf_file)
+    if max_length is None:
+        return
+    if lens is None:
+        import transformers
+
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(src, **({"gguf_file": gguf_file} if gguf_file else {}))
+        except (OSError, ValueError):
+            return  # loading the model says why
+    else:
+        tok = lens.tokenizer
+    check_max_length(tok, max_length, pair)
+
+
 def _check_out(out: Path, job: Job, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise MixlensError(f"--out {out} exists and is not a directory")
@@ -127,7 +148,7 @@ def run_corpus(
         ("--batch-size", batch_size),
         ("--max-tokens", max_tokens),
         ("--shard-size", shard_size),
-        ("--workers", workers or 1),
+        ("--workers", 1 if workers is None else workers),
         ("--max-length", 1 if max_length is None else max_length),
     ):
         if v < 1:
@@ -169,14 +190,14 @@ def run_corpus(
         gguf_file=gguf_file,
     )
     out = Path(out)
-    if lens is None:  # a missing model folder or GGUF file fails before --out is made, also for workers and Ray
-        from mixlens.lens import resolve_source
-
-        resolve_source(model, gguf_file)
+    _check_model(model, gguf_file, lens, max_length, pcol is not None)
     _check_out(out, job, overwrite)
     if lens is None and backend == "local" and (workers or 1) == 1:
         lens = job.load()
-    (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    try:
+        (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
     sh.remove_stale_temps(out)
     done = sh.finished_shards(out, job.job_id)
     resumed = len(done)
