@@ -193,12 +193,15 @@ SPECIFIC = [
     (["relations", "--data", "{rel_words}", "-o", "{out}"], "rel_words.jsonl: line 1"),
     (["relations", "-o", "{out}"], "give exactly one of --data (relation JSONL) and --from-conllu"),
     (["frequency", "-d", "{empty}", "-o", "{out}"], "empty"),
+    (["frequency", "-d", "{good}", "-o", "{out}", "--lang", "xx-bogus"], "wordfreq has no word list for language"),
     (["identify", "-d", "{good}", "-o", "{out}", "--probe", "bogus"], "bogus"),
     (["explain", ""], "empty"),
     (["explain", "hi", "--format", "bogus"], "unknown format 'bogus'"),
     (["explain", "hi", "--generate", "2"], "--generate"),
+    (["explain", "hi", "--method", "saliency", "--method", "deeplift", "-o", "{afile}/sub/e.json"], "cannot write"),
     (["evaluate", "--data", "{empty}", "-o", "{out}"], "empty"),
     (["evaluate", "--data", "{good}", "-o", "{out}", "--removal", "bogus"], "unknown removal 'bogus'"),
+    (["evaluate", "--data", "{good}", "-o", "{afile}/sub", "--method", "saliency", "--limit", "2"], "cannot write"),
 ]
 
 

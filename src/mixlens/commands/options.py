@@ -250,14 +250,28 @@ INVOCATION: list[str] = []  # the command line of this run (set by `mixlens.cli.
 
 
 def quiet_libraries() -> None:
-    """Library chatter (hub retries, progress bars) would bury our one-line messages."""
+    """Library chatter (hub retries, progress bars, captum's notes on its hooks) would bury our one-line messages."""
     import logging
+    import warnings
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", category=UserWarning, module="captum")
+
+
+def check_wordfreq_lang(lang: str) -> str:
+    """A language `wordfreq` has a word list for (its lists are cached: the study reads the same one)."""
+    from wordfreq import available_languages, get_frequency_list
+
+    try:
+        get_frequency_list(lang)
+    except LookupError:
+        langs = ", ".join(sorted(available_languages()))
+        raise MixlensError(f"wordfreq has no word list for language '{lang}'; available: {langs}") from None
+    return lang
 
 
 def disable_option() -> Any:

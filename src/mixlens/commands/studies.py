@@ -8,6 +8,7 @@ import typer
 
 from mixlens.commands.options import (
     batch_size_option,
+    check_wordfreq_lang,
     data_option,
     gguf_file_option,
     limit_option,
@@ -116,6 +117,7 @@ def register(app: typer.Typer) -> None:
         from mixlens.lens import load
         from mixlens.result import atomic_write
 
+        check_wordfreq_lang(lang)
         texts = _texts(data, text_column, limit)
         lens = load(model, gguf_file=gguf_file)
         with progress(len(texts), "frequency") as step:
