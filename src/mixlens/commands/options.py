@@ -6,7 +6,11 @@ these at start-up, and `mixlens --help` must not pay for torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +91,61 @@ def limit_option(help: str = "Use only the first N examples.") -> Any:
 
 def batch_size_option(default: int = 32, help: str | None = "Inputs per forward pass.") -> Any:
     return typer.Option(default, "--batch-size", min=1, help=help)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """The options every dataset command starts with: `--data --model --gguf-file --text-column --pair-column
+    --limit --batch-size` (a command takes them as one `ds: Dataset` parameter, see `dataset_command`)."""
+
+    data: str
+    model: str | None
+    gguf_file: str | None
+    text_column: str | None
+    pair_column: str | None
+    limit: int | None
+    batch_size: int
+
+    def texts(self) -> list[Any]:
+        """The text (or sentence pair) of each of the first --limit examples."""
+        return [ex.text for ex in read_examples(self.data, self.text_column, self.pair_column, check_limit(self.limit))]
+
+    def load(self) -> Any:
+        from mixlens.lens import load
+
+        return load(self.model, gguf_file=self.gguf_file)
+
+
+def dataset_command(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command(ds: Dataset, **rest)` as a typer command with the `Dataset` options first, then its own."""
+    factories = {
+        "data": (str, data_option),
+        "model": (str | None, model_option),
+        "gguf_file": (str | None, gguf_file_option),
+        "text_column": (str | None, text_column_option),
+        "pair_column": (str | None, pair_column_option),
+        "limit": (int | None, limit_option),
+        "batch_size": (int, batch_size_option),
+    }
+    assert list(factories) == [f.name for f in fields(Dataset)]
+    hints = typing.get_type_hints(command)
+    own = [
+        p.replace(annotation=hints[p.name]) for p in inspect.signature(command).parameters.values() if p.name != "ds"
+    ]
+    shared = [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=f(), annotation=t)
+        for n, (t, f) in factories.items()
+    ]
+
+    @functools.wraps(command)
+    def run(**kwargs: Any) -> Any:
+        ds = Dataset(**{n: kwargs.pop(n) for n in factories})
+        return command(ds, **kwargs)
+
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in (*shared, *own)]
+    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run
 
 
 def method_list_option(help: str = "Method name (repeatable); default: attention, norm, norm_res, norm_resln.") -> Any:
