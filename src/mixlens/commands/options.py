@@ -178,10 +178,6 @@ def view_option(help: str = "attn or norm.") -> Any:
     return typer.Option("attn", "--view", help=help)
 
 
-def seed_option(help: str) -> Any:
-    return typer.Option(0, "--seed", help=help)
-
-
 def metric_option(help: str = "sts, mlm or accuracy; default from the model head.") -> Any:
     """`--metric` of the head-disabling commands."""
     return typer.Option(None, "--metric", help=help)

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -25,6 +26,9 @@ from mixlens.errors import MixlensError
 from mixlens.methods import check_options
 from mixlens.methods import get as get_method
 from mixlens.pipeline import plan_batches
+
+if TYPE_CHECKING:
+    from mixlens.lens import Lens
 
 __all__ = ["CorpusResult", "Job", "plan_batches", "run_corpus"]
 
@@ -58,24 +62,26 @@ class CorpusResult:
         return pa.concat_tables([pq.read_table(sh.shard_path(self.out, s), columns=columns) for s in ids]).to_pandas()
 
 
-def _check_model(model: str | None, gguf_file: str | None, lens, max_length: int | None, pair: bool) -> None:
+def _check_model(
+    model: str | None, gguf_file: str | None, lens: Lens | None, max_length: int | None, pair: bool
+) -> None:
     """Model errors that need no weights, before --out is made (also for workers and Ray, which load the model
     elsewhere): a missing model folder or GGUF file, a --max-length below what the special tokens need."""
     from mixlens.lens import check_max_length, resolve_source
 
-    if lens is None:
-        src, _ = resolve_source(model, gguf_file)
+    if lens is not None:
+        if max_length is not None:
+            check_max_length(lens.tokenizer, max_length, pair)
+        return
+    src, _ = resolve_source(model, gguf_file)
     if max_length is None:
         return
-    if lens is None:
-        import transformers
+    import transformers
 
-        try:
-            tok = transformers.AutoTokenizer.from_pretrained(src, **({"gguf_file": gguf_file} if gguf_file else {}))
-        except (OSError, ValueError):
-            return  # loading the model says why
-    else:
-        tok = lens.tokenizer
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(src, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError):
+        return  # loading the model says why
     check_max_length(tok, max_length, pair)
 
 
