@@ -68,6 +68,8 @@ def resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tu
     """(source, is_local); errors for paths that do not exist or are not model directories, and for a GGUF file
     that is not in the directory or cannot be read without the `gguf`/`accelerate` packages."""
     if model is None:
+        if gguf_file is not None:
+            raise MixlensError("a GGUF file needs its folder: give --model DIR (the directory holding the .gguf file)")
         return str(default_model_path()), True
     src = str(model)
     p = Path(src).expanduser()
@@ -84,10 +86,24 @@ def resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tu
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
             raise MixlensError(f"'{src}' is not a Hugging Face model directory (no config.json)")
+        _check_family(p / "config.json")
         return str(p), True
     if src.startswith((".", "/", "~")) or src.count("/") > 1 or "\\" in src or not src.strip():
         raise MixlensError(f"model path '{src}' does not exist")
     return src, False
+
+
+def _check_family(config: Path) -> None:
+    """A `model_type` we do not support fails naming the supported ones (transformers would only say that it does not
+    recognise an unknown one); an unreadable config is left to `load`, which says why."""
+    import json
+
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(model_type, str):
+        family_for(model_type)
 
 
 def load(
@@ -164,6 +180,16 @@ class Batch:
     trace: Trace | None  # one forward pass, when asked for
 
 
+def check_max_length(tokenizer: Any, limit: int, pair: bool) -> None:
+    """Refuse a token limit below what the special tokens and one token of each text need."""
+    need = tokenizer.num_special_tokens_to_add(pair=pair) + (2 if pair else 1)
+    if limit < need:
+        raise MixlensError(
+            f"max_length {limit} is too short: this model needs at least {need} tokens per "
+            f"input ({need - (2 if pair else 1)} special)"
+        )
+
+
 class _Tokenized:
     """Inputs tokenized once, without padding: ids, token type ids, word ids and original lengths per input."""
 
@@ -172,12 +198,7 @@ class _Tokenized:
         split = isinstance(texts[0], list)
         firsts = [t[0] if isinstance(t, tuple) else t for t in texts]
         pairs = [t[1] for t in texts] if isinstance(texts[0], tuple) else None
-        need = tok.num_special_tokens_to_add(pair=pairs is not None) + (2 if pairs is not None else 1)
-        if limit < need:
-            raise MixlensError(
-                f"max_length {limit} is too short: this model needs at least {need} tokens per "
-                f"input ({need - (2 if pairs is not None else 1)} special)"
-            )
+        check_max_length(tok, limit, pairs is not None)
         enc = tok(firsts, pairs, truncation=False, is_split_into_words=split)
         self.ids: list[list[int]] = enc["input_ids"]
         self.types: list[list[int]] | None = enc.get("token_type_ids")

@@ -16,6 +16,8 @@ from mixlens.commands.options import (
     deprecated_head_option,
     gguf_file_option,
     max_length_option,
+    method_list_option,
+    method_options_option,
     model_head_option,
     model_option,
     parse_options,
@@ -45,11 +47,8 @@ def analyze(
     text: list[str] = typer.Argument(..., help="One or more texts to analyse."),
     model: str | None = model_option(),
     gguf_file: str | None = gguf_file_option(),
-    method: list[str] = typer.Option(
-        None,
-        "--method",
-        help="Method name (repeatable); default: attention, "
-        "norm, norm_res, norm_resln. `mixlens methods` lists them all.",
+    method: list[str] = method_list_option(
+        "Method name (repeatable); default: attention, norm, norm_res, norm_resln. `mixlens methods` lists them all."
     ),
     heads: bool = typer.Option(False, "--heads", help="Per-head matrices for methods that have them."),
     fmt: Format = typer.Option(
@@ -67,10 +66,8 @@ def analyze(
     no_truncate: bool = typer.Option(
         False, "--no-truncate", help="Refuse over-long inputs instead of truncating them."
     ),
-    option: list[str] = typer.Option(
-        None,
-        "--option",
-        help="Method option METHOD.KEY=VALUE (repeatable); `mixlens methods` lists each method's options.",
+    option: list[str] = method_options_option(
+        "Method option METHOD.KEY=VALUE (repeatable); `mixlens methods` lists each method's options."
     ),
     model_head: str | None = model_head_option(),
     head: str | None = deprecated_head_option(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,23 +11,26 @@ import typer
 
 from mixlens.commands.options import (
     allow_random_head_option,
+    data_option,
     deprecated_head_option,
+    gguf_file_option,
     max_length_option,
+    method_list_option,
+    method_options_option,
     model_head_option,
+    model_option,
+    pair_column_option,
     parse_options,
     pick_model_head,
+    text_column_option,
 )
 
 
 def register(app: typer.Typer) -> None:
     @app.command("corpus")
     def corpus(
-        data: str = typer.Option(
-            ...,
-            "--data",
-            "-d",
-            help="TSV/CSV/JSONL/Parquet/text file, or "
-            "hf:NAME[:CONFIG]:SPLIT for a Hugging Face dataset (needs `datasets`).",
+        data: str = data_option(
+            "TSV/CSV/JSONL/Parquet/text file, or hf:NAME[:CONFIG]:SPLIT for a Hugging Face dataset (needs `datasets`)."
         ),
         out: Path = typer.Option(
             ...,
@@ -34,19 +38,14 @@ def register(app: typer.Typer) -> None:
             "-o",
             help="Output directory (shards/, aggregate.parquet, manifest.json). Rerunning the same command resumes it.",
         ),
-        model: str | None = typer.Option(
-            None, "--model", "-m", help="Local HF model directory or hub id (default: bundled all-MiniLM-L6-v2)."
+        model: str | None = model_option(),
+        gguf_file: str | None = gguf_file_option(),
+        method: list[str] = method_list_option(),
+        text_column: str | None = text_column_option(
+            "Column with the text (default: sentence/text/..., or the only column)."
         ),
-        method: list[str] = typer.Option(
-            None, "--method", help="Method name (repeatable); default: attention, norm, norm_res, norm_resln."
-        ),
-        text_column: str | None = typer.Option(
-            None, "--text-column", help="Column with the text (default: sentence/text/..., or the only column)."
-        ),
-        pair_column: str | None = typer.Option(
-            None,
-            "--pair-column",
-            help="Column with the second text of a sentence pair (sentence1/sentence2 are paired by default).",
+        pair_column: str | None = pair_column_option(
+            "Column with the second text of a sentence pair (sentence1/sentence2 are paired by default)."
         ),
         fmt: str | None = typer.Option(
             None, "--format", help="tsv, csv, jsonl, parquet or text (default: from the file suffix)."
@@ -57,7 +56,7 @@ def register(app: typer.Typer) -> None:
             help="summary: per-layer statistics per example; full: also the tokens and every requested matrix.",
         ),
         heads: bool = typer.Option(False, "--heads", help="Per-head matrices and per-(layer, head) statistics."),
-        option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
+        option: list[str] = method_options_option(),
         batch_size: int = typer.Option(32, "--batch-size", help="Most examples per forward pass."),
         max_tokens: int = typer.Option(8192, "--max-tokens", help="Most padded tokens per forward pass."),
         max_length: int | None = max_length_option(),
@@ -93,6 +92,7 @@ def register(app: typer.Typer) -> None:
                 out,
                 list(method) if method else None,
                 model=model,
+                gguf_file=gguf_file,
                 text_column=text_column,
                 pair_column=pair_column,
                 fmt=fmt,
@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
                 address=address,
                 head=pick_model_head(model_head, head),
                 device=device,
-                progress=not quiet,
+                progress=not quiet and sys.stderr.isatty(),  # progress only on a terminal
                 allow_random_head=allow_random_head,
             )
         except KeyboardInterrupt:

@@ -127,7 +127,10 @@ def register(app: typer.Typer) -> None:
             lens, texts, method or None, removal=removal, batch_size=batch_size, seed=seed, progress=stderr_progress
         )
         dest = out or Path("mixlens-evaluation")
-        dest.mkdir(parents=True, exist_ok=True)
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MixlensError(f"cannot write to '{dest}': {e.strerror or e}") from None
         payload = ev.dumps()
         atomic_write(dest / "evaluation.json", payload.encode())
         from mixlens.viz.evaluation import plot

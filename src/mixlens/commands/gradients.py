@@ -10,13 +10,16 @@ import typer
 
 from mixlens.commands.options import (
     allow_random_head_option,
+    batch_size_option,
     deprecated_head_option,
     gguf_file_option,
     max_length_option,
     model_head_option,
     model_option,
+    pair_column_option,
     pick_model_head,
     read_examples,
+    text_column_option,
 )
 from mixlens.commands.output import print_table, progress
 from mixlens.errors import MixlensError
@@ -28,8 +31,8 @@ def register(app: typer.Typer) -> None:
         data: Path = typer.Argument(..., help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record."),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
-        text_column: str | None = typer.Option(None, "--text-column", help="Column with the text."),
-        pair_column: str | None = typer.Option(None, "--pair-column", help="Column with the second text of a pair."),
+        text_column: str | None = text_column_option("Column with the text."),
+        pair_column: str | None = pair_column_option("Column with the second text of a pair."),
         limit: int = typer.Option(64, "--limit", min=0, help="Use the first N records (0 = all)."),
         mode: str = typer.Option("estimate", "--mode", help="exact (n·d JVPs per input) or estimate (Hutchinson)."),
         probes: int = typer.Option(16, "--probes", help="Random probes per source token in estimate mode."),
@@ -38,7 +41,7 @@ def register(app: typer.Typer) -> None:
             "--input",
             help="Differentiate w.r.t. 'word' (word-piece) embeddings or the 'embedding'-layer output.",
         ),
-        batch_size: int = typer.Option(8, "--batch-size", min=1),
+        batch_size: int = batch_size_option(8, None),
         max_length: int | None = max_length_option(),
         out: Path = typer.Option(Path("local-global.json"), "--out", "-o", help="JSON with all per-head numbers."),
         figure: Path | None = typer.Option(None, "--figure", help="Also write a PNG/SVG figure here."),

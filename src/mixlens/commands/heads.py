@@ -8,16 +8,12 @@ from pathlib import Path
 import typer
 
 from mixlens.commands.options import (
-    batch_size_option,
-    check_limit,
+    Dataset,
     check_view,
-    data_option,
-    gguf_file_option,
-    limit_option,
-    model_option,
-    pair_column_option,
-    read_examples,
-    text_column_option,
+    dataset_command,
+    figures_option,
+    out_dir_option,
+    table_format_option,
 )
 from mixlens.commands.output import TableFormat, print_frame, progress, write_table
 
@@ -27,42 +23,33 @@ def register(app: typer.Typer) -> None:
     app.command("head-diff")(head_diff)
 
 
+@dataset_command
 def heads(
-    data: str = data_option(),
-    model: str | None = model_option(),
-    gguf_file: str | None = gguf_file_option(),
-    text_column: str | None = text_column_option(),
-    pair_column: str | None = pair_column_option(),
-    limit: int | None = limit_option(),
-    batch_size: int = batch_size_option(),
+    ds: Dataset,
     view: list[str] = typer.Option(None, "--view", help="attn and/or norm (default: both)."),
-    fmt: TableFormat = typer.Option(
-        TableFormat.table,
-        "--format",
-        "-f",
-        help="table: print the per-layer summary, write heads.parquet/.csv to --out; csv/json: the table to stdout.",
+    fmt: TableFormat = table_format_option(
+        "table: print the per-layer summary, write heads.parquet/.csv to --out; csv/json: the table to stdout."
     ),
-    out: Path = typer.Option(Path("mixlens-heads"), "--out", "-o", help="Directory for tables and figures."),
+    out: Path = out_dir_option("mixlens-heads", "Directory for tables and figures."),
     no_cluster: bool = typer.Option(False, "--no-cluster", help="Skip the JS distances and MDS plot."),
     cluster_limit: int = typer.Option(200, "--cluster-limit", min=1, help="Inputs used for JS distances."),
-    figures: bool = typer.Option(False, "--figures", help="Also write PNG figures (heatmaps, MDS maps) to --out."),
+    figures: bool = figures_option("Also write PNG figures (heatmaps, MDS maps) to --out."),
     no_figures: bool = typer.Option(False, "--no-figures", hidden=True, help="Deprecated: figures are now opt-in."),
 ) -> None:
     """Per-head token-type masses, Kovaleva column maxima and entropy on attention and norm views."""
-    from mixlens.lens import load
     from mixlens.stats.clustering import BEHAVIOURS, classical_mds, dominant_behaviour, js_distance
     from mixlens.stats.heads import STATISTICS, VIEWS, head_statistics
     from mixlens.viz.heads import VIEW_WORDS, head_mds_figure, layer_head_heatmap, statistic_words
 
     views = [check_view(v) for v in view] if view else list(VIEWS)
-    texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
-    lens = load(model, gguf_file=gguf_file)
+    texts = ds.texts()
+    lens = ds.load()
     with progress(len(texts), "heads") as step:
         rep = head_statistics(
             lens,
             texts,
             views=views,
-            batch_size=batch_size,
+            batch_size=ds.batch_size,
             clustering=not no_cluster,
             cluster_limit=cluster_limit,
             on_batch=step,
@@ -103,18 +90,13 @@ def heads(
     typer.echo(f"wrote {len(written)} figures to {out}/: {', '.join(p.name for p in written)}", err=True)
 
 
+@dataset_command
 def head_diff(
-    data: str = data_option(),
-    model: str | None = model_option(),
-    gguf_file: str | None = gguf_file_option(),
+    ds: Dataset,
     other: str = typer.Option(..., "--other", help="The second checkpoint (e.g. a fine-tuned model dir)."),
-    text_column: str | None = text_column_option(),
-    pair_column: str | None = pair_column_option(),
-    limit: int | None = limit_option(),
-    batch_size: int = batch_size_option(),
-    fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f"),
-    out: Path = typer.Option(Path("mixlens-head-diff"), "--out", "-o", help="Directory for table and heatmap."),
-    figures: bool = typer.Option(False, "--figures", help="Also write the heatmap head_diff.png to --out."),
+    fmt: TableFormat = table_format_option(),
+    out: Path = out_dir_option("mixlens-head-diff", "Directory for table and heatmap."),
+    figures: bool = figures_option("Also write the heatmap head_diff.png to --out."),
 ) -> None:
     """Per (layer, head) cosine similarity of the attention maps of two checkpoints (fine-tuning change)."""
     import pandas as pd
@@ -123,10 +105,10 @@ def head_diff(
     from mixlens.stats.heads import attention_similarity
     from mixlens.viz.heads import layer_head_heatmap
 
-    texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
-    a, b = load(model, gguf_file=gguf_file), load(other)
+    texts = ds.texts()
+    a, b = ds.load(), load(other)
     with progress(len(texts), "head-diff") as step:
-        sim = attention_similarity(a, b, texts, batch_size=batch_size, on_batch=step)  # [layer, head]
+        sim = attention_similarity(a, b, texts, batch_size=ds.batch_size, on_batch=step)  # [layer, head]
     df = pd.DataFrame(
         [(la, h, sim[la, h]) for la in range(sim.shape[0]) for h in range(sim.shape[1])],
         columns=["layer", "head", "cosine"],

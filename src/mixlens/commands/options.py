@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import typer
 
+from mixlens.commands.output import TableFormat
 from mixlens.errors import MixlensError
 
 
@@ -69,24 +73,123 @@ def max_length_option() -> Any:
     return typer.Option(None, "--max-length", min=1, help="Token limit per input (default: the model's).")
 
 
-def data_option() -> Any:
-    return typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file.")
+def data_option(help: str = "TSV/CSV/JSONL/Parquet/plain-text file.") -> Any:
+    """`--data/-d`: the dataset file (required)."""
+    return typer.Option(..., "--data", "-d", help=help)
 
 
-def text_column_option() -> Any:
-    return typer.Option(None, "--text-column", help="Column holding the text (default: sentence/text/...).")
+def text_column_option(help: str = "Column holding the text (default: sentence/text/...).") -> Any:
+    return typer.Option(None, "--text-column", help=help)
 
 
-def pair_column_option() -> Any:
-    return typer.Option(None, "--pair-column", help="Column holding the second text of a pair.")
+def pair_column_option(help: str = "Column holding the second text of a pair.") -> Any:
+    return typer.Option(None, "--pair-column", help=help)
 
 
-def limit_option() -> Any:
-    return typer.Option(None, "--limit", "-n", help="Use only the first N examples.")
+def limit_option(help: str = "Use only the first N examples.") -> Any:
+    return typer.Option(None, "--limit", "-n", help=help)
 
 
-def batch_size_option() -> Any:
-    return typer.Option(32, "--batch-size", min=1, help="Inputs per forward pass.")
+def batch_size_option(default: int = 32, help: str | None = "Inputs per forward pass.") -> Any:
+    return typer.Option(default, "--batch-size", min=1, help=help)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """The options every dataset command starts with: `--data --model --gguf-file --text-column --pair-column
+    --limit --batch-size` (a command takes them as one `ds: Dataset` parameter, see `dataset_command`)."""
+
+    data: str
+    model: str | None
+    gguf_file: str | None
+    text_column: str | None
+    pair_column: str | None
+    limit: int | None
+    batch_size: int
+
+    def texts(self) -> list[Any]:
+        """The text (or sentence pair) of each of the first --limit examples."""
+        return [ex.text for ex in read_examples(self.data, self.text_column, self.pair_column, check_limit(self.limit))]
+
+    def load(self) -> Any:
+        from mixlens.lens import load
+
+        return load(self.model, gguf_file=self.gguf_file)
+
+
+def dataset_command(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command(ds: Dataset, **rest)` as a typer command with the `Dataset` options first, then its own."""
+    factories = {
+        "data": (str, data_option),
+        "model": (str | None, model_option),
+        "gguf_file": (str | None, gguf_file_option),
+        "text_column": (str | None, text_column_option),
+        "pair_column": (str | None, pair_column_option),
+        "limit": (int | None, limit_option),
+        "batch_size": (int, batch_size_option),
+    }
+    assert list(factories) == [f.name for f in fields(Dataset)]
+    hints = typing.get_type_hints(command)
+    own = [
+        p.replace(annotation=hints[p.name]) for p in inspect.signature(command).parameters.values() if p.name != "ds"
+    ]
+    shared = [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=f(), annotation=t)
+        for n, (t, f) in factories.items()
+    ]
+
+    @functools.wraps(command)
+    def run(**kwargs: Any) -> Any:
+        ds = Dataset(**{n: kwargs.pop(n) for n in factories})
+        return command(ds, **kwargs)
+
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in (*shared, *own)]
+    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run
+
+
+def method_list_option(help: str = "Method name (repeatable); default: attention, norm, norm_res, norm_resln.") -> Any:
+    """`--method NAME` (repeatable)."""
+    return typer.Option(None, "--method", help=help)
+
+
+def method_options_option(help: str = "Method option METHOD.KEY=VALUE (repeatable).") -> Any:
+    """`--option METHOD.KEY=VALUE` (repeatable), read by `parse_options`."""
+    return typer.Option(None, "--option", help=help)
+
+
+def out_dir_option(default: str, help: str) -> Any:
+    """`--out/-o DIR`: the directory a dataset command writes its tables (and figures) to."""
+    return typer.Option(Path(default), "--out", "-o", help=help)
+
+
+def table_format_option(help: str | None = None) -> Any:
+    """`--format/-f table|csv|json|parquet` (`TableFormat`)."""
+    return typer.Option(TableFormat.table, "--format", "-f", help=help)
+
+
+def figures_option(help: str) -> Any:
+    """`--figures`: figures are opt-in."""
+    return typer.Option(False, "--figures", help=help)
+
+
+def view_option(help: str = "attn or norm.") -> Any:
+    """`--view attn|norm`: attention weights or the norm-based maps (checked by `check_view`)."""
+    return typer.Option("attn", "--view", help=help)
+
+
+def metric_option(help: str = "sts, mlm or accuracy; default from the model head.") -> Any:
+    """`--metric` of the head-disabling commands."""
+    return typer.Option(None, "--metric", help=help)
+
+
+def score_column_option() -> Any:
+    return typer.Option("score", "--score-column", help="Gold similarity column (sts).")
+
+
+def label_column_option() -> Any:
+    return typer.Option("label", "--label-column", help="Gold label column (accuracy).")
 
 
 def parse_options(items: Sequence[str] | None) -> dict[str, dict[str, object]]:
@@ -203,14 +306,28 @@ INVOCATION: list[str] = []  # the command line of this run (set by `mixlens.cli.
 
 
 def quiet_libraries() -> None:
-    """Library chatter (hub retries, progress bars) would bury our one-line messages."""
+    """Library chatter (hub retries, progress bars, captum's notes on its hooks) would bury our one-line messages."""
     import logging
+    import warnings
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", category=UserWarning, module="captum")
+
+
+def check_wordfreq_lang(lang: str) -> str:
+    """A language `wordfreq` has a word list for (its lists are cached: the study reads the same one)."""
+    from wordfreq import available_languages, get_frequency_list
+
+    try:
+        get_frequency_list(lang)
+    except LookupError:
+        langs = ", ".join(sorted(available_languages()))
+        raise MixlensError(f"wordfreq has no word list for language '{lang}'; available: {langs}") from None
+    return lang
 
 
 def disable_option() -> Any:

@@ -7,16 +7,13 @@ from pathlib import Path
 import typer
 
 from mixlens.commands.options import (
-    batch_size_option,
-    check_limit,
+    Dataset,
     check_view,
-    data_option,
-    gguf_file_option,
-    limit_option,
-    model_option,
-    pair_column_option,
-    read_examples,
-    text_column_option,
+    dataset_command,
+    figures_option,
+    out_dir_option,
+    table_format_option,
+    view_option,
 )
 from mixlens.commands.output import TableFormat, print_frame, progress, write_table
 
@@ -25,31 +22,25 @@ def register(app: typer.Typer) -> None:
     app.command("patterns")(patterns)
 
 
+@dataset_command
 def patterns(
-    data: str = data_option(),
-    model: str | None = model_option(),
-    gguf_file: str | None = gguf_file_option(),
-    text_column: str | None = text_column_option(),
-    pair_column: str | None = pair_column_option(),
-    limit: int | None = limit_option(),
-    batch_size: int = batch_size_option(),
-    view: str = typer.Option("attn", "--view", help="attn or norm."),
-    fmt: TableFormat = typer.Option(TableFormat.table, "--format", "-f"),
-    out: Path = typer.Option(Path("mixlens-patterns"), "--out", "-o", help="Directory for table and figure."),
-    figures: bool = typer.Option(False, "--figures", help="Also write the figure patterns.png to --out."),
+    ds: Dataset,
+    view: str = view_option(),
+    fmt: TableFormat = table_format_option(),
+    out: Path = out_dir_option("mixlens-patterns", "Directory for table and figure."),
+    figures: bool = figures_option("Also write the figure patterns.png to --out."),
 ) -> None:
     """Share of each Kovaleva pattern type (vertical, diagonal, ...) per layer over a dataset."""
     import pandas as pd
 
-    from mixlens.lens import load
     from mixlens.stats.patterns import PATTERNS, classify_inputs, pattern_shares
     from mixlens.viz.heads import VIEW_WORDS, pattern_shares_figure
 
     check_view(view)
-    texts = [ex.text for ex in read_examples(data, text_column, pair_column, check_limit(limit))]
-    lens = load(model, gguf_file=gguf_file)
+    texts = ds.texts()
+    lens = ds.load()
     with progress(len(texts), "patterns") as step:
-        labels = classify_inputs(lens, texts, view=view, batch_size=batch_size, on_batch=step)
+        labels = classify_inputs(lens, texts, view=view, batch_size=ds.batch_size, on_batch=step)
     shares = pattern_shares(labels)  # [layer, pattern]
     df = pd.DataFrame(shares, columns=list(PATTERNS))
     df.insert(0, "layer", range(len(df)))

@@ -14,11 +14,15 @@ from mixlens.commands.options import (
     check_limit,
     data_option,
     disable_option,
+    gguf_file_option,
+    label_column_option,
     limit_option,
+    metric_option,
     model_option,
     option_block,
     pair_column_option,
     read_examples,
+    score_column_option,
     text_column_option,
 )
 from mixlens.commands.output import progress
@@ -34,11 +38,12 @@ def register(app: typer.Typer) -> None:
 TASK_OPTIONS = (  # the data, model and metric of the task the heads are disabled on (prune, ablate-patterns)
     ("data", str, data_option()),
     ("model", str | None, model_option()),
-    ("metric", str | None, typer.Option(None, "--metric", help="sts, mlm or accuracy; default from the model head.")),
+    ("gguf_file", str | None, gguf_file_option()),
+    ("metric", str | None, metric_option()),
     ("text_column", str | None, text_column_option()),
     ("pair_column", str | None, pair_column_option()),
-    ("score_column", str, typer.Option("score", "--score-column", help="Gold similarity column (sts).")),
-    ("label_column", str, typer.Option("label", "--label-column", help="Gold label column (accuracy).")),
+    ("score_column", str, score_column_option()),
+    ("label_column", str, label_column_option()),
     ("limit", int | None, limit_option()),
     ("batch_size", int, batch_size_option()),
 )
@@ -55,7 +60,7 @@ def _lens(opts: SimpleNamespace) -> tuple[Any, str]:
     """The model of a `TASK_OPTIONS` block and its metric (by default the one its head calls for)."""
     from mixlens.lens import load
 
-    lens = load(opts.model)
+    lens = load(opts.model, gguf_file=opts.gguf_file)
     return lens, opts.metric or metric_for(lens)
 
 

@@ -13,6 +13,8 @@ from mixlens.commands.options import (
     check_methods,
     gguf_file_option,
     max_length_option,
+    method_list_option,
+    method_options_option,
     model_head_option,
     model_option,
     parse_options,
@@ -59,11 +61,9 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("mixlens-report.html"), "--out", "-o", help="The HTML file to write."),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
-        method: list[str] = typer.Option(
-            None, "--method", help="Method name (repeatable); default: attention, norm, norm_res, norm_resln."
-        ),
+        method: list[str] = method_list_option(),
         heads: bool = typer.Option(True, "--heads/--no-heads", help="Also embed per-head maps (head selector)."),
-        option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
+        option: list[str] = method_options_option(),
         max_length: int | None = max_length_option(),
         max_values: int = typer.Option(
             4_000_000,
@@ -118,7 +118,7 @@ def register(app: typer.Typer) -> None:
             None, "--attention-head", min=0, help="One attention head (0-based) instead of the method's own map."
         ),
         old_head: str | None = typer.Option(None, "--head", hidden=True, help="Renamed: --attention-head."),
-        option: list[str] = typer.Option(None, "--option", help="Method option METHOD.KEY=VALUE (repeatable)."),
+        option: list[str] = method_options_option(),
         max_length: int | None = max_length_option(),
         model_head: str | None = model_head_option(),
         allow_random_head: bool = allow_random_head_option(),
@@ -190,9 +190,7 @@ def register(app: typer.Typer) -> None:
         gguf_file: str | None = gguf_file_option(),
         host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: loopback only)."),
         port: int = typer.Option(8765, "--port", "-p", min=0, max=65535, help="Port (0: any free port)."),
-        method: list[str] = typer.Option(
-            None, "--method", help="Method name (repeatable); default: attention, norm, norm_res, norm_resln."
-        ),
+        method: list[str] = method_list_option(),
         heads: bool = typer.Option(True, "--heads/--no-heads", help="Per-head maps for the head selector."),
         max_chars: int = typer.Option(1000, "--max-chars", min=1, help="Longest accepted input in characters."),
         max_tokens: int = typer.Option(128, "--max-tokens", min=2, help="Longest accepted input in tokens."),

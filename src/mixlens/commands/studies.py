@@ -9,7 +9,16 @@ from typing import Any
 
 import typer
 
-from mixlens.commands.options import gguf_file_option, model_option, option_block
+from mixlens.commands.options import (
+    batch_size_option,
+    check_wordfreq_lang,
+    data_option,
+    gguf_file_option,
+    limit_option,
+    model_option,
+    option_block,
+    text_column_option,
+)
 from mixlens.errors import MixlensError
 
 
@@ -40,11 +49,11 @@ def _write(
     return f"{out}/{', '.join(names[:-1])} and {names[-1]}"
 
 
-TEXT_COL = typer.Option(None, "--text-column", help="Column holding the text (default: sentence/text/...).")
-LIMIT = typer.Option(None, "--limit", "-n", help="Use only the first N records.")
-BATCH = typer.Option(32, "--batch-size", min=1, help="Inputs per forward pass.")
+TEXT_COL = text_column_option()
+LIMIT = limit_option("Use only the first N records.")
+BATCH = batch_size_option()
 TEXT_STUDY = (  # the options of the studies over a file of texts (frequency, identify)
-    ("data", str, typer.Option(..., "--data", "-d", help="TSV/CSV/JSONL/Parquet/plain-text file.")),
+    ("data", str, data_option()),
     ("model", str | None, model_option()),
     ("gguf_file", str | None, gguf_file_option()),
     ("text_column", str | None, TEXT_COL),
@@ -129,6 +138,7 @@ def register(app: typer.Typer) -> None:
         from mixlens.bertology.frequency import frequency_figure, frequency_study
         from mixlens.commands.output import progress
 
+        check_wordfreq_lang(lang)
         texts, lens = _texts_and_lens(inputs)
         with progress(len(texts), "frequency") as step:
             rep = frequency_study(lens, texts, lang=lang, batch_size=inputs.batch_size, on_batch=step)

@@ -14,10 +14,12 @@ from mixlens.commands.options import (
     data_option,
     disable_option,
     gguf_file_option,
+    label_column_option,
     limit_option,
     model_option,
     pair_column_option,
     read_examples,
+    score_column_option,
     text_column_option,
 )
 from mixlens.commands.output import progress
@@ -43,8 +45,8 @@ def sweep_command(
     mode: str = typer.Option("uniform", "--mode", help="uniform (Kovaleva), zero or mean."),
     text_column: str | None = text_column_option(),
     pair_column: str | None = pair_column_option(),
-    score_column: str = typer.Option("score", "--score-column", help="Gold similarity column (sts)."),
-    label_column: str = typer.Option("label", "--label-column", help="Gold label column (accuracy)."),
+    score_column: str = score_column_option(),
+    label_column: str = label_column_option(),
     limit: int | None = limit_option(),
     batch_size: int = batch_size_option(),
     disable: str | None = disable_option(),

@@ -6,7 +6,18 @@ from pathlib import Path
 
 import typer
 
-from mixlens.commands.options import batch_size_option, check_limit, check_view, gguf_file_option, model_option
+from mixlens.commands.options import (
+    batch_size_option,
+    check_limit,
+    check_view,
+    data_option,
+    gguf_file_option,
+    limit_option,
+    model_option,
+    out_dir_option,
+    table_format_option,
+    view_option,
+)
 from mixlens.commands.output import TableFormat, print_frame, progress, write_table
 
 
@@ -15,17 +26,15 @@ def register(app: typer.Typer) -> None:
 
 
 def syntax(
-    data: str = typer.Option(..., "--data", "-d", help="CoNLL-U file (e.g. UD English EWT dev)."),
+    data: str = data_option("CoNLL-U file (e.g. UD English EWT dev)."),
     model: str | None = model_option(),
     gguf_file: str | None = gguf_file_option(),
-    limit: int | None = typer.Option(None, "--limit", "-n", help="Use only the first N sentences."),
+    limit: int | None = limit_option("Use only the first N sentences."),
     batch_size: int = batch_size_option(),
-    view: str = typer.Option("attn", "--view", help="attn or norm."),
+    view: str = view_option(),
     min_count: int = typer.Option(20, "--min-count", help="Report relations with at least this many arcs."),
-    fmt: TableFormat = typer.Option(
-        TableFormat.table, "--format", "-f", help="Format of the best-head table (csv/json to stdout)."
-    ),
-    out: Path = typer.Option(Path("mixlens-syntax"), "--out", "-o", help="Directory for tables."),
+    fmt: TableFormat = table_format_option("Format of the best-head table (csv/json to stdout)."),
+    out: Path = out_dir_option("mixlens-syntax", "Directory for tables."),
 ) -> None:
     """Dependency-head accuracy of every head per relation (both directions) with offset baselines."""
     from mixlens.lens import load

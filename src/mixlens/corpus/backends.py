@@ -68,11 +68,9 @@ _WORKER_LENS: Lens | MixlensError | None = None  # the worker process's Lens, or
 
 def _init_worker(job: Job, threads: int) -> None:
     global _WORKER_LENS
-    from mixlens.lens import load
-
     torch.set_num_threads(threads)
     try:
-        _WORKER_LENS = load(job.model, head=job.head, device=job.device, allow_random_head=job.allow_random_head)
+        _WORKER_LENS = job.load()
     except MixlensError as e:  # re-raised with each task, so the user sees the message, not a broken pool
         _WORKER_LENS = e
 
@@ -175,13 +173,11 @@ class _ShardActor:
     def __init__(self, job: Job) -> None:
         import torch
 
-        from mixlens.lens import load
-
         torch.set_num_threads(1)
         self.job = job
         self.lens: Lens | MixlensError
         try:
-            self.lens = load(job.model, head=job.head, device=job.device, allow_random_head=job.allow_random_head)
+            self.lens = job.load()
         except MixlensError as e:  # raised again by each task, where the driver turns it into one line
             self.lens = e
 

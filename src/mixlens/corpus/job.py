@@ -7,14 +7,19 @@ import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mixlens.corpus.readers import Example
+
+if TYPE_CHECKING:
+    from mixlens.lens import Lens
 
 STORES = ("summary", "full")
 BACKENDS = ("local", "ray")
 # Keys of the job that change results: a rerun with other values is refused unless --overwrite.
 IDENTITY = (
     "model",
+    "gguf_file",
     "head",
     "data",
     "data_file",
@@ -52,6 +57,19 @@ class Job:
     allow_random_head: bool = False  # `mixlens.load(allow_random_head=...)`; not part of the identity
     device: str = "cpu"
     data_file: dict[str, object] | None = None  # `file_stamp(data)` of a local file: same path, other bytes → new run
+    gguf_file: str | None = None  # a GGUF file inside the `model` directory (`mixlens.load(gguf_file=...)`)
+
+    def load(self) -> Lens:
+        """The job's model, as every backend loads it."""
+        from mixlens.lens import load
+
+        return load(
+            self.model,
+            gguf_file=self.gguf_file,
+            head=self.head,
+            device=self.device,
+            allow_random_head=self.allow_random_head,
+        )
 
     def identity(self) -> dict[str, object]:
         d = asdict(self)

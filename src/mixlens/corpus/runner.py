@@ -14,6 +14,7 @@ import contextlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -25,6 +26,9 @@ from mixlens.errors import MixlensError
 from mixlens.methods import check_options
 from mixlens.methods import get as get_method
 from mixlens.pipeline import plan_batches
+
+if TYPE_CHECKING:
+    from mixlens.lens import Lens
 
 __all__ = ["CorpusResult", "Job", "plan_batches", "run_corpus"]
 
@@ -58,6 +62,29 @@ class CorpusResult:
         return pa.concat_tables([pq.read_table(sh.shard_path(self.out, s), columns=columns) for s in ids]).to_pandas()
 
 
+def _check_model(
+    model: str | None, gguf_file: str | None, lens: Lens | None, max_length: int | None, pair: bool
+) -> None:
+    """Model errors that need no weights, before --out is made (also for workers and Ray, which load the model
+    elsewhere): a missing model folder or GGUF file, a --max-length below what the special tokens need."""
+    from mixlens.lens import check_max_length, resolve_source
+
+    if lens is not None:
+        if max_length is not None:
+            check_max_length(lens.tokenizer, max_length, pair)
+        return
+    src, _ = resolve_source(model, gguf_file)
+    if max_length is None:
+        return
+    import transformers
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(src, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError):
+        return  # loading the model says why
+    check_max_length(tok, max_length, pair)
+
+
 def _check_out(out: Path, job: Job, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise MixlensError(f"--out {out} exists and is not a directory")
@@ -85,6 +112,7 @@ def run_corpus(
     methods: list[str] | tuple[str, ...] | None = None,
     *,
     model: str | None = None,
+    gguf_file: str | None = None,
     lens=None,
     text_column: str | None = None,
     pair_column: str | None = None,
@@ -109,8 +137,9 @@ def run_corpus(
     """Run `methods` over every example of `data` and write shards, aggregate and manifest to `out`.
 
     `data`: a TSV/CSV/JSONL/Parquet/text file or `hf:NAME[:CONFIG]:SPLIT`. `lens` (in-process only) overrides
-    `model`. Rerunning the same call resumes: finished shards are kept and not recomputed. `backend='local'`
-    with `workers` > 1 uses worker processes; `backend='ray'` uses Ray actors (`address`: an existing cluster).
+    `model` (`gguf_file`: a GGUF file in the `model` directory). Rerunning the same call resumes: finished shards are
+    kept and not recomputed. `backend='local'` with `workers` > 1 uses worker processes; `backend='ray'` uses Ray
+    actors (`address`: an existing cluster).
     """
     from mixlens.lens import DEFAULT_METHODS
 
@@ -125,7 +154,7 @@ def run_corpus(
         ("--batch-size", batch_size),
         ("--max-tokens", max_tokens),
         ("--shard-size", shard_size),
-        ("--workers", workers or 1),
+        ("--workers", 1 if workers is None else workers),
         ("--max-length", 1 if max_length is None else max_length),
     ):
         if v < 1:
@@ -164,14 +193,17 @@ def run_corpus(
         device=device,
         allow_random_head=allow_random_head,
         data_file=file_stamp(path) if path else None,
+        gguf_file=gguf_file,
     )
     out = Path(out)
+    _check_model(model, gguf_file, lens, max_length, pcol is not None)
     _check_out(out, job, overwrite)
     if lens is None and backend == "local" and (workers or 1) == 1:
-        from mixlens.lens import load
-
-        lens = load(model, head=head, device=device, allow_random_head=allow_random_head)
-    (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+        lens = job.load()
+    try:
+        (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
     sh.remove_stale_temps(out)
     done = sh.finished_shards(out, job.job_id)
     resumed = len(done)

@@ -1,0 +1,214 @@
+"""Hostile input on every command (issues #13–#16, "Bad input"): one line on stderr, exit code 2, nothing written.
+
+`BASE` holds a valid invocation of every command of `mixlens --help`; the generic cases put one bad value into it
+(a missing or unsupported model, a GGUF file that is not there), the specific cases exercise each command's own
+inputs. A new command without an entry in `BASE` fails `test_every_command_is_covered`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+
+from tests.conftest import run_cli
+
+STS_ROWS = [
+    ("a cat sits on the mat", "a cat sat on a mat", "4.5"),
+    ("the dog runs home", "the sky is blue today", "0.4"),
+    ("he eats an apple", "she eats an apple", "3.2"),
+    ("a red car", "a blue car", "2.6"),
+] * 6  # 24 pairs: prune's two splits hold at least 10 each
+
+CONLLU = """# text = The cat sleeps.
+1\tThe\tthe\tDET\tDT\t_\t2\tdet\t_\t_
+2\tcat\tcat\tNOUN\tNN\t_\t3\tnsubj\t_\t_
+3\tsleeps\tsleep\tVERB\tVBZ\t_\t0\troot\t_\t_
+4\t.\t.\tPUNCT\t.\t_\t3\tpunct\t_\t_
+
+# text = Dogs bark loudly.
+1\tDogs\tdog\tNOUN\tNNS\t_\t2\tnsubj\t_\t_
+2\tbark\tbark\tVERB\tVBP\t_\t0\troot\t_\t_
+3\tloudly\tloudly\tADV\tRB\t_\t2\tadvmod\t_\t_
+4\t.\t.\tPUNCT\t.\t_\t2\tpunct\t_\t_
+
+"""
+
+
+@pytest.fixture
+def fx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Input files in tmp_path (also the working directory); `out` is a path that does not exist yet."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "good.tsv").write_text("sentence\tlabel\na fine film\t1\na dull movie\t0\nso so\t1\n")
+    (tmp_path / "sts.tsv").write_text("sentence1\tsentence2\tscore\n" + "".join("\t".join(r) + "\n" for r in STS_ROWS))
+    (tmp_path / "ud.conllu").write_text(CONLLU)
+    (tmp_path / "empty.tsv").write_text("")
+    (tmp_path / "header.tsv").write_text("sentence\tlabel\n")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x\n")
+    (tmp_path / "badmodel").mkdir()
+    (tmp_path / "badmodel" / "config.json").write_text(json.dumps({"model_type": "foobar", "hidden_size": 8}))
+    (tmp_path / "ggdir").mkdir()
+    (tmp_path / "ggdir" / "a.gguf").write_bytes(b"")
+    word_out = {"words": ["the", "cat"], "pairs": [{"from": 0, "to": 7, "relation": "det"}]}
+    (tmp_path / "rel_index.jsonl").write_text(json.dumps(word_out) + "\n")
+    no_words = {"text": "the cat sat", "pairs": [{"from": "dog", "to": "cat", "relation": "nsubj"}]}
+    (tmp_path / "rel_words.jsonl").write_text(json.dumps(no_words) + "\n")
+    return {p.stem: str(p) for p in tmp_path.iterdir()} | {"out": str(tmp_path / "out"), "dir": str(tmp_path)}
+
+
+# A valid invocation of every command ({name}: a file of `fx`).
+BASE: dict[str, list[str]] = {
+    "analyze": ["analyze", "hi there"],
+    "methods": ["methods"],
+    "corpus": ["corpus", "-d", "{good}", "-o", "{out}"],
+    "report": ["report", "hi there", "-o", "{out}/r.html"],
+    "plot": ["plot", "hi there", "-o", "{out}/p.png"],
+    "serve": ["serve", "--port", "0"],
+    "heads": ["heads", "-d", "{good}", "-o", "{out}"],
+    "head-diff": ["head-diff", "-d", "{good}", "--other", "{good}", "-o", "{out}"],
+    "syntax": ["syntax", "-d", "{ud}", "-o", "{out}"],
+    "patterns": ["patterns", "-d", "{good}", "-o", "{out}"],
+    "sweep": ["sweep", "-d", "{sts}", "-o", "{out}"],
+    "prune": ["prune", "-d", "{sts}", "-o", "{out}"],
+    "ablate-patterns": ["ablate-patterns", "-d", "{sts}", "-o", "{out}"],
+    "compare-local-global": ["compare-local-global", "{good}", "-o", "{out}/lg.json"],
+    "saliency": ["saliency", "hi there"],
+    "relations": ["relations", "--from-conllu", "{ud}", "-o", "{out}"],
+    "frequency": ["frequency", "-d", "{good}", "-o", "{out}"],
+    "identify": ["identify", "-d", "{good}", "-o", "{out}"],
+    "explain": ["explain", "hi there"],
+    "evaluate": ["evaluate", "--data", "{good}", "-o", "{out}"],
+}
+
+
+def command_options() -> dict[str, set[str]]:
+    from mixlens.cli import app
+
+    cmd = typer.main.get_command(app)
+    return {name: {o for p in c.params for o in p.opts} for name, c in cmd.commands.items()}
+
+
+def check_one_line(argv: list[str], fx: dict[str, str], capsys: pytest.CaptureFixture[str], message: str) -> None:
+    """`mixlens ARGV` fails with one line containing `message`, exit code 2, and writes nothing."""
+    root = Path(fx["dir"])
+    before = sorted(root.rglob("*"))
+    code, _, err = run_cli([a.format(**fx) for a in argv], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, (code, err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert message in lines[0], lines[0]
+    assert sorted(root.rglob("*")) == before, "wrote files"
+
+
+def test_every_command_is_covered():
+    assert set(BASE) == set(command_options())
+
+
+def test_every_model_command_takes_gguf_file():
+    missing = [name for name, opts in command_options().items() if "--model" in opts and "--gguf-file" not in opts]
+    assert missing == []
+
+
+GENERIC = [
+    (["--model", "/definitely/not/here"], "model path '/definitely/not/here' does not exist"),
+    (["--model", "{afile}"], "is not a Hugging Face model directory"),
+    (["--model", "{badmodel}"], "unsupported architecture 'foobar'; supported model types: "),
+    (["--model", "{ggdir}", "--gguf-file", "b.gguf"], "no GGUF file 'b.gguf' in"),
+    (["--gguf-file", "a.gguf"], "a GGUF file needs its folder: give --model DIR"),
+]
+
+
+@pytest.mark.parametrize("extra, message", GENERIC, ids=["missing", "file", "family", "gguf", "gguf-alone"])
+@pytest.mark.parametrize("command", sorted(n for n, o in command_options().items() if "--model" in o))
+def test_bad_model_on_every_command(command, extra, message, fx, capsys):
+    check_one_line([*BASE[command], *extra], fx, capsys, message)
+
+
+SPECIFIC = [
+    # analyze
+    (["analyze", ""], "input 1 is empty or whitespace only"),
+    (["analyze", "\u200b\u200c"], "input 1 is empty or whitespace only"),
+    (["analyze", "hi", "--method", "bogus"], "unknown method 'bogus'"),
+    (["analyze", "hi", "--max-length", "0"], "Input should be greater than or equal to 1"),
+    (["analyze", "hi", "--max-length", "1"], "max_length 1 is too short"),
+    (["analyze", "hi", "--targets", "99"], "target position 99 is outside input 1"),
+    (["analyze", "hi", "--targets", "x"], "--targets must be last, all or comma-separated integer positions"),
+    (["analyze", "hi", "--option", "norm.bogus=1"], "method 'norm' has no option 'bogus'"),
+    (["analyze", "hi", "-o", "{afile}/sub/a.json"], "cannot write"),
+    (["analyze", "hi", "-o", "{adir}"], "is a directory"),
+    # methods
+    (["methods", "--bogus"], "No such option"),
+    # corpus
+    (["corpus", "-d", "/no/data.tsv", "-o", "{out}"], "does not exist"),
+    (["corpus", "-d", "{adir}", "-o", "{out}"], "adir"),
+    (["corpus", "-d", "{empty}", "-o", "{out}"], "empty"),
+    (["corpus", "-d", "{header}", "-o", "{out}"], "has no rows"),
+    (["corpus", "-d", "{good}", "-o", "{out}", "--method", "bogus"], "unknown method 'bogus'"),
+    (["corpus", "-d", "{good}", "-o", "{out}", "--max-length", "0"], "Input should be greater than or equal to 1"),
+    (["corpus", "-d", "{good}", "-o", "{out}", "--max-length", "1"], "max_length 1 is too short"),
+    (["corpus", "-d", "{good}", "-o", "{out}", "--workers", "0"], "--workers must be at least 1"),
+    (["corpus", "-d", "{good}", "-o", "{out}", "--store", "bogus"], "unknown --store 'bogus'"),
+    (["corpus", "-d", "{good}", "-o", "{afile}/sub"], "cannot write to"),
+    (["corpus", "-d", "{good}", "-o", "{afile}"], "exists and is not a directory"),
+    # report, plot, serve
+    (["report", "", "-o", "{out}/r.html"], "input 1 is empty or whitespace only"),
+    (["report", "hi", "-o", "{out}/r.txt"], "--out must end in .html"),
+    (["report", "hi", "-o", "{out}/r.html", "--method", "bogus"], "unknown method 'bogus'"),
+    (["report", "--from", "{afile}", "-o", "{out}/r.html"], "afile"),
+    (["report", "hi", "-o", "{afile}/sub/r.html"], "cannot write"),
+    (["plot", "hi", "-o", "{out}/p.txt"], "--out must end in .png, .svg or .pdf"),
+    (["plot", "hi", "-o", "{out}/p.png", "--layer", "99"], "layer 99 out of range"),
+    (["plot", "hi", "-o", "{out}/p.png", "--method", "bogus"], "unknown method 'bogus'"),
+    (["plot", "hi", "-o", "{out}/p.png", "--max-length", "0"], "Input should be greater than or equal to 1"),
+    (["serve", "--method", "bogus"], "unknown method 'bogus'"),
+    (["serve", "--port", "99999"], "Input should be less than or equal to 65535"),
+    # dataset commands
+    (["heads", "-d", "/no/data.tsv", "-o", "{out}"], "does not exist"),
+    (["heads", "-d", "{good}", "-o", "{out}", "--view", "bogus"], "unknown view 'bogus'"),
+    (["heads", "-d", "{good}", "-o", "{afile}/sub"], "cannot write"),
+    (["head-diff", "-d", "{good}", "--other", "/no/model", "-o", "{out}"], "does not exist"),
+    (["syntax", "-d", "{empty}", "-o", "{out}"], "holds no sentences"),
+    (["syntax", "-d", "{good}", "-o", "{out}"], "CoNLL-U needs 10"),
+    (["syntax", "-d", "{ud}", "-o", "{out}", "--view", "bogus"], "unknown view 'bogus'"),
+    (["patterns", "-d", "{header}", "-o", "{out}"], "has no rows"),
+    (["patterns", "-d", "{good}", "-o", "{out}", "--view", "bogus"], "unknown view 'bogus'"),
+    (["sweep", "-d", "{sts}", "-o", "{out}", "--disable", "L9H99"], "L9H99"),
+    (["sweep", "-d", "{sts}", "-o", "{out}", "--disable", "L0H99"], "L0H99"),
+    (["sweep", "-d", "{sts}", "-o", "{out}", "--mode", "bogus"], "unknown ablation mode 'bogus'"),
+    (["sweep", "-d", "{sts}", "-o", "{out}", "--metric", "bogus"], "unknown metric 'bogus'"),
+    (["sweep", "-d", "{good}", "-o", "{out}", "--metric", "sts"], "the sts metric needs sentence pairs"),
+    (["prune", "-d", "{sts}", "-o", "{out}", "--disable", "L9H99"], "L9H99"),
+    (["prune", "-d", "{good}", "-o", "{out}", "--metric", "accuracy"], "too small to confirm a pruning"),
+    (["ablate-patterns", "-d", "{sts}", "-o", "{out}", "--disable", "L0H99"], "L0H99"),
+    (["ablate-patterns", "-d", "{sts}", "-o", "{out}", "--mode", "bogus"], "bogus"),
+    (["compare-local-global", "/no/data.tsv"], "does not exist"),
+    (["compare-local-global", "{good}", "--mode", "bogus"], "unknown mode 'bogus'"),
+    (["compare-local-global", "{good}", "-o", "{adir}"], "is a directory"),
+    (["saliency", ""], "input 1 is empty or whitespace only"),
+    (["saliency", "hi", "--kind", "bogus"], "bogus"),
+    (["relations", "--data", "{rel_index}", "-o", "{out}"], "rel_index.jsonl: line 1"),
+    (["relations", "--data", "{rel_words}", "-o", "{out}"], "rel_words.jsonl: line 1"),
+    (["relations", "-o", "{out}"], "give exactly one of --data (relation JSONL) and --from-conllu"),
+    (["frequency", "-d", "{empty}", "-o", "{out}"], "empty"),
+    (["frequency", "-d", "{good}", "-o", "{out}", "--lang", "xx-bogus"], "wordfreq has no word list for language"),
+    (["identify", "-d", "{good}", "-o", "{out}", "--probe", "bogus"], "bogus"),
+    (["explain", ""], "empty"),
+    (["explain", "hi", "--format", "bogus"], "unknown format 'bogus'"),
+    (["explain", "hi", "--generate", "2"], "--generate"),
+    (["explain", "hi", "--method", "saliency", "--method", "deeplift", "-o", "{afile}/sub/e.json"], "cannot write"),
+    (["evaluate", "--data", "{empty}", "-o", "{out}"], "empty"),
+    (["evaluate", "--data", "{good}", "-o", "{out}", "--removal", "bogus"], "unknown removal 'bogus'"),
+    (["evaluate", "--data", "{good}", "-o", "{afile}/sub", "--method", "saliency", "--limit", "2"], "cannot write"),
+]
+
+
+@pytest.mark.parametrize("argv, message", SPECIFIC, ids=[f"{k}-{a[0]}" for k, (a, _) in enumerate(SPECIFIC)])
+def test_bad_input(argv, message, fx, capsys):
+    check_one_line(argv, fx, capsys, message)
+
+
+def test_specific_cases_cover_every_command():
+    assert {argv[0] for argv, _ in SPECIFIC} == set(BASE)
