@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ SHAP_SAMPLES = 16
 LIME_SAMPLES = 100
 
 
-def token_budget(model: nn.Module) -> int:
+def token_budget(model: Any) -> int:  # a transformers model
     """Tokens per chunk of perturbations: `TOKEN_BUDGET`, fewer for large models, so that the activations kept for
     the backward pass (about 24·d floats per layer and token, plus the logits and their gradient of a causal LM's
     vocabulary) stay near `ACTIVATION_FLOATS`."""
