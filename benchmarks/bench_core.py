@@ -19,7 +19,6 @@ import argparse
 import csv
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,12 @@ import torch
 import mixlens
 from mixlens.lens import DEFAULT_METHODS
 from mixlens.pipeline import run_methods, trace_flags
+
+
+def peak_gib() -> float:
+    """Peak RSS of this process in GiB (VmHWM: on Linux a spawned child's ru_maxrss starts at its parent's peak)."""
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 2**20
+
 
 TARGET = 1.3  # issue #15 item 8: analyze / plain forward at every size
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.tsv"
@@ -107,9 +112,12 @@ def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float
 def peak_rss(model: str, n_tokens: int) -> float:
     """Peak RSS (GiB) of a fresh process that loads `model` and analyses one n-token input."""
     code = f"""
-import resource, sys, torch, mixlens
+import sys, torch, mixlens
+def peak_gib():  # VmHWM: a spawned child's ru_maxrss starts at its parent's peak
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 2**20
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from bench_core import long_text, analysis
+
 if {model!r} == "bert-base-random":
     import transformers as T
     cfg = T.BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
@@ -119,7 +127,7 @@ else:
 text = long_text(lens, {n_tokens})
 assert lens.encode([text]).inputs["input_ids"].shape[1] == {n_tokens}
 analysis(lens, [text])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+print(peak_gib())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -165,7 +173,7 @@ def main() -> None:
                 "parts": {k: {p: round(v[p], 3) for p in ("traced", "decomposition", "rest")} for k, v in rows.items()},
                 "peak_rss_gib": {k: round(v, 3) for k, v in rss.items()},
                 "torch_threads": torch.get_num_threads(),
-                "self_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                "self_rss_gib": peak_gib(),
             }
         )
     )

@@ -35,6 +35,11 @@ SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.t
 GLOBAL = ("globenc", "globenc_rollout", "alti", "alti_rollout")
 
 
+def peak_gib() -> float:
+    """Peak RSS of this process in GiB (VmHWM: on Linux a spawned child's ru_maxrss starts at its parent's peak)."""
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 2**20
+
+
 def sst2_sentences(k: int) -> list[str]:
     if not SST2.is_file():
         sys.exit(f"missing {SST2}")
@@ -84,15 +89,13 @@ def value_zeroing_ratio(lens: mixlens.Lens, enc, repeats: int) -> dict[str, floa
             with hooked(tr.adapter, start=i, resid_pre=tr.layers[i].x, stop_after=i):
                 lens.model(**enc.inputs)
 
-        single = statistics.median(sum(timed(lambda i=i: one_pass(i)) for i in range(n_layers))
-                                   for _ in range(repeats))
+        single = statistics.median(sum(timed(lambda i=i: one_pass(i)) for i in range(n_layers)) for _ in range(repeats))
         vz = timed(lambda: get("value_zeroing")(lens.trace(enc)))
     n = enc.inputs["input_ids"].shape[1]
     return {"tokens": n, "layer_passes_ms": 1e3 * single, "value_zeroing_s": vz, "ratio": vz / (n * single)}
 
 
 def decompx_child() -> None:
-    import resource
 
     torch.manual_seed(0)
     lens = mixlens.load(head="sequence-classification")
@@ -103,8 +106,7 @@ def decompx_child() -> None:
     dec = get("decompx_classes")(tr)
     wall = time.perf_counter() - t0
     err = decompositions(tr)[0].error  # cached by the call above
-    print(json.dumps({"rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "wall_s": wall,
-                      "rel_error": err, "classes": list(dec.shape)}))
+    print(json.dumps({"rss_gib": peak_gib(), "wall_s": wall, "rel_error": err, "classes": list(dec.shape)}))
 
 
 def main() -> None:
@@ -122,24 +124,38 @@ def main() -> None:
     lens = mixlens.load()
     enc = lens.encode(sst2_sentences(32))
     g = global_ratio(lens, enc, args.repeats)
-    print(f"(1) 32 SST-2 sentences (padded to {enc.inputs['input_ids'].shape[1]} tokens): forward "
-          f"{g['forward_ms']:.1f} ms, globenc+alti+rollouts {g['methods_ms']:.1f} ms -> ratio "
-          f"{g['ratio_methods']:.2f} (with the traced forward: {g['ratio_with_trace']:.2f})")
+    print(
+        f"(1) 32 SST-2 sentences (padded to {enc.inputs['input_ids'].shape[1]} tokens): forward "
+        f"{g['forward_ms']:.1f} ms, globenc+alti+rollouts {g['methods_ms']:.1f} ms -> ratio "
+        f"{g['ratio_methods']:.2f} (with the traced forward: {g['ratio_with_trace']:.2f})"
+    )
     v = value_zeroing_ratio(lens, enc, args.repeats)
-    print(f"(2) value zeroing: {v['value_zeroing_s']:.2f} s vs n={v['tokens']} x {v['layer_passes_ms']:.1f} ms "
-          f"(one pass through every layer) -> ratio {v['ratio']:.2f}")
+    print(
+        f"(2) value zeroing: {v['value_zeroing_s']:.2f} s vs n={v['tokens']} x {v['layer_passes_ms']:.1f} ms "
+        f"(one pass through every layer) -> ratio {v['ratio']:.2f}"
+    )
     out = subprocess.run([sys.executable, __file__, "--decompx-child"], capture_output=True, text=True, check=True)
     d = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"(3) DecompX, one 256-token input: peak RSS {d['rss_gib']:.2f} GiB, {d['wall_s']:.1f} s, "
-          f"relative logit error {d['rel_error']:.1e}")
+    print(
+        f"(3) DecompX, one 256-token input: peak RSS {d['rss_gib']:.2f} GiB, {d['wall_s']:.1f} s, "
+        f"relative logit error {d['rel_error']:.1e}"
+    )
     flow_enc = lens.encode([text_of(lens, FLOW_MAX_TOKENS)])
     flow_s = timed(lambda: get("attention_flow")(lens.trace(flow_enc)))
     print(f"(4) attention_flow, one {FLOW_MAX_TOKENS}-token input: {flow_s:.1f} s")
-    print(json.dumps({"globenc_alti_ratio": round(g["ratio_methods"], 3),
-                      "globenc_alti_ratio_with_trace": round(g["ratio_with_trace"], 3),
-                      "value_zeroing_ratio": round(v["ratio"], 3), "decompx_256_rss_gib": round(d["rss_gib"], 3),
-                      "decompx_256_s": round(d["wall_s"], 2), "flow_s": round(flow_s, 2),
-                      "torch_threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "globenc_alti_ratio": round(g["ratio_methods"], 3),
+                "globenc_alti_ratio_with_trace": round(g["ratio_with_trace"], 3),
+                "value_zeroing_ratio": round(v["ratio"], 3),
+                "decompx_256_rss_gib": round(d["rss_gib"], 3),
+                "decompx_256_s": round(d["wall_s"], 2),
+                "flow_s": round(flow_s, 2),
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -146,7 +146,9 @@ def compare(lens, label: str, batch: list[str], method: str, steps: int, repeats
 
 
 IG_CODE = """
-import resource, sys, torch, mixlens
+import sys, torch, mixlens
+def peak_gib():  # VmHWM: a spawned child's ru_maxrss starts at its parent's peak
+    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 2**20
 from mixlens.methods.saliency import output_attribution
 lens = mixlens.load({model!r})
 words = "the film was a quiet , moving and often very funny look at two old friends who meet again".split()
@@ -155,10 +157,10 @@ enc = lens.encode([text], max_length={tokens})
 target = "pred" if getattr(lens.model(**enc.inputs), "logits", None) is not None else \\
     (lambda o, i: o.last_hidden_state[:, 0].norm(dim=-1))
 tr = lens.trace(enc)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+base = peak_gib()
 rows = {rows}
 res = output_attribution(tr, "integrated_gradients", target=target, steps={steps}, internal_batch_size=rows)
-print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, float(res.delta.abs().max()))
+print(base, peak_gib(), float(res.delta.abs().max()))
 """
 
 

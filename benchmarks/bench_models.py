@@ -60,12 +60,13 @@ def timed(fn, repeats: int) -> float:
 
 
 def peak_rss(name: str, n_tokens: int, methods: list[str], targets: str | None) -> float:
-    """Peak RSS (GiB) of a fresh process: load + one analysis."""
+    """Peak RSS (GiB) of a fresh process: load + one analysis. VmHWM, not ru_maxrss: a child spawned from a large
+    parent inherits the parent's ru_maxrss on Linux."""
     here = str(Path(__file__).parent)
     code = (f"import resource, sys; sys.path.insert(0, {here!r}); import bench_models as b, mixlens; "
             f"lens = mixlens.load(b.ROOT / {name!r}, head='base'); "
             f"lens.analyze([b.text_of(lens, {n_tokens})], {methods!r}, max_length={n_tokens}, targets={targets!r}); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+            "print(next(x for x in open('/proc/self/status') if x.startswith('VmHWM')).split()[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return int(out.split()[-1]) / 2**20
 
