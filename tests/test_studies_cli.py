@@ -33,3 +33,23 @@ def test_cli_studies_empty_data(tmp_path, capsys):
     for cmd in ("frequency", "identify"):
         code, _, err = run_cli([cmd, "-d", str(empty), "-o", str(tmp_path / cmd)], capsys)
         assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_studies_read_the_base_model(tmp_path, capsys):
+    """A checkpoint whose config names a masked-LM head it does not carry (all-mpnet-base-v2 is one): the studies
+    read only hidden states and attention, so they load the base model instead of refusing a random head."""
+    import json
+
+    import mixlens
+
+    lens = mixlens.load()
+    model_dir = tmp_path / "model"
+    lens.model.save_pretrained(model_dir)
+    lens.tokenizer.save_pretrained(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "architectures": ["BertForMaskedLM"]}))
+    f = data_file("sst2", "dev.tsv")
+    for cmd in ("frequency", "identify"):
+        args = [cmd, "-d", str(f), "--model", str(model_dir), "--limit", "4", "-o", str(tmp_path / cmd)]
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err

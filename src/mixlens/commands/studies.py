@@ -30,7 +30,7 @@ def _texts_and_lens(inputs: SimpleNamespace) -> tuple[list[str], Any]:
     examples = read_examples(inputs.data, inputs.text_column, None, check_limit(inputs.limit))
     if not examples:
         raise MixlensError(f"{inputs.data} holds no texts")
-    return [ex.text for ex in examples], load(inputs.model, gguf_file=inputs.gguf_file)
+    return [ex.text for ex in examples], load(inputs.model, gguf_file=inputs.gguf_file, head="base")
 
 
 def _write(
@@ -116,7 +116,7 @@ def register(app: typer.Typer) -> None:
             records = conllu_records(from_conllu, list(relation) if relation else UD_RELATIONS, check_limit(limit))
         if save_pairs is not None:
             write_relations(records, save_pairs)
-        lens = load(model, gguf_file=gguf_file)
+        lens = load(model, gguf_file=gguf_file, head="base")
         with progress(len(records), "relations") as step:
             rep = relation_heads(
                 lens, records, n_permutations=permutations, seed=seed, batch_size=batch_size, on_batch=step
