@@ -186,7 +186,7 @@ def pattern_ablation_figure(res: Any, path: str | Path) -> None:
         color="C7",
     )
     ax.axhline(0, color="k", lw=0.6)
-    ax.set_xticks(x, [f"{r[0]}\n({r[1]} heads)" for r in rows], fontsize=8)
+    ax.set_xticks(x, [f"{r[0]}\n({r[1]} head{'' if r[1] == 1 else 's'})" for r in rows], fontsize=8)
     names = {"spearman": "Spearman ρ", "accuracy": "accuracy", "mlm_loss": "masked-LM loss"}
     ax.set_ylabel(f"change of {names.get(res.metric, res.metric)}")
     ax.set_title(
