@@ -73,3 +73,22 @@ def test_cli_ablate_patterns_errors(capsys):
     f = data_file("stsb", "dev.tsv")
     code, _, err = run_cli(["ablate-patterns", "-d", str(f), "--limit", "2", "--disable", "L0H99"], capsys)
     assert code == 2 and "unknown head in 'L0H99'" in err and "Traceback" not in err
+
+
+def test_figure_counts_heads_in_words(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from mixlens.bertology.pattern_ablation import PatternAblation
+    from mixlens.stats.patterns import PATTERNS
+    from mixlens.viz.heads import pattern_ablation_figure
+
+    shown: list[Figure] = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (shown.append(self), save(self, *a, **k))[1])
+    counts = {t: 0 for t in PATTERNS} | {"vertical": 2, "diagonal": 1}
+    res = PatternAblation(
+        "spearman", True, "uniform", 0.8, np.full((1, 3), "vertical", dtype=object), counts,
+        {t: 0.7 for t in PATTERNS}, {t: -0.05 for t in PATTERNS}, {t: 0.01 for t in PATTERNS}, 3,
+    )
+    pattern_ablation_figure(res, tmp_path / "f.png")
+    assert [t.get_text() for t in shown[0].axes[0].get_xticklabels()] == ["vertical\n(2 heads)", "diagonal\n(1 head)"]
