@@ -7,7 +7,9 @@ targets=...)` end to end (maps + mixing ratios + the per-run check; with targets
 plain forward pass of the same model and input (`model(**inputs, output_attentions=True)`, the eager attention that
 `mixlens.load` selects), for the compiled passes and the torch passes (`mixlens.methods.norms.COMPILED = False`, what
 runs on a GPU); the peak RSS of a fresh process that loads the model and runs one analysis; the load average
-(`os.getloadavg`) when the case finished. Times are medians of `--repeats` calls after one untimed call.
+(`os.getloadavg`) when the case finished. Times are medians of `--repeats` calls after one untimed call, the
+forward and the analyses interleaved (each repeat calls each once); ratios are of the medians, with the ratio of the
+fastest calls in brackets.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,18 +48,22 @@ def text_of(lens: mixlens.Lens, n_tokens: int) -> str:
     return lens.tokenizer.decode(ids[: n_tokens - special])
 
 
-WARMUP = True  # one untimed call first (numba compilation, allocator); --no-warmup on a slow machine
+WARMUP = True  # one untimed call of each first (numba compilation, allocator); --no-warmup on a slow machine
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each function, interleaved: every repeat calls each once, in order, so that a slow drift
+    of the machine (this shared VM's speed varies by tens of percent over minutes) hits all of them alike."""
     if WARMUP:
-        fn()
-    runs = []
+        for fn in fns.values():
+            fn()
+    runs: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            runs[k].append(time.perf_counter() - t0)
+    return runs
 
 
 def peak_rss(name: str, n_tokens: int, methods: list[str], targets: str | None) -> float:
@@ -72,8 +79,9 @@ def peak_rss(name: str, n_tokens: int, methods: list[str], targets: str | None) 
 
 
 def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str | None, repeats: int,
-             modes: tuple[bool, ...]) -> tuple[float, dict[bool, float]]:
-    """(plain forward seconds, {compiled: analyze seconds}) for one input of `n_tokens` tokens."""
+             modes: tuple[bool, ...]) -> dict[str, list[float]]:
+    """Seconds per call, interleaved: "forward" (plain forward) and, per mode, "compiled" / "torch" (analyze), for
+    one input of `n_tokens` tokens."""
     text = text_of(lens, n_tokens)
     enc = lens.encode([text], max_length=n_tokens)
     assert len(enc.tokens[0]) == n_tokens, len(enc.tokens[0])
@@ -82,13 +90,24 @@ def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str
         with torch.no_grad():
             lens.model(**enc.inputs, output_attentions=True)
 
-    t_fwd = timed(forward, repeats)
-    res = {}
-    for compiled in modes:
-        norms.COMPILED = compiled
-        res[compiled] = timed(lambda: lens.analyze([text], methods, max_length=n_tokens, targets=targets), repeats)
-    norms.COMPILED = True
-    return t_fwd, res
+    def analyze(compiled: bool) -> Callable[[], None]:
+        def run() -> None:
+            norms.COMPILED = compiled
+            try:
+                lens.analyze([text], methods, max_length=n_tokens, targets=targets)
+            finally:
+                norms.COMPILED = True
+
+        return run
+
+    fns = {"forward": forward} | {("compiled" if c else "torch"): analyze(c) for c in modes}
+    return timed(fns, repeats)
+
+
+def ratio(runs: dict[str, list[float]], k: str) -> str:
+    """Median of `k` / median forward, and the ratio of the fastest calls in brackets."""
+    med = statistics.median(runs[k]) / statistics.median(runs["forward"])
+    return f"{med:.2f}x ({min(runs[k]) / min(runs['forward']):.2f}x)"
 
 
 def main() -> None:
@@ -112,12 +131,13 @@ def main() -> None:
         if not (ROOT / name / "config.json").is_file():
             print(f"{name}: not fetched, skipped")
             continue
-        t_fwd, res = run_case(mixlens.load(ROOT / name, head="base"), n_tokens, methods, targets, args.repeats, modes)
+        runs = run_case(mixlens.load(ROOT / name, head="base"), n_tokens, methods, targets, args.repeats, modes)
+        med = {k: statistics.median(v) for k, v in runs.items()}
         rss = "-" if args.no_rss else f"{peak_rss(name, n_tokens, methods, targets):.2f}"
-        torch_cols = f"{res[False]:.3f} | {res[False] / t_fwd:.2f}x" if False in res else "- | -"
+        torch_cols = f"{med['torch']:.3f} | {ratio(runs, 'torch')}" if "torch" in med else "- | -"
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        print(f"{case} | {name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | {t_fwd:.3f} | "
-              f"{res[True]:.3f} | {res[True] / t_fwd:.2f}x | {torch_cols} | {rss} | {load}", flush=True)
+        print(f"{case} | {name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | {med['forward']:.3f} | "
+              f"{med['compiled']:.3f} | {ratio(runs, 'compiled')} | {torch_cols} | {rss} | {load}", flush=True)
 
 
 if __name__ == "__main__":
