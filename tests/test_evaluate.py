@@ -260,3 +260,11 @@ def test_non_finite_scores_are_noted(classifier, monkeypatch):
     ev = evaluate(classifier, TEXTS, ["attention", "saliency"], batch_size=2)
     assert "attention: non-finite scores (overflow) on 2 of 3 inputs; its ranks are arbitrary" in ev.notes
     assert not any(n.startswith("saliency") for n in ev.notes)
+
+
+def test_figure_title_names_the_model_not_its_path():
+    from mixlens.viz.evaluation import model_label
+
+    assert model_label("/root/.cache/mixlens/models/smollm2-135m-instruct/") == "smollm2-135m-instruct"
+    assert model_label("sentence-transformers/all-MiniLM-L6-v2") == "all-MiniLM-L6-v2"
+    assert model_label("bert-base-uncased") == "bert-base-uncased"

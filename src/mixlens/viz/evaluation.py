@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
+
+
+def model_label(model: str) -> str:
+    """A model for a figure title: a local path or hub id by its last part (the folder, not the whole path)."""
+    return Path(str(model).rstrip("/")).name or str(model)
 
 
 def plot(ev, path: str | Path, dpi: int = 200) -> None:
@@ -16,7 +22,8 @@ def plot(ev, path: str | Path, dpi: int = 200) -> None:
 
     curves, met, ranked = ev.curves(), ev.metrics(), ev.ranking()
     colours = plt.get_cmap("tab20")(np.linspace(0, 1, max(2, len(ranked))))
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.4, 1]})
+    legend_rows = math.ceil(len(ranked) / 3)  # the legend sits below the curves, three methods a row
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2 + 0.16 * legend_rows), gridspec_kw={"width_ratios": [1.4, 1]})
     for c, m in zip(colours, ranked, strict=False):
         cv = curves[m]
         style = {"color": "0.3", "ls": "--"} if m == "random" else {"color": c}
@@ -26,7 +33,7 @@ def plot(ev, path: str | Path, dpi: int = 200) -> None:
     ax.set_ylabel("f(x without top-K)")
     ax.set_title(f"Deletion curves ({ev.removal}), {len(ev.examples)} examples")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, frameon=False)
+    ax.legend(fontsize=7, ncol=3, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below the data
     aopc = np.array([met[m]["aopc"] for m in ranked])
     ci = np.array([met[m]["ci95"]["aopc"] for m in ranked])
     y = np.arange(len(ranked))[::-1]
@@ -41,7 +48,7 @@ def plot(ev, path: str | Path, dpi: int = 200) -> None:
     bx.set_xlabel("AOPC (higher = more faithful)")
     bx.set_title("Ranking")
     bx.grid(axis="x", alpha=0.3)
-    fig.suptitle(ev.model, fontsize=10)
+    fig.suptitle(model_label(ev.model), fontsize=10)
     fig.tight_layout()
     fig.savefig(str(path), dpi=dpi)
     plt.close(fig)
