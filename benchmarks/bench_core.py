@@ -26,16 +26,11 @@ import time
 from pathlib import Path
 
 import torch
+from rss import peak_gib
 
 import mixlens
 from mixlens.lens import DEFAULT_METHODS
 from mixlens.pipeline import run_methods, trace_flags
-
-
-def peak_gib() -> float:
-    """Peak RSS of this process in GiB (VmHWM: on Linux a spawned child's ru_maxrss starts at its parent's peak)."""
-    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 2**20
-
 
 TARGET = 1.3  # issue #15 item 8: analyze / plain forward at every size
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.tsv"
@@ -113,10 +108,9 @@ def peak_rss(model: str, n_tokens: int) -> float:
     """Peak RSS (GiB) of a fresh process that loads `model` and analyses one n-token input."""
     code = f"""
 import sys, torch, mixlens
-def peak_gib():  # VmHWM: a spawned child's ru_maxrss starts at its parent's peak
-    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 2**20
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from bench_core import long_text, analysis
+from rss import peak_gib
 
 if {model!r} == "bert-base-random":
     import transformers as T

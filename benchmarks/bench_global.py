@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from rss import peak_gib
 
 import mixlens
 from mixlens.methods import get
@@ -33,11 +34,6 @@ from mixlens.trace import hooked
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.tsv"
 GLOBAL = ("globenc", "globenc_rollout", "alti", "alti_rollout")
-
-
-def peak_gib() -> float:
-    """Peak RSS of this process in GiB (VmHWM: on Linux a spawned child's ru_maxrss starts at its parent's peak)."""
-    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 2**20
 
 
 def sst2_sentences(k: int) -> list[str]:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from rss import HERE
 
 WORDS = "the film was a quiet , moving and often very funny look at two old friends who meet again".split()
 METHODS = ("saliency", "grad_x_input", "integrated_gradients")
@@ -147,8 +148,8 @@ def compare(lens, label: str, batch: list[str], method: str, steps: int, repeats
 
 IG_CODE = """
 import sys, torch, mixlens
-def peak_gib():  # VmHWM: a spawned child's ru_maxrss starts at its parent's peak
-    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 2**20
+sys.path.insert(0, {here!r})
+from rss import peak_gib
 from mixlens.methods.saliency import output_attribution
 lens = mixlens.load({model!r})
 words = "the film was a quiet , moving and often very funny look at two old friends who meet again".split()
@@ -167,7 +168,7 @@ print(base, peak_gib(), float(res.delta.abs().max()))
 def ig_memory(model: str | None, tokens: int, steps: int, chunked_only: bool) -> None:
     for label, rows in (("unchunked", steps), ("chunked (default)", None))[chunked_only:]:
         out = subprocess.run(
-            [sys.executable, "-c", IG_CODE.format(model=model, tokens=tokens, steps=steps, rows=rows)],
+            [sys.executable, "-c", IG_CODE.format(here=HERE, model=model, tokens=tokens, steps=steps, rows=rows)],
             capture_output=True,
             text=True,
             check=True,

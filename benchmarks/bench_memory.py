@@ -13,10 +13,12 @@ import os
 import subprocess
 import sys
 
+from rss import HERE
+
 CODE = """
 import sys, time, mixlens
-def peak_gib():  # VmHWM: a spawned child's ru_maxrss starts at its parent's peak
-    return int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM")).split()[1]) / 2**20
+sys.path.insert(0, {here!r})
+from rss import peak_gib
 from transformers.utils import logging
 logging.set_verbosity_error()
 logging.disable_progress_bar()
@@ -37,7 +39,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--short", type=int, default=10_000, help="number of short inputs")
     n = ap.parse_args().short
-    out = subprocess.run([sys.executable, "-c", CODE.format(n=n)], capture_output=True, text=True, check=True)
+    code = CODE.format(here=HERE, n=n)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     base, peak, held, dt = map(float, out.stdout.split())
     print(
         f"{n} short inputs + one 512-token input: peak RSS {peak:.2f} GiB (after loading the model {base:.2f}), "

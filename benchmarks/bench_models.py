@@ -70,12 +70,12 @@ def peak_rss(name: str, n_tokens: int, methods: list[str], targets: str | None) 
     """Peak RSS (GiB) of a fresh process: load + one analysis. VmHWM, not ru_maxrss: a child spawned from a large
     parent inherits the parent's ru_maxrss on Linux."""
     here = str(Path(__file__).parent)
-    code = (f"import resource, sys; sys.path.insert(0, {here!r}); import bench_models as b, mixlens; "
+    code = (f"import sys; sys.path.insert(0, {here!r}); import bench_models as b, mixlens; from rss import peak_gib; "
             f"lens = mixlens.load(b.ROOT / {name!r}, head='base'); "
             f"lens.analyze([b.text_of(lens, {n_tokens})], {methods!r}, max_length={n_tokens}, targets={targets!r}); "
-            "print(next(x for x in open('/proc/self/status') if x.startswith('VmHWM')).split()[1])")
+            "print(peak_gib())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return int(out.split()[-1]) / 2**20
+    return float(out.split()[-1])
 
 
 def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str | None, repeats: int,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -119,34 +118,17 @@ class Dataset:
 
 def dataset_command(command: Callable[..., Any]) -> Callable[..., Any]:
     """`command(ds: Dataset, **rest)` as a typer command with the `Dataset` options first, then its own."""
-    factories = {
-        "data": (str, data_option),
-        "model": (str | None, model_option),
-        "gguf_file": (str | None, gguf_file_option),
-        "text_column": (str | None, text_column_option),
-        "pair_column": (str | None, pair_column_option),
-        "limit": (int | None, limit_option),
-        "batch_size": (int, batch_size_option),
-    }
-    assert list(factories) == [f.name for f in fields(Dataset)]
-    hints = typing.get_type_hints(command)
-    own = [
-        p.replace(annotation=hints[p.name]) for p in inspect.signature(command).parameters.values() if p.name != "ds"
-    ]
-    shared = [
-        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=f(), annotation=t)
-        for n, (t, f) in factories.items()
-    ]
-
-    @functools.wraps(command)
-    def run(**kwargs: Any) -> Any:
-        ds = Dataset(**{n: kwargs.pop(n) for n in factories})
-        return command(ds, **kwargs)
-
-    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in (*shared, *own)]
-    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    run.__annotations__ = {p.name: p.annotation for p in params}
-    return run
+    block = (
+        ("data", str, data_option()),
+        ("model", str | None, model_option()),
+        ("gguf_file", str | None, gguf_file_option()),
+        ("text_column", str | None, text_column_option()),
+        ("pair_column", str | None, pair_column_option()),
+        ("limit", int | None, limit_option()),
+        ("batch_size", int, batch_size_option()),
+    )
+    assert [name for name, _, _ in block] == [f.name for f in fields(Dataset)]
+    return option_block(*block, into=Dataset)(command)
 
 
 def method_list_option(help: str = "Method name (repeatable); default: attention, norm, norm_res, norm_resln.") -> Any:
@@ -338,19 +320,21 @@ def disable_option() -> Any:
     )
 
 
-def option_block(*options: tuple[str, Any, Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def option_block(
+    *options: tuple[str, Any, Any], into: Callable[..., Any] = SimpleNamespace
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare a block of options once for several commands: `@option_block((name, type, typer default), ...)`
-    on `def cmd(block: SimpleNamespace, <own options>)` gives the command the block's options first, then its
-    own (as `--help` lists them); the block's values reach it as `block.<name>`."""
+    on `def cmd(block, <own options>)` gives the command the block's options first, then its own (as `--help` lists
+    them); the block's values reach it as one object, `into(**values)` (default: a SimpleNamespace)."""
 
-    def wrap(fn: Callable[..., None]) -> Callable[..., None]:
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         keyword = inspect.Parameter.KEYWORD_ONLY
         own = [p.replace(kind=keyword) for p in list(inspect.signature(fn, eval_str=True).parameters.values())[1:]]
         shared = [inspect.Parameter(name, keyword, default=default, annotation=kind) for name, kind, default in options]
 
         @functools.wraps(fn)
-        def command(**values: Any) -> None:
-            fn(SimpleNamespace(**{name: values.pop(name) for name, _, _ in options}), **values)
+        def command(**values: Any) -> Any:
+            return fn(into(**{name: values.pop(name) for name, _, _ in options}), **values)
 
         signature = inspect.Signature([*shared, *own])
         del command.__wrapped__  # typer reads this signature, not fn's

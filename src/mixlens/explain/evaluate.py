@@ -30,6 +30,7 @@ from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
 from mixlens.explain.explain import pad_batch
 from mixlens.explain.targets import model_kind, resolve, scores
+from mixlens.methods.saliency import keeps_logits
 
 KS = (1, 5, 10, 20, 50)
 AOPC_KS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
@@ -223,13 +224,6 @@ class Evaluation:
 
 def _special_mask(lens, ids: list[int]) -> np.ndarray:
     return np.array([r is not None and r != "unk" for r in lens.special_roles(ids)], dtype=bool)
-
-
-def keeps_logits(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes `logits_to_keep` (the unembedding of chosen positions only)."""
-    import inspect
-
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 def _last_token_f(model: torch.nn.Module, inputs: dict[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:

@@ -170,24 +170,24 @@ def layer_fn(
     return rows_of
 
 
+def _trace_layer(trace: Trace, m: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
+    """`layer_fn` of layer m of a (not streamed) trace."""
+    fam = trace.adapter.family
+    return layer_fn(trace.layers[m], trace.adapter.layers[m], fam.pre_ln, trace.mask, fam.causal)
+
+
 def alti_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer ALTI contributions, rows normalised: [B, L, n, n], or their target rows [B, L, K, n] in target-row
     mode (cached on the trace)."""
     if trace.memo.alti is None:
-        pre_ln, targets = trace.adapter.family.pre_ln, targets_of(trace)
+        targets = targets_of(trace)
         kept, mats = trace.memo.layer_rows.get("alti"), kept_matrices(trace, "alti")
         if kept is not None:  # streamed
             trace.memo.alti = torch.stack(kept, dim=1)
         elif mats is not None and targets is not None:
             trace.memo.alti = torch.stack([mats(m)(targets) for m in range(len(trace.layers))], dim=1)
         else:
-            trace.memo.alti = torch.stack(
-                [
-                    layer_fn(lt, lay, pre_ln, trace.mask, trace.adapter.family.causal)(targets)
-                    for lt, lay in zip(trace.layers, trace.adapter.layers, strict=True)
-                ],
-                dim=1,
-            )
+            trace.memo.alti = torch.stack([_trace_layer(trace, m)(targets) for m in range(len(trace.layers))], dim=1)
     return trace.memo.alti
 
 
@@ -202,11 +202,5 @@ def alti_rollout(trace: Trace) -> torch.Tensor:
     """ALTI global attribution: rollout of the per-layer ALTI matrices over layers 1..l."""
     targets = targets_of(trace)
     if targets is not None:
-        pre_ln = trace.adapter.family.pre_ln
-        layer_rows = kept_matrices(trace, "alti") or (
-            lambda m: layer_fn(
-                trace.layers[m], trace.adapter.layers[m], pre_ln, trace.mask, trace.adapter.family.causal
-            )
-        )
-        return rollout_rows(trace, layer_rows, targets)
+        return rollout_rows(trace, kept_matrices(trace, "alti") or (lambda m: _trace_layer(trace, m)), targets)
     return rollout(alti_matrices(trace))

@@ -114,10 +114,11 @@ def residual_attention(trace: Trace) -> torch.Tensor:
 def residual_rows(alpha: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """Rows at positions rows [B, K] (None: every row) of one layer's Â (as `residual_attention`) from its α
     [B, H, n, n] and the real-token mask [B, n]: [B, K, n]."""
+    every = rows is None
     if rows is None:
         rows = torch.arange(mask.shape[1], device=mask.device).repeat(len(mask), 1)
     pm = row_pair_mask(mask, rows)
-    a = alpha_rows(alpha.float(), rows).mean(1) * pm
+    a = (alpha.float() if every else alpha_rows(alpha.float(), rows)).mean(1) * pm  # every row: no gather copy
     eye = (rows[:, :, None] == torch.arange(pm.shape[-1], device=rows.device)) * pm
     return row_normalize(0.5 * a + 0.5 * eye)
 

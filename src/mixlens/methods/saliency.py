@@ -63,6 +63,11 @@ def _check_target(target: Target) -> None:
         raise MixlensError(f"target must be 'pred', a class/token index or a Python callable, got {target!r}")
 
 
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (the unembedding of chosen positions only)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def per_row_keep(model: torch.nn.Module) -> bool:
     """Whether the model's code reads a 2-D `logits_to_keep` as positions per row (transformers'
     `slice_logits_to_keep`); older model code indexes the position axis with it, which takes only a 1-D one."""
@@ -81,7 +86,7 @@ class LogitRows:
         model = trace.model
         if callable(target) or model.get_output_embeddings() is None:
             return
-        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        if not keeps_logits(model):
             return
         pos = _positions(trace, position).to(trace.mask.device)
         if per_row_keep(model):
@@ -138,6 +143,17 @@ def _forward(trace: Trace, emb: torch.Tensor, inputs: dict[str, torch.Tensor], k
         return trace.model(**inputs, **kwargs)
 
 
+def _evaluate(
+    trace: Trace, emb: torch.Tensor, target: Target, position: int | None, rows: LogitRows
+) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor]:
+    """One forward at the word embeddings `emb`: (select, extra, f(emb) [B]) of `_selector`, 'pred' read from this
+    forward's logits (only the rows of `rows` are computed)."""
+    out = _forward(trace, emb, trace.inputs, rows.kwargs(rows.at))
+    logits = getattr(out, "logits", None)
+    select, extra = _selector(trace, target, position, None if logits is None else logits.detach(), rows)
+    return select, extra, select(out, trace.inputs, *extra)
+
+
 def scalar_fn(
     trace: Trace, target: Target = "pred", position: int | None = None
 ) -> tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
@@ -148,9 +164,7 @@ def scalar_fn(
     rows = LogitRows(trace, target, position)
     with torch.no_grad():
         emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"])
-        out = _forward(trace, emb, trace.inputs, rows.kwargs(rows.at))
-        select, extra = _selector(trace, target, position, getattr(out, "logits", None), rows)
-        value = select(out, trace.inputs, *extra)
+        select, extra, value = _evaluate(trace, emb, target, position, rows)
 
     def f(emb: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         inputs = dict(zip(keys, args[: len(keys)], strict=True))
@@ -205,10 +219,7 @@ def output_attribution(
         rows = LogitRows(trace, target, position)
         with torch.enable_grad():
             x = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"]).detach().requires_grad_(True)
-            out = _forward(trace, x, trace.inputs, rows.kwargs(rows.at))  # one forward: 'pred' reads its logits
-            logits = getattr(out, "logits", None)
-            select, extra = _selector(trace, target, position, None if logits is None else logits.detach(), rows)
-            value = select(out, trace.inputs, *extra)
+            _, _, value = _evaluate(trace, x, target, position, rows)  # one forward: 'pred' reads its logits
             (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂f_b/∂e
         raw = grad if kind == "saliency" else grad * x.detach()
         return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw, value.detach())
