@@ -55,6 +55,22 @@ def test_every_family_equals_the_reference(family_lens, compiled, monkeypatch):
     assert_exact(family_lens)
 
 
+@pytest.mark.parametrize(
+    ("family", "heads", "overrides"),
+    [
+        ("bert", 1, {}),
+        ("bert", 3, {}),
+        ("bert", 5, {}),
+        ("llama", 3, {"num_key_value_heads": 1}),  # causal rows, grouped values
+    ],
+)
+def test_odd_head_counts_equal_the_reference(tokenizer, family, heads, overrides, monkeypatch):
+    """The compiled attention pass walks head pairs in 2 × 2 blocks: an odd head count (SmolLM2 has 9) ends on a
+    half block that must add nothing but its own pairs."""
+    small_blocks(monkeypatch, True)
+    assert_exact(random_lens(family, tokenizer, hidden_size=16 * heads, num_attention_heads=heads, **overrides))
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
 def test_bundled_model_equals_the_reference(bundled, compiled, monkeypatch):
     small_blocks(monkeypatch, compiled)

@@ -75,10 +75,11 @@ def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, caus
     layer's results.probe_err. All layers' row ranges go to the threads of `parallel` at once."""
     where, out = kernel_args(tok.layout), kernel_args(maps)
     splits = row_splits(tok.layout.lengths.numpy(), tok.layout.targets.numpy(), causal)
+    per_layer = [(st.index, kernel_args(st.inputs), kernel_args(st.done)) for st in layers]
     parallel(
         [
-            (attention_pass, r0, r1, st.index, causal, kernel_args(st.inputs), where, kernel_args(st.done), out)
-            for st in layers
+            (attention_pass, r0, r1, index, causal, inputs, where, results, out)
+            for index, inputs, results in per_layer
             for r0, r1 in splits
         ]
     )

@@ -156,22 +156,30 @@ def token_pass(
             for k in range(d):
                 w[k] = fh[k] * gamma2[k]
                 u[k] += ah * fh[k]
-            for h2 in range(h, heads):
-                f2 = cf[h2, t]
-                s0 = zero
-                s1 = zero
+            s0 = s1 = zero
+            for k in range(d):
+                s0 += fh[k] * fh[k]
+                s1 += w[k] * fh[k]
+            s0 += fd * mu[h] * mu[h]
+            out.f_norm[b, layer, h, i] = np.sqrt(max(s0, zero))
+            grams[0, p, tt] = s0
+            grams[1, p, tt] = s1
+            p += 1
+            for h2 in range(h + 1, heads, 2):  # two heads h2 per pass over d: fh and w are loaded once for both
+                h3 = min(h2 + 1, heads - 1)  # (the last pass of an odd count computes h2 twice)
+                f2, f3 = cf[h2, t], cf[h3, t]
+                s0 = s1 = s2 = s3 = zero
                 for k in range(d):
                     s0 += fh[k] * f2[k]
                     s1 += w[k] * f2[k]
-                s0 += fd * mu[h] * mu[h2]
-                if h2 == h:
-                    out.f_norm[b, layer, h, i] = np.sqrt(max(s0, zero))
-                    grams[0, p, tt] = s0
-                    grams[1, p, tt] = s1
-                else:
-                    grams[0, p, tt] = 2 * s0
-                    grams[1, p, tt] = 2 * s1
-                p += 1
+                    s2 += fh[k] * f3[k]
+                    s3 += w[k] * f3[k]
+                grams[0, p, tt] = 2 * (s0 + fd * mu[h] * mu[h2])
+                grams[1, p, tt] = 2 * s1
+                if h3 > h2:
+                    grams[0, p + 1, tt] = 2 * (s2 + fd * mu[h] * mu[h3])
+                    grams[1, p + 1, tt] = 2 * s3
+                p += h3 - h2 + 1
             for q in range(n_probes):
                 acc = zero
                 for a in range(vh.shape[2]):
@@ -226,6 +234,12 @@ def token_pass(
         out.ratio[4, b, layer, i] = pon / max(pon + ptn, tiny)
 
 
+@njit(inline="always")
+def _pair(h: int, h2: int, heads: int) -> int:  # pragma: no cover - compiled
+    """Index of the head pair (h, h2), h ≤ h2, in the packed upper triangle (row-major)."""
+    return h * heads - h * (h - 1) // 2 + h2 - h
+
+
 @njit(nogil=True, cache=True, fastmath=True)
 def attention_pass(
     r0: int, r1: int, layer: int, causal: bool, inputs: tuple, layout: tuple, results: tuple, maps: tuple
@@ -234,8 +248,9 @@ def attention_pass(
     Layout.targets[b, k]), from α and the token pass's TokenResults (the structures as plain tuples: LayerInputs,
     Layout, TokenResults, Maps). Writes the maps n, n_res, n_resln, alpha_mean at [b, `layer`, k] (norms
     square-rooted, N-ResLN divided by s_i from Maps.scale, the N-Res and N-ResLN
-    diagonals from TokenResults.diag) and TokenResults.probe_err. Padded cells are not written. Two Gram rows per
-    inner loop halve the accumulator traffic."""
+    diagonals from TokenResults.diag) and TokenResults.probe_err. Padded cells are not written. Head pairs go in
+    2 × 2 blocks (two α rows against two, four Gram rows per form per pass over the sources), which quarters the
+    accumulator traffic of one pair per pass."""
     inp, where, res, out = LayerInputs(*inputs), Layout(*layout), TokenResults(*results), Maps(*maps)
     alpha, grams, probe_f, diag, total_r = inp.alpha, res.grams, res.probe_f, res.diag, res.total_r
     offsets, lengths, targets = where.offsets, where.lengths, where.targets
@@ -246,6 +261,7 @@ def attention_pass(
     proj_buf = np.empty(n, np.float32)
     mean_buf = np.empty(n, np.float32)
     probed = np.empty(n_probes, np.float32)
+    zero_buf = np.zeros(n, np.float32)
     for r in range(r0, r1):
         b = r // n_rows
         row = r % n_rows
@@ -262,35 +278,47 @@ def attention_pass(
         proj[:] = zero
         mean[:] = zero
         probed[:] = zero
-        p = 0
+        for a0 in range(0, heads, 2):  # heads in pairs (a0, a1); an odd count's last a1 reads zeros
+            two = a0 + 1 < heads
+            a1 = a0 + 1 if two else a0
+            x = alpha[b, a0, i, :end]
+            y = alpha[b, a1, i, :end] if two else zero_buf[:end]
+            p00, p01, p11 = _pair(a0, a0, heads), _pair(a0, a1, heads), _pair(a1, a1, heads)
+            d0, d1, d2 = grams[0, p00, o : o + end], grams[0, p01, o : o + end], grams[0, p11, o : o + end]
+            e0, e1, e2 = grams[1, p00, o : o + end], grams[1, p01, o : o + end], grams[1, p11, o : o + end]
+            for j in range(end):
+                xx = x[j] * x[j]
+                xy = x[j] * y[j]
+                yy = y[j] * y[j]
+                plain[j] += d0[j] * xx + d1[j] * xy + d2[j] * yy
+                proj[j] += e0[j] * xx + e1[j] * xy + e2[j] * yy
+                mean[j] += x[j] + y[j]
+            for c0 in range(a0 + 2, heads, 2):  # the 2 × 2 block (a0, a1) × (c0, c1) of head pairs
+                c1 = c0 + 1 if c0 + 1 < heads else c0
+                z = alpha[b, c0, i, :end]
+                w = alpha[b, c1, i, :end] if c0 + 1 < heads else zero_buf[:end]
+                q0, q1, q2, q3 = _pair(a0, c0, heads), _pair(a0, c1, heads), _pair(a1, c0, heads), _pair(a1, c1, heads)
+                g0, g1, g2, g3 = (
+                    grams[0, q0, o : o + end],
+                    grams[0, q1, o : o + end],
+                    grams[0, q2, o : o + end],
+                    grams[0, q3, o : o + end],
+                )
+                k0, k1, k2, k3 = (
+                    grams[1, q0, o : o + end],
+                    grams[1, q1, o : o + end],
+                    grams[1, q2, o : o + end],
+                    grams[1, q3, o : o + end],
+                )
+                for j in range(end):
+                    xz = x[j] * z[j]
+                    xw = x[j] * w[j]
+                    yz = y[j] * z[j]
+                    yw = y[j] * w[j]
+                    plain[j] += (g0[j] * xz + g1[j] * xw) + (g2[j] * yz + g3[j] * yw)
+                    proj[j] += (k0[j] * xz + k1[j] * xw) + (k2[j] * yz + k3[j] * yw)
         for h in range(heads):
             ah = alpha[b, h, i, :end]
-            h2 = h
-            while h2 + 1 < heads:
-                a2 = alpha[b, h2, i, :end]
-                a3 = alpha[b, h2 + 1, i, :end]
-                g0 = grams[0, p, o : o + end]
-                g1 = grams[1, p, o : o + end]
-                g2 = grams[0, p + 1, o : o + end]
-                g3 = grams[1, p + 1, o : o + end]
-                for j in range(end):
-                    q = ah[j] * a2[j]
-                    q2 = ah[j] * a3[j]
-                    plain[j] += g0[j] * q + g2[j] * q2
-                    proj[j] += g1[j] * q + g3[j] * q2
-                p += 2
-                h2 += 2
-            if h2 < heads:
-                a2 = alpha[b, h2, i, :end]
-                g0 = grams[0, p, o : o + end]
-                g1 = grams[1, p, o : o + end]
-                for j in range(end):
-                    q = ah[j] * a2[j]
-                    plain[j] += g0[j] * q
-                    proj[j] += g1[j] * q
-                p += 1
-            for j in range(end):
-                mean[j] += ah[j]
             for k in range(n_probes):
                 fp = probe_f[h, k, o : o + end]
                 acc = zero
