@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -42,9 +45,7 @@ def assert_exact(lens: mixlens.Lens) -> None:
 def small_blocks(monkeypatch, compiled: bool) -> None:
     """Engine settings that exercise every path on small inputs."""
     monkeypatch.setattr(mixlens.methods.norms, "COMPILED", compiled)
-    monkeypatch.setattr(mixlens.methods.norms, "TOKEN_BLOCK", 7)  # several token blocks, the last one partial
-    monkeypatch.setattr(mixlens.methods.norms, "CF_BUDGET", 2000)  # several groups of blocks
-    monkeypatch.setattr(mixlens.methods._compiled, "TOKENS_PER_CALL", 3)  # blocks split over threads
+    monkeypatch.setattr(mixlens.methods.norms, "TOKEN_BLOCK", 7)  # several token blocks (jobs), the last one partial
     monkeypatch.setattr(mixlens.methods._compiled, "PAIRS_PER_CALL", 5)  # many row ranges, on several threads
 
 
@@ -95,20 +96,71 @@ def test_row_splits_partition_the_rows(causal, monkeypatch):
     assert row_splits(lengths, np.tile(np.arange(20), (4, 1)), causal) == [(0, 80)]
 
 
-def test_parallel_runs_every_call_and_raises_their_errors():
+def _flushing() -> bool:
+    """Whether the calling thread flushes subnormal floats to zero."""
+    return bool(np.float32(1e-30) * np.float32(1e-10) == 0)
+
+
+@pytest.fixture(params=["openmp", "pool"])
+def team(request, monkeypatch):
+    """`parallel` on torch's OpenMP threads (where this torch has a GNU OpenMP runtime) or on a pool of ours."""
+    teams = mixlens.methods._compiled._TEAM
+    if request.param == "openmp" and teams["gomp"] is None:
+        pytest.skip("this torch has no GNU OpenMP runtime")
+    if request.param == "pool":
+        monkeypatch.setitem(teams, "gomp", None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    return request.param
+
+
+def test_parallel_runs_every_call_and_raises_their_errors(team):
     out = np.zeros(40)
+    flushed = np.zeros(40, bool)
+    threads: set[int] = set()
 
     def fill(k: int) -> None:
         out[k] = k
+        flushed[k] = _flushing()
+        threads.add(threading.get_ident())
 
+    assert not _flushing()
     parallel([(fill, k) for k in range(40)])
-    assert out.tolist() == list(range(40))
+    assert out.tolist() == list(range(40)) and flushed.all()  # every call ran once, subnormals flushed
+    assert not _flushing()  # the caller's mode is back
+    torch.set_flush_denormal(True)
+    try:
+        parallel([(fill, k) for k in range(4)])
+        assert _flushing()  # a caller that flushes keeps flushing
+    finally:
+        torch.set_flush_denormal(False)
 
     def fail(k: int) -> None:
         raise ValueError(f"call {k}")
 
     with pytest.raises(ValueError, match="call"):
         parallel([(fail, k) for k in range(4)])
+    assert not _flushing()
+
+
+def test_openmp_team_is_not_used_in_a_forked_child():
+    """GNU OpenMP is not fork-safe: a forked child falls back to a pool of its own threads."""
+    if mixlens.methods._compiled._TEAM["gomp"] is None:
+        pytest.skip("this torch has no GNU OpenMP runtime")
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_child_team) == (True, 1.0)
+
+
+def _child_team() -> tuple[bool, float]:
+    out = np.zeros(1)
+    parallel([(out.__setitem__, 0, 1.0), (int, 0)])
+    return mixlens.methods._compiled._TEAM["gomp"] is None, float(out[0])
+
+
+def test_kernels_are_exact_on_either_team(bundled, team, monkeypatch):
+    """The compiled passes are exact on torch's OpenMP threads and on a pool of ours."""
+    small_blocks(monkeypatch, True)
+    assert_exact(bundled)
 
 
 def test_partial_trace_stops_after_last_attention_block(family_lens):
@@ -252,6 +304,16 @@ def test_wrong_adapter_fails_loudly_naming_the_layer(bundled, monkeypatch):
     lay = bundled.adapter.layers[3]
     monkeypatch.setattr(lay, "w_o", lay.w_o * 1.01)
     with pytest.raises(ReconstructionError, match="layer 3"):
+        mixlens.methods.norms.block_norms(tr)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
+def test_nan_in_the_real_output_fails_the_check(bundled, compiled, monkeypatch):
+    """A NaN in what the model computed is a failed reconstruction, not an error of NaN that passes."""
+    monkeypatch.setattr(mixlens.methods.norms, "COMPILED", compiled)
+    tr = bundled.trace(SENTENCES[:1])
+    tr.layers[2].mix_out[0, 1, 5] = float("nan")
+    with pytest.raises(ReconstructionError, match="layer 2.* nan"):
         mixlens.methods.norms.block_norms(tr)
 
 

@@ -1,17 +1,22 @@
-"""The compiled (CPU) passes of the norm engine: torch computes the head vectors C f in blocks, the numba kernels of
-`_kernels` do the rest on torch's threads (`parallel`). Inputs and outputs are the named structures built by
-`norms`; here they only become plain tuples of numpy views (`_kernels.kernel_args`).
+"""The compiled (CPU) passes of the norm engine: jobs of torch (the head vectors C f of a block of tokens) and the
+numba kernels of `_kernels`, run on torch's own OpenMP threads (`parallel`). Inputs and outputs are the named
+structures built by `norms`; here they only become plain tuples of numpy views (`_kernels.kernel_args`).
 
-torch's OpenMP workers spin for about 10 ms after each torch call, so each group's torch work goes first and its
-compiled work after it.
+The kernels run with subnormal floats flushed to zero (`flush_denormals`): α of long inputs
+holds values below 1e-19 whose squares are subnormal, which cost Intel cores ~100 cycles each (one layer of a
+512-token input took 7× as long); a flushed term is below 1e-38, far under the float32 rounding of any norm.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,17 +27,15 @@ if TYPE_CHECKING:
     from mixlens.methods.norms import LayerState, RealTokens
 
 PAIRS_PER_CALL = 32768  # (target, source) pairs per attention-pass call when a layer is split over threads
-TOKENS_PER_CALL = 32  # tokens per token-pass call when a block is split over threads
 
 
-def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int, cf_budget: int) -> None:
-    """Everything per token of every layer (sets each layer's `results` and writes f_norm, ratio and scale of `maps`).
-
-    C f = v W_O^h C by torch for blocks of `token_block` tokens of many layers first (up to `cf_budget` floats), then
-    `token_pass` over all those blocks on torch's threads, so that torch's spinning OpenMP workers are in the way
-    only once per group."""
+def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int) -> None:
+    """Everything per token of every layer (sets each layer's `results` and writes f_norm, ratio and scale of `maps`),
+    in jobs of `token_block` tokens of one layer on the threads of `parallel`: each job computes its block's head
+    vectors C f = v W_O^h C by torch into its thread's own buffer, then runs `token_pass` on them while they are
+    still in that core's cache."""
     where, out = kernel_args(tok.layout), kernel_args(maps)
-    args, jobs = {}, []
+    jobs = []
     for st in layers:
         h, t_len, _ = st.inputs.vh.shape
         p = st.weights.consts.probes.shape[0]
@@ -45,29 +48,21 @@ def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_bl
             check=new(2, t_len),
             probe_err=new(t_len) if tok.all_rows else st.inputs.vh.new_zeros(t_len),
         )
-        args[st.index] = (
-            st.index,
-            kernel_args(st.inputs),
-            kernel_args(st.weights.consts),
-            where,
-            kernel_args(st.results),
-            out,
-        )
-        jobs += [(st, s, min(s + token_block, t_len)) for s in range(0, t_len, token_block)]
-    for group in _groups(jobs, cf_budget):
-        sizes = [st.inputs.vh.shape[0] * (e - s) * st.weights.w_c.shape[-1] for st, s, e in group]
-        space, at, cfs = _scratch(sum(sizes), tok.mask.device), 0, []
-        for (st, s, e), size in zip(group, sizes, strict=True):
-            cf = space[at : at + size].view(st.inputs.vh.shape[0], e - s, -1)  # [H, c, d], a view of one buffer
-            cfs.append(torch.matmul(st.inputs.vh[:, s:e], st.weights.w_c, out=cf))
-            at += size
-        parallel(
-            [
-                (token_pass, cf.numpy(), s, a, b, *args[st.index])
-                for (st, s, e), cf in zip(group, cfs, strict=True)
-                for a, b in token_splits(e - s)
-            ]
-        )
+        args = (st.index, kernel_args(st.inputs), kernel_args(st.weights.consts), where, kernel_args(st.results), out)
+        jobs += [
+            (_token_job, st.inputs.vh, st.weights.w_c, s, min(s + token_block, t_len), args)
+            for s in range(0, t_len, token_block)
+        ]
+    parallel(jobs)
+
+
+def _token_job(vh: torch.Tensor, w_c: torch.Tensor, start: int, end: int, args: tuple) -> None:
+    """Tokens start .. end - 1 of one layer: C f [H, c, d] of the block (vh [H, T, d_h], w_c [H, d_h, d]), then
+    `token_pass` on it."""
+    h, d = vh.shape[0], w_c.shape[-1]
+    size = h * (end - start) * d
+    cf = torch.matmul(vh[:, start:end], w_c, out=_scratch(size, vh.device)[:size].view(h, end - start, d))
+    token_pass(cf.numpy(), start, 0, end - start, *args)
 
 
 def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, causal: bool) -> None:
@@ -85,71 +80,98 @@ def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, caus
     )
 
 
-def _groups(jobs: list[tuple[LayerState, int, int]], cf_budget: int) -> list[list[tuple[LayerState, int, int]]]:
-    """(layer, first token, end token) blocks in consecutive groups of at most `cf_budget` floats of C f each."""
-    groups: list[list[tuple[LayerState, int, int]]] = [[]]
-    size = 0
-    for st, s, e in jobs:
-        floats = st.inputs.vh.shape[0] * (e - s) * st.weights.w_c.shape[-1]
-        if groups[-1] and size + floats > cf_budget:
-            groups.append([])
-            size = 0
-        groups[-1].append((st, s, e))
-        size += floats
-    return groups
-
-
-_SCRATCH = threading.local()
+_SCRATCH: dict[tuple[int, str], torch.Tensor] = {}  # (thread, device) → buffer
 
 
 def _scratch(size: int, device: torch.device) -> torch.Tensor:
     """A flat float buffer of at least `size` elements, kept per thread and device: fresh memory costs page faults
-    on every call, about as much as the matmul that fills it."""
-    buf = getattr(_SCRATCH, str(device), None)
+    on every call, about as much as the matmul that fills it. Keyed by the OS thread (an OpenMP worker runs each
+    job under a new Python thread state, so `threading.local` would not keep it)."""
+    key = (threading.get_ident(), str(device))
+    buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < size:
-        buf = torch.empty(size, device=device)
-        setattr(_SCRATCH, str(device), buf)
+        if len(_SCRATCH) >= 4 * (os.cpu_count() or 1):  # threads that have ended leave theirs behind
+            _SCRATCH.clear()
+        buf = _SCRATCH[key] = torch.empty(size, device=device)
     return buf
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}  # helper threads by count
+@contextmanager
+def flush_denormals() -> Iterator[None]:
+    """Flush subnormal floats to zero (FTZ/DAZ) on the calling thread for the block, then restore its mode. The mode
+    is per thread: read back by a product that is subnormal unless flushing is on."""
+    was_on = np.float32(1e-30) * np.float32(1e-10) == 0
+    if was_on:
+        yield
+        return
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _openmp_team() -> Callable[[Any, Any, int, int], None] | None:
+    """GOMP_parallel(fn, data, threads, flags) of the GNU OpenMP runtime torch runs on (Linux), else None. Kernel
+    calls started through it run on torch's own intra-op threads: a worker still spinning after torch's last call
+    takes them at once, where a thread of ours would share its core with the spinning worker (2 cores: each kernel
+    pass ran no faster on two threads than on one)."""
+    if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if "libgomp" in line and "/" in line}
+        lib = ctypes.CDLL(paths.pop()) if len(paths) == 1 else None
+        fn = lib.GOMP_parallel if lib is not None else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    return fn
+
+
+_OUTLINED = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # the body each OpenMP thread runs
+_TEAM = {"gomp": _openmp_team()}
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # helper threads by count, where there is no OpenMP team to use
 os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of the parent's threads
+os.register_at_fork(after_in_child=lambda: _TEAM.update(gomp=None))  # nor a usable OpenMP team
 
 
 def parallel(calls: list[tuple]) -> None:
-    """Run kernel calls (fn, *args) on torch.get_num_threads() threads, the calling one included, each thread taking
-    the next call when it is free (a core still held by torch's spinning OpenMP workers then simply takes fewer).
-    Each call must write its own part of the outputs."""
+    """Run kernel calls (fn, *args) on torch.get_num_threads() threads, the calling one included (torch's OpenMP
+    team where there is one, else a pool of ours), each thread taking the next call when it is free, subnormals
+    flushed to zero. Each call must write its own part of the outputs."""
     threads = min(torch.get_num_threads(), len(calls))
-    if threads <= 1:
-        for fn, *args in calls:
-            fn(*args)
-        return
-    if threads - 1 not in _POOLS:
-        _POOLS[threads - 1] = ThreadPoolExecutor(threads - 1, thread_name_prefix="mixlens")
     todo = iter(calls)
     lock = threading.Lock()
+    errors: list[BaseException] = []
 
-    def work() -> None:
-        while True:
-            with lock:
-                call = next(todo, None)
-            if call is None:
-                return
-            call[0](*call[1:])
+    def work(_: object = None) -> None:
+        try:
+            with flush_denormals():
+                while not errors:
+                    with lock:
+                        call = next(todo, None)
+                    if call is None:
+                        return
+                    call[0](*call[1:])
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread below
+            errors.append(e)
 
-    helpers = [_POOLS[threads - 1].submit(work) for _ in range(threads - 1)]
-    try:
+    gomp = _TEAM["gomp"]
+    if threads <= 1:
         work()
-    finally:
+    elif gomp is not None:
+        gomp(_OUTLINED(work), None, threads, 0)
+    else:
+        if threads - 1 not in _POOLS:
+            _POOLS[threads - 1] = ThreadPoolExecutor(threads - 1, thread_name_prefix="mixlens")
+        helpers = [_POOLS[threads - 1].submit(work) for _ in range(threads - 1)]
+        work()
         for fut in helpers:
             fut.result()
-
-
-def token_splits(count: int) -> list[tuple[int, int]]:
-    """[0, count) in ranges of TOKENS_PER_CALL (one range when torch runs on one thread)."""
-    step = count if torch.get_num_threads() == 1 else TOKENS_PER_CALL
-    return [(a, min(a + step, count)) for a in range(0, count, step)]
+    if errors:
+        raise errors[0]
 
 
 def row_splits(lengths: np.ndarray, targets: np.ndarray, causal: bool) -> list[tuple[int, int]]:
