@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import transformers as T
 import mixlens
 import mixlens.stats.mixing
 from mixlens.errors import ReconstructionError
-from mixlens.methods._compiled import parallel, row_splits
+from mixlens.methods._compiled import parallel, row_splits, run_stages
 from mixlens.methods.norms import RATIO_VARIANTS
 from mixlens.methods.reference import decompose
 from tests.conftest import SENTENCES, random_lens, random_model
@@ -140,6 +141,34 @@ def test_parallel_runs_every_call_and_raises_their_errors(team):
     with pytest.raises(ValueError, match="call"):
         parallel([(fail, k) for k in range(4)])
     assert not _flushing()
+
+
+def test_stages_run_their_then_calls_after_all_their_first_calls(team):
+    """`run_stages`: a stage's `then` calls start only once all its `first` calls are done; other stages go on."""
+    log: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+
+    def step(kind: str, stage: int, k: int) -> None:
+        time.sleep(0.002 if kind == "first" else 0)
+        with lock:
+            log.append((kind, stage, k))
+
+    stages = [
+        ([(step, "first", s, k) for k in range(3 + s)], [(step, "then", s, k) for k in range(2)]) for s in range(4)
+    ]
+    stages.append(([], [(step, "then", 4, 0)]))  # nothing to wait for
+    run_stages(stages)
+    assert sorted(log) == sorted(call[1:] for first, then in stages for call in first + then)  # each once
+    for s in range(4):
+        last_first = max(i for i, (kind, st, _) in enumerate(log) if kind == "first" and st == s)
+        first_then = min(i for i, (kind, st, _) in enumerate(log) if kind == "then" and st == s)
+        assert last_first < first_then
+
+    def fail(k: int) -> None:
+        raise ValueError(f"call {k}")
+
+    with pytest.raises(ValueError, match="call"):
+        run_stages([([(fail, 0)], [(step, "then", 0, 0)]), ([(step, "first", 1, 0)], [])])
 
 
 def test_openmp_team_is_not_used_in_a_forked_child():

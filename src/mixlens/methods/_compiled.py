@@ -13,6 +13,7 @@ import ctypes
 import os
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -29,11 +30,23 @@ if TYPE_CHECKING:
 PAIRS_PER_CALL = 32768  # (target, source) pairs per attention-pass call when a layer is split over threads
 
 
+def passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int, causal: bool) -> None:
+    """`token_passes` and then `attention_passes` of every layer in one parallel region: a layer's attention calls
+    become ready once its last token job is done, so no thread waits for the other layers' token jobs."""
+    tokens = token_calls(layers, tok, maps, token_block)  # allocates the results that the attention calls read
+    run_stages(list(zip(tokens, attention_calls(layers, tok, maps, causal), strict=True)))
+
+
 def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int) -> None:
-    """Everything per token of every layer (sets each layer's `results` and writes f_norm, ratio and scale of `maps`),
-    in jobs of `token_block` tokens of one layer on the threads of `parallel`: each job computes its block's head
-    vectors C f = v W_O^h C by torch into its thread's own buffer, then runs `token_pass` on them while they are
-    still in that core's cache."""
+    """Everything per token of every layer: sets each layer's `results` and writes f_norm, ratio and scale of
+    `maps` (the calls of `token_calls`)."""
+    parallel([call for calls in token_calls(layers, tok, maps, token_block) for call in calls])
+
+
+def token_calls(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int) -> list[list[tuple]]:
+    """Per layer, its token jobs of `token_block` tokens (and its `results`, allocated here): each job computes its
+    block's head vectors C f = v W_O^h C by torch into its thread's own buffer, then runs `token_pass` on them while
+    they are still in that core's cache."""
     where, out = kernel_args(tok.layout), kernel_args(maps)
     jobs = []
     for st in layers:
@@ -49,11 +62,13 @@ def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_bl
             probe_err=new(t_len) if tok.all_rows else st.inputs.vh.new_zeros(t_len),
         )
         args = (st.index, kernel_args(st.inputs), kernel_args(st.weights.consts), where, kernel_args(st.results), out)
-        jobs += [
-            (_token_job, st.inputs.vh, st.weights.w_c, s, min(s + token_block, t_len), args)
-            for s in range(0, t_len, token_block)
-        ]
-    parallel(jobs)
+        jobs.append(
+            [
+                (_token_job, st.inputs.vh, st.weights.w_c, s, min(s + token_block, t_len), args)
+                for s in range(0, t_len, token_block)
+            ]
+        )
+    return jobs
 
 
 def _token_job(vh: torch.Tensor, w_c: torch.Tensor, start: int, end: int, args: tuple) -> None:
@@ -67,17 +82,19 @@ def _token_job(vh: torch.Tensor, w_c: torch.Tensor, start: int, end: int, args: 
 
 def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, causal: bool) -> None:
     """The per-(target, source) part of every layer: writes n, n_res, n_resln and alpha_mean of `maps` and each
-    layer's results.probe_err. All layers' row ranges go to the threads of `parallel` at once."""
+    layer's results.probe_err (after its token pass). All layers' row ranges go to `parallel` at once."""
+    parallel([call for calls in attention_calls(layers, tok, maps, causal) for call in calls])
+
+
+def attention_calls(layers: list[LayerState], tok: RealTokens, maps: Maps, causal: bool) -> list[list[tuple]]:
+    """Per layer, its `attention_pass` calls over row ranges of about PAIRS_PER_CALL pairs."""
     where, out = kernel_args(tok.layout), kernel_args(maps)
     splits = row_splits(tok.layout.lengths.numpy(), tok.layout.targets.numpy(), causal)
     per_layer = [(st.index, kernel_args(st.inputs), kernel_args(st.done)) for st in layers]
-    parallel(
-        [
-            (attention_pass, r0, r1, index, causal, inputs, where, results, out)
-            for index, inputs, results in per_layer
-            for r0, r1 in splits
-        ]
-    )
+    return [
+        [(attention_pass, r0, r1, index, causal, inputs, where, results, out) for r0, r1 in splits]
+        for index, inputs, results in per_layer
+    ]
 
 
 _SCRATCH: dict[tuple[int, str], torch.Tensor] = {}  # (thread, device) → buffer
@@ -141,23 +158,47 @@ def parallel(calls: list[tuple]) -> None:
     """Run kernel calls (fn, *args) on torch.get_num_threads() threads, the calling one included (torch's OpenMP
     team where there is one, else a pool of ours), each thread taking the next call when it is free, subnormals
     flushed to zero. Each call must write its own part of the outputs."""
-    threads = min(torch.get_num_threads(), len(calls))
-    todo = iter(calls)
-    lock = threading.Lock()
+    run_stages([(calls, [])])
+
+
+def run_stages(stages: list[tuple[list[tuple], list[tuple]]]) -> None:
+    """`parallel` over stages (first, then): the `then` calls of a stage are ready once all its `first` calls are
+    done (and go ahead of the other ready calls); every other call is ready at once. Errors of any call are raised
+    here once the threads have stopped."""
+    ready: deque[tuple[int, tuple]] = deque((k, call) for k, (first, _) in enumerate(stages) for call in first)
+    left = [len(first) for first, _ in stages]  # first calls of each stage not yet done
+    for first, then in stages:
+        if not first:
+            ready.extend((-1, call) for call in then)
+    total = sum(len(first) + len(then) for first, then in stages)
+    done = [0]
+    cond = threading.Condition()
     errors: list[BaseException] = []
 
     def work(_: object = None) -> None:
         try:
             with flush_denormals():
-                while not errors:
-                    with lock:
-                        call = next(todo, None)
-                    if call is None:
-                        return
+                while True:
+                    with cond:
+                        while not ready and done[0] < total and not errors:
+                            cond.wait()
+                        if errors or not ready:
+                            return
+                        k, call = ready.popleft()
                     call[0](*call[1:])
+                    with cond:
+                        done[0] += 1
+                        if k >= 0:
+                            left[k] -= 1
+                            if left[k] == 0:
+                                ready.extendleft((-1, c) for c in reversed(stages[k][1]))
+                        cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread below
-            errors.append(e)
+            with cond:
+                errors.append(e)
+                cond.notify_all()
 
+    threads = min(torch.get_num_threads(), total)
     gomp = _TEAM["gomp"]
     if threads <= 1:
         work()

@@ -285,6 +285,14 @@ class NormRun:
         else:
             _torch_passes.token_passes(layers, self.tok, self.maps, TOKEN_BLOCK)
 
+    def passes(self, layers: list[LayerState]) -> None:
+        """Token and attention passes of `layers` (compiled: in one parallel region)."""
+        if self.compiled:
+            _compiled.passes(layers, self.tok, self.maps, TOKEN_BLOCK, self.adapter.family.causal)
+        else:
+            self.token_passes(layers)
+            self.attention_passes(layers, self.tok, self.maps)
+
     def attention_passes(self, layers: list[LayerState], tok: RealTokens, maps: Maps) -> None:
         if self.compiled:
             _compiled.attention_passes(layers, tok, maps, self.adapter.family.causal)
@@ -322,12 +330,13 @@ def stream_layer(run: NormRun, lt: LayerTrace, index: int, every_row: bool = Fal
     propagates through); the target rows are taken from it."""
     tok, maps = run.tok, run.maps
     st = LayerState.of(lt, run.adapter.layers[index], tok, index)
-    run.token_passes([st])
-    run.weight_ratios(lt, index)
     if not every_row:
-        run.attention_passes([st], tok, maps)
+        run.passes([st])
+        run.weight_ratios(lt, index)
         run.results.append((index, st.done))
         return None
+    run.token_passes([st])
+    run.weight_ratios(lt, index)
     b, n = tok.mask.shape
     positions = torch.arange(n, device=tok.mask.device).repeat(b, 1)
     every = RealTokens(tok.mask, tok.layout._replace(targets=positions), tok.full, True)
@@ -358,8 +367,7 @@ def block_norms(trace: Trace) -> BlockNorms:
                 LayerState.of(lt, lay, run.tok, i)
                 for i, (lt, lay) in enumerate(zip(trace.layers, trace.adapter.layers, strict=True))
             ]
-            run.token_passes(layers)
-            run.attention_passes(layers, run.tok, run.maps)
+            run.passes(layers)
             for i, lt in enumerate(trace.layers):
                 run.weight_ratios(lt, i)
             run.results = [(st.index, st.done) for st in layers]
