@@ -171,6 +171,29 @@ def test_stages_run_their_then_calls_after_all_their_first_calls(team):
         run_stages([([(fail, 0)], [(step, "then", 0, 0)]), ([(step, "first", 1, 0)], [])])
 
 
+def test_concurrent_callers_get_their_own_results(bundled, tokenizer, team, monkeypatch):
+    """Python threads analysing at once get what a lone call gives: on two models (each thread starts its own team;
+    transformers' attention entry stays wrapped until the last trace ends) and on one model (its traces take turns:
+    its hooks see every call of its modules)."""
+    small_blocks(monkeypatch, True)
+    lenses = [bundled, random_lens("bert", tokenizer), bundled]
+    alone = [lens.analyze(SENTENCES, ["norm_resln"])["norm_resln"] for lens in lenses]
+    results: list = [None] * len(lenses)
+
+    def analyse(k: int) -> None:
+        for _ in range(3):
+            results[k] = lenses[k].analyze(SENTENCES, ["norm_resln"])["norm_resln"]
+
+    threads = [threading.Thread(target=analyse, args=(k,)) for k in range(len(lenses))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for got, want in zip(results, alone, strict=True):
+        for k in range(len(SENTENCES)):
+            np.testing.assert_array_equal(got.input(k), want.input(k))
+
+
 def test_openmp_team_is_not_used_in_a_forked_child():
     """GNU OpenMP is not fork-safe: a forked child falls back to a pool of its own threads."""
     if mixlens.methods._compiled._TEAM["gomp"] is None:

@@ -4,7 +4,8 @@ The attention probabilities and value vectors are taken inside the model's own e
 wrap it, never copy it), everything else by forward hooks on the modules the adapter names. A pre-hook on every
 layer module tells all other hooks the real index l of the layer that runs (ALBERT calls one shared module for
 several layers: each call takes the next of that module's indices), so edit points are named by layer, never by
-call order.
+call order. Threads may trace different models at once; one model's traces take turns (its
+hooks see every call of its modules).
 
 Edit points (TransformerLens-style names), each `fn(tensor) -> tensor` of the same shape:
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 import contextvars
 import re
 import sys
+import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -224,17 +227,38 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     return out, alpha
 
 
+_WRAP_LOCK = threading.Lock()
+_WRAPPED: list[Any] = [0, None]  # hooked() calls inside `_eager_wrapped` now (all threads), the entry it replaced
+
+
 @contextmanager
 def _eager_wrapped() -> Iterator[None]:
-    prev = ALL_ATTENTION_FUNCTIONS._local_mapping.get("eager")
-    ALL_ATTENTION_FUNCTIONS["eager"] = _attention
+    """`_attention` as transformers' "eager" attention while any thread traces (counted: a thread that ends its
+    trace must not unwrap another's; `_attention` passes calls of threads without a session straight through)."""
+    with _WRAP_LOCK:
+        if _WRAPPED[0] == 0:
+            _WRAPPED[1] = ALL_ATTENTION_FUNCTIONS._local_mapping.get("eager")
+            ALL_ATTENTION_FUNCTIONS["eager"] = _attention
+        _WRAPPED[0] += 1
     try:
         yield
     finally:
-        if prev is None:
-            del ALL_ATTENTION_FUNCTIONS["eager"]
-        else:
-            ALL_ATTENTION_FUNCTIONS["eager"] = prev
+        with _WRAP_LOCK:
+            _WRAPPED[0] -= 1
+            if _WRAPPED[0] == 0:
+                if _WRAPPED[1] is None:
+                    del ALL_ATTENTION_FUNCTIONS["eager"]
+                else:
+                    ALL_ATTENTION_FUNCTIONS["eager"] = _WRAPPED[1]
+
+
+_MODEL_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+
+
+def _model_lock(adapter: Adapter) -> threading.RLock:
+    """One lock per model: its hooks see every call of its modules, so one thread traces it at a time."""
+    with _WRAP_LOCK:
+        return _MODEL_LOCKS.setdefault(adapter.base, threading.RLock())
 
 
 def _module_route(adapter: Adapter, s: _Session) -> list[torch.utils.hooks.RemovableHandle]:
@@ -342,9 +366,34 @@ def hooked(
     edits = dict(edits or {})
     stop = _check(adapter, edits, start, stop_after, resid_pre)
     edits = _with_defaults(adapter, edits, start, stop)
+    with _model_lock(adapter):
+        yield from _hooked(
+            adapter,
+            edits,
+            ffn,
+            start,
+            resid_pre,
+            stop,
+            stop_after is not None and not stop_at_mix,
+            stop_at_mix,
+            on_layer,
+        )
+
+
+def _hooked(
+    adapter: Adapter,
+    edits: dict[str, Edit],
+    ffn: bool,
+    start: int,
+    resid_pre: torch.Tensor | None,
+    stop: int,
+    halt_out: bool,
+    stop_at_mix: bool,
+    on_layer: Callable[[int], None] | None,
+) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """The body of `hooked` (its arguments checked, its model locked)."""
     s = _Session(adapter, edits, start, stop)
     rec = s.rec
-    halt_out = stop_after is not None and not stop_at_mix
     modules = list({id(lay.module): lay.module for lay in adapter.layers}.values())  # ALBERT shares them
     handles: list[torch.utils.hooks.RemovableHandle] = []
     forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance `forward` or None) of skipped layers
