@@ -194,6 +194,22 @@ def test_concurrent_callers_get_their_own_results(bundled, tokenizer, team, monk
             np.testing.assert_array_equal(got.input(k), want.input(k))
 
 
+def test_openmp_team_is_torchs_with_a_second_runtime_loaded():
+    """Another library's GNU OpenMP runtime in the process (a system libgomp) does not hide torch's."""
+    import ctypes
+    import ctypes.util
+    import os
+
+    ours = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    other = ctypes.util.find_library("gomp")
+    if mixlens.methods._compiled._TEAM["gomp"] is None or not os.path.exists(ours) or other is None:
+        pytest.skip("needs torch's bundled libgomp and a system one")
+    ctypes.CDLL(other)
+    fn = mixlens.methods._compiled._openmp_team()
+    assert fn is not None
+    assert ctypes.cast(fn, ctypes.c_void_p).value == ctypes.cast(ctypes.CDLL(ours).GOMP_parallel, ctypes.c_void_p).value
+
+
 def test_openmp_team_is_not_used_in_a_forked_child():
     """GNU OpenMP is not fork-safe: a forked child falls back to a pool of its own threads."""
     if mixlens.methods._compiled._TEAM["gomp"] is None:

@@ -138,6 +138,8 @@ def _openmp_team() -> Callable[[Any, Any, int, int], None] | None:
     try:
         with open("/proc/self/maps") as fh:
             paths = {line.split()[-1] for line in fh if "libgomp" in line and "/" in line}
+        if len(paths) > 1:  # another library brought its own: torch's is the one in torch's folder
+            paths = {p for p in paths if p.startswith(os.path.dirname(torch.__file__))}
         lib = ctypes.CDLL(paths.pop()) if len(paths) == 1 else None
         fn = lib.GOMP_parallel if lib is not None else None
     except (OSError, AttributeError):
