@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mixlens.adapters import Adapter, Layer
@@ -103,15 +104,20 @@ class RealTokens:
 
     @classmethod
     def of(cls, mask: torch.Tensor, targets: torch.Tensor | None = None) -> RealTokens:
-        lengths = mask.sum(-1)
-        positions = torch.arange(mask.shape[1], device=mask.device)
-        if not torch.equal(positions < lengths[:, None], mask):
+        m = mask.cpu().numpy()  # [B, n]: a few small arrays, cheaper in numpy than as torch calls
+        lengths = m.sum(-1)
+        positions = np.arange(m.shape[1])
+        if not np.array_equal(positions < lengths[:, None], m):
             raise MixlensError("the norm decomposition needs right-padded batches (real tokens first)")
-        rows = mask.flatten().nonzero().squeeze(1)
-        offsets = torch.cumsum(lengths, 0) - lengths
+        offsets = np.cumsum(lengths) - lengths
+        rows, offs, lens = (
+            torch.from_numpy(a.astype(np.int64)).to(mask.device) for a in (m.ravel().nonzero()[0], offsets, lengths)
+        )
         all_rows = targets is None
-        targets = positions.repeat(len(mask), 1) if targets is None else targets.long().contiguous()
-        return cls(mask, Layout(rows, offsets, lengths, targets), bool(lengths.min() == mask.shape[1]), all_rows)
+        if targets is None:
+            targets = torch.from_numpy(np.tile(positions, (len(m), 1))).to(mask.device)
+        layout = Layout(rows, offs, lens, targets.long().contiguous())
+        return cls(mask, layout, bool(lengths.min() == m.shape[1]), all_rows)
 
     def with_targets(self, targets: torch.Tensor) -> RealTokens:
         """The same tokens with other target rows [B, K]."""
