@@ -366,34 +366,9 @@ def hooked(
     edits = dict(edits or {})
     stop = _check(adapter, edits, start, stop_after, resid_pre)
     edits = _with_defaults(adapter, edits, start, stop)
-    with _model_lock(adapter):
-        yield from _hooked(
-            adapter,
-            edits,
-            ffn,
-            start,
-            resid_pre,
-            stop,
-            stop_after is not None and not stop_at_mix,
-            stop_at_mix,
-            on_layer,
-        )
-
-
-def _hooked(
-    adapter: Adapter,
-    edits: dict[str, Edit],
-    ffn: bool,
-    start: int,
-    resid_pre: torch.Tensor | None,
-    stop: int,
-    halt_out: bool,
-    stop_at_mix: bool,
-    on_layer: Callable[[int], None] | None,
-) -> Iterator[dict[str, list[torch.Tensor]]]:
-    """The body of `hooked` (its arguments checked, its model locked)."""
     s = _Session(adapter, edits, start, stop)
     rec = s.rec
+    halt_out = stop_after is not None and not stop_at_mix
     modules = list({id(lay.module): lay.module for lay in adapter.layers}.values())  # ALBERT shares them
     handles: list[torch.utils.hooks.RemovableHandle] = []
     forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance `forward` or None) of skipped layers
@@ -450,6 +425,8 @@ def _hooked(
 
         handles.append(mod.register_forward_hook(hook))
 
+    lock = _model_lock(adapter)
+    lock.acquire()
     try:
         for mod in modules:
             handles.append(mod.register_forward_pre_hook(enter, with_kwargs=True))
@@ -490,6 +467,7 @@ def _hooked(
                 del mod.forward
             else:
                 mod.forward = own
+        lock.release()
 
 
 def _layer_trace(adapter: Adapter, rec: dict[str, list[torch.Tensor]], k: int) -> LayerTrace:

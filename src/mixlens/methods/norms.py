@@ -336,13 +336,14 @@ def stream_layer(run: NormRun, lt: LayerTrace, index: int, every_row: bool = Fal
     propagates through); the target rows are taken from it."""
     tok, maps = run.tok, run.maps
     st = LayerState.of(lt, run.adapter.layers[index], tok, index)
-    if not every_row:
+    if every_row:
+        run.token_passes([st])
+    else:
         run.passes([st])
-        run.weight_ratios(lt, index)
+    run.weight_ratios(lt, index)
+    if not every_row:
         run.results.append((index, st.done))
         return None
-    run.token_passes([st])
-    run.weight_ratios(lt, index)
     b, n = tok.mask.shape
     positions = torch.arange(n, device=tok.mask.device).repeat(b, 1)
     every = RealTokens(tok.mask, tok.layout._replace(targets=positions), tok.full, True)
