@@ -231,6 +231,63 @@ def test_kernels_are_exact_on_either_team(bundled, team, monkeypatch):
     assert_exact(bundled)
 
 
+def test_target_features_ask_for_full_width_vectors_on_avx512_only():
+    """An AVX-512 host gets its own features plus -prefer-256-bit; other hosts and a user's NUMBA_CPU_FEATURES are
+    left as they are."""
+    from mixlens.methods._numba import target_features
+
+    assert target_features({"avx2": True, "avx512f": True, "xop": False}, None) == "+avx2,+avx512f,-xop,-prefer-256-bit"
+    assert target_features({"avx2": True, "avx512f": False}, None) is None
+    assert target_features({"avx512f": True}, "+avx2") == "+avx2"
+
+
+_VECTOR_WIDTH = """
+import re
+import numpy as np
+from mixlens.methods._numba import njit
+
+@njit(fastmath=True)
+def axpy(a, x, y):
+    for k in range(x.shape[0]):
+        y[k] += a * x[k]
+
+x = np.ones(1024, np.float32)
+axpy(np.float32(2), x, x.copy())
+asm = "\\n".join(axpy.inspect_asm().values())
+print(len(re.findall(r"zmm\\d+", asm)), len(re.findall(r"ymm\\d+", asm)))
+"""
+
+
+def test_kernels_use_512_bit_vectors_on_intel_avx512_tuning():
+    """With LLVM's tuning for Sapphire Rapids (which prefers 256-bit vectors), mixlens' numba code uses 512-bit
+    registers; with the host's plain features set by hand it would not (the reason for the setting)."""
+    import os
+    import subprocess
+    import sys
+
+    import llvmlite.binding as ll
+
+    if not dict(ll.get_host_cpu_features()).get("avx512f"):
+        pytest.skip("needs a CPU with AVX-512")
+
+    def registers(**env: str) -> tuple[int, int]:
+        out = subprocess.run(
+            [sys.executable, "-c", _VECTOR_WIDTH],
+            env={**os.environ, "NUMBA_CPU_NAME": "sapphirerapids", **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        zmm, ymm = map(int, out.stdout.split())
+        return zmm, ymm
+
+    zmm, _ = registers()
+    assert zmm > 0
+    plain = ",".join(("+" if on else "-") + k for k, on in sorted(dict(ll.get_host_cpu_features()).items()))
+    zmm, ymm = registers(NUMBA_CPU_FEATURES=plain)
+    assert zmm == 0 and ymm > 0
+
+
 def test_partial_trace_stops_after_last_attention_block(family_lens):
     """full=False skips the last FFN and the head, and changes nothing the attention-block methods use."""
     enc = family_lens.encode(SENTENCES)

@@ -16,8 +16,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from mixlens.methods._numba import njit
 
 # A field holds a torch tensor where the structure is built and read (`norms`, `_torch_passes`) and a numpy view
 # inside a kernel. Numba supports neither generic NamedTuples nor a union per side, so the fields are typed Any.

@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from numba import njit
 
 from mixlens.adapters import Layer
 from mixlens.methods import norms
 from mixlens.methods._compiled import parallel
+from mixlens.methods._numba import njit
 from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.norms import head_vectors
 from mixlens.methods.registry import register

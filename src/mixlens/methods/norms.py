@@ -198,8 +198,9 @@ class LayerState:
     @classmethod
     def of(cls, lt: LayerTrace, lay: Layer, tok: RealTokens, index: int) -> LayerState:
         alpha = lt.alpha_mix.float().contiguous()  # α / s^post_i with a sandwich norm
-        v = repeat_kv(lt.value, lay.n_heads).float().transpose(0, 1)  # [H, B, n, d_h]
-        vh = tok.gather(v.reshape(lay.n_heads, -1, v.shape[-1]), dim=1)  # [H, T, d_h], one copy at most
+        v = lt.value.float().transpose(1, 2).flatten(0, 1)  # [B·n, H_kv, d_h] (a view: v is a transposed projection)
+        v = tok.gather(v)  # [T, H_kv, d_h], read token by token, not head by head: the prefetcher follows
+        vh = repeat_kv(v.transpose(0, 1)[None], lay.n_heads)[0]  # [H, T, d_h]
         a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(0, 1).reshape(lay.n_heads, -1), dim=1)  # [H, T]
         x, attn_out, mix_in, mix_out = (
             t.float().flatten(0, 1).contiguous() for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)
