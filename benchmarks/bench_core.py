@@ -2,8 +2,9 @@
 norm_resln + mixing ratios, reconstruction check, result assembly), relative to a plain forward pass.
 
 Ratio = time(`lens.analyze(texts)`, end to end: tokenisation, traced forward, decomposition, results) /
-time(plain forward with output_attentions=True on already tokenised inputs), medians of interleaved repeats in
-one run (the ratio of the fastest runs is printed beside it: under load it is the steadier of the two). The
+time(plain forward with output_attentions=True on already tokenised inputs), the median over repeats of each
+repeat's own ratio: the two calls run back to back, in alternating order, so that this shared VM's drift of tens
+of percent over minutes cancels out of each pair. Beside it: the ratio of the medians and of the fastest runs. The
 parts: "traced" = `lens.trace` (the forward pass with capture hooks, stopped after the last attention block),
 "decomposition" = `run_methods` on that trace, "rest" = analyze − traced − decomposition (tokenisation, batching,
 result assembly); "vs tokenize+forward" also counts the tokenizer call in the plain side. Peak RSS of the
@@ -66,15 +67,13 @@ def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float
         for _ in range(2):  # warm-up: compiled kernels, caches, the allocator
             lens.model(**enc.inputs, output_attentions=True)
             analysis(lens, texts)
-        for _ in range(repeats):  # each call's result is dropped after its timer stops, as a caller keeps it
-            t0 = time.perf_counter()
-            out = lens.model(**enc.inputs, output_attentions=True)
-            t1 = time.perf_counter()
-            del out
-            t1b = time.perf_counter()
-            res = lens.analyze(texts)
-            t2 = time.perf_counter()
-            del res
+        for k in range(repeats):  # each call's result is dropped after its timer stops, as a caller keeps it
+            pair: dict[str, float] = {}
+            for name in ("forward", "analyze") if k % 2 == 0 else ("analyze", "forward"):
+                t0 = time.perf_counter()
+                out = lens.model(**enc.inputs, output_attentions=True) if name == "forward" else lens.analyze(texts)
+                pair[name] = time.perf_counter() - t0
+                del out
             t2b = time.perf_counter()
             trace = lens.trace(enc, ffn=ffn, full=full)
             t3 = time.perf_counter()
@@ -86,7 +85,7 @@ def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float
             out = lens.model(**inputs, output_attentions=True)
             t5 = time.perf_counter()
             del out
-            for key, dt in zip(times, (t1 - t0, t2 - t1b, t3 - t2b, t4 - t3, t5 - t4b), strict=True):
+            for key, dt in zip(times, (pair["forward"], pair["analyze"], t3 - t2b, t4 - t3, t5 - t4b), strict=True):
                 times[key].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
     f = med["forward"]
@@ -95,7 +94,8 @@ def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float
         "batch": len(texts),
         "forward_s": f,
         "analyze_s": med["analyze"],
-        "ratio": med["analyze"] / f,
+        "ratio": statistics.median(a / b for a, b in zip(times["analyze"], times["forward"], strict=True)),
+        "ratio_of_medians": med["analyze"] / f,
         "ratio_of_fastest": min(times["analyze"]) / min(times["forward"]),
         "traced": med["traced"] / f,
         "decomposition": med["decomposition"] / f,
@@ -148,9 +148,9 @@ def main() -> None:
     for name, r in rows.items():
         print(
             f"{name:28s} tokens={r['tokens']:4d} forward={1e3 * r['forward_s']:7.1f} ms "
-            f"analyze={1e3 * r['analyze_s']:7.1f} ms  ratio={r['ratio']:.2f} (fastest {r['ratio_of_fastest']:.2f}, "
-            f"target <= {TARGET})  traced {r['traced']:.2f} + decomposition {r['decomposition']:.2f} + rest "
-            f"{r['rest']:.2f}; vs tokenize+forward {r['ratio_vs_tokenize_forward']:.2f}"
+            f"analyze={1e3 * r['analyze_s']:7.1f} ms  ratio={r['ratio']:.2f} (of medians {r['ratio_of_medians']:.2f}, "
+            f"fastest {r['ratio_of_fastest']:.2f}; target <= {TARGET})  traced {r['traced']:.2f} + decomposition "
+            f"{r['decomposition']:.2f} + rest {r['rest']:.2f}; vs tokenize+forward {r['ratio_vs_tokenize_forward']:.2f}"
         )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     rss = (

@@ -8,8 +8,8 @@ plain forward pass of the same model and input (`model(**inputs, output_attentio
 `mixlens.load` selects), for the compiled passes and the torch passes (`mixlens.methods.norms.COMPILED = False`, what
 runs on a GPU); the peak RSS of a fresh process that loads the model and runs one analysis; the load average
 (`os.getloadavg`) when the case finished. Times are medians of `--repeats` calls after one untimed call, the
-forward and the analyses interleaved (each repeat calls each once); ratios are of the medians, with the ratio of the
-fastest calls in brackets.
+forward and the analyses interleaved (each repeat calls each once, in alternating order); a ratio is the median over
+repeats of that repeat's analysis / forward, with the ratio of the medians and of the fastest calls in brackets.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def timed(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[fl
         for fn in fns.values():
             fn()
     runs: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+    for r in range(repeats):
+        for k, fn in list(fns.items())[:: 1 if r % 2 == 0 else -1]:  # order alternates: a linear drift cancels
             t0 = time.perf_counter()
             fn()
             runs[k].append(time.perf_counter() - t0)
@@ -105,9 +105,11 @@ def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str
 
 
 def ratio(runs: dict[str, list[float]], k: str) -> str:
-    """Median of `k` / median forward, and the ratio of the fastest calls in brackets."""
+    """The median over repeats of each repeat's `k` / forward (calls back to back), and in brackets the ratio of the
+    medians and of the fastest calls."""
+    paired = statistics.median(a / f for a, f in zip(runs[k], runs["forward"], strict=True))
     med = statistics.median(runs[k]) / statistics.median(runs["forward"])
-    return f"{med:.2f}x ({min(runs[k]) / min(runs['forward']):.2f}x)"
+    return f"{paired:.2f}x ({med:.2f}x, {min(runs[k]) / min(runs['forward']):.2f}x)"
 
 
 def main() -> None:
