@@ -140,6 +140,12 @@ def main() -> None:
     print(
         f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}, torch threads {torch.get_num_threads()}"
     )
+    import llvmlite.binding as ll
+    from numba.core import registry
+
+    features = registry.cpu_target.target_context.codegen()._tm_features  # what numba compiles the kernels for
+    width = "off" if "-prefer-256-bit" in features else "as LLVM tunes this CPU"
+    print(f"CPU {ll.get_host_cpu_name()}: numba kernels compiled with prefer-256-bit {width}")
     rows = {
         "(a) 32 SST-2 dev sentences": ratio(lens, sst2_sentences(32), args.repeats),
         "(b) one 128-token input": ratio(lens, [long_text(lens, 128)], args.repeats),
