@@ -50,33 +50,34 @@ def token_calls(layers: list[LayerState], tok: RealTokens, maps: Maps, token_blo
     where, out = kernel_args(tok.layout), kernel_args(maps)
     jobs = []
     for st in layers:
-        h, t_len, _ = st.inputs.vh.shape
+        t_len, h, _ = st.inputs.v.shape
         p = st.weights.consts.probes.shape[0]
-        new = st.inputs.vh.new_empty
+        new = st.inputs.v.new_empty
         st.results = TokenResults(
             grams=new(2, h * (h + 1) // 2, t_len),
             probe_f=new(h, p, t_len),
             diag=new(2, t_len),
             total_r=new(t_len, p),
             check=new(2, t_len),
-            probe_err=new(t_len) if tok.all_rows else st.inputs.vh.new_zeros(t_len),
+            probe_err=new(t_len) if tok.all_rows else st.inputs.v.new_zeros(t_len),
         )
         args = (st.index, kernel_args(st.inputs), kernel_args(st.weights.consts), where, kernel_args(st.results), out)
         jobs.append(
             [
-                (_token_job, st.inputs.vh, st.weights.w_c, s, min(s + token_block, t_len), args)
+                (_token_job, st.inputs.v, st.weights.w_c, s, min(s + token_block, t_len), args)
                 for s in range(0, t_len, token_block)
             ]
         )
     return jobs
 
 
-def _token_job(vh: torch.Tensor, w_c: torch.Tensor, start: int, end: int, args: tuple) -> None:
-    """Tokens start .. end - 1 of one layer: C f [H, c, d] of the block (vh [H, T, d_h], w_c [H, d_h, d]), then
+def _token_job(v: torch.Tensor, w_c: torch.Tensor, start: int, end: int, args: tuple) -> None:
+    """Tokens start .. end - 1 of one layer: C f [H, c, d] of the block (v [T, H, d_h], w_c [H, d_h, d]), then
     `token_pass` on it."""
-    h, d = vh.shape[0], w_c.shape[-1]
+    h, d = v.shape[1], w_c.shape[-1]
     size = h * (end - start) * d
-    cf = torch.matmul(vh[:, start:end], w_c, out=_scratch(size, vh.device)[:size].view(h, end - start, d))
+    vh = v[start:end].transpose(0, 1)  # [H, c, d_h]: a strided view, which the batched matmul reads as it is
+    cf = torch.matmul(vh, w_c, out=_scratch(size, v.device)[:size].view(h, end - start, d))
     token_pass(cf.numpy(), start, 0, end - start, *args)
 
 

@@ -45,8 +45,7 @@ class LayerInputs(NamedTuple):
     """What the trace gives for one layer."""
 
     alpha: Array  # [B, H, n, n]  α^h_ij
-    vh: Array  # [H, T, d_h]  value vectors v^h_j of the real tokens (pre-LN: of LN(x_j))
-    a_ii: Array  # [H, T]  α^h_ii
+    v: Array  # [T, H, d_h]  value vectors v^h_j of the real tokens, token-major (pre-LN: of LN(x_j))
     x: Array  # [B·n, d]  layer input (the residual)
     attn_out: Array  # [B·n, d]  real attention output, b_O included
     mix_in: Array  # [B·n, d]  real input of the norm after attention
@@ -140,7 +139,7 @@ def token_pass(
         TokenResults(*results),
         Maps(*maps),
     )
-    vh, a_ii, x, attn_out, mix_in, mix_out = inp.vh, inp.a_ii, inp.x, inp.attn_out, inp.mix_in, inp.mix_out
+    alpha, v, x, attn_out, mix_in, mix_out = inp.alpha, inp.v, inp.x, inp.attn_out, inp.mix_in, inp.mix_out
     mean_w, gamma, gamma2, beta, b_o = wt.mean_w, wt.gamma, wt.gamma2, wt.beta, wt.b_o
     probes, w_probe, rms = wt.probes, wt.w_probe, wt.rms
     grams, probe_f, diag, total_r, check = res.grams, res.probe_f, res.diag, res.total_r, res.check
@@ -163,17 +162,17 @@ def token_pass(
         if mean_w.shape[0]:
             for h in range(heads):
                 acc = zero
-                for a in range(vh.shape[2]):
-                    acc += vh[h, tt, a] * mean_w[h, a]
+                for a in range(v.shape[2]):
+                    acc += v[tt, h, a] * mean_w[h, a]
                 mu[h] = acc
-                shift += a_ii[h, tt] * acc
+                shift += alpha[b, h, i, i] * acc
         for k in range(d):
             u[k] = shift
         p = 0
         w_mix = zero
         for h in range(heads):
             fh = cf[h, t]
-            ah = a_ii[h, tt]
+            ah = alpha[b, h, i, i]
             w_mix += ah
             s0 = s1 = zero
             for k in range(d):
@@ -205,8 +204,8 @@ def token_pass(
                 p += h3 - h2 + 1
             for q in range(n_probes):
                 acc = zero
-                for a in range(vh.shape[2]):
-                    acc += vh[h, tt, a] * w_probe[h, q, a]
+                for a in range(v.shape[2]):
+                    acc += v[tt, h, a] * w_probe[h, q, a]
                 probe_f[h, q, tt] = acc
         for q in range(n_probes):
             acc = zero

@@ -47,7 +47,8 @@ def _token_pass(st: LayerState, tok: RealTokens, maps: Maps, token_block: int) -
     """One layer. C is folded into the weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) comes back as a rank-one
     term), so P f·P f' = (γ² ⊙ C f)·C f'."""
     inp, wt, cst, index = st.inputs, st.weights, st.weights.consts, st.index
-    vh, a_ii = inp.vh, inp.a_ii
+    vh = inp.v.transpose(0, 1)  # [H, T, d_h]
+    a_ii = tok.gather(inp.alpha.diagonal(dim1=2, dim2=3).transpose(0, 1).flatten(1), dim=1)  # [H, T]  α^h_ii
     norm, (h, t_len, _), d = st.layer.ln_mix, vh.shape, wt.w_c.shape[-1]
     raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
     u_ii = vh.new_empty(t_len, d)

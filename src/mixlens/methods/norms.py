@@ -199,16 +199,13 @@ class LayerState:
     def of(cls, lt: LayerTrace, lay: Layer, tok: RealTokens, index: int) -> LayerState:
         alpha = lt.alpha_mix.float().contiguous()  # α / s^post_i with a sandwich norm
         v = lt.value.float().transpose(1, 2).flatten(0, 1)  # [B·n, H_kv, d_h] (a view: v is a transposed projection)
-        v = tok.gather(v)  # [T, H_kv, d_h], read token by token, not head by head: the prefetcher follows
-        vh = repeat_kv(v.transpose(0, 1)[None], lay.n_heads)[0]  # [H, T, d_h]
-        a_ii = tok.gather(alpha.diagonal(dim1=2, dim2=3).transpose(0, 1).reshape(lay.n_heads, -1), dim=1)  # [H, T]
+        v = repeat_kv(tok.gather(v), lay.n_heads)  # [T, H, d_h], token-major as projected: no copy without padding
         x, attn_out, mix_in, mix_out = (
             t.float().flatten(0, 1).contiguous() for t in (lt.x, lt.attn_out, lt.mix_in, lt.mix_out)
         )
         inputs = LayerInputs(
             alpha=alpha,
-            vh=vh.contiguous(),
-            a_ii=a_ii.contiguous(),
+            v=v.contiguous(),
             x=x,
             attn_out=attn_out,
             mix_in=mix_in,
