@@ -50,6 +50,17 @@ def test_reconstruction_and_batching(real):
                                        atol=1e-4, err_msg=name)
 
 
+def test_trace_is_the_models_own_forward(real):
+    """α and every layer's input in the trace (in-place attention where the family allows) are the model's own
+    `output_attentions` and `hidden_states`, bit for bit, padded batch included."""
+    enc = real.encode(SENTENCES)
+    with torch.no_grad():
+        want = real.model(**enc.inputs, output_attentions=True, output_hidden_states=True)
+        tr = real.trace(enc)
+    for lt, a, h in zip(tr.layers, want.attentions, want.hidden_states[:-1], strict=True):
+        assert torch.equal(lt.alpha, a) and torch.equal(lt.x, h)
+
+
 @torch.no_grad()
 def _brute_force(lens: mixlens.Lens, text: str) -> dict[str, torch.Tensor]:
     """N, N-Res and N-ResLN [L, n, n] from explicit vectors: α from the model's own `output_attentions`, v, the real

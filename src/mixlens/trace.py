@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from mixlens import inplace
 from mixlens.adapters import Adapter, get_path
 from mixlens.errors import MixlensError
 
@@ -137,6 +138,7 @@ class _Session:
 
     def __init__(self, adapter: Adapter, edits: dict[str, Edit], start: int, stop: int):
         self.edits = edits
+        self.inplace = adapter.family.inplace_attention
         self.start, self.stop = start, stop
         self.layer = -1  # real index of the layer running now (-1: embeddings)
         self.embedded = False
@@ -209,13 +211,16 @@ def repeat_kv(v: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-    """Wraps the family's own `eager_attention_forward`; records α and v and applies the attention edits."""
+    """Wraps the family's own `eager_attention_forward` (or its in-place equal, `inplace.softmax_attention`); records
+    α and v and applies the attention edits."""
     eager = sys.modules[type(module).__module__].eager_attention_forward
     s = _SESSION.get()
     if s is None:
         return eager(module, query, key, value, attention_mask, **kwargs)
     layer = s.layer
     value = s.edit(f"blocks.{layer}.attn.v", value)
+    if s.inplace:
+        eager = inplace.eager_for(eager, module, query, key, attention_mask, kwargs)
     out, alpha = eager(module, query, key, value, attention_mask, **kwargs)
     p_name, z_name = f"blocks.{layer}.attn.pattern", f"blocks.{layer}.attn.z"
     if p_name in s.edits or z_name in s.edits:
@@ -371,7 +376,7 @@ def hooked(
     halt_out = stop_after is not None and not stop_at_mix
     modules = list({id(lay.module): lay.module for lay in adapter.layers}.values())  # ALBERT shares them
     handles: list[torch.utils.hooks.RemovableHandle] = []
-    forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance `forward` or None) of skipped layers
+    forwards: list[tuple[nn.Module, Any]] = []  # (module, its own instance `forward` or None): skipped layers, MPNet
     seen: set[tuple[int, str]] = set()
 
     def enter(m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
@@ -438,6 +443,12 @@ def hooked(
             lookup: nn.Module = adapter.base.get_input_embeddings()
             handles.append(lookup.register_forward_hook(embed))
         if adapter.family.probs is not None:
+            if s.inplace:  # before the route's hooks: the check runs the module's own forward
+                for lay in adapter.layers:
+                    fast = inplace.forward_for(lay.attn)
+                    if fast is not None:
+                        forwards.append((lay.attn, vars(lay.attn).get("forward")))
+                        lay.attn.forward = fast
             handles += _module_route(adapter, s)
         for lay in adapter.layers:
             capture(lay.o_proj, "attn_out", lambda a, o: _first(o))

@@ -36,6 +36,8 @@ class Family:
     norm_offset: bool = False  # norms scale by (1 + w) (Gemma)
     causal: bool = False
     fused_qkv: bool = False
+    inplace_attention: bool = False  # the trace may compute its attention in place (`mixlens.inplace`), where that
+    # gives the floats of the family's own code (checked on first use)
     probs: str | None = None  # attention not routed through ALL_ATTENTION_FUNCTIONS: the module whose output is α
     # (MPNet's attention dropout); α, v and z are then captured and edited by hooks on probs, v_proj and o_proj
     refuses: tuple[str, ...] = ()  # methods whose math does not cover this family's block
@@ -53,6 +55,7 @@ _BERT_LIKE: dict[str, Any] = dict(
     ffn_in="intermediate.dense",
     ffn_out="output.dense",
     ln_out="output.LayerNorm",
+    inplace_attention=True,
 )
 # Pre-RMSNorm decoders with a gated FFN; Llama and Gemma differ in the norm that follows the attention residual sum.
 _LLAMA_LIKE: dict[str, Any] = dict(
@@ -67,6 +70,7 @@ _LLAMA_LIKE: dict[str, Any] = dict(
     ln_in="input_layernorm",
     ffn_gate="mlp.gate_proj",
     causal=True,
+    inplace_attention=True,
 )
 
 FAMILIES: tuple[Family, ...] = (
@@ -86,6 +90,7 @@ FAMILIES: tuple[Family, ...] = (
         ffn_in="ffn.lin1",
         ffn_out="ffn.lin2",
         ln_out="output_layer_norm",
+        inplace_attention=True,
     ),
     Family(
         "albert",
@@ -100,6 +105,7 @@ FAMILIES: tuple[Family, ...] = (
         ffn_in="ffn",
         ffn_out="ffn_output",
         ln_out="full_layer_layer_norm",
+        inplace_attention=True,
     ),
     Family(
         "mpnet",
@@ -115,6 +121,7 @@ FAMILIES: tuple[Family, ...] = (
         ffn_out="output.dense",
         ln_out="output.LayerNorm",
         probs="attention.attn.dropout",
+        inplace_attention=True,
     ),
     Family(
         "gpt2",
