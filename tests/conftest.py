@@ -81,6 +81,17 @@ def family_lens(request, tokenizer) -> mixlens.Lens:
     return random_lens(request.param, tokenizer)
 
 
+def assert_trace_is_the_models_own(lens: mixlens.Lens) -> None:
+    """α and every layer input of a trace of SENTENCES (padded batch) are the model's own outputs, bit for bit."""
+    enc = lens.encode(SENTENCES)
+    with torch.no_grad():
+        want = lens.model(**enc.inputs, output_attentions=True, output_hidden_states=True)
+        tr = lens.trace(enc)
+    for lt, a, h in zip(tr.layers, want.attentions, want.hidden_states[:-1], strict=True):  # h: the layer's input
+        assert torch.equal(lt.alpha, a) and torch.equal(lt.x, h)
+    assert all("forward" not in vars(lay.attn) for lay in lens.adapter.layers)  # restored after the trace
+
+
 def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     """Run `mixlens ARGS` in-process through the real entry point → (exit code, stdout, stderr)."""
     from mixlens.cli import main

@@ -16,7 +16,7 @@ import mixlens
 from mixlens.errors import MixlensError
 from mixlens.methods import registry
 from mixlens.methods.norms import block_norms
-from tests.conftest import FAMILIES, SENTENCES, random_lens, run_cli
+from tests.conftest import FAMILIES, SENTENCES, assert_trace_is_the_models_own, random_lens, run_cli
 
 CHECKPOINTS = ("all-mpnet-base-v2", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m")
 NORM_METHODS = ["norm", "norm_res", "norm_resln"]
@@ -51,14 +51,8 @@ def test_reconstruction_and_batching(real):
 
 
 def test_trace_is_the_models_own_forward(real):
-    """α and every layer's input in the trace (in-place attention where the family allows) are the model's own
-    `output_attentions` and `hidden_states`, bit for bit, padded batch included."""
-    enc = real.encode(SENTENCES)
-    with torch.no_grad():
-        want = real.model(**enc.inputs, output_attentions=True, output_hidden_states=True)
-        tr = real.trace(enc)
-    for lt, a, h in zip(tr.layers, want.attentions, want.hidden_states[:-1], strict=True):
-        assert torch.equal(lt.alpha, a) and torch.equal(lt.x, h)
+    """α and every layer's input in the trace (in-place attention where the family allows) are the model's own."""
+    assert_trace_is_the_models_own(real)
 
 
 @torch.no_grad()

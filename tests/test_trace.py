@@ -9,7 +9,7 @@ import torch
 
 from mixlens import inplace
 from mixlens.adapters import family_for, resolve
-from tests.conftest import FAMILIES, SENTENCES, random_model
+from tests.conftest import FAMILIES, assert_trace_is_the_models_own, random_model
 
 EAGER = [f for f in FAMILIES if family_for(f).inplace_attention and family_for(f).probs is None]
 
@@ -78,13 +78,11 @@ def test_mpnet_forward_gives_the_modules_floats(tokenizer):
 
 
 def test_trace_records_the_models_own_attention_and_output_exactly(family_lens):
-    enc = family_lens.encode(SENTENCES)
-    with torch.no_grad():
-        want = family_lens.model(**enc.inputs, output_attentions=True, output_hidden_states=True)
-        tr = family_lens.trace(enc)
-    for lt, a, h in zip(tr.layers, want.attentions, want.hidden_states[:-1], strict=True):  # h: the layer's input
-        assert torch.equal(lt.alpha, a) and torch.equal(lt.x, h)
-    assert all("forward" not in vars(lay.attn) for lay in family_lens.adapter.layers)  # restored after the trace
+    assert_trace_is_the_models_own(family_lens)
+
+
+def test_trace_of_the_bundled_model_is_its_own_forward(bundled):
+    assert_trace_is_the_models_own(bundled)
 
 
 def test_calls_under_forward_mode_autograd_or_vmap_are_not_plain(tokenizer):
