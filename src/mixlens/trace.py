@@ -46,11 +46,10 @@ Edit = Callable[[torch.Tensor], torch.Tensor]
 LayerSink = Callable[[int, "LayerTrace"], None]  # (layer index, that layer's complete record) → None
 BLOCK_POINTS = ("resid_pre", "attn.v", "attn.pattern", "attn.z")
 if TYPE_CHECKING:
-    from mixlens.methods._kernels import Maps
     from mixlens.methods.decompx import Decomposition
-    from mixlens.methods.norms import LayerState, NormRun, RealTokens
+    from mixlens.methods.norms import LayerState, NormRun
 
-    NormStates = tuple[list[LayerState], RealTokens, Maps]
+    NormStates = tuple[list[LayerState], NormRun]
     from mixlens.methods.gradients import JacobianKey, JacobianNorms
     from mixlens.methods.norms import BlockNorms
 

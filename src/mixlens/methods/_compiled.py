@@ -17,51 +17,54 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
-from mixlens.methods._kernels import Maps, TokenResults, attention_pass, kernel_args, token_pass
+from mixlens.methods._kernels import Layout, Maps, TokenResults, attention_pass, kernel_args, token_pass
 
 if TYPE_CHECKING:
-    from mixlens.methods.norms import LayerState, RealTokens
+    from mixlens.methods.norms import LayerState
 
 PAIRS_PER_CALL = 32768  # (target, source) pairs per attention-pass call when a layer is split over threads
 
 
-def passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int, causal: bool) -> None:
+class RunArgs(NamedTuple):
+    """The structures every layer of a run shares, as the kernels take them (`kernel_args`), built once per run."""
+
+    layout: tuple  # Layout
+    results: tuple  # TokenResults of every layer
+    maps: tuple  # Maps
+    splits: list[tuple[int, int]]  # the attention pass's row ranges (`row_splits`)
+
+    @classmethod
+    def of(cls, layout: Layout, results: TokenResults, maps: Maps, causal: bool) -> RunArgs:
+        splits = row_splits(layout.lengths.numpy(), layout.targets.numpy(), causal)
+        return cls(kernel_args(layout), kernel_args(results), kernel_args(maps), splits)
+
+
+def passes(layers: list[LayerState], run: RunArgs, token_block: int, causal: bool) -> None:
     """`token_passes` and then `attention_passes` of every layer in one parallel region: a layer's attention calls
     become ready once its last token job is done, so no thread waits for the other layers' token jobs."""
-    tokens = token_calls(layers, tok, maps, token_block)  # allocates the results that the attention calls read
-    run_stages(list(zip(tokens, attention_calls(layers, tok, maps, causal), strict=True)))
+    tokens, attention = token_calls(layers, run, token_block), attention_calls(layers, run, causal)
+    run_stages(list(zip(tokens, attention, strict=True)))
 
 
-def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int) -> None:
-    """Everything per token of every layer: sets each layer's `results` and writes f_norm, ratio and scale of
-    `maps` (the calls of `token_calls`)."""
-    parallel([call for calls in token_calls(layers, tok, maps, token_block) for call in calls])
+def token_passes(layers: list[LayerState], run: RunArgs, token_block: int) -> None:
+    """Everything per token of every layer: writes the layers' rows of the run's TokenResults and their f_norm,
+    ratio and scale in its Maps (the calls of `token_calls`)."""
+    parallel([call for calls in token_calls(layers, run, token_block) for call in calls])
 
 
-def token_calls(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int) -> list[list[tuple]]:
-    """Per layer, its token jobs of `token_block` tokens (and its `results`, allocated here): each job computes its
-    block's head vectors C f = v W_O^h C by torch into its thread's own buffer, then runs `token_pass` on them while
-    they are still in that core's cache."""
-    where, out = kernel_args(tok.layout), kernel_args(maps)
+def token_calls(layers: list[LayerState], run: RunArgs, token_block: int) -> list[list[tuple]]:
+    """Per layer, its token jobs of `token_block` tokens: each job computes its block's head vectors
+    C f = v W_O^h C by torch into its thread's own buffer, then runs `token_pass` on them while they are still in that
+    core's cache."""
     jobs = []
     for st in layers:
-        t_len, h, _ = st.inputs.v.shape
-        p = st.weights.consts.probes.shape[0]
-        new = st.inputs.v.new_empty
-        st.results = TokenResults(
-            grams=new(2, h * (h + 1) // 2, t_len),
-            probe_f=new(h, p, t_len),
-            diag=new(2, t_len),
-            total_r=new(t_len, p),
-            check=new(2, t_len),
-            probe_err=new(t_len) if tok.all_rows else st.inputs.v.new_zeros(t_len),
-        )
-        args = (st.index, kernel_args(st.inputs), kernel_args(st.weights.consts), where, kernel_args(st.results), out)
+        t_len = st.inputs.v.shape[0]
+        args = (st.index, st.kernel_inputs, st.weights.kernel_consts, run.layout, run.results, run.maps)
         jobs.append(
             [
                 (_token_job, st.inputs.v, st.weights.w_c, s, min(s + token_block, t_len), args)
@@ -81,20 +84,22 @@ def _token_job(v: torch.Tensor, w_c: torch.Tensor, start: int, end: int, args: t
     token_pass(cf.numpy(), start, 0, end - start, *args)
 
 
-def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, causal: bool) -> None:
-    """The per-(target, source) part of every layer: writes n, n_res, n_resln and alpha_mean of `maps` and each
-    layer's results.probe_err (after its token pass). All layers' row ranges go to `parallel` at once."""
-    parallel([call for calls in attention_calls(layers, tok, maps, causal) for call in calls])
+def attention_passes(layers: list[LayerState], run: RunArgs, causal: bool, slot: int | None = None) -> None:
+    """The per-(target, source) part of every layer: writes n, n_res, n_resln and alpha_mean of the run's maps (at
+    each layer's index, or at `slot`) and the layers' rows of probe_err (after their token passes). All layers' row
+    ranges go to `parallel` at once."""
+    parallel([call for calls in attention_calls(layers, run, causal, slot) for call in calls])
 
 
-def attention_calls(layers: list[LayerState], tok: RealTokens, maps: Maps, causal: bool) -> list[list[tuple]]:
-    """Per layer, its `attention_pass` calls over row ranges of about PAIRS_PER_CALL pairs."""
-    where, out = kernel_args(tok.layout), kernel_args(maps)
-    splits = row_splits(tok.layout.lengths.numpy(), tok.layout.targets.numpy(), causal)
-    per_layer = [(st.index, kernel_args(st.inputs), kernel_args(st.done)) for st in layers]
+def attention_calls(layers: list[LayerState], run: RunArgs, causal: bool, slot: int | None = None) -> list[list[tuple]]:
+    """Per layer, its `attention_pass` calls over the run's row ranges (`RunArgs.splits`)."""
     return [
-        [(attention_pass, r0, r1, index, causal, inputs, where, results, out) for r0, r1 in splits]
-        for index, inputs, results in per_layer
+        [
+            (attention_pass, r0, r1, st.index, st.index if slot is None else slot, causal, st.kernel_inputs)
+            + (run.layout, run.results, run.maps)
+            for r0, r1 in run.splits
+        ]
+        for st in layers
     ]
 
 

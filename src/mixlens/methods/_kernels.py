@@ -67,16 +67,16 @@ class LayerWeights(NamedTuple):
 
 
 class TokenResults(NamedTuple):
-    """Per-token quantities of one layer: written by the token pass, read by the attention pass (which writes
-    probe_err)."""
+    """Per-token quantities of every layer of a run (row l: layer l), allocated once per run: written by the token
+    pass, read by the attention pass (which writes probe_err)."""
 
-    grams: Array  # compiled: [2, H(H+1)/2, T] packed upper triangles h ≤ h' row-major, off-diagonal entries doubled;
-    # torch: full [2, H, H, T]. [0]: f^h·f^h', [1]: P f^h·P f^h' with P f = γ ⊙ C f
-    probe_f: Array  # [H, P, T]  f^h(x_j)·r_p
-    diag: Array  # [2, T]  ‖t_ii‖, ‖P t_ii‖/s_i
-    total_r: Array  # [T, P]  (attention output − b_O)·r_p
-    check: Array  # [2, T]  reconstruction error of the norm input and output; output scale
-    probe_err: Array  # [T]  max_p |Σ_h Σ_j α^h_ij f^h(x_j)·r_p − total_i·r_p|
+    grams: Array  # compiled: [L, 2, H(H+1)/2, T] packed upper triangles h ≤ h' row-major, off-diagonal entries
+    # doubled; torch: full [L, 2, H, H, T]. [:, 0]: f^h·f^h', [:, 1]: P f^h·P f^h' with P f = γ ⊙ C f
+    probe_f: Array  # [L, H, P, T]  f^h(x_j)·r_p
+    diag: Array  # [L, 2, T]  ‖t_ii‖, ‖P t_ii‖/s_i
+    total_r: Array  # [L, T, P]  (attention output − b_O)·r_p
+    check: Array  # [L, 2, T]  reconstruction error of the norm input and output; output scale
+    probe_err: Array  # [L, T]  max_p |Σ_h Σ_j α^h_ij f^h(x_j)·r_p − total_i·r_p| (0 for rows not computed)
 
 
 class Maps(NamedTuple):
@@ -127,8 +127,8 @@ def token_pass(
     C f^h = v^h W_O^h C of the block's tokens start .. start + c - 1. The structures come as plain tuples (see
     `kernel_args`): LayerInputs, LayerWeights, Layout, TokenResults, Maps.
 
-    Writes per token t the fields of TokenResults but probe_err, and at (b, layer, ·, i) of Maps: f_norm, ratio,
-    scale.
+    Writes per token t row `layer` of the fields of TokenResults but probe_err, and at (b, layer, ·, i) of Maps:
+    f_norm, ratio, scale.
 
     With μ^h = v^h·mean(W_O^h): f^h·f^h' = C f^h·C f^h' + d μ^h μ^h'. With total = attention output − b_O and
     u_ii = Σ_h α^h_ii f^h: t_ii = u_ii + x_i and off_i = total − u_ii = Σ_{j≠i} t_ij."""
@@ -142,7 +142,8 @@ def token_pass(
     alpha, v, x, attn_out, mix_in, mix_out = inp.alpha, inp.v, inp.x, inp.attn_out, inp.mix_in, inp.mix_out
     mean_w, gamma, gamma2, beta, b_o = wt.mean_w, wt.gamma, wt.gamma2, wt.beta, wt.b_o
     probes, w_probe, rms = wt.probes, wt.w_probe, wt.rms
-    grams, probe_f, diag, total_r, check = res.grams, res.probe_f, res.diag, res.total_r, res.check
+    grams, probe_f, diag = res.grams[layer], res.probe_f[layer], res.diag[layer]
+    total_r, check = res.total_r[layer], res.check[layer]
     rows = where.rows
     heads, d = cf.shape[0], cf.shape[2]
     n = out.f_norm.shape[3]
@@ -265,17 +266,18 @@ def _pair(h: int, h2: int, heads: int) -> int:  # pragma: no cover - compiled
 
 @njit(nogil=True, cache=True, fastmath=True)
 def attention_pass(
-    r0: int, r1: int, layer: int, causal: bool, inputs: tuple, layout: tuple, results: tuple, maps: tuple
+    r0: int, r1: int, layer: int, slot: int, causal: bool, inputs: tuple, layout: tuple, results: tuple, maps: tuple
 ) -> None:  # pragma: no cover - compiled
     """Rows r0 .. r1 - 1 of the flattened [B·K] target rows of one layer (row k of input b is position
-    Layout.targets[b, k]), from α and the token pass's TokenResults (the structures as plain tuples: LayerInputs,
-    Layout, TokenResults, Maps). Writes the maps n, n_res, n_resln, alpha_mean at [b, `layer`, k] (norms
-    square-rooted, N-ResLN divided by s_i from Maps.scale, the N-Res and N-ResLN
-    diagonals from TokenResults.diag) and TokenResults.probe_err. Padded cells are not written. Head pairs go in
-    2 × 2 blocks (two α rows against two, four Gram rows per form per pass over the sources), which quarters the
-    accumulator traffic of one pair per pass."""
+    Layout.targets[b, k]), from α and row `layer` of the token pass's TokenResults (the structures as plain tuples:
+    LayerInputs, Layout, TokenResults, Maps). Writes the maps n, n_res, n_resln, alpha_mean at [b, `slot`, k] (norms
+    square-rooted, N-ResLN divided by s_i from Maps.scale[b, `layer`], the N-Res and N-ResLN diagonals from
+    TokenResults.diag) and TokenResults.probe_err. Padded cells are not written. Head pairs go in 2 × 2 blocks (two α
+    rows against two, four Gram rows per form per pass over the sources), which quarters the accumulator traffic of
+    one pair per pass."""
     inp, where, res, out = LayerInputs(*inputs), Layout(*layout), TokenResults(*results), Maps(*maps)
-    alpha, grams, probe_f, diag, total_r = inp.alpha, res.grams, res.probe_f, res.diag, res.total_r
+    alpha, grams, probe_f, diag = inp.alpha, res.grams[layer], res.probe_f[layer], res.diag[layer]
+    total_r, probe_err = res.total_r[layer], res.probe_err[layer]
     offsets, lengths, targets = where.offsets, where.lengths, where.targets
     heads, n, n_rows = alpha.shape[1], alpha.shape[2], targets.shape[1]
     n_probes = probe_f.shape[1]
@@ -351,14 +353,14 @@ def attention_pass(
         inv = 1 / out.scale[b, layer, i]
         for j in range(end):
             v = np.sqrt(max(plain[j], zero))
-            out.n[b, layer, row, j] = v
-            out.n_res[b, layer, row, j] = v
-            out.n_resln[b, layer, row, j] = np.sqrt(max(proj[j], zero)) * inv
-            out.alpha_mean[b, layer, row, j] = mean[j] / heads
+            out.n[b, slot, row, j] = v
+            out.n_res[b, slot, row, j] = v
+            out.n_resln[b, slot, row, j] = np.sqrt(max(proj[j], zero)) * inv
+            out.alpha_mean[b, slot, row, j] = mean[j] / heads
         t = o + i
-        out.n_res[b, layer, row, i] = diag[0, t]
-        out.n_resln[b, layer, row, i] = diag[1, t]
+        out.n_res[b, slot, row, i] = diag[0, t]
+        out.n_resln[b, slot, row, i] = diag[1, t]
         err = zero
         for k in range(n_probes):
             err = max(err, abs(probed[k] - total_r[t, k]))
-        res.probe_err[t] = err
+        probe_err[t] = err

@@ -36,14 +36,16 @@ def quad_norm(alpha: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return quad_norms(alpha, gram.permute(0, 2, 3, 1).unsqueeze(0))[0]
 
 
-def token_passes(layers: list[LayerState], tok: RealTokens, maps: Maps, token_block: int) -> None:
-    """Everything per token of every layer: sets each layer's `results` and writes f_norm, ratio and scale of
-    `maps`."""
+def token_passes(
+    layers: list[LayerState], tok: RealTokens, results: TokenResults, maps: Maps, token_block: int
+) -> None:
+    """Everything per token of every layer: writes each layer's row of `results` and its f_norm, ratio and scale
+    in `maps`."""
     for st in layers:
-        _token_pass(st, tok, maps, token_block)
+        _token_pass(st, tok, results, maps, token_block)
 
 
-def _token_pass(st: LayerState, tok: RealTokens, maps: Maps, token_block: int) -> None:
+def _token_pass(st: LayerState, tok: RealTokens, results: TokenResults, maps: Maps, token_block: int) -> None:
     """One layer. C is folded into the weights (W_O^h C; the mean μ^h = v^h·mean(W_O^h) comes back as a rank-one
     term), so P f·P f' = (γ² ⊙ C f)·C f'."""
     inp, wt, cst, index = st.inputs, st.weights, st.weights.consts, st.index
@@ -60,7 +62,8 @@ def _token_pass(st: LayerState, tok: RealTokens, maps: Maps, token_block: int) -
         torch.mul(cf, cst.gamma2, out=pf)
         torch.matmul(cf.transpose(0, 1), buf[:, : e - s].permute(1, 2, 0), out=raw[s:e])
         torch.sum(cf.mul_(a_ii[:, s:e, None]), dim=0, out=u_ii[s:e])  # Σ_h α_ii C f (clobbers cf)
-    grams = raw.view(t_len, h, 2, h).permute(2, 1, 3, 0).contiguous()  # [2, H, H, T]
+    grams = results.grams[index]  # [2, H, H, T]
+    grams.copy_(raw.view(t_len, h, 2, h).permute(2, 1, 3, 0))
     if not cst.rms:
         mu = torch.matmul(cst.mean_w[:, None], vh.transpose(1, 2))[:, 0]  # [H, T] mean of f^h over the hidden axis
         grams[0].add_(mu[:, None] * mu[None, :], alpha=d)
@@ -85,26 +88,26 @@ def _token_pass(st: LayerState, tok: RealTokens, maps: Maps, token_block: int) -
     maps.scale[:, index] = tok.scatter(s_i)
     err = torch.maximum((y - mix_in).abs().amax(-1), (rebuilt - mix_out).abs().amax(-1))
     top = torch.maximum(mix_in.abs().amax(-1), rebuilt.abs().amax(-1))
-    st.results = TokenResults(
-        grams=grams,
-        probe_f=torch.matmul(cst.w_probe, vh.transpose(1, 2)),
-        diag=torch.stack([tn, ptn / s_i]),
-        total_r=total @ cst.probes.T,
-        check=torch.stack([err, top]),
-        probe_err=vh.new_empty(t_len),
-    )
+    torch.matmul(cst.w_probe, vh.transpose(1, 2), out=results.probe_f[index])
+    torch.stack([tn, ptn / s_i], out=results.diag[index])
+    torch.matmul(total, cst.probes.T, out=results.total_r[index])
+    torch.stack([err, top], out=results.check[index])
 
 
-def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps) -> None:
+def attention_passes(
+    layers: list[LayerState], tok: RealTokens, results: TokenResults, maps: Maps, slot: int | None = None
+) -> None:
     """The per-(target, source) part of every layer: writes n, n_res, n_resln and alpha_mean of `maps` (the target
-    rows of `tok.layout.targets`) and each layer's results.probe_err (of those rows; other tokens 0)."""
+    rows of `tok.layout.targets`, at each layer's index or at `slot`) and the layer's row of `results.probe_err`
+    (of those rows; other tokens 0)."""
     mask, (offsets, lengths, targets) = tok.mask, tok.layout[1:]
     rows = None if tok.all_rows else targets
     mask_t = mask if rows is None else mask.gather(1, rows)  # [B, K] real target rows
     pair = (mask_t[:, :, None] & mask[:, None, :]).float()
     pair_maps = (maps.n, maps.n_res, maps.n_resln, maps.alpha_mean)
     for st in layers:
-        alpha, res = st.inputs.alpha, st.done
+        alpha, at = st.inputs.alpha, st.index if slot is None else slot
+        res = TokenResults(*(r[st.index] for r in results))
         b, h, n, _ = alpha.shape
         if rows is not None:
             alpha = alpha.gather(2, rows[:, None, :, None].expand(b, h, rows.shape[1], n))  # [B, H, K, n]
@@ -116,10 +119,10 @@ def attention_passes(layers: list[LayerState], tok: RealTokens, maps: Maps) -> N
         scale = maps.scale[:, st.index] if rows is None else maps.scale[:, st.index].gather(1, rows)
         inv_s = torch.where(mask_t, 1 / scale, 0)  # [B, K]
         for m, v in zip(pair_maps, (n_n, n_n, n_resln * inv_s[:, :, None], alpha.mean(1) * pair), strict=True):
-            m[:, st.index] = v
+            m[:, at] = v
         for m, v in zip(pair_maps[1:3], res.diag, strict=True):  # t_ii at (row k, source targets[k])
             d = tok.scatter(v).gather(1, targets) * mask_t
-            m[:, st.index].scatter_(2, targets[:, :, None], d[:, :, None])
+            m[:, at].scatter_(2, targets[:, :, None], d[:, :, None])
         fp = tok.scatter(res.probe_f.permute(2, 0, 1)).permute(0, 2, 1, 3)  # [B, H, n, P]
         err = (
             (

@@ -25,7 +25,7 @@ import torch
 from mixlens.adapters import Adapter, Layer
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods import _compiled, _torch_passes
-from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, TokenResults
+from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, TokenResults, kernel_args
 from mixlens.methods._torch_passes import quad_norm, quad_norms
 from mixlens.methods.attention import target_alpha, targets_of
 from mixlens.methods.registry import LHTS, register
@@ -142,6 +142,13 @@ class Weights:
     w_c: torch.Tensor  # [H, d_h, d]  W_O^h C (W_O^h for RMSNorm): C f^h = v^h w_c[h]
     bias_terms: torch.Tensor  # [2, d]  P(b_O), β
     consts: LayerWeights  # what the token pass needs
+    consts_args: tuple | None = None  # `consts` as the compiled kernels take them (CPU), built on first use
+
+    @property
+    def kernel_consts(self) -> tuple:
+        if self.consts_args is None:
+            self.consts_args = kernel_args(self.consts)
+        return self.consts_args
 
 
 def _weights(lay: Layer, index: int) -> Weights:
@@ -172,7 +179,7 @@ def _weights(lay: Layer, index: int) -> Weights:
         )
         lay.cache.clear()  # stale versions
         lay.cache[key] = Weights(
-            w_c=w if norm.rms else w - mean_w[..., None],
+            w_c=(w if norm.rms else w - mean_w[..., None]).contiguous(),
             bias_terms=torch.stack([norm.project(b_o).detach(), beta]),
             consts=consts,
         )
@@ -181,19 +188,20 @@ def _weights(lay: Layer, index: int) -> Weights:
 
 @dataclass
 class LayerState:
-    """One layer on its way through the token pass and the attention pass."""
+    """One layer's inputs to the token pass and the attention pass (their results are row `index` of the run's
+    `TokenResults`)."""
 
     index: int
     layer: Layer
     weights: Weights
     inputs: LayerInputs
-    results: TokenResults | None = None  # set by the token pass
+    inputs_args: tuple | None = None  # `inputs` as the compiled kernels take them (CPU), built on first use
 
     @property
-    def done(self) -> TokenResults:
-        """`results`, once the token pass has set them."""
-        assert self.results is not None, f"layer {self.index}: token pass not run"
-        return self.results
+    def kernel_inputs(self) -> tuple:
+        if self.inputs_args is None:
+            self.inputs_args = kernel_args(self.inputs)
+        return self.inputs_args
 
     @classmethod
     def of(cls, lt: LayerTrace, lay: Layer, tok: RealTokens, index: int) -> LayerState:
@@ -235,17 +243,33 @@ def _maps(
     )
 
 
+def _results(
+    n_layers: int, heads: int, t_len: int, compiled: bool, all_rows: bool, device: torch.device
+) -> TokenResults:
+    """The token passes' results of every layer, uninitialised but probe_err (zero where the attention pass computes
+    only some rows)."""
+    grams = (2, heads * (heads + 1) // 2) if compiled else (2, heads, heads)
+    return TokenResults(
+        grams=torch.empty(n_layers, *grams, t_len, device=device),
+        probe_f=torch.empty(n_layers, heads, PROBES, t_len, device=device),
+        diag=torch.empty(n_layers, 2, t_len, device=device),
+        total_r=torch.empty(n_layers, t_len, PROBES, device=device),
+        check=torch.empty(n_layers, 2, t_len, device=device),
+        probe_err=(torch.empty if all_rows else torch.zeros)(n_layers, t_len, device=device),
+    )
+
+
 def _compiled_on(t: torch.Tensor) -> bool:
     return COMPILED and t.device.type == "cpu"
 
 
-def _check(results: list[tuple[int, TokenResults]], tok: RealTokens) -> torch.Tensor:
+def _check(results: TokenResults, tok: RealTokens) -> torch.Tensor:
     """Raise `ReconstructionError` naming the first layer whose decomposition misses the real outputs; else the max
-    abs error per input and layer [B, L]. `results`: (layer index, its token/attention pass results) per layer."""
-    err = torch.stack([torch.maximum(res.check[0], res.probe_err) for _, res in results])  # [L, T]
-    tol = TOLERANCE * torch.stack([res.check[1] for _, res in results]).amax(1).clamp_min(1.0)  # [L]
+    abs error per input and layer [B, L]."""
+    err = torch.maximum(results.check[:, 0], results.probe_err)  # [L, T]
+    tol = TOLERANCE * results.check[:, 1].amax(1).clamp_min(1.0)  # [L]
     worst = err.amax(1)
-    for (index, _), e, t in zip(results, worst.tolist(), tol.tolist(), strict=True):
+    for index, (e, t) in enumerate(zip(worst.tolist(), tol.tolist(), strict=True)):
         if not e <= t:  # NaN fails too
             raise ReconstructionError(
                 f"layer {index}: the decomposition differs from the real attention-block output by {e:.3g} "
@@ -262,46 +286,59 @@ class NormRun:
     adapter: Adapter
     tok: RealTokens
     maps: Maps
-    results: list[tuple[int, TokenResults]]  # per layer done: (index, what its passes computed)
-    compiled: bool
+    results: TokenResults  # every layer's token-pass results (row l: layer l)
+    compiled: _compiled.RunArgs | None  # the compiled kernels' view of tok, results and maps (None: torch passes)
+    done: list[int]  # layers whose passes ran, in order
+    bias_terms: list[torch.Tensor]  # their [2, d] P(b_O), β
     sandwich: bool = False  # a layer had a sandwich norm: the head mean of α is not in `maps.alpha_mean`
 
     @classmethod
     def start(cls, adapter: Adapter, mask: torch.Tensor, targets: torch.Tensor | None) -> NormRun:
         tok = RealTokens.of(mask, targets)
         compiled, (b, n) = _compiled_on(mask), mask.shape
-        rows = tok.layout.targets.shape[1]
+        heads, t_len = adapter.layers[0].n_heads, len(tok.layout.rows)
         maps = _maps(
             b,
             adapter.n_layers,
-            adapter.layers[0].n_heads,
+            heads,
             n,
-            rows,
+            tok.layout.targets.shape[1],
             mask.device,
             compiled and tok.full,
             adapter.family.causal,
         )
-        return cls(adapter, tok, maps, [], compiled)
-
-    def token_passes(self, layers: list[LayerState]) -> None:
-        if self.compiled:
-            _compiled.token_passes(layers, self.tok, self.maps, TOKEN_BLOCK)
-        else:
-            _torch_passes.token_passes(layers, self.tok, self.maps, TOKEN_BLOCK)
+        results = _results(adapter.n_layers, heads, t_len, compiled, tok.all_rows, mask.device)
+        args = _compiled.RunArgs.of(tok.layout, results, maps, adapter.family.causal) if compiled else None
+        return cls(adapter, tok, maps, results, args, [], [])
 
     def passes(self, layers: list[LayerState]) -> None:
         """Token and attention passes of `layers` (compiled: in one parallel region)."""
-        if self.compiled:
-            _compiled.passes(layers, self.tok, self.maps, TOKEN_BLOCK, self.adapter.family.causal)
+        if self.compiled is not None:
+            _compiled.passes(layers, self.compiled, TOKEN_BLOCK, self.adapter.family.causal)
         else:
-            self.token_passes(layers)
-            self.attention_passes(layers, self.tok, self.maps)
+            _torch_passes.token_passes(layers, self.tok, self.results, self.maps, TOKEN_BLOCK)
+            _torch_passes.attention_passes(layers, self.tok, self.results, self.maps)
+        self.done += [st.index for st in layers]
+        self.bias_terms += [st.weights.bias_terms for st in layers]
 
-    def attention_passes(self, layers: list[LayerState], tok: RealTokens, maps: Maps) -> None:
-        if self.compiled:
-            _compiled.attention_passes(layers, tok, maps, self.adapter.family.causal)
+    def token_passes(self, layers: list[LayerState]) -> None:
+        if self.compiled is not None:
+            _compiled.token_passes(layers, self.compiled, TOKEN_BLOCK)
         else:
-            _torch_passes.attention_passes(layers, tok, maps)
+            _torch_passes.token_passes(layers, self.tok, self.results, self.maps, TOKEN_BLOCK)
+        self.done += [st.index for st in layers]
+        self.bias_terms += [st.weights.bias_terms for st in layers]
+
+    def rows(self, st: LayerState, tok: RealTokens, pair: list[torch.Tensor]) -> Maps:
+        """The attention pass of one layer (token pass done) over the target rows of `tok`, into `pair` (n, n_res,
+        n_resln, alpha_mean, each [B, 1, K', n]): a Maps of those and the run's per-token maps."""
+        view = Maps(self.maps.f_norm, self.maps.ratio, self.maps.scale, *pair)
+        if self.compiled is not None:
+            run = _compiled.RunArgs.of(tok.layout, self.results, view, self.adapter.family.causal)
+            _compiled.attention_passes([st], run, self.adapter.family.causal, slot=0)
+        else:
+            _torch_passes.attention_passes([st], tok, self.results, view, slot=0)
+        return view
 
     def weight_ratios(self, lt: LayerTrace, index: int) -> None:
         """A sandwich layer's passes saw α / s^post: its weight-based ratios come from α itself."""
@@ -312,8 +349,10 @@ class NormRun:
 
     def finish(self) -> BlockNorms:
         """The per-run exactness check over every layer, then the result."""
+        if self.done != list(range(self.adapter.n_layers)):
+            raise RuntimeError(f"the norm engine ran layers {self.done} of {self.adapter.n_layers}")
         error = _check(self.results, self.tok)
-        maps, ad = self.maps, self.adapter
+        maps = self.maps
         return BlockNorms(
             f_norm=maps.f_norm,
             n=maps.n,
@@ -322,7 +361,7 @@ class NormRun:
             ratio=dict(zip(RATIO_VARIANTS, maps.ratio, strict=True)),
             error=error,
             scale=maps.scale,
-            bias_terms=torch.stack([_weights(lay, i).bias_terms for i, lay in enumerate(ad.layers)]),
+            bias_terms=torch.stack(self.bias_terms),
         )
 
 
@@ -334,25 +373,20 @@ def stream_layer(run: NormRun, lt: LayerTrace, index: int, every_row: bool = Fal
     propagates through); the target rows are taken from it."""
     tok, maps = run.tok, run.maps
     st = LayerState.of(lt, run.adapter.layers[index], tok, index)
-    if every_row:
-        run.token_passes([st])
-    else:
-        run.passes([st])
-    run.weight_ratios(lt, index)
     if not every_row:
-        run.results.append((index, st.done))
+        run.passes([st])
+        run.weight_ratios(lt, index)
         return None
+    run.token_passes([st])
+    run.weight_ratios(lt, index)
     b, n = tok.mask.shape
     positions = torch.arange(n, device=tok.mask.device).repeat(b, 1)
     every = RealTokens(tok.mask, tok.layout._replace(targets=positions), tok.full, True)
-    pair = [torch.zeros(b, 1, n, n, device=tok.mask.device) for _ in range(4)]
-    view = Maps(maps.f_norm, maps.ratio, maps.scale[:, index : index + 1].contiguous(), *pair)
-    run.attention_passes([LayerState(0, st.layer, st.weights, st.inputs, st.results)], every, view)
+    view = run.rows(st, every, [torch.zeros(b, 1, n, n, device=tok.mask.device) for _ in range(4)])
     rows = tok.layout.targets
-    for out, full in zip((maps.n, maps.n_res, maps.n_resln, maps.alpha_mean), pair, strict=True):
+    for out, full in zip(maps[3:], view[3:], strict=True):  # n, n_res, n_resln, alpha_mean
         out[:, index] = full[:, 0].gather(1, rows[:, :, None].expand(-1, -1, n))
-    run.results.append((index, st.done))
-    return pair[1][:, 0]
+    return view.n_res[:, 0]
 
 
 @torch.no_grad()
@@ -375,11 +409,8 @@ def block_norms(trace: Trace) -> BlockNorms:
             run.passes(layers)
             for i, lt in enumerate(trace.layers):
                 run.weight_ratios(lt, i)
-            run.results = [(st.index, st.done) for st in layers]
             if targets is not None:  # kept for `pair_rows` (rollouts propagate through every row of each layer)
-                memo.norm_states = (layers, run.tok, run.maps)
-        elif len(run.results) != trace.adapter.n_layers:
-            raise RuntimeError(f"the norm engine streamed {len(run.results)} of {trace.adapter.n_layers} layers")
+                memo.norm_states = (layers, run)
         if not run.sandwich:
             memo.alpha_mean = run.maps.alpha_mean
         memo.block_norms = run.finish()
@@ -393,17 +424,10 @@ def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     [B, 1, K', n] (other fields: the whole call's)."""
     block_norms(trace)
     assert trace.memo.norm_states is not None, "pair_rows needs a (not streamed) trace in target-row mode"
-    layers, tok, maps = trace.memo.norm_states
-    st, tok = layers[index], tok.with_targets(rows)
-    b, n = tok.mask.shape
+    layers, run = trace.memo.norm_states
+    b, n = run.tok.mask.shape
     pair = [torch.zeros(b, 1, rows.shape[1], n, device=rows.device) for _ in range(4)]
-    view = Maps(maps.f_norm, maps.ratio, maps.scale[:, index : index + 1].contiguous(), *pair)
-    st = LayerState(0, st.layer, st.weights, st.inputs, st.results)
-    if _compiled_on(tok.mask):
-        _compiled.attention_passes([st], tok, view, trace.adapter.family.causal)
-    else:
-        _torch_passes.attention_passes([st], tok, view)
-    return view
+    return run.rows(layers[index], run.tok.with_targets(rows), pair)
 
 
 @register("norm", head_dims=LHTS)
