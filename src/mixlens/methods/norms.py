@@ -18,6 +18,7 @@ layer if not.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -142,13 +143,11 @@ class Weights:
     w_c: torch.Tensor  # [H, d_h, d]  W_O^h C (W_O^h for RMSNorm): C f^h = v^h w_c[h]
     bias_terms: torch.Tensor  # [2, d]  P(b_O), β
     consts: LayerWeights  # what the token pass needs
-    consts_args: tuple | None = None  # `consts` as the compiled kernels take them (CPU), built on first use
 
-    @property
+    @cached_property
     def kernel_consts(self) -> tuple:
-        if self.consts_args is None:
-            self.consts_args = kernel_args(self.consts)
-        return self.consts_args
+        """`consts` as the compiled kernels take them (CPU tensors)."""
+        return kernel_args(self.consts)
 
 
 def _weights(lay: Layer, index: int) -> Weights:
@@ -195,13 +194,11 @@ class LayerState:
     layer: Layer
     weights: Weights
     inputs: LayerInputs
-    inputs_args: tuple | None = None  # `inputs` as the compiled kernels take them (CPU), built on first use
 
-    @property
+    @cached_property
     def kernel_inputs(self) -> tuple:
-        if self.inputs_args is None:
-            self.inputs_args = kernel_args(self.inputs)
-        return self.inputs_args
+        """`inputs` as the compiled kernels take them (CPU tensors)."""
+        return kernel_args(self.inputs)
 
     @classmethod
     def of(cls, lt: LayerTrace, lay: Layer, tok: RealTokens, index: int) -> LayerState:
