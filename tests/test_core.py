@@ -14,7 +14,7 @@ import transformers as T
 import mixlens
 import mixlens.stats.mixing
 from mixlens.errors import ReconstructionError
-from mixlens.methods._compiled import parallel, row_splits, run_stages
+from mixlens.methods._compiled import parallel, row_splits, run_lists, run_stages
 from mixlens.methods.norms import RATIO_VARIANTS
 from mixlens.methods.reference import decompose
 from tests.conftest import SENTENCES, random_lens, random_model
@@ -169,6 +169,30 @@ def test_stages_run_their_then_calls_after_all_their_first_calls(team):
 
     with pytest.raises(ValueError, match="call"):
         run_stages([([(fail, 0)], [(step, "then", 0, 0)]), ([(step, "first", 1, 0)], [])])
+
+
+def test_lists_run_each_in_order_on_a_thread_of_its_own(team):
+    """`run_lists`: every list once, its calls in order on one thread, subnormals flushed; errors raised."""
+    log: list[tuple[int, int, int, bool]] = []
+    lock = threading.Lock()
+
+    def step(lst: int, k: int) -> None:
+        time.sleep(0.001)
+        with lock:
+            log.append((lst, k, threading.get_ident(), _flushing()))
+
+    run_lists([[(step, lst, k) for k in range(3)] for lst in range(4)])
+    assert sorted((lst, k) for lst, k, _, _ in log) == [(lst, k) for lst in range(4) for k in range(3)]
+    for lst in range(4):
+        mine = [(k, th) for li, k, th, _ in log if li == lst]
+        assert [k for k, _ in mine] == [0, 1, 2] and len({th for _, th in mine}) == 1
+    assert all(flushed for *_, flushed in log) and not _flushing()
+
+    def fail(k: int) -> None:
+        raise IndexError(f"call {k}")  # not taken for "no list left"
+
+    with pytest.raises(IndexError, match="call"):
+        run_lists([[(fail, 0)], [(step, 9, 0)]])
 
 
 def test_concurrent_callers_get_their_own_results(bundled, tokenizer, team, monkeypatch):

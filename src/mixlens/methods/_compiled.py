@@ -45,10 +45,18 @@ class RunArgs(NamedTuple):
 
 
 def passes(layers: list[LayerState], run: RunArgs, token_block: int, causal: bool) -> None:
-    """`token_passes` and then `attention_passes` of every layer in one parallel region: a layer's attention calls
-    become ready once its last token job is done, so no thread waits for the other layers' token jobs."""
+    """`token_passes` and then `attention_passes` of every layer in one parallel region. Where the layers split evenly
+    over the threads, each thread runs the token jobs and then the attention calls of its own layers (the layers cost
+    the same, so nothing waits); else a layer's attention calls become ready once its last token job is done
+    (`run_stages`), so no thread waits for the other layers' token jobs."""
     tokens, attention = token_calls(layers, run, token_block), attention_calls(layers, run, causal)
-    run_stages(list(zip(tokens, attention, strict=True)))
+    threads = torch.get_num_threads()
+    if threads > 1 and len(layers) % threads == 0:
+        run_lists(
+            [[c for i in range(k, len(layers), threads) for c in tokens[i] + attention[i]] for k in range(threads)]
+        )
+    else:
+        run_stages(list(zip(tokens, attention, strict=True)))
 
 
 def token_passes(layers: list[LayerState], run: RunArgs, token_block: int) -> None:
@@ -206,7 +214,38 @@ def run_stages(stages: list[tuple[list[tuple], list[tuple]]]) -> None:
                 errors.append(e)
                 cond.notify_all()
 
-    threads = min(torch.get_num_threads(), total)
+    _launch(work, min(torch.get_num_threads(), total))
+    if errors:
+        raise errors[0]
+
+
+def run_lists(lists: list[list[tuple]]) -> None:
+    """Each list of kernel calls (fn, *args) on a thread of its own (torch's OpenMP team, else a pool of ours), in
+    order, subnormals flushed to zero; no thread waits for another. Errors of any call are raised here once the
+    threads have stopped."""
+    pending, errors = list(lists), []
+
+    def work(_: object = None) -> None:
+        try:
+            with flush_denormals():
+                while True:
+                    try:
+                        calls = pending.pop()  # list.pop holds the GIL: each list goes to one thread
+                    except IndexError:
+                        return
+                    for call in calls:
+                        call[0](*call[1:])
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread below
+            errors.append(e)
+
+    _launch(work, len(lists))
+    if errors:
+        raise errors[0]
+
+
+def _launch(work: Callable[..., None], threads: int) -> None:
+    """`work()` on `threads` threads at once, the calling one included: torch's OpenMP team where there is one, else
+    a pool of ours."""
     gomp = _TEAM["gomp"]
     if threads <= 1:
         work()
@@ -219,8 +258,6 @@ def run_stages(stages: list[tuple[list[tuple], list[tuple]]]) -> None:
         work()
         for fut in helpers:
             fut.result()
-    if errors:
-        raise errors[0]
 
 
 def row_splits(lengths: np.ndarray, targets: np.ndarray, causal: bool) -> list[tuple[int, int]]:
