@@ -9,7 +9,8 @@ parts: "traced" = `lens.trace` (the forward pass with capture hooks, stopped aft
 "decomposition" = `run_methods` on that trace, "rest" = analyze − traced − decomposition (tokenisation, batching,
 result assembly); "vs tokenize+forward" also counts the tokenizer call in the plain side. Peak RSS of the
 512-token cases is measured in fresh subprocesses. The load average is printed before and after: quote numbers
-only from an idle machine.
+only from an idle machine. The median minor page faults per call of either side are printed too: on a VM each can
+cost microseconds, and glibc gives fresh pages to whichever call grows its heap.
 
     python benchmarks/bench_core.py [--repeats 9] [--no-rss]
 """
@@ -20,6 +21,7 @@ import argparse
 import csv
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -62,6 +64,7 @@ def analysis(lens: mixlens.Lens, texts: list[str]) -> None:
 def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float]:
     enc = lens.encode(texts)
     times: dict[str, list[float]] = {k: [] for k in ("forward", "analyze", "traced", "decomposition", "tok_fwd")}
+    faults: dict[str, list[int]] = {"forward": [], "analyze": []}
     ffn, full = trace_flags(DEFAULT_METHODS)
     with torch.no_grad():
         for _ in range(2):  # warm-up: compiled kernels, caches, the allocator
@@ -70,9 +73,10 @@ def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float
         for k in range(repeats):  # each call's result is dropped after its timer stops, as a caller keeps it
             pair: dict[str, float] = {}
             for name in ("forward", "analyze") if k % 2 == 0 else ("analyze", "forward"):
-                t0 = time.perf_counter()
+                f0, t0 = minor_faults(), time.perf_counter()
                 out = lens.model(**enc.inputs, output_attentions=True) if name == "forward" else lens.analyze(texts)
                 pair[name] = time.perf_counter() - t0
+                faults[name].append(minor_faults() - f0)
                 del out
             t2b = time.perf_counter()
             trace = lens.trace(enc, ffn=ffn, full=full)
@@ -101,7 +105,14 @@ def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float
         "decomposition": med["decomposition"] / f,
         "rest": (med["analyze"] - med["traced"] - med["decomposition"]) / f,
         "ratio_vs_tokenize_forward": med["analyze"] / med["tok_fwd"],
+        "faults": {k: statistics.median(v) for k, v in faults.items()},
     }
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far: on a VM each can cost microseconds, and glibc hands fresh pages to
+    whichever call grows the heap, so they are printed beside the ratio."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def peak_rss(model: str, n_tokens: int) -> float:
@@ -157,6 +168,7 @@ def main() -> None:
             f"analyze={1e3 * r['analyze_s']:7.1f} ms  ratio={r['ratio']:.2f} (of medians {r['ratio_of_medians']:.2f}, "
             f"fastest {r['ratio_of_fastest']:.2f}; target <= {TARGET})  traced {r['traced']:.2f} + decomposition "
             f"{r['decomposition']:.2f} + rest {r['rest']:.2f}; vs tokenize+forward {r['ratio_vs_tokenize_forward']:.2f}"
+            f"; page faults per call: forward {r['faults']['forward']:.0f}, analyze {r['faults']['analyze']:.0f}"
         )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     rss = (
