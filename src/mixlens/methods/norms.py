@@ -315,14 +315,16 @@ class NormRun:
         else:
             _torch_passes.token_passes(layers, self.tok, self.results, self.maps, TOKEN_BLOCK)
             _torch_passes.attention_passes(layers, self.tok, self.results, self.maps)
-        self.done += [st.index for st in layers]
-        self.bias_terms += [st.weights.bias_terms for st in layers]
+        self._ran(layers)
 
     def token_passes(self, layers: list[LayerState]) -> None:
         if self.compiled is not None:
             _compiled.token_passes(layers, self.compiled, TOKEN_BLOCK)
         else:
             _torch_passes.token_passes(layers, self.tok, self.results, self.maps, TOKEN_BLOCK)
+        self._ran(layers)
+
+    def _ran(self, layers: list[LayerState]) -> None:
         self.done += [st.index for st in layers]
         self.bias_terms += [st.weights.bias_terms for st in layers]
 
