@@ -328,9 +328,11 @@ class NormRun:
         self.done += [st.index for st in layers]
         self.bias_terms += [st.weights.bias_terms for st in layers]
 
-    def rows(self, st: LayerState, tok: RealTokens, pair: list[torch.Tensor]) -> Maps:
-        """The attention pass of one layer (token pass done) over the target rows of `tok`, into `pair` (n, n_res,
-        n_resln, alpha_mean, each [B, 1, K', n]): a Maps of those and the run's per-token maps."""
+    def rows(self, st: LayerState, tok: RealTokens) -> Maps:
+        """The attention pass of one layer (token pass done) over the K' target rows of `tok`: a Maps whose n, n_res,
+        n_resln, alpha_mean are [B, 1, K', n] (padding rows 0) and whose per-token fields are the run's."""
+        (b, n), k = tok.mask.shape, tok.layout.targets.shape[1]
+        pair = [torch.zeros(b, 1, k, n, device=tok.mask.device) for _ in range(4)]
         view = Maps(self.maps.f_norm, self.maps.ratio, self.maps.scale, *pair)
         if self.compiled is not None:
             run = _compiled.RunArgs.of(tok.layout, self.results, view, self.adapter.family.causal)
@@ -381,7 +383,7 @@ def stream_layer(run: NormRun, lt: LayerTrace, index: int, every_row: bool = Fal
     b, n = tok.mask.shape
     positions = torch.arange(n, device=tok.mask.device).repeat(b, 1)
     every = RealTokens(tok.mask, tok.layout._replace(targets=positions), tok.full, True)
-    view = run.rows(st, every, [torch.zeros(b, 1, n, n, device=tok.mask.device) for _ in range(4)])
+    view = run.rows(st, every)
     rows = tok.layout.targets
     for out, full in zip(maps[3:], view[3:], strict=True):  # n, n_res, n_resln, alpha_mean
         out[:, index] = full[:, 0].gather(1, rows[:, :, None].expand(-1, -1, n))
@@ -424,9 +426,7 @@ def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     block_norms(trace)
     assert trace.memo.norm_states is not None, "pair_rows needs a (not streamed) trace in target-row mode"
     layers, run = trace.memo.norm_states
-    b, n = run.tok.mask.shape
-    pair = [torch.zeros(b, 1, rows.shape[1], n, device=rows.device) for _ in range(4)]
-    return run.rows(layers[index], run.tok.with_targets(rows), pair)
+    return run.rows(layers[index], run.tok.with_targets(rows))
 
 
 @register("norm", head_dims=LHTS)
