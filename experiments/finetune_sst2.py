@@ -4,17 +4,19 @@ attention changed.
     python experiments/finetune_sst2.py [--out artifacts/sst2-minilm] [--train 600 --epochs 3 --seed 0]
 
 1. Loads the bundled model with a fresh classification head (initialised from `--seed`).
-2. Fine-tunes it on the first `--train` sentences of SST-2 dev (../shared/data/sst2/dev.tsv) for `--epochs`
+2. Fine-tunes it on the first `--train` sentences of SST-2 dev (`--data`: GLUE's SST-2 `dev.tsv`) for `--epochs`
    epochs (AdamW, linear decay, batches in a seeded order, dropout from the seeded generator, deterministic
    torch kernels and `--threads` threads: the same command gives the same weights).
-3. Saves the checkpoint (model + tokenizer, a plain Hugging Face folder) to `--out`; `mixlens` accepts it as
-   `--model` (`mixlens.load(path)` picks the sequence-classification head from its config).
+3. Saves the checkpoint (model + tokenizer, a plain Hugging Face folder) to `--out`, its labels named
+   `negative` (0) and `positive` (1); `mixlens` accepts it as `--model` (`mixlens.load(path)` picks the
+   sequence-classification head from its config; `--target negative` names a class).
 4. Reports the accuracy on the held-out sentences (all the others, or the first `--held-out` of them) before
    and after, and the per (layer, head) cosine similarity of attention maps between the original and the
    fine-tuned model over the held-out sentences: a table (`--out/head_diff.csv`) and a heatmap
    (`--out/head_diff.png`); `--skip-head-diff` leaves that step out.
 
-The held-out sentences are never trained on. (SST-2 dev is used because it is what ../shared/data holds.)
+The held-out sentences are never trained on. (SST-2 dev is used because its labels are public; the default
+`--data` is `shared/data/sst2/dev.tsv` next to the repository.)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mixlens.viz.heads import layer_head_heatmap
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sst2" / "dev.tsv"
 OUT = Path("artifacts") / "sst2-minilm"
+LABELS = {0: "negative", 1: "positive"}  # SST-2's label column: 0 negative, 1 positive
 
 Rows = list[tuple[str, int]]
 
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = finetune(model, tok, train, args)
     print(f"trained {steps} steps in {time.time() - start:.0f} s")
     print(f"held-out accuracy after fine-tuning: {accuracy(model, tok, held):.4f} ({len(held)} sentences)")
+    model.config.id2label = dict(LABELS)  # named labels: `explain --target negative`
+    model.config.label2id = {name: i for i, name in LABELS.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)
