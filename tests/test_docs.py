@@ -2,9 +2,10 @@
 
 Python blocks of one file run in order in one shared namespace; bash blocks run each `mixlens ...` command
 (continuation lines joined, comments dropped) through the in-process CLI and expect exit code 0. Each file runs
-in a fresh directory next to a tiny `../shared/data` (SST-2 and STS-B shaped), so the documented relative data
-paths resolve to small inputs; model placeholders name the bundled model, with random classifier heads allowed
-(those examples test plumbing; the refusal of random heads is tested in test_hardening.py), and
+in a fresh directory holding a tiny `data/` (SST-2 and STS-B shaped), so the documented relative data paths
+(`data/sst2/dev.tsv`, ...) resolve to small inputs; model placeholders name the bundled model, with random
+classifier heads allowed (those examples test plumbing; the refusal of random heads is tested in
+test_hardening.py), and
 `artifacts/sst2-minilm` (the fine-tuned classifier of experiments/finetune_sst2.py, which CI does not train) is a
 saved, untrained two-label classifier built from the bundled model. A block preceded by the line
 `<!-- docs-test: skip: REASON -->` is not run (the reason says why: a server, an install, data we do not have).
@@ -83,11 +84,11 @@ def given():
 
 @pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
 def test_doc_blocks_run(path, tmp_path, monkeypatch, given, checkpoint, capsys):
-    data = tmp_path / "shared" / "data"
+    work = tmp_path / "repo"
+    data = work / "data"
     for name, rows in (("sst2", SST2), ("stsb", STSB)):
         (data / name).mkdir(parents=True)
         (data / name / "dev.tsv").write_text("\n".join(rows) + "\n")
-    work = tmp_path / "repo"
     (work / "artifacts").mkdir(parents=True)
     (work / "artifacts" / "sst2-minilm").symlink_to(checkpoint, target_is_directory=True)
     monkeypatch.chdir(work)
