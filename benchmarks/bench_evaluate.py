@@ -1,6 +1,6 @@
 """Benchmark and real run of `mixlens evaluate`: the evaluation's own cost vs attributions and perturbed forwards.
 
-    PYTHONPATH=src python benchmarks/bench_evaluate.py --model /work/artifacts/sst2-minilm --skip 600 --limit 272 \\
+    PYTHONPATH=src python benchmarks/bench_evaluate.py --model artifacts/sst2-minilm --skip 600 --limit 272 \\
         --removal delete --removal mask --out out/eval-sst2
 
 Evaluates in chunks of `--chunk` inputs and rewrites DIR/evaluation.json (DIR/REMOVAL/evaluation.json for

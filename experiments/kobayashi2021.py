@@ -5,7 +5,7 @@ over every real token (special tokens included) and every layer, printed beside 
 figures (Wikipedia, 12 % masked). Also: per-layer means, the Spearman correlation of per-token ResLN-N ratio
 with word-frequency rank (frequency counted over the same corpus), and the expansion rate of f per layer.
 
-    python experiments/kobayashi2021.py [--model DIR] [--data ../shared/data/sst2/dev.tsv] [--limit N]
+    python experiments/kobayashi2021.py [--model DIR] [--data path/to/sst2/dev.tsv] [--limit N]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     args = ap.parse_args()
     if not args.data.is_file():
-        raise SystemExit(f"data file {args.data} not found (SST-2 dev.tsv from ../shared/data)")
+        raise SystemExit(f"data file {args.data} not found (GLUE's SST-2 dev.tsv; pass it with --data)")
     with args.data.open(newline="") as fh:
         texts = [r["sentence"].strip() for r in csv.DictReader(fh, delimiter="\t", quoting=csv.QUOTE_NONE)]
     texts = texts[: args.limit] if args.limit else texts

@@ -1,5 +1,5 @@
 """Kobayashi (2021) mixing ratios and the position-0 "attention sink" on the real checkpoints of
-scripts/fetch_models.py, over the first N sentences of SST-2 dev (../shared/data/sst2/dev.tsv).
+scripts/fetch_models.py, over the first N sentences of SST-2 dev (`--data`, GLUE's SST-2 dev.tsv).
 
     python experiments/real_models.py [--n 64] [NAME ...]
 
