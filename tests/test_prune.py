@@ -26,7 +26,7 @@ from mixlens.bertology.tasks import ClassificationTask, StsTask
 from mixlens.errors import MixlensError
 from mixlens.interventions import Ablation, ablated_trace, disabled, format_heads, parse_heads
 from mixlens.trace import hooked
-from tests.conftest import SENTENCES, data_file, random_lens, run_cli
+from tests.conftest import SENTENCES, data_file, random_lens, random_model, run_cli
 
 WORDS = "the a cat dog man woman runs sleeps eats quickly red green house park table book sees likes".split()
 
@@ -199,3 +199,111 @@ def test_cli_sweep_disable_unknown_layer(capsys):
     f = data_file("stsb", "dev.tsv")
     code, _, err = run_cli(["sweep", "-d", str(f), "--limit", "2", "--disable", "L9H0"], capsys)
     assert code == 2 and "unknown layer in 'L9H0'" in err
+
+
+# --- issue #32: prune --save on a classifier, data loss, failing filesystems, gold labels ---------------------------
+
+
+@pytest.fixture
+def classifier(tmp_path, tokenizer):
+    """A saved 2-class random BERT classifier (model folder) and a 24-row sentence/label TSV."""
+    model = random_model("bert", tokenizer, "AutoModelForSequenceClassification")
+    model.save_pretrained(tmp_path / "clf")
+    tokenizer.save_pretrained(tmp_path / "clf")
+    rows = [(t, k % 2) for k, t in enumerate(_texts(24, 3))]
+    data = tmp_path / "d.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in rows))
+    return tmp_path / "clf", data
+
+
+def _prune_argv(model, data, out, *extra):
+    return ["prune", "--model", str(model), "-d", str(data), "--max-heads", "1", "--resamples", "100",
+            "-o", str(out), *extra]
+
+
+def _tree(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_cli_prune_save_classifier_loads_in_mixlens_and_transformers(classifier, tmp_path, capsys):
+    """Item 11 (IndexError: mask [20, n] vs logits [20, 2]) and C (a saved checkpoint did not load under --model)."""
+    import transformers
+
+    import mixlens
+
+    model_dir, data = classifier
+    save = tmp_path / "pruned"
+    code, out, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o", "--disable", "L0H0", "--save", str(save)),
+                             capsys)
+    assert code == 0, err
+    assert "pruned forward" in out and "vs original" in out
+    summary = json.loads((tmp_path / "o" / "prune.json").read_text())
+    assert summary["saved"]["path"] == str(save)
+    heads = parse_heads(",".join(filter(None, ["L0H0", summary["heads"]])), mixlens.load(model_dir))
+    enc = mixlens.load(model_dir).encode(SENTENCES)
+    orig = mixlens.load(model_dir)
+    with torch.no_grad(), disabled(orig, heads), hooked(orig.adapter):
+        want = orig.model(**enc.inputs).logits
+    lens = mixlens.load(save)  # the CLI's own loader
+    plain = transformers.AutoModelForSequenceClassification.from_pretrained(save).eval()
+    with torch.no_grad():
+        for m in (lens.model, plain, load_pruned(save)):
+            torch.testing.assert_close(m(**enc.inputs).logits, want, atol=1e-5, rtol=1e-5)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+    code, _, err = run_cli(["analyze", "a film", "--model", str(save)], capsys)
+    assert code == 0, err
+
+
+def test_cli_prune_save_refuses_the_source_folder_and_a_file(classifier, tmp_path, capsys):
+    model_dir, data = classifier
+    before = _tree(model_dir)
+    (tmp_path / "afile").write_text("x\n")
+    for target, msg in ((model_dir, "is the --model folder"), (tmp_path / "afile", "is a file"),
+                        (tmp_path, "non-empty directory that holds no pruned checkpoint")):
+        code, out, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o", "--save", str(target)), capsys)
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "saved" not in out and not (tmp_path / "o").exists()
+    assert _tree(model_dir) == before and (tmp_path / "afile").read_text() == "x\n"
+
+
+def test_cli_prune_save_on_a_failing_filesystem_is_one_line(classifier, tmp_path, capsys, monkeypatch):
+    """Item 15: a read-only or full filesystem while saving → one line, exit 2, no checkpoint, no tables."""
+    import errno
+
+    import transformers
+
+    model_dir, data = classifier
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full)
+    code, out, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o", "--disable", "L0H0", "--save",
+                                         str(tmp_path / "pruned")), capsys)
+    assert code == 2 and "No space left on device" in err and len(err.strip().splitlines()) == 1, err
+    assert "saved" not in out and not (tmp_path / "o").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clf", "d.tsv"]  # no checkpoint, no temporary folder
+
+    monkeypatch.setattr("os.access", lambda *a, **k: False)  # a read-only folder (the tests may run as root)
+    code, _, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o", "--save", str(tmp_path / "pruned")), capsys)
+    assert code == 2 and "is not a writable directory" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_save_pruned_replaces_an_earlier_pruned_checkpoint_only(tmp_path, tokenizer):
+    lens = random_lens("bert", tokenizer)
+    save_pruned(lens, [(0, 1)], tmp_path / "m")
+    save_pruned(lens, [(1, 2)], tmp_path / "m")  # an earlier pruned checkpoint is replaced
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["mixlens_pruned_heads"] == {"1": [2]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(MixlensError, match="holds no pruned checkpoint"):
+        save_pruned(lens, [(0, 1)], tmp_path / "other")
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_prune_refuses_a_gold_label_the_model_does_not_have(classifier, tmp_path, capsys):
+    model_dir, data = classifier
+    data.write_text(data.read_text().replace("\t1\n", "\t7\n", 1))
+    code, _, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o"), capsys)
+    assert code == 2 and "gold label 7" in err and "2 classes" in err and len(err.strip().splitlines()) == 1, err

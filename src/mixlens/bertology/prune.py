@@ -10,12 +10,20 @@
 Mode zero (z^h ← 0, b_O stays) is what removing the heads from the weights computes, so the chosen set can be
 removed physically (`prune_model`: smaller q/k/v rows and output-projection columns, BERT-style layers) with the
 same outputs (tested).
+
+A saved checkpoint (`save_pruned`) keeps the tensor shapes its config declares, with the removed heads' q/k/v rows
+and output-projection columns zero (transformers 5 has no per-layer head counts), so that `mixlens.load(dir)` and
+plain `transformers` load it and compute the pruned model; `load_pruned(dir)` drops the zero heads again (the
+smaller, faster model). The config lists the removed heads under `mixlens_pruned_heads`.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -215,9 +223,8 @@ def _smaller(lin: nn.Linear, keep: torch.Tensor, dim: int) -> nn.Linear:
     return new
 
 
-def prune_model(model: Any, heads: Mapping[int, Sequence[int]]) -> None:
-    """Remove `heads` ({layer: [head, ...]}) from a BERT-style model in place: the q/k/v rows and output-projection
-    columns of those heads go; b_O stays (so the model computes what zero ablation computes)."""
+def _prunable(model: Any) -> Any:
+    """The adapter of a model whose heads can be removed from the weights, or a `MixlensError`."""
     from mixlens.adapters import resolve
 
     adapter = resolve(model)
@@ -226,6 +233,32 @@ def prune_model(model: Any, heads: Mapping[int, Sequence[int]]) -> None:
             f"physical pruning supports {', '.join(PRUNABLE)} models, not {adapter.family.name}; "
             "use --disable to disable the heads instead"
         )
+    return adapter
+
+
+def zero_heads(model: Any, heads: Mapping[int, Sequence[int]]) -> None:
+    """Zero the q/k/v rows (weights and biases) and output-projection columns of `heads` in place: the shapes stay,
+    the model computes what zero ablation (and `prune_model`) computes."""
+    adapter = _prunable(model)
+    with torch.no_grad():
+        for layer, hs in heads.items():
+            lay = adapter.layers[layer]
+            attn, d_h = lay.attn, lay.d_head
+            block: Any = lay.module
+            for h in hs:
+                rows = slice(h * d_h, (h + 1) * d_h)
+                for name in ("query", "key", "value"):
+                    lin = getattr(attn, name)
+                    lin.weight[rows] = 0
+                    if lin.bias is not None:
+                        lin.bias[rows] = 0
+                block.attention.output.dense.weight[:, rows] = 0
+
+
+def prune_model(model: Any, heads: Mapping[int, Sequence[int]]) -> None:
+    """Remove `heads` ({layer: [head, ...]}) from a BERT-style model in place: the q/k/v rows and output-projection
+    columns of those heads go; b_O stays (so the model computes what zero ablation computes)."""
+    adapter = _prunable(model)
     for layer, hs in heads.items():
         lay = adapter.layers[layer]
         attn, d_h, n = lay.attn, lay.d_head, lay.n_heads
@@ -238,23 +271,95 @@ def prune_model(model: Any, heads: Mapping[int, Sequence[int]]) -> None:
         out.dense = _smaller(out.dense, keep, 1)
 
 
-def save_pruned(lens, heads: Sequence[tuple[int, int]], path: str | Path) -> Any:
-    """Write a copy of the lens's model with `heads` removed (and its tokenizer) to `path` → the pruned model.
-    Load it with `load_pruned(path)` (the config lists the removed heads under `mixlens_pruned_heads`)."""
+def pruned_copies(lens, heads: Sequence[tuple[int, int]]) -> tuple[Any, Any]:
+    """(a copy of the lens's model with `heads` zeroed — what `save_pruned` writes —, one with them removed)."""
     by: dict[int, list[int]] = {}
     for la, h in heads:
         by.setdefault(la, []).append(h)
-    model = copy.deepcopy(lens.model)
-    prune_model(model, by)
-    setattr(model.config, CONFIG_KEY, {str(k): sorted(v) for k, v in by.items()})
-    path = Path(path)
-    model.save_pretrained(path)
-    lens.tokenizer.save_pretrained(path)
-    return model
+    dense = copy.deepcopy(lens.model)
+    zero_heads(dense, by)
+    setattr(dense.config, CONFIG_KEY, {str(k): sorted(v) for k, v in by.items()})
+    small = copy.deepcopy(dense)
+    prune_model(small, by)
+    return dense, small
+
+
+def is_pruned_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a directory that `save_pruned` wrote (its config lists `mixlens_pruned_heads`)."""
+    from mixlens import jsonio
+
+    cfg = Path(path) / "config.json"
+    try:
+        return cfg.is_file() and CONFIG_KEY in jsonio.read(cfg)
+    except MixlensError:
+        return False
+
+
+def check_save_target(path: str | Path, source: str | Path | None = None) -> None:
+    """Refuse a `--save` target that would lose data or save nothing: the model's own folder `source`, a file, or a
+    non-empty directory that is not an earlier pruned checkpoint (which is replaced)."""
+    path = Path(path).expanduser()
+    if source is not None and Path(source).expanduser().exists() and path.resolve() == Path(source).resolve():
+        raise MixlensError(f"--save '{path}' is the --model folder: saving would overwrite the source checkpoint")
+    if path.exists() and not path.is_dir():
+        raise MixlensError(f"--save '{path}' is a file; give a directory for the pruned checkpoint")
+    if path.is_dir() and any(path.iterdir()) and not is_pruned_checkpoint(path):
+        raise MixlensError(
+            f"--save '{path}' is a non-empty directory that holds no pruned checkpoint; give a new or empty directory"
+        )
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise MixlensError(f"cannot write the pruned checkpoint to '{path}': '{probe}' is not a writable directory")
+
+
+def write_checkpoint(model: Any, tokenizer: Any, path: str | Path) -> None:
+    """`model` and `tokenizer` to the directory `path`, through a temporary folder beside it that is renamed into
+    place (an earlier pruned checkpoint there is replaced only once the new one is complete). A failing filesystem
+    (read-only, full) is a `MixlensError` and leaves `path` as it was."""
+    from safetensors import SafetensorError
+
+    path = Path(path).expanduser()
+    check_save_target(path)
+    tmp: Path | None = None
+    old: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        elif path.is_dir():  # an earlier pruned checkpoint: moved aside, removed once the new one is in place
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old.", suffix=".tmp"))
+            os.rename(path, old / "checkpoint")
+        os.rename(tmp, path)
+        tmp = None
+    except (OSError, SafetensorError) as e:
+        if old is not None and not path.exists():
+            os.rename(old / "checkpoint", path)  # put the earlier checkpoint back
+        raise MixlensError(
+            f"cannot save the pruned checkpoint to '{path}': {getattr(e, 'strerror', None) or e}"
+        ) from None
+    finally:
+        for d in (tmp, old):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def save_pruned(lens, heads: Sequence[tuple[int, int]], path: str | Path) -> Any:
+    """Write a copy of the lens's model with `heads` zeroed (and its tokenizer) to `path` → the pruned model (the
+    heads removed). `mixlens.load(path)` and transformers load the checkpoint as it is; `load_pruned(path)` removes
+    the heads listed under `mixlens_pruned_heads` in its config again."""
+    dense, small = pruned_copies(lens, heads)
+    write_checkpoint(dense, lens.tokenizer, path)
+    return small
 
 
 def load_pruned(path: str | Path) -> Any:
-    """A model saved by `save_pruned`: built from its config, pruned the same way, then given its weights."""
+    """A model saved by `save_pruned` with the removed heads dropped from its weights: built from its config, given
+    its weights and pruned (a checkpoint of the earlier format, already pruned, is pruned first)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -267,8 +372,15 @@ def load_pruned(path: str | Path) -> Any:
     model = (cls.from_config if cls is transformers.AutoModel else cls._from_config)(
         config, attn_implementation="eager"
     )
-    prune_model(model, {int(k): v for k, v in removed.items()})
-    model.load_state_dict(load_file(path / "model.safetensors"))
+    heads = {int(k): v for k, v in removed.items()}
+    state = load_file(path / "model.safetensors")
+    own = model.state_dict()
+    if all(own[k].shape == v.shape for k, v in state.items() if k in own):  # full shapes, the heads zero
+        model.load_state_dict(state)
+        prune_model(model, heads)
+    else:
+        prune_model(model, heads)
+        model.load_state_dict(state)
     return model.eval()
 
 

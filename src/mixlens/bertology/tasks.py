@@ -150,6 +150,12 @@ class ClassificationTask(Task):
     ):
         if len(texts) != len(labels) or not texts:
             raise MixlensError("the accuracy metric needs one label per text (and at least one text)")
+        n_classes = int(getattr(lens.model.config, "num_labels", 0) or 0)
+        bad = [int(v) for v in labels if not 0 <= int(v) < (n_classes or 2**62)]
+        if bad and n_classes:
+            raise MixlensError(
+                f"gold label {bad[0]} is not a class of the model: it has {n_classes} classes (0..{n_classes - 1})"
+            )
         self.batches, order = sorted_batches(lens, list(texts), batch_size, max_length)
         lab = torch.as_tensor(np.asarray(labels)[order], dtype=torch.long)
         sizes = [b["input_ids"].shape[0] for b in self.batches]

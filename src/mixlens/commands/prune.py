@@ -85,11 +85,15 @@ def prune_command(
 
     import pandas as pd
 
-    from mixlens.bertology.prune import prune, split_indices
+    from mixlens.bertology.prune import check_save_target, prune, split_indices
     from mixlens.bertology.sweep import sweep_steps
     from mixlens.interventions import disabled, parse_heads
+    from mixlens.lens import resolve_source
     from mixlens.result import atomic_write
 
+    if save is not None:  # before any work: never onto the source checkpoint, a file or someone else's folder
+        src, local = resolve_source(opts.model, opts.gguf_file)
+        check_save_target(save, src if local else None)
     examples = _examples(opts)
     sel_idx, held_idx = split_indices(len(examples), held_out, seed)
     lens, metric = _lens(opts)
@@ -122,7 +126,6 @@ def prune_command(
     print(f"{len(res.heads)} heads removed; {'confirmed' if res.confirmed else 'not confirmed'} on held-out data")
     print(f"--disable {res.spec}" if res.heads else "no head helps")
     steps = pd.DataFrame(res.steps, columns=["head", f"selection_{res.metric}", "kept"])
-    atomic_write(out / "prune_steps.csv", steps.to_csv(index=False).encode())
     summary = {
         "metric": res.metric,
         "heads": res.spec,
@@ -139,6 +142,7 @@ def prune_command(
     }
     if save is not None:
         summary["saved"] = save_checkpoint(lens, [*expand(lens, base_off), *res.heads], heldout, save)
+    atomic_write(out / "prune_steps.csv", steps.to_csv(index=False).encode())
     atomic_write(out / "prune.json", (json.dumps(summary, indent=1) + "\n").encode())
     typer.echo(f"wrote {out}/prune.json and prune_steps.csv", err=True)
 
@@ -150,32 +154,35 @@ def expand(lens: Any, ablations: Any) -> list[tuple[int, int]]:
 
 
 def save_checkpoint(lens: Any, heads: list[tuple[int, int]], task: Any, path: Path) -> dict[str, Any]:
-    """Write the pruned checkpoint; report parameters, forward time and the match with zero ablation."""
+    """Check the pruned model against zero ablation, then write its checkpoint; report parameters, forward time and
+    the match. Nothing is written when the check fails."""
     import torch
 
-    from mixlens.bertology.prune import ablations_for, forward_seconds, n_parameters, save_pruned
+    from mixlens.bertology.prune import ablations_for, forward_seconds, n_parameters, pruned_copies, write_checkpoint
     from mixlens.interventions import disabled
     from mixlens.trace import hooked
 
     if not heads:
         raise MixlensError("no head to remove: nothing to --save")
-    pruned = save_pruned(lens, heads, path)
+    dense, pruned = pruned_copies(lens, heads)
     inputs = task.batches[-1]  # the longest inputs
     with torch.no_grad(), disabled(lens, ablations_for(heads)), hooked(lens.adapter):
         want = lens.model(**inputs)[0]
     with torch.no_grad():
-        got = pruned(**inputs)[0]
+        got, got_dense = pruned(**inputs)[0], dense(**inputs)[0]
     mask = inputs["attention_mask"].bool()
-    diff = float((got - want)[mask].abs().max())
+    per_token = got.dim() == 3 and got.shape[:2] == mask.shape  # hidden states or token logits; else [batch, classes]
+    diff = float(max(((g - want)[mask] if per_token else g - want).abs().max() for g in (got, got_dense)))
+    if diff > 1e-4:
+        raise MixlensError(f"the pruned model differs from zero ablation by {diff:.2e}; nothing saved")
+    write_checkpoint(dense, lens.tokenizer, path)
     p0, p1 = n_parameters(lens.model), n_parameters(pruned)
     t0, t1 = forward_seconds(lens.model, inputs), forward_seconds(pruned, inputs)
     print(
-        f"saved {path}: {p1:,} parameters (original {p0:,}, −{100 * (p0 - p1) / p0:.1f} %); forward "
-        f"{1000 * t1:.1f} ms vs {1000 * t0:.1f} ms on {inputs['input_ids'].shape[0]} inputs; max |output − "
-        f"zero-ablated output| = {diff:.2e}"
+        f"saved {path} (the removed heads zero; load_pruned drops them): {p1:,} parameters once dropped (original "
+        f"{p0:,}, −{100 * (p0 - p1) / p0:.1f} %); pruned forward {1000 * t1:.1f} ms vs original {1000 * t0:.1f} ms "
+        f"on {inputs['input_ids'].shape[0]} inputs; max |output − zero-ablated output| = {diff:.2e}"
     )
-    if diff > 1e-4:
-        raise MixlensError(f"the pruned model differs from zero ablation by {diff:.2e}")
     return {
         "path": str(path),
         "parameters": p1,

@@ -116,12 +116,17 @@ def make_task(
 def label_id(lens: Any, value: object) -> int:
     """A gold label as a class index: an integer, or a name from the model's label2id."""
     s = str(value).strip()
-    if s.lstrip("-").isdigit():
-        return int(s)
     l2i = getattr(lens.model.config, "label2id", None) or {}
+    n = getattr(lens.model.config, "num_labels", None) or len(l2i)
+    classes = ", ".join(f"{i} {name}" for name, i in sorted(l2i.items(), key=lambda kv: kv[1])) or f"0..{n - 1}"
+    if s.isascii() and s.lstrip("-").isdigit():
+        k = int(s)
+        if n and not 0 <= k < n:
+            raise MixlensError(f"gold label {k} is not a class of the model; its {n} classes: {classes}")
+        return k
     if s in l2i:
         return int(l2i[s])
-    raise MixlensError(f"label '{s}' is neither an integer nor one of the model's labels {sorted(l2i)}")
+    raise MixlensError(f"label '{s[:40]}' is neither a class index nor one of the model's labels; classes: {classes}")
 
 
 def column(examples: list[Any], name: str, conv: Callable[[Any], Any]) -> list[Any]:
