@@ -212,3 +212,130 @@ def test_bad_input(argv, message, fx, capsys):
 
 def test_specific_cases_cover_every_command():
     assert {argv[0] for argv, _ in SPECIFIC} == set(BASE)
+
+
+# ---- issue 32: untrusted JSON (items 13, 14) and model folders that are not what they claim (items 12, 15) ----
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past Python's recursion limit
+
+
+def _write(fx: dict[str, str], name: str, data: str | bytes) -> str:
+    p = Path(fx["dir"]) / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(data.encode() if isinstance(data, str) else data)
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    "manifest, message",
+    [
+        (DEEP, "nested too deeply"),
+        ("[1, 2]", "is not a JSON object (it holds a JSON list)"),
+        (b'{"format": "\xff"}', "is not UTF-8 text"),
+    ],
+    ids=["deep", "list", "latin1"],
+)
+def test_corpus_manifest_that_is_not_a_json_object(manifest, message, fx, capsys):
+    """#32.13: RecursionError / AttributeError / UnicodeDecodeError tracebacks on a crafted corpus manifest."""
+    man = Path(_write(fx, "run/manifest.json", manifest))
+    before = man.read_bytes()
+    code, _, err = run_cli(["corpus", "-d", fx["good"], "-o", str(man.parent)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert str(man) in err and message in err and "use --overwrite" in err, err
+    assert man.read_bytes() == before and not (man.parent / "shards").exists()
+
+
+def test_deeply_nested_jsonl_row_and_saved_analysis(fx, capsys):
+    """#32.13: a deeply nested JSONL data row and a saved analysis given to `report --from`."""
+    rows = _write(fx, "deep.jsonl", '{"text": ' + DEEP + "}\n")
+    check_one_line(["corpus", "-d", rows, "-o", "{out}"], fx, capsys, "line 1 is not readable JSON: nested too deep")
+    saved = _write(fx, "deep.json", '{"inputs": ' + DEEP + "}")
+    check_one_line(["report", "--from", saved, "-o", "{out}/r.html"], fx, capsys, "nested too deeply")
+    listed = _write(fx, "list.json", "[]")
+    check_one_line(["report", "--from", listed, "-o", "{out}/r.html"], fx, capsys, "is not a JSON object")
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ('{"words": ["a", "b"], "pairs": [{"from": ' + "9" * 5000 + ', "to": 1, "relation": "x"}]}\n', "digits"),
+        (b'{"words": ["caf\xe9", "b"], "pairs": []}\n', "is not UTF-8 text"),
+        ('{"words": ' + DEEP + "}\n", "nested too deeply"),
+    ],
+    ids=["5000-digits", "latin1", "deep"],
+)
+def test_relations_pairs_file_that_python_cannot_read(data, message, fx, capsys):
+    """#32.14: ValueError (int-string limit) and UnicodeDecodeError tracebacks from the pairs file."""
+    pairs = _write(fx, "pairs.jsonl", data)
+    check_one_line(["relations", "--data", pairs, "-o", "{out}"], fx, capsys, "pairs.jsonl: line 1")
+    check_one_line(["relations", "--data", pairs, "-o", "{out}"], fx, capsys, message)
+
+
+def test_a_byte_order_mark_is_accepted_by_the_json_readers(tmp_path):
+    """#32.14: a UTF-8 BOM at the start of a JSONL or JSON file was "not valid JSON"."""
+    from mixlens import jsonio
+    from mixlens.bertology.relations import read_relations
+    from mixlens.corpus.readers import iter_examples
+
+    bom = b"\xef\xbb\xbf"
+    rel = tmp_path / "r.jsonl"
+    rel.write_bytes(bom + b'{"words": ["the", "cat"], "pairs": [{"from": 0, "to": 1, "relation": "det"}]}\n')
+    assert read_relations(rel)[0].words == ["the", "cat"]
+    rows = tmp_path / "d.jsonl"
+    rows.write_bytes(bom + b'{"text": "one"}\n{"text": "two"}\n')
+    assert [e.text for e in iter_examples(rows, strict=True)] == ["one", "two"]
+    doc = tmp_path / "m.json"
+    doc.write_bytes(bom + b'{"a": 1}')
+    assert jsonio.read(doc) == {"a": 1}
+
+
+def _model_dir(fx: dict[str, str], tokenizer, name: str) -> Path:
+    from tests.conftest import random_model
+
+    d = Path(fx["dir"]) / name
+    random_model("bert", tokenizer).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def test_model_folder_with_a_truncated_checkpoint_or_a_nested_config(fx, tokenizer, capsys):
+    """#32.15: a truncated model.safetensors or a deeply nested config.json gave a traceback."""
+    d = _model_dir(fx, tokenizer, "m")
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    check_one_line(["analyze", "hi", "--model", str(d)], fx, capsys, f"cannot load model '{d}'")
+    (d / "config.json").write_text('{"model_type": ' + DEEP + "}")
+    check_one_line(["analyze", "hi", "--model", str(d)], fx, capsys, "config.json is not readable JSON: nested too")
+
+
+@pytest.mark.parametrize("gguf_file", ["../x.gguf", "/etc/passwd", "sub/../../x.gguf"])
+def test_gguf_file_outside_the_model_folder_is_refused(gguf_file, fx, capsys):
+    """#32 D: `--gguf-file ../x.gguf` or an absolute path was opened."""
+    _write(fx, "x.gguf", b"GGUF")
+    check_one_line(["analyze", "hi", "--model", "{ggdir}", "--gguf-file", gguf_file], fx, capsys,
+                   "is outside the --model folder")
+
+
+def test_model_folder_holding_only_a_gguf_suggests_gguf_file(fx, capsys):
+    """#32.9: "no config.json" without a word about --gguf-file."""
+    check_one_line(["analyze", "hi", "--model", "{ggdir}"], fx, capsys, "no config.json); it holds GGUF files: give "
+                   "--gguf-file a.gguf")
+
+
+CORRUPT_GGUF = [
+    ("empty", b""),
+    ("truncated", b"GGUF\x03\x00\x00\x00\x05"),  # struct.error inside the gguf reader
+    ("not-gguf", b"hello world" * 10),
+]
+
+
+@pytest.mark.parametrize("kind, data", CORRUPT_GGUF, ids=[k for k, _ in CORRUPT_GGUF])
+@pytest.mark.parametrize("command", ["analyze", "explain", "evaluate", "corpus"])
+def test_corrupt_gguf_file_is_one_line(command, kind, data, fx, capsys):
+    """#32.12: a truncated or corrupt GGUF gave a struct.error traceback in analyze, explain, evaluate, corpus."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    _write(fx, "ggdir/bad.gguf", data)
+    argv = [*BASE[command], "--model", "{ggdir}", "--gguf-file", "bad.gguf"]
+    check_one_line(argv, fx, capsys, "cannot read the GGUF file")
+    check_one_line(argv, fx, capsys, "bad.gguf")

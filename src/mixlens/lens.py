@@ -76,6 +76,10 @@ def resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tu
     if gguf_file is not None:
         if not p.is_dir():
             raise MixlensError(f"'{src}' is not a directory (with gguf_file, the model is the folder holding it)")
+        if Path(gguf_file).is_absolute() or ".." in Path(gguf_file).parts:
+            raise MixlensError(
+                f"--gguf-file '{gguf_file}' is outside the --model folder '{src}': give the name of a file inside it"
+            )
         if not (p / gguf_file).is_file():
             present = sorted(f.name for f in p.glob("*.gguf"))
             raise MixlensError(f"no GGUF file '{gguf_file}' in '{src}'; present: {', '.join(present) or 'none'}")
@@ -85,7 +89,9 @@ def resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tu
         return str(p), True
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
-            raise MixlensError(f"'{src}' is not a Hugging Face model directory (no config.json)")
+            ggufs = sorted(f.name for f in p.glob("*.gguf")) if p.is_dir() else []
+            hint = f"; it holds GGUF files: give --gguf-file {' or '.join(ggufs)}" if ggufs else ""
+            raise MixlensError(f"'{src}' is not a Hugging Face model directory (no config.json){hint}")
         _check_family(p / "config.json")
         return str(p), True
     if src.startswith((".", "/", "~")) or src.count("/") > 1 or "\\" in src or not src.strip():
@@ -95,13 +101,10 @@ def resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tu
 
 def _check_family(config: Path) -> None:
     """A `model_type` we do not support fails naming the supported ones (transformers would only say that it does not
-    recognise an unknown one); an unreadable config is left to `load`, which says why."""
-    import json
+    recognise an unknown one); a config that is not a readable JSON object fails naming the file."""
+    from mixlens import jsonio
 
-    try:
-        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return
+    model_type = jsonio.read(config).get("model_type")
     if isinstance(model_type, str):
         family_for(model_type)
 
@@ -123,6 +126,7 @@ def load(
     refused unless `allow_random_head`.
     """
     import transformers
+    from safetensors import SafetensorError
 
     src, local = resolve_source(model, gguf_file)
     gguf = {"gguf_file": gguf_file} if gguf_file is not None else {}
@@ -136,9 +140,15 @@ def load(
         tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
     except MixlensError:
         raise
-    except (OSError, ValueError) as e:
-        where = "local directory" if local else "hub id (needs network access or a cached copy)"
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if gguf_file is not None:  # a truncated or corrupt GGUF fails inside its reader (struct.error, ValueError, ...)
+            raise MixlensError(
+                f"cannot read the GGUF file '{Path(src) / gguf_file}' (truncated or corrupt?): {first}"
+            ) from None
+        if not isinstance(e, (OSError, ValueError, SafetensorError)):  # SafetensorError: a truncated checkpoint
+            raise
+        where = "local directory" if local else "hub id (needs network access or a cached copy)"
         raise MixlensError(f"cannot load model '{src}' as a {where}: {first}") from None
     return Lens(net.to(device), tok, name=str(model) if model is not None else "all-MiniLM-L6-v2")
 

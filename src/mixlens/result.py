@@ -226,17 +226,9 @@ class BiasBlocks(Blocks):
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise MixlensError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    try:
-        obj = json.loads(text)
-    except ValueError as e:
-        raise MixlensError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise MixlensError(f"{path} is not a JSON object")
-    return obj
+    from mixlens import jsonio
+
+    return jsonio.read(path)
 
 
 def _read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -252,12 +244,12 @@ def _read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     n = int.from_bytes(data[:8], "little")
     if n > len(data) - 8 or n > MAX_HEADER:
         raise MixlensError(f"{what}: its header length {n} exceeds the file ({len(data)} bytes)")
+    from mixlens import jsonio
+
     try:
-        header = json.loads(data[8 : 8 + n])
-    except (ValueError, UnicodeDecodeError):
-        raise MixlensError(f"{what}: the header is not JSON") from None
-    if not isinstance(header, dict):
-        raise MixlensError(f"{what}: the header is not a JSON object")
+        header = jsonio.loads(data[8 : 8 + n], "the header")
+    except MixlensError as e:
+        raise MixlensError(f"{what}: {e}") from None
     body = len(data) - 8 - n
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):

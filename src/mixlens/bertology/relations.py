@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from mixlens import jsonio
 from mixlens.errors import MixlensError
 from mixlens.trace import Trace
 
@@ -89,14 +90,14 @@ def read_relations(path: str | Path, limit: int | None = None) -> list[RelationR
     if not p.is_file():
         raise MixlensError(f"relation file '{path}' does not exist")
     records = []
-    with p.open(encoding="utf-8") as fh:
-        for no, line in enumerate(fh, start=1):
-            if not line.strip():
+    with p.open("rb") as fh:
+        for no, raw in enumerate(fh, start=1):
+            if no == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+            if not raw.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise MixlensError(f"{path}: line {no} is not valid JSON") from None
+            # not UTF-8, not JSON, nested too deeply, an integer past Python's digit limit: one line
+            obj = jsonio.loads(raw, f"{path}: line {no}", kind=None)
             records.append(_record(obj, f"{path}: line {no}"))
             if limit is not None and len(records) >= limit:
                 break

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mixlens import jsonio
 from mixlens.errors import MixlensError
 from mixlens.lens import has_visible
 
@@ -160,11 +161,9 @@ def _jsonl(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
         if not line.strip():
             return None
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            return _Bad("malformed", f"line {no} is not valid JSON ({e.msg})")
-        if not isinstance(obj, dict):
-            return _Bad("malformed", f"line {no} is not a JSON object")
+            obj = jsonio.loads(line, f"line {no}")
+        except MixlensError as e:  # not JSON, nested too deeply, not an object
+            return _Bad("malformed", str(e))
         if "\\u" in line:  # a \uD800-style escape can decode to a lone surrogate, which no UTF-8 writer takes
             try:
                 json.dumps(obj, ensure_ascii=False).encode("utf-8")

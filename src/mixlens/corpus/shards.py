@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mixlens import jsonio
 from mixlens.errors import MixlensError
 from mixlens.result import atomic_write
 
@@ -85,7 +86,7 @@ class Sums:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Sums:
-        d = json.loads(text)
+        d = jsonio.loads(text, "the shard's partial sums")
         return cls({tuple(k): np.asarray(v, dtype=np.float64) for k, v in zip(d["keys"], d["values"], strict=True)})
 
     def table(self) -> pa.Table:
@@ -125,7 +126,10 @@ def read_shard_meta(path: Path) -> tuple[Sums, dict]:
     meta = pq.read_schema(path).metadata or {}
     if SUMS_KEY not in meta or INFO_KEY not in meta:
         raise MixlensError(f"{path} is not a mixlens corpus shard")
-    return Sums.from_json(meta[SUMS_KEY]), json.loads(meta[INFO_KEY])
+    try:
+        return Sums.from_json(meta[SUMS_KEY]), jsonio.loads(meta[INFO_KEY], f"{path}: the shard info")
+    except (KeyError, TypeError, ValueError) as e:  # MixlensError is a ValueError
+        raise MixlensError(f"{path} is not a readable mixlens corpus shard ({e})") from None
 
 
 def finished_shards(out: Path, job_id: str) -> dict[int, dict]:
@@ -153,9 +157,9 @@ def read_manifest(out: Path) -> dict | None:
     if not p.is_file():
         return None
     try:
-        m = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        raise MixlensError(f"{p} is not a readable mixlens manifest; use --overwrite to start again") from None
+        m = jsonio.read(p)
+    except MixlensError as e:  # unreadable, not UTF-8, not JSON, nested too deeply, not an object
+        raise MixlensError(f"{e}: not a readable mixlens manifest; use --overwrite to start again") from None
     if m.get("format") != FORMAT:
         raise MixlensError(f"{p} is not a mixlens corpus manifest; use another --out or --overwrite")
     return m
