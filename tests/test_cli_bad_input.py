@@ -7,6 +7,7 @@ inputs. A new command without an entry in `BASE` fails `test_every_command_is_co
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -212,6 +213,173 @@ def test_bad_input(argv, message, fx, capsys):
 
 def test_specific_cases_cover_every_command():
     assert {argv[0] for argv, _ in SPECIFIC} == set(BASE)
+
+
+# ---- issue 32: target rows in the table, round trips, crafted analyses, locked corpus dirs, failing writes ----
+
+
+@pytest.mark.parametrize("method", ["norm", "alti"])
+def test_analyze_table_shows_target_rows(method, fx, capsys):
+    """#32.10: `analyze TEXT --method M --targets 0` printed an IndexError after writing its JSON."""
+    code, out, err = run_cli(["analyze", "the cat sat", "--method", method, "--targets", "0"], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert f"{method}: top 3 sources of target row 0" in out and "0: [CLS]" in out
+    saved = json.loads((Path(fx["dir"]) / "mixlens-analysis.json").read_text())
+    assert saved["inputs"][0]["methods"][method]["targets"] == [0]
+
+
+def test_analyze_long_decoder_default_targets(tmp_path, tokenizer, fx, capsys):
+    """#32.10: a causal LM over 512 tokens defaults to the last row; the table printed an IndexError after the JSON
+    was written."""
+    from tests.conftest import random_model
+
+    model = tmp_path / "gpt"
+    random_model("gpt2", tokenizer, n_positions=1024).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 1024}))
+    text = " ".join(["word"] * 600)
+    code, out, err = run_cli(["analyze", text, "--model", str(model), "--method", "norm"], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert "top 3 sources of target row 601" in out
+    saved = json.loads((Path(fx["dir"]) / "mixlens-analysis.json").read_text())
+    assert saved["inputs"][0]["methods"]["norm"]["targets"] == [601]
+
+
+def test_analyze_targets_json_round_trips(fx, capsys):
+    """#32 D: the JSON of `analyze --targets` is read back by `Analysis.load` and `report --from`."""
+    from mixlens.result import Analysis
+
+    dest = Path(fx["dir"]) / "a.json"
+    argv = ["analyze", "the cat sat", "a dog barked", "--method", "norm", "--method", "alti", "--targets", "0,-1"]
+    assert run_cli([*argv, "-f", "json", "-o", str(dest)], capsys)[0] == 0
+    res = Analysis.load(dest)
+    assert res["norm"].targets == [[0, 4], [0, 4]] and res["alti"].input(1).shape[-2:] == (2, 5)
+    assert json.dumps(res.to_json()) == dest.read_text()  # exactly what was written
+    code, _, err = run_cli(["report", "--from", str(dest), "-o", fx["out"] + ".html"], capsys)
+    assert code == 0, err
+    page = Path(fx["out"] + ".html").read_text()
+    assert "holds only target rows" in page and "target 4" in page
+
+
+def _analysis_json(**changes: object) -> dict:
+    one = {
+        "text": "a b",
+        "tokens": ["[CLS]", "a", "b", "[SEP]"],
+        "methods": {"norm": {"dims": ["layer", "target", "source"], "values": [[[0.25] * 4] * 4] * 2}},
+        "mixing_ratio": {"W": [0.5, 0.6]},
+        "reconstruction_error": 0.0,
+    }
+    return {"model": "m", "version": "0", "inputs": [{**one, **changes}]}
+
+
+CRAFTED = {
+    "float-targets": (
+        _analysis_json(
+            methods={"norm": {"dims": ["layer", "target", "source"], "values": [[[0.25] * 4]] * 2, "targets": [0.0]}}
+        ),
+        "'targets' must list distinct integer token positions",
+    ),
+    "target-outside": (
+        _analysis_json(
+            methods={"norm": {"dims": ["layer", "target", "source"], "values": [[[0.25] * 4]] * 2, "targets": [9]}}
+        ),
+        "'targets' must list distinct integer token positions",
+    ),
+    "ratio-layers": (_analysis_json(mixing_ratio={"W": [0.5, 0.6, 0.7]}), "different layer counts"),
+    "string-values": (
+        _analysis_json(methods={"norm": {"dims": ["layer", "target", "source"], "values": "abc"}}),
+        "not a regular array of numbers",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_report_from_crafted_json_is_refused(case, fx, capsys):
+    """#32.18: `report --from` validates a crafted analysis (one line, exit 2, nothing written)."""
+    obj, message = CRAFTED[case]
+    (Path(fx["dir"]) / "crafted.json").write_text(json.dumps(obj))
+    check_one_line(["report", "--from", "{dir}/crafted.json", "-o", "{out}/r.html"], fx, capsys, message)
+
+
+@pytest.mark.parametrize("what", ["index", "ratio-layers"])
+def test_report_from_crafted_saved_analysis_is_refused(what, bundled, fx, capsys):
+    """#32.18: a saved analysis whose index tensors are floats, or whose mixing ratios have another layer count than
+    its maps, is refused by `Analysis.load` and so by `report --from`."""
+    from safetensors.numpy import load, save
+
+    from mixlens.result import SAVE_ID
+
+    base = Path(fx["dir"]) / "saved"
+    bundled.analyze(["the cat sat"], ["norm"]).save(base)
+    st = base.with_suffix(".safetensors")
+    tensors = load(st.read_bytes())
+    if what == "index":
+        tensors["method.norm.index.0"] = tensors["method.norm.index.0"].astype("float32")
+        message = "no list of input numbers"
+    else:
+        tensors["ratio.W.values.0"] = tensors["ratio.W.values.0"][:, :-1]
+        message = "mixing ratio 'W' has 5"
+    save_id = json.loads(base.with_suffix(".json").read_text())["save_id"]
+    st.write_bytes(save(tensors, metadata={SAVE_ID: save_id}))
+    check_one_line(["report", "--from", str(base.with_suffix(".json")), "-o", "{out}/r.html"], fx, capsys, message)
+
+
+def test_report_from_json_declaring_many_tokens_and_layers(fx, capsys):
+    """#32 D: a small file declaring 200,000 tokens and 20,000 layers of mixing ratios made `report --from` allocate
+    16 GB (each mean repeated on every token); the means are kept as they are."""
+    obj = _analysis_json(tokens=["x"] * 200_000, methods={}, mixing_ratio={"W": [0.5] * 20_000})
+    (Path(fx["dir"]) / "big.json").write_text(json.dumps(obj))
+    code, _, err = run_cli(["report", "--from", "{dir}/big.json".format(**fx), "-o", fx["out"] + ".html"], capsys)
+    assert code == 0, err
+    assert "first 256 of 200000 tokens" in Path(fx["out"] + ".html").read_text()
+
+
+@pytest.mark.parametrize("command", ["analyze", "report"])
+def test_unwritable_out_is_found_before_the_work(command, fx, capsys, monkeypatch):
+    """#32.16/D: an --out that cannot be written is refused before the model loads."""
+    import mixlens.lens
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_load)
+    name = "a.json" if command == "analyze" else "r.html"
+    check_one_line([command, "hi", "-o", "{afile}/sub/" + name], fx, capsys, "is not a directory")
+    monkeypatch.setattr("os.access", lambda *a, **k: False)
+    check_one_line([command, "hi", "-o", "{adir}/" + name], fx, capsys, "no permission to write in")
+
+
+@pytest.mark.parametrize("argv", [["analyze", "hi", "-o", "{out}.json"], ["report", "hi", "-o", "{out}.html"]])
+def test_full_disk_is_one_line(argv, fx, capsys, monkeypatch):
+    """#32.16: a write that fails at flush/fsync (a full disk) is one line and exit 2, never 'wrote …' with exit 0;
+    no file (not even the temp file) is left."""
+    import errno
+    import os
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    check_one_line(argv, fx, capsys, "No space left on device")
+
+
+def test_stdout_on_a_full_disk_is_one_line(fx, capsys, monkeypatch):
+    """#32.16: JSON/CSV to stdout on a full disk (here /dev/full) is a one-line error, not a lost result."""
+    import sys
+
+    from mixlens.commands.output import write_stdout
+    from mixlens.errors import MixlensError
+
+    full = open("/dev/full", "w")  # noqa: SIM115 (closed below, whatever the buffer still holds)
+    try:
+        monkeypatch.setattr(sys, "stdout", full)
+        with pytest.raises(MixlensError, match="cannot write to stdout: No space left on device"):
+            write_stdout("x" * 100_000)
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):
+            full.close()
 
 
 # ---- issue 32: untrusted JSON (items 13, 14) and model folders that are not what they claim (items 12, 15) ----

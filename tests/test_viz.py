@@ -325,3 +325,49 @@ def test_head_figure_labels_are_readable():
     assert _text_colour(colormaps["RdBu"](0.5)) == "k" and _text_colour(colormaps["RdBu"](0.0)) == "w"
     assert _text_colour(colormaps["magma"](1.0)) == "k" and _text_colour(colormaps["magma"](0.0)) == "w"
     assert statistic_words("norm_cls") == "mass on [CLS], norm-based contributions ‖αf(x)‖"
+
+
+def _blocks_attribution(lengths: list[int], seed: int = 0) -> Attribution:
+    """A [layer=2, target, source] attribution stored per input (one block each), as `Lens.analyze` stores it."""
+    from mixlens.result import Blocks
+
+    rng = np.random.default_rng(seed)
+    parts = [(np.array([b]), rng.random((1, 2, n, n)).astype(np.float32)) for b, n in enumerate(lengths)]
+    tokens = [[f"t{k}" for k in range(n)] for n in lengths]
+    dims = ("layer", "target", "source")
+    return Attribution(Blocks(parts, dims, lengths), dims, tokens, "m")
+
+
+def test_payload_is_built_per_input_without_padding(monkeypatch):
+    """#32 D: the payload read `.values` (every input padded to the longest: 200 two-token texts and one 500-token
+    text took 5.4 GB); it is built per input from `.input(b)`."""
+    from mixlens.result import Blocks
+
+    attr = _blocks_attribution([2] * 20 + [40])
+
+    def padded(self):
+        raise AssertionError("the padded [batch, ...] array was built")
+
+    monkeypatch.setattr(Blocks, "full", padded)
+    payload = vh.build_payload(attr)
+    (m,) = payload["methods"]
+    assert m["axes"] == [{"name": "layer", "size": 2}]
+    assert [len(v) for v in m["values"]] == [2 * 2 * 2] * 20 + [2 * 40 * 40]
+    np.testing.assert_allclose(m["values"][20], vh.round_sig(attr.input(20)).ravel())
+
+
+def test_nan_and_inf_are_marked_not_drawn_as_zero():
+    """#32 D: NaN and ±inf were drawn as 0; they reach the page as null / "inf" / "-inf" and are marked."""
+    attr = _blocks_attribution([3])
+    v = attr.input(0)
+    v[1, 0, 0], v[1, 0, 1], v[1, 0, 2] = np.nan, np.inf, -np.inf
+    payload = vh.build_payload(attr)
+    last = payload["methods"][0]["values"][0][9:12]  # layer 1, target 0
+    assert last == [None, "inf", "-inf"] and not payload["methods"][0]["signed"]
+    vh.render_report(attr)  # the JSON holds no NaN (allow_nan=False would refuse it)
+    scores = Attribution(np.array([[0.5, np.nan, np.inf]], np.float32), ("source",), [["a", "b", "c"]], "s")
+    markup = vh.render_report(scores)
+    assert 'class="mlx-nonfinite" title="nan"' in markup and 'class="mlx-nonfinite" title="inf"' in markup
+    assert vh.NONFINITE in markup
+    js = vh.asset("report.js")
+    assert 'v === null ? NaN : v === "inf" ? Infinity' in js and "NaN or \\u00b1inf" in js

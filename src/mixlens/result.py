@@ -22,8 +22,9 @@ from mixlens.errors import MixlensError
 
 
 def atomic_write(path: str | Path, data: bytes) -> None:
-    """Write to a temp file beside `path`, then rename: a crash never leaves a half file. A directory at `path`
-    or a failing filesystem (read-only, full, no permission) is a `MixlensError` naming the path."""
+    """Write to a temp file beside `path`, fsync and close it, then rename: a crash never leaves a half file. A
+    directory at `path` or a failing filesystem (read-only, full, no permission; a failed write, fsync or close) is a
+    `MixlensError` naming the path, and the temp file is removed."""
     path = Path(path)
     if path.is_dir():
         raise MixlensError(f"cannot write '{path}': it is a directory; give a file name")
@@ -31,8 +32,10 @@ def atomic_write(path: str | Path, data: bytes) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:  # write, flush and fsync: a full disk fails here, not silently later
             fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the user's usual mode
@@ -652,6 +655,7 @@ class Analysis:
         self.attributions = attributions
         self.reconstruction_error = reconstruction_error
         self.ratio_means_only = ratio_means_only
+        self._ratio_means: dict[str, np.ndarray] | None = None  # read from analyze's JSON: [batch, layer] per variant
         lengths = [len(t) for t in tokens]
         self.ratio_store = {
             v: r if isinstance(r, Blocks) else Blocks.of(r, ("layer", "target"), lengths) for v, r in ratios.items()
@@ -708,6 +712,8 @@ class Analysis:
                     "of the mixing ratios; save it with Analysis.save for per-token ratios"
                 )
             return store.full()
+        if self._ratio_means is not None:
+            return self._ratio_means[variant]
         lengths = np.array([len(t) for t in self.tokens])
         out = np.zeros((len(self.tokens), store.parts[0][1].shape[1]), store.parts[0][1].dtype)
         for idx, r in store.parts:
@@ -842,6 +848,7 @@ class Analysis:
             if man.get("bias") is None
             else Blocks.from_tensors(tensors, "bias.", man["bias"], ("layer", "target", "hidden"), lengths, what)
         )
+        _check_layers(attributions, ratios, bias, str(path))
         err = None
         if man.get("reconstruction_error"):
             err = tensors.get("reconstruction_error")
@@ -865,6 +872,7 @@ class Analysis:
         dims: dict[str, tuple[str, ...]] = {}
         extra_dims: dict[tuple[str, str], tuple[str, ...]] = {}
         means: dict[str, list[np.ndarray]] = {}
+        rows: dict[str, list[list[int] | None]] = {}  # target-row mode (`analyze --targets`): positions per input
         for b, inp in enumerate(obj["inputs"]):
             at = f"{where}: input {b + 1}"
             if not isinstance(inp, dict) or not isinstance(inp.get("text"), str):
@@ -885,7 +893,13 @@ class Analysis:
                 d = _dims(m.get("dims"), Path(where), f"the axes of '{name}'")
                 if dims.setdefault(name, d) != d:
                     raise MixlensError(f"{at}: '{name}' has other axes than in input 1")
-                values.setdefault(name, []).append(_array(m.get("values"), d, len(toks), f"{at}: '{name}'"))
+                pos = _json_targets(m.get("targets"), d, len(toks), f"{at}: '{name}'")
+                if b and (pos is None) != (rows[name][0] is None):
+                    raise MixlensError(f"{at}: '{name}' gives target rows for some inputs only")
+                rows.setdefault(name, []).append(pos)
+                values.setdefault(name, []).append(
+                    _array(m.get("values"), d, len(toks), f"{at}: '{name}'", None if pos is None else len(pos))
+                )
                 ex = m.get("extras", {})
                 if not isinstance(ex, dict) or (b and set(ex) != set(extras.get(name, {}))):
                     raise MixlensError(f"{at}: the extras of '{name}' differ from input 1 or are malformed")
@@ -913,6 +927,15 @@ class Analysis:
                 raise MixlensError(f"{where}: {name} has different non-token axis sizes across inputs")
         if len({e is None for e in errors}) > 1:
             raise MixlensError(f"{where}: 'reconstruction_error' is given for some inputs only")
+        if any(isinstance(e, float) and not math.isfinite(e) for e in errors):
+            raise MixlensError(f"{where}: 'reconstruction_error' must be a finite number")
+        layers = {len(m[0]) for m in means.values()} | {
+            arrs[0].shape[dims[name].index("layer")] for name, arrs in values.items() if "layer" in dims[name]
+        }
+        if len(layers) > 1:
+            raise MixlensError(
+                f"{where}: the mixing ratios and the methods give different layer counts ({sorted(layers)})"
+            )
         lengths = [len(t) for t in tokens]
 
         def store(arrs: list[np.ndarray], d: tuple[str, ...]) -> Blocks:
@@ -928,15 +951,23 @@ class Analysis:
                 {},
                 None,
                 {k: store(e, extra_dims[(name, k)]) for k, e in extras.get(name, {}).items()},
+                None if rows[name][0] is None else [r or [] for r in rows[name]],
             )
             for name, arrs in values.items()
         }
+        # Each input's per-layer mean on every token, as read-only broadcast views: nothing is allocated per token
+        # (a crafted file may declare many tokens and layers), and the means themselves are kept exact.
         ratios = {
-            v: store([np.repeat(m[:, None], n, 1) for m, n in zip(ms, lengths, strict=True)], ("layer", "target"))
+            v: store(
+                [np.broadcast_to(m[:, None], (len(m), n)) for m, n in zip(ms, lengths, strict=True)],
+                ("layer", "target"),
+            )
             for v, ms in means.items()
         }
         err_arr = None if errors[0] is None else np.asarray(errors, np.float32)
-        return cls(model, version, texts, tokens, attributions, ratios, err_arr, None, ratio_means_only=True)
+        res = cls(model, version, texts, tokens, attributions, ratios, err_arr, None, ratio_means_only=True)
+        res._ratio_means = {v: np.stack(ms) for v, ms in means.items()}
+        return res
 
     @classmethod
     def concat(cls, analyses: Sequence[Analysis]) -> Analysis:
@@ -1008,15 +1039,59 @@ class Analysis:
         )
 
 
-def _array(value: object, dims: tuple[str, ...], n: int, what: str) -> np.ndarray:
-    """Nested lists of numbers → a float32 array with one axis per name in `dims`, token axes of length n."""
+def _array(value: object, dims: tuple[str, ...], n: int, what: str, rows: int | None = None) -> np.ndarray:
+    """Nested lists of numbers → a float32 array with one axis per name in `dims`, token axes of length n (the
+    `target` axis of target-row mode: `rows`). Only numbers are accepted (not strings, booleans or null)."""
+    if isinstance(value, (str, bytes)):
+        raise MixlensError(f"{what}: values are not a regular array of numbers")
     try:
-        a = np.asarray(value, dtype=np.float32)
-    except (TypeError, ValueError):
+        a = np.asarray(value)
+    except (TypeError, ValueError, RecursionError):
         raise MixlensError(f"{what}: values are not a regular array of numbers") from None
+    if a.dtype.kind not in "iuf":  # strings, objects (ragged lists, null) and booleans
+        raise MixlensError(f"{what}: values are not a regular array of numbers")
+    a = a.astype(np.float32)
     if a.ndim != len(dims):
         raise MixlensError(f"{what}: values have {a.ndim} axes, the dims name {len(dims)}")
     for s, d in zip(a.shape, dims, strict=True):
-        if d in TOKEN_AXES and s != n:
-            raise MixlensError(f"{what}: axis '{d}' has {s} entries for {n} tokens")
+        want = rows if d == "target" and rows is not None else n
+        if d in TOKEN_AXES and s != want:
+            raise MixlensError(
+                f"{what}: axis '{d}' has {s} entries for {want} {'target rows' if want is rows else 'tokens'}"
+            )
     return a
+
+
+def _check_layers(
+    attributions: Mapping[str, Attribution], ratios: Mapping[str, Blocks], bias: Blocks | None, where: str
+) -> None:
+    """Every 'layer' axis of a loaded analysis (methods, extras, mixing ratios, bias) has the same length."""
+    found: dict[int, str] = {}
+    stores = [(f"'{n}'", a.store) for n, a in attributions.items()]
+    stores += [(f"'{n}.{k}'", e) for n, a in attributions.items() for k, e in a.extra_store.items()]
+    stores += [(f"mixing ratio '{v}'", r) for v, r in ratios.items()] + ([("the bias", bias)] if bias else [])
+    for what, st in stores:
+        if "layer" in st.dims:
+            found.setdefault(int(st.parts[0][1].shape[1 + st.dims.index("layer")]), what)
+    if len(found) > 1:
+        (a, x), (b, y) = list(found.items())[:2]
+        raise MixlensError(f"{where}: {x} has {a} layers but {y} has {b}")
+
+
+def _json_targets(value: object, dims: tuple[str, ...], n: int, what: str) -> list[int] | None:
+    """The `targets` of one method of one input in analyze's JSON (target-row mode): distinct integer positions
+    inside the input's n tokens, for a method with a `target` axis; None when absent."""
+    if value is None:
+        return None
+    if "target" not in dims:
+        raise MixlensError(f"{what}: 'targets' given for a method without a 'target' axis")
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(_is_int(p) and 0 <= p < n for p in value)
+        or len(set(value)) != len(value)
+    ):
+        raise MixlensError(
+            f"{what}: 'targets' must list distinct integer token positions inside the input ({n} tokens)"
+        )
+    return value

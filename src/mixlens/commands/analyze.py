@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from mixlens.commands.options import (
     pick_model_head,
     precheck_model,
 )
-from mixlens.commands.output import method_progress
+from mixlens.commands.output import check_writable, method_progress, write_stdout
 from mixlens.errors import MixlensError
 
 
@@ -87,8 +86,8 @@ def analyze(
     opts = parse_options(option)
     model_head = pick_model_head(model_head, head)
     dest = out or Path("mixlens-report.html" if fmt is Format.html else "mixlens-analysis.json")
-    if dest.is_dir() and (fmt is not Format.json or out is not None):
-        raise MixlensError(f"cannot write '{dest}': it is a directory; give a file name")
+    if fmt is not Format.json or out is not None:  # an unwritable --out is found before the work
+        check_writable(dest)
     rows = parse_targets(targets)
     if fmt is Format.html and rows not in (None, "all"):
         raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
@@ -118,11 +117,11 @@ def analyze(
         return
     payload = json.dumps(res.to_json())
     if fmt is Format.json and out is None:
-        sys.stdout.write(payload + "\n")
+        write_stdout(payload + "\n")
         return
-    atomic_write(dest, payload.encode())
-    if fmt is Format.table:
+    if fmt is Format.table:  # printed before the file is written: a failure here leaves nothing behind
         print_results(res, methods)
+    atomic_write(dest, payload.encode())
     written = "; ".join(f"{m} ({describe(res[m])})" for m in methods)
     typer.echo(f"wrote {written} for {len(text)} input(s) to {dest}", err=True)
 
@@ -173,19 +172,31 @@ def _last_layer_map(attr: Any, b: int) -> tuple[Any, str]:
 
 
 def print_top_sources(attr: Any) -> None:
-    """For each token of each input, its strongest sources (by |value|) in the method's last-layer map."""
+    """For each token of each input (or each computed target row, with --targets), its strongest sources (by
+    |value|) in the method's last-layer map."""
     import numpy as np
 
     from mixlens.commands.output import print_table
 
     for b, toks in enumerate(attr.tokens):
         m, where = _last_layer_map(attr, b)
+        targets = list(range(len(toks))) if attr.targets is None else attr.targets[b]
         rows = []
-        for i, t in enumerate(toks):
+        for i, pos in enumerate(targets):  # row i of the map is token `pos`
             order = np.argsort(-np.abs(m[i]), kind="stable")[:TOP_SOURCES]
-            rows.append([t, "  ".join(f"{toks[j]} {m[i, j]:.2f}" for j in order)])
-        what = f"{attr.method}: top {TOP_SOURCES} sources of each token" + (f" ({where})" if where else "")
+            label = toks[pos] if attr.targets is None else f"{pos}: {toks[pos]}"
+            rows.append([label, "  ".join(f"{toks[j]} {m[i, j]:.2f}" for j in order)])
+        what = f"{attr.method}: top {TOP_SOURCES} sources of " + (
+            "each token"
+            if attr.targets is None
+            else f"target row{'s' if len(targets) > 1 else ''} {_positions(targets)}"
+        )
+        what += f" ({where})" if where else ""
         print_table(what + (f" — input {b + 1}" if len(attr.tokens) > 1 else ""), ["token", "sources"], rows, left=(1,))
+
+
+def _positions(targets: list[int]) -> str:
+    return ", ".join(map(str, targets)) if len(targets) <= 8 else f"{', '.join(map(str, targets[:8]))}, …"
 
 
 def print_scores(attr: Any, console: Any) -> None:

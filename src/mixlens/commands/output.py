@@ -47,18 +47,53 @@ def progress(total: int | None, what: str) -> Iterator[Callable[[int], None]]:
         yield lambda n: bar.advance(task, n)
 
 
-SLOW_METHODS = ("attention_flow",)  # besides every method that runs extra passes (value zeroing, gradients)
-
-
 def method_progress(methods: list[str], n_inputs: int) -> AbstractContextManager[Callable[[int], None]]:
     """`progress` over the inputs when a slow method is requested (a spinner for one input), else a no-op;
     yields `advance(n)` for `Lens.analyze(on_batch=...)`."""
     from mixlens.methods import get
 
-    slow = [m for m in methods if get(m).extra_passes or m in SLOW_METHODS]
+    slow = [m for m in methods if get(m).extra_passes or get(m).slow]
     if not slow:
         return nullcontext(lambda n: None)
     return progress(None if n_inputs <= 1 else n_inputs, f"{', '.join(slow)}")
+
+
+def write_stdout(text: str) -> None:
+    """Write `text` to stdout and flush it: a full disk or a closed pipe behind stdout is a `MixlensError` (one line,
+    exit 2) instead of a lost result with exit 0."""
+    from mixlens.errors import MixlensError
+
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as e:
+        raise MixlensError(f"cannot write to stdout: {e.strerror or e}") from None
+
+
+def check_writable(path: Path, *, directory: bool = False) -> None:
+    """Refuse, before any work, an output `path` that cannot be written: a directory where a file is wanted (or a
+    file where a directory is), a parent that is a file, or a nearest existing folder the user may not write to."""
+    import os
+
+    from mixlens.errors import MixlensError
+
+    path = Path(path)
+    if path.exists():
+        if directory and not path.is_dir():
+            raise MixlensError(f"cannot write to '{path}': it exists and is not a directory")
+        if not directory and path.is_dir():
+            raise MixlensError(f"cannot write '{path}': it is a directory; give a file name")
+    folder = path if directory else path.parent
+    while not folder.exists():
+        if folder.is_symlink():  # a dangling link: creating the folder fails
+            raise MixlensError(f"cannot write '{path}': '{folder}' is a broken link")
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    if folder.exists() and not folder.is_dir():
+        raise MixlensError(f"cannot write '{path}': '{folder}' is not a directory")
+    if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        raise MixlensError(f"cannot write '{path}': no permission to write in '{folder}'")
 
 
 def write_table(df: Any, fmt: TableFormat, out_dir: Path, stem: str) -> None:
@@ -66,9 +101,9 @@ def write_table(df: Any, fmt: TableFormat, out_dir: Path, stem: str) -> None:
     from mixlens.result import atomic_write
 
     if fmt is TableFormat.csv:
-        sys.stdout.write(df.to_csv(index=False))
+        write_stdout(df.to_csv(index=False))
     elif fmt is TableFormat.json:
-        sys.stdout.write(df.to_json(orient="records", force_ascii=False) + "\n")
+        write_stdout(df.to_json(orient="records", force_ascii=False) + "\n")
     else:
         import io
 

@@ -20,7 +20,7 @@ from mixlens.commands.options import (
     parse_options,
     precheck_model,
 )
-from mixlens.commands.output import method_progress
+from mixlens.commands.output import check_writable, method_progress
 from mixlens.errors import MixlensError
 
 
@@ -86,8 +86,7 @@ def register(app: typer.Typer) -> None:
 
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
-        if out.is_dir():
-            raise MixlensError(f"cannot write '{out}': it is a directory; give a file name")
+        check_writable(out)  # before the file is read or the model loads
         head_maps: dict[str, Any] = {}
         if from_file is not None:
             res = read_saved(from_file, text, method)

@@ -28,6 +28,7 @@ MAX_TOKENS = 256  # tokens shown per input
 MAX_LINKS = 3000  # lines drawn in the bipartite view
 SIG_DIGITS = 4
 PRECISION = f"values rounded to {SIG_DIGITS} significant digits"
+NONFINITE = "#ff00ff"  # NaN and ±inf cells and tokens (magenta: in neither colour map)
 START_METHODS = ("norm_resln", "norm_res", "norm", "globenc", "alti")  # the view opens on the decomposition
 
 
@@ -57,8 +58,19 @@ def round_sig(x: np.ndarray, digits: int = SIG_DIGITS) -> np.ndarray:
     return np.where(e >= 0, np.round(x * up) / up, np.round(x / up) * up)
 
 
-def _flat(a: np.ndarray) -> list[float]:
-    return round_sig(a).ravel().tolist()
+def _flat(a: np.ndarray) -> list[float | str | None]:
+    """Values rounded for the page; NaN becomes null and ±inf the strings "inf"/"-inf" (JSON holds neither), so the
+    view can mark them instead of drawing them as 0."""
+    x = np.asarray(a, dtype=np.float64).ravel()
+    out: list[float | str | None] = round_sig(x).tolist()
+    for k in np.flatnonzero(~np.isfinite(x)).tolist():
+        out[k] = None if np.isnan(x[k]) else ("inf" if x[k] > 0 else "-inf")
+    return out
+
+
+def _lead(a: Attribution) -> tuple[int, ...]:
+    """The sizes of the axes before the token axes, read from one input (never the padded `values`)."""
+    return tuple(int(s) for s in a.input(0).shape[: len(a.dims) - 2])
 
 
 def analyze_for_view(
@@ -120,9 +132,13 @@ def build_payload(
 
     plans = []
     scores = []
+    rowed = []
     for name, a in attrs.items():
         if a.dims[-1] == "source" and a.dims[-2:] != ("target", "source"):
             scores.append(_scores_entry(name, a, shown))
+            continue
+        if a.dims[-2:] == ("target", "source") and a.targets is not None:
+            rowed.append((name, a))
             continue
         if a.dims[-2:] != ("target", "source"):
             notes.append(
@@ -138,10 +154,13 @@ def build_payload(
     cells = sum(n * n for n in shown)
 
     def size(a: Attribution) -> int:
-        return int(np.prod([a.values.shape[k + 1] for k, d in enumerate(a.dims[:-2]) if d != "head"])) * cells
+        return int(np.prod([s for s, d in zip(_lead(a), a.dims, strict=False) if d != "head"])) * cells
+
+    def n_heads(p: Attribution) -> int:
+        return _lead(p)[p.dims.index("head")]
 
     base = sum(size(a) for _, a, _ in plans)
-    heads = sum(size(p) * p.values.shape[1 + p.dims.index("head")] for _, _, p in plans if p is not None)
+    heads = sum(size(p) * n_heads(p) for _, _, p in plans if p is not None)
     if plans and base + heads > max_values and heads:
         notes.append(
             f"per-head maps left out to keep the file small ({base + heads:,} values > {max_values:,}); "
@@ -153,10 +172,19 @@ def build_payload(
         if used + size(a) > max_values:
             dropped.append(name)
             continue
-        used += size(a) + (
-            0 if per_head is None else size(per_head) * per_head.values.shape[1 + per_head.dims.index("head")]
-        )
+        used += size(a) + (0 if per_head is None else size(per_head) * n_heads(per_head))
         methods.append(_method_entry(name, a, per_head, shown))
+    for name, a in rowed:  # target-row mode (`analyze --targets`): each computed row as per-token scores
+        rows = sum(
+            int(np.prod([s for s, d in zip(a.input(b).shape, a.dims, strict=True) if d not in ("head", "source")])) * n
+            for b, n in enumerate(shown)
+        )
+        if used + rows > max_values:
+            dropped.append(name)
+            continue
+        used += rows
+        scores.append(_target_rows_entry(name, a, shown, tokens))
+        notes.append(f"'{name}' holds only target rows: each row is shown as per-token scores (below the view)")
     if dropped:
         notes.append(
             f"left out to keep the file small (over {max_values:,} values): {', '.join(dropped)}; "
@@ -176,13 +204,14 @@ def build_payload(
         "methods": methods,
         "cmaps": _cmaps(),
         "max_links": MAX_LINKS,
+        "nonfinite": NONFINITE,
     }
 
 
 def _method_entry(name: str, a: Attribution, per_head: Attribution | None, shown: list[int]) -> dict[str, Any]:
     lead = list(a.dims[:-2])
     own_head = "head" in lead
-    axes = [{"name": d, "size": int(a.values.shape[k + 1])} for k, d in enumerate(lead) if d != "head"]
+    axes = [{"name": d, "size": s} for d, s in zip(lead, _lead(a), strict=True) if d != "head"]
     values, head_values = [], []
     for b, n in enumerate(shown):
         v = a.input(b)[..., :n, :n]  # [*lead, n, n]
@@ -192,8 +221,8 @@ def _method_entry(name: str, a: Attribution, per_head: Attribution | None, shown
         if per_head is not None:
             h = per_head.input(b)[..., :n, :n]
             head_values.append(_flat(np.moveaxis(h, per_head.dims.index("head"), -3)))  # [*lead, head, n, n]
-    n_heads = 0 if per_head is None else int(per_head.values.shape[1 + per_head.dims.index("head")])
-    signed = bool(any(np.nanmin(a.input(b)) < 0 for b in range(len(shown))))
+    n_heads = 0 if per_head is None else _lead(per_head)[per_head.dims.index("head")]
+    signed = any(_has_negative(a.input(b)) for b in range(len(shown)))
     return {
         "name": name,
         "axes": axes,
@@ -203,6 +232,32 @@ def _method_entry(name: str, a: Attribution, per_head: Attribution | None, shown
         "values": values,
         "head_values": head_values if per_head is not None else None,
     }
+
+
+def _has_negative(v: np.ndarray) -> bool:
+    """Whether a map holds a finite negative value (NaN and ±inf do not make a method signed)."""
+    return bool(np.any(np.isfinite(v) & (v < 0)))
+
+
+def _target_rows_entry(name: str, a: Attribution, shown: list[int], tokens: list[list[str]]) -> dict[str, Any]:
+    """A map of target rows only ([*lead, K, source], `Attribution.targets`) as per-token score rows: one row per
+    leading index (heads averaged) and computed target, labelled with its position and token."""
+    assert a.targets is not None
+    rows = []
+    for b, n in enumerate(shown):
+        v = a.input(b)[..., :n]
+        lead = list(a.dims[:-2])
+        if "head" in lead:
+            v = v.mean(lead.index("head"))
+            lead.remove("head")
+        flat = v.reshape(-1, v.shape[-2], n)  # [lead..., K, n]
+        for k, block in enumerate(flat):
+            where = np.unravel_index(k, v.shape[:-2]) if lead else ()
+            at = "".join(f", {d} {int(i)}" for d, i in zip(lead, where, strict=True))
+            for r, pos in enumerate(a.targets[b]):
+                label = f"input {b + 1}{at}, target {pos} \u201c{tokens[b][pos]}\u201d"
+                rows.append({"label": label, "input": b, "values": _flat(block[r])})
+    return {"name": name, "rows": rows}
 
 
 def _scores_entry(name: str, a: Attribution, shown: list[int]) -> dict[str, Any]:
@@ -228,9 +283,16 @@ def _scores_markup(payload: dict) -> str:
         parts.append(f"<h4>{html.escape(entry['name'])}</h4>")
         for row in entry["rows"]:
             toks = payload["inputs"][row["input"]]["tokens"]
-            lim = max((abs(x) for x in row["values"]), default=0.0) or 1.0
+            lim = max((abs(x) for x in row["values"] if isinstance(x, float | int)), default=0.0) or 1.0
             spans = []
             for t, x in zip(toks, row["values"], strict=False):
+                if not isinstance(x, float | int):  # NaN (null) or ±inf ("inf"/"-inf"): marked, never drawn as 0
+                    spans.append(
+                        f'<span class="mlx-nonfinite" title="{"nan" if x is None else x}" style="background:'
+                        f"{NONFINITE};color:#fff;padding:1px 3px;margin:1px;border-radius:3px;display:inline-block;"
+                        f'outline:1px dashed #000">{html.escape(t)}</span>'
+                    )
+                    continue
                 colour = cmap[min(255, max(0, round(127.5 + 127.5 * x / lim)))]
                 ink = "#fff" if abs(x) > 0.6 * lim else "#000"  # readable on the dark ends of the scale
                 spans.append(

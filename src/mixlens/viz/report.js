@@ -16,7 +16,10 @@ function mlxMount(root, data) {
     if (parent) parent.appendChild(e);
     return e;
   }
+  function num(v) { return v === null ? NaN : v === "inf" ? Infinity : v === "-inf" ? -Infinity : v; }  // see _flat
   function fmt(v) {
+    if (v !== v) return "nan";
+    if (!isFinite(v)) return v > 0 ? "inf" : "-inf";
     if (v === 0) return "0";
     var a = Math.abs(v);
     return (a >= 1e4 || a < 1e-3) ? v.toExponential(3) : v.toPrecision(4);
@@ -110,9 +113,15 @@ function mlxMount(root, data) {
     if (S.head >= 0 && m.head_values) { arr = m.head_values[S.input]; lead = lead * m.heads + S.head; }
     else arr = m.values[S.input];
     S.n = n;
-    S.map = arr.slice(lead * n * n, (lead + 1) * n * n);
+    S.map = arr.slice(lead * n * n, (lead + 1) * n * n).map(num);
     var lo = Infinity, hi = -Infinity;
-    for (var k = 0; k < S.map.length; k++) { var v = S.map[k]; if (v < lo) lo = v; if (v > hi) hi = v; }
+    S.bad = 0;  // NaN and ±inf cells: drawn in their own colour, left out of the scale
+    for (var k = 0; k < S.map.length; k++) {
+      var v = S.map[k];
+      if (!isFinite(v)) { S.bad++; continue; }
+      if (v < lo) lo = v; if (v > hi) hi = v;
+    }
+    if (lo > hi) { lo = 0; hi = 0; }
     if (m.signed) { var a = Math.max(Math.abs(lo), Math.abs(hi)) || 1; S.vmin = -a; S.vmax = a; }
     else { S.vmin = Math.min(0, lo); S.vmax = hi > S.vmin ? hi : S.vmin + 1; }
   }
@@ -126,7 +135,9 @@ function mlxMount(root, data) {
     var t = (v - S.vmin) / (S.vmax - S.vmin);
     return Math.max(0, Math.min(255, Math.round(t * 255)));
   }
-  function rgbOf(v) { return RGB[method().signed ? "diverging" : "sequential"][cindex(v)]; }
+  var BAD = data.nonfinite || "#ff00ff";
+  var BAD_RGB = [parseInt(BAD.slice(1, 3), 16), parseInt(BAD.slice(3, 5), 16), parseInt(BAD.slice(5, 7), 16)];
+  function rgbOf(v) { return isFinite(v) ? RGB[method().signed ? "diverging" : "sequential"][cindex(v)] : BAD_RGB; }
   function color(v) { return data.cmaps[method().signed ? "diverging" : "sequential"][cindex(v)]; }
 
   function fillControls() {
@@ -192,7 +203,9 @@ function mlxMount(root, data) {
     hmTitle.textContent = "Token \u00d7 token map \u2014 " + m.name + describe();
     hmCanvas.setAttribute("aria-label", hmTitle.textContent + "; " + n + " tokens");
     bpCanvas.setAttribute("aria-label", "links between tokens for " + m.name + describe());
-    hmNote.textContent = labels ? "" : n + " tokens: labels hidden at this size; hover a cell for its tokens.";
+    hmNote.textContent = (labels ? "" : n + " tokens: labels hidden at this size; hover a cell for its tokens. ") +
+      (S.bad ? S.bad + " cell" + (S.bad > 1 ? "s are" : " is") + " NaN or \u00b1inf (magenta; hover for the value)." : "");
+    hmNote.setAttribute("data-nonfinite", String(S.bad));
     var cc = setupCanvas(cbCanvas, 160, 10);
     for (var x = 0; x < 160; x++) { cc.fillStyle = color(S.vmin + (S.vmax - S.vmin) * x / 159); cc.fillRect(x, 0, 1, 10); }
     cbMin.textContent = fmt(S.vmin); cbMax.textContent = fmt(S.vmax);
@@ -216,11 +229,11 @@ function mlxMount(root, data) {
     lab = Math.ceil(lab) + 8;
     var gap = 170, w = 2 * lab + gap, h = n * rowH + 8, x0 = lab, x1 = lab + gap;
     ctx = setupCanvas(bpCanvas, w, h);
-    var abs = Float64Array.from(map, Math.abs).sort(), amax = abs[abs.length - 1] || 0, k, order = [];
+    var abs = Float64Array.from(map.filter(isFinite), Math.abs).sort(), amax = abs[abs.length - 1] || 0, k, order = [];
     var total = 0;
     for (k = 0; k < abs.length; k++) if (abs[k] > 0) total++;
     var cut = (S.focus < 0 && total > maxLinks) ? abs[abs.length - maxLinks] : 0;  // keep the strongest links
-    for (k = 0; k < map.length; k++) if (map[k] !== 0 && Math.abs(map[k]) >= cut) order.push(k);
+    for (k = 0; k < map.length; k++) if (map[k] !== 0 && isFinite(map[k]) && Math.abs(map[k]) >= cut) order.push(k);
     function y(i) { return 4 + (i + 0.5) * rowH; }
     var buckets = {}, drawn = 0;  // links grouped by colour and strength: one stroke per group
     for (var q = 0; q < order.length; q++) {
@@ -257,7 +270,7 @@ function mlxMount(root, data) {
 
   /* ---- ratio chart ---- */
   function drawRatios() {
-    var rat = data.inputs[S.input].ratios;
+    var rat = ratiosOf(S.input);
     legend.textContent = "";
     if (!rat) { setupCanvas(rtCanvas, 10, 10); el("span", "mlx-empty", "No mixing ratios in this result.", legend); return; }
     var names = Object.keys(rat), L = rat[names[0]].length;
@@ -278,16 +291,32 @@ function mlxMount(root, data) {
       var col = RATIO_COLORS[c % RATIO_COLORS.length];
       ctx.strokeStyle = col; ctx.fillStyle = col; ctx.lineWidth = 2;
       ctx.beginPath();
-      rat[name].forEach(function (v, k) { if (k) ctx.lineTo(X(k), Y(v)); else ctx.moveTo(X(k), Y(v)); });
+      var up = false;  // a NaN or ±inf layer breaks the line and is marked at the bottom of the chart
+      rat[name].forEach(function (v, k) {
+        if (!isFinite(v)) { up = false; return; }
+        if (up) ctx.lineTo(X(k), Y(v)); else ctx.moveTo(X(k), Y(v));
+        up = true;
+      });
       ctx.stroke();
-      rat[name].forEach(function (v, k) { ctx.beginPath(); ctx.arc(X(k), Y(v), 3, 0, 2 * Math.PI); ctx.fill(); });
+      rat[name].forEach(function (v, k) {
+        if (!isFinite(v)) { ctx.fillStyle = BAD; ctx.fillText(fmt(v), X(k), h - b - 12); ctx.fillStyle = col; return; }
+        ctx.beginPath(); ctx.arc(X(k), Y(v), 3, 0, 2 * Math.PI); ctx.fill();
+      });
       var item = el("span", null, null, legend);
       el("span", "mlx-sw", null, item).style.background = col;
-      item.appendChild(doc.createTextNode(name + " (mean " + (100 * mean(rat[name])).toFixed(1) + "%)"));
+      var fin = rat[name].filter(isFinite), bad = rat[name].length - fin.length;
+      item.appendChild(doc.createTextNode(name + " (mean " + (100 * mean(fin)).toFixed(1) + "%" +
+        (bad ? "; " + bad + " layer" + (bad > 1 ? "s" : "") + " NaN or \u00b1inf" : "") + ")"));
     });
     S.rt = { X: X, L: L, names: names };
   }
   function mean(a) { var s = 0; a.forEach(function (v) { s += v; }); return a.length ? s / a.length : 0; }
+  function ratiosOf(b) {
+    var r = data.inputs[b].ratios, out = {};
+    if (!r) return null;
+    Object.keys(r).forEach(function (k) { out[k] = r[k].map(num); });
+    return out;
+  }
 
   /* ---- tooltip ---- */
   function showTip(ev, text) {
@@ -324,11 +353,11 @@ function mlxMount(root, data) {
   bpCanvas.addEventListener("mouseleave", function () { hideTip(); if (S.focus >= 0) { S.focus = -1; drawBipartite(); } });
   rtCanvas.addEventListener("mousemove", function (ev) {
     if (!S.rt) return;
-    var p = local(ev, rtCanvas), best = 0, rat = data.inputs[S.input].ratios;
+    var p = local(ev, rtCanvas), best = 0, rat = ratiosOf(S.input);
     if (!rat) return;
     for (var k = 1; k < S.rt.L; k++) if (Math.abs(S.rt.X(k) - p[0]) < Math.abs(S.rt.X(best) - p[0])) best = k;
     showTip(ev, "layer " + best + "\n" + S.rt.names.map(function (nm) {
-      return nm + ": " + (100 * rat[nm][best]).toFixed(1) + "%"; }).join("\n"));
+      var v = rat[nm][best]; return nm + ": " + (isFinite(v) ? (100 * v).toFixed(1) + "%" : fmt(v)); }).join("\n"));
   });
   rtCanvas.addEventListener("mouseleave", hideTip);
 
