@@ -307,3 +307,24 @@ def test_cli_prune_refuses_a_gold_label_the_model_does_not_have(classifier, tmp_
     data.write_text(data.read_text().replace("\t1\n", "\t7\n", 1))
     code, _, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o"), capsys)
     assert code == 2 and "gold label 7" in err and "2 classes" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_pruning_a_pruned_checkpoint_keeps_the_earlier_heads(tmp_path, tokenizer):
+    import mixlens
+
+    lens = random_lens("bert", tokenizer)
+    save_pruned(lens, [(0, 1)], tmp_path / "a")
+    again = save_pruned(mixlens.load(tmp_path / "a"), [(1, 2)], tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["mixlens_pruned_heads"] == {"0": [1], "1": [2]}
+    assert n_parameters(load_pruned(tmp_path / "b")) == n_parameters(again) == n_parameters(
+        save_pruned(lens, [(0, 1), (1, 2)], tmp_path / "c"))
+
+
+def test_cli_prune_save_sst2_classifier(classifier, tmp_path, capsys):
+    """Item 11 as reported: a 2-class classifier on the SST-2 dev TSV, --max-heads 1 --disable L0H0 --save DIR."""
+    f = data_file("sst2", "dev.tsv")
+    model_dir, _ = classifier
+    code, out, err = run_cli(_prune_argv(model_dir, f, tmp_path / "o", "--limit", "40", "--disable", "L0H0",
+                                         "--save", str(tmp_path / "pruned")), capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert "pruned forward" in out and (tmp_path / "pruned" / "model.safetensors").is_file()

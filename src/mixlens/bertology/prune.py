@@ -273,9 +273,12 @@ def prune_model(model: Any, heads: Mapping[int, Sequence[int]]) -> None:
 
 def pruned_copies(lens, heads: Sequence[tuple[int, int]]) -> tuple[Any, Any]:
     """(a copy of the lens's model with `heads` zeroed — what `save_pruned` writes —, one with them removed)."""
-    by: dict[int, list[int]] = {}
+    earlier = getattr(lens.model.config, CONFIG_KEY, None)  # a pruned checkpoint pruned again: keep its heads
+    earlier = earlier if isinstance(earlier, dict) else {}
+    by: dict[int, list[int]] = {int(k): list(v) for k, v in earlier.items()}
     for la, h in heads:
-        by.setdefault(la, []).append(h)
+        if h not in by.setdefault(la, []):
+            by[la].append(h)
     dense = copy.deepcopy(lens.model)
     zero_heads(dense, by)
     setattr(dense.config, CONFIG_KEY, {str(k): sorted(v) for k, v in by.items()})
