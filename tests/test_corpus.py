@@ -357,3 +357,61 @@ def test_jsonl_lone_surrogate_row_is_skipped_and_counted(tmp_path, tiny):
     res = run_corpus(data, tmp_path / "o", ["attention"], model=tiny)
     assert res.manifest["complete"] and res.manifest["counts"]["malformed"] == 1
     assert res.examples(["text"])["text"].tolist() == ["fine one", "fine two"]
+
+
+def test_second_run_into_a_locked_out_is_refused(tmp_path, tiny, capsys):
+    """#32.17: while one run holds --out (its lock), a second run into it — same or other job — is refused with one
+    line naming the running one, and writes nothing; the lock goes with the run."""
+    import fcntl
+    import os
+
+    from mixlens.corpus.runner import LOCK
+
+    data = synth(tmp_path / "d.tsv", 5)
+    out = tmp_path / "o"
+    out.mkdir()
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"pid 4242: mixlens corpus -d other.tsv")
+        for method in ("attention", "norm"):
+            code = cli("corpus", "--data", str(data), "--model", tiny, "--out", str(out), "--quiet", "--method", method)
+            err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+            assert code == 2 and len(err) == 1, err
+            assert "in use by another mixlens corpus run (pid 4242: mixlens corpus -d other.tsv)" in err[0]
+        assert sorted(p.name for p in out.iterdir()) == [LOCK]
+    finally:
+        os.close(fd)
+    assert cli("corpus", "--data", str(data), "--model", tiny, "--out", str(out), "--quiet") == 0
+    assert (out / "manifest.json").is_file()
+
+
+def test_concurrent_runs_into_one_out(tmp_path, tiny):
+    """#32.17: two different jobs started at once into the same --out: one finishes, the other is refused in one line
+    (never two exit 0 and one manifest with shards of both)."""
+    data = synth(tmp_path / "d.tsv", 40)
+    out = tmp_path / "o"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mixlens", "corpus", "--data", str(data), "--model", tiny, "--out", str(out),
+             "--quiet", "--method", method, "--shard-size", "4"],
+            stderr=subprocess.PIPE, text=True,
+        )
+        for method in ("attention", "norm")
+    ]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(c for c, _ in results)
+    assert codes == [0, 2], results
+    refused = next(e for c, e in results if c == 2)
+    assert "in use by another mixlens corpus run (pid" in refused or "holds a different run" in refused, refused
+    man = CorpusResult.open(out).manifest
+    assert man["complete"] and len(man["methods"]) == 1
+
+
+def test_cli_ratio_table_in_variant_order(tmp_path, tiny, capsys):
+    """#32.9: the corpus summary lists the mixing-ratio variants as W, N, Res-W, Res-N, ResLN-N (not A–Z)."""
+    data = synth(tmp_path / "d.tsv", 3)
+    assert cli("corpus", "--data", str(data), "--model", tiny, "--out", str(tmp_path / "o"), "--method", "norm") == 0
+    header = next(ln for ln in capsys.readouterr().err.splitlines() if "layer" in ln and "ResLN-N" in ln)
+    cols = [c.strip() for c in header.replace("┃", "|").split("|") if c.strip()]
+    assert cols == ["layer", "W", "N", "Res-W", "Res-N", "ResLN-N"]

@@ -138,9 +138,12 @@ def register(app: typer.Typer) -> None:
 def print_summary(res: Any) -> None:
     """The mean mixing ratio per layer and method of a corpus run, as a table on stderr that fits the terminal."""
     from mixlens.commands.output import print_table
+    from mixlens.methods.norms import RATIO_VARIANTS  # W, N, Res-W, Res-N, ResLN-N
 
     agg = res.aggregate()
     r = agg[agg["stat"] == "mixing_ratio"].pivot(index="layer", columns="method", values="mean")
+    known = [v for v in RATIO_VARIANTS if v in r.columns]
+    r = r[known + sorted(c for c in r.columns if c not in known)]  # the paper's order, not the alphabet
     rows = [[str(layer), *(f"{100 * x:.1f}" for x in row)] for layer, row in r.iterrows()]
     title = f"Mean context-mixing ratio (%) over all tokens — {res.manifest['model']}"
     print_table(title, ["layer", *map(str, r.columns)], rows, stderr=True)

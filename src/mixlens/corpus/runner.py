@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +87,56 @@ def _check_model(
     check_max_length(tok, max_length, pair)
 
 
+LOCK = ".mixlens-corpus.lock"  # in --out: held (flock) by the run writing there; holds its pid and command
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the output directory for the whole run: a second run into the same --out (another
+    job or the same one) is refused with one line naming the running one. A folder this run created is removed
+    again when the run fails before writing its manifest (nothing is left behind)."""
+    import fcntl
+    import os
+    import sys
+
+    made: list[Path] = []
+    for p in [out, *out.parents]:
+        if p.exists() or p.is_symlink():
+            break
+        made.append(p)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown process"
+            raise MixlensError(
+                f"{out} is in use by another mixlens corpus run ({holder}); wait for it to finish or use another --out"
+            ) from None
+        from mixlens.commands.options import INVOCATION
+
+        os.ftruncate(fd, 0)
+        os.pwrite(
+            fd, f"pid {os.getpid()}: {shlex.join(['mixlens', *INVOCATION]) if INVOCATION else sys.argv[0]}".encode(), 0
+        )
+        try:
+            yield
+        finally:
+            if made and not (out / sh.MANIFEST).exists():  # failed before anything was written: leave nothing
+                (out / LOCK).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    (out / sh.SHARD_DIR).rmdir()
+                for p in made:
+                    with contextlib.suppress(OSError):
+                        p.rmdir()
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _check_out(out: Path, job: Job, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise MixlensError(f"--out {out} exists and is not a directory")
@@ -100,7 +152,7 @@ def _check_out(out: Path, job: Job, overwrite: bool) -> None:
         if diff:
             what = "; ".join(f"{k}: {old.get('job', {}).get(k)!r} → {job.identity()[k]!r}" for k in diff[:3])
             raise MixlensError(f"{out} holds a different run ({what}); use --overwrite to replace it or another --out")
-    elif out.is_dir() and any(out.iterdir()) and not overwrite:
+    elif out.is_dir() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
         raise MixlensError(f"--out {out} is not empty and holds no mixlens run; use --overwrite or another --out")
     if overwrite and out.is_dir():
         sh.clear_run(out)
@@ -197,90 +249,93 @@ def run_corpus(
     )
     out = Path(out)
     _check_model(model, gguf_file, lens, max_length, pcol is not None)
-    _check_out(out, job, overwrite)
-    if lens is None and backend == "local" and (workers or 1) == 1:
-        lens = job.load()
-    try:
-        (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
-    sh.remove_stale_temps(out)
-    done = sh.finished_shards(out, job.job_id)
-    resumed = len(done)
+    if out.exists() and not out.is_dir():
+        raise MixlensError(f"--out {out} exists and is not a directory")
+    with _locked(out):  # checked and written by one run at a time
+        _check_out(out, job, overwrite)
+        if lens is None and backend == "local" and (workers or 1) == 1:
+            lens = job.load()
+        try:
+            (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
+        sh.remove_stale_temps(out)
+        done = sh.finished_shards(out, job.job_id)
+        resumed = len(done)
 
-    from mixlens import __version__
+        from mixlens import __version__
 
-    def manifest(complete: bool) -> dict:
-        infos = [done[k] for k in sorted(done)]
-        return {
-            "format": sh.FORMAT,
-            "version": __version__,
-            "job_id": job.job_id,
-            "job": job.identity(),
-            "params": {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict},
-            "model": model_name,
-            "methods": list(methods),
-            "complete": complete,
-            "resumed_shards": resumed,
-            "shards": [
-                {
-                    "shard": i["shard"],
-                    "file": str(sh.shard_path(out, i["shard"]).relative_to(out)),
-                    "examples": i["examples"],
-                    "truncated": i["truncated"],
-                }
-                for i in infos
-            ],
-            "counts": {
-                "examples": sum(i["examples"] for i in infos),
-                "tokens": sum(i["tokens"] for i in infos),
-                "truncated": sum(i["truncated"] for i in infos),
-                **{k: v for k, v in stats.as_dict().items() if k != "read"},
-            },
-        }
+        def manifest(complete: bool) -> dict:
+            infos = [done[k] for k in sorted(done)]
+            return {
+                "format": sh.FORMAT,
+                "version": __version__,
+                "job_id": job.job_id,
+                "job": job.identity(),
+                "params": {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict},
+                "model": model_name,
+                "methods": list(methods),
+                "complete": complete,
+                "resumed_shards": resumed,
+                "shards": [
+                    {
+                        "shard": i["shard"],
+                        "file": str(sh.shard_path(out, i["shard"]).relative_to(out)),
+                        "examples": i["examples"],
+                        "truncated": i["truncated"],
+                    }
+                    for i in infos
+                ],
+                "counts": {
+                    "examples": sum(i["examples"] for i in infos),
+                    "tokens": sum(i["tokens"] for i in infos),
+                    "truncated": sum(i["truncated"] for i in infos),
+                    **{k: v for k, v in stats.as_dict().items() if k != "read"},
+                },
+            }
 
-    sh.write_manifest(out, manifest(False))
-    bar = _Progress(count_records(data, fmt) if is_file else None) if progress else None
-    on_batch = bar.advance if bar else None
-    pool: Backend
-    if backend == "ray":
-        pool = RayBackend(job, workers, address)
-    elif lens is None:
-        pool = ProcessBackend(job, workers or 1)
-    else:
-        pool = LocalBackend(lens, job, on_batch)
-
-    def collect() -> None:
-        shard_id, payload, info = pool.next_done()
-        sh.atomic_write(sh.shard_path(out, shard_id), payload)
-        done[shard_id] = info
         sh.write_manifest(out, manifest(False))
-        if bar and not isinstance(pool, LocalBackend):
-            bar.advance(info["examples"])
+        bar = _Progress(count_records(data, fmt) if is_file else None) if progress else None
+        on_batch = bar.advance if bar else None
+        pool: Backend
+        if backend == "ray":
+            pool = RayBackend(job, workers, address)
+        elif lens is None:
+            pool = ProcessBackend(job, workers or 1)
+        else:
+            pool = LocalBackend(lens, job, on_batch)
 
-    try:
-        with bar or contextlib.nullcontext():
-            for shard_id, chunk in enumerate(chunks(examples, shard_size)):
-                if shard_id in done:
-                    if bar:
-                        bar.advance(len(chunk), resumed=True)
-                    continue
-                pool.submit(shard_id, chunk)
-                while pool.pending() >= pool.capacity:
+        def collect() -> None:
+            shard_id, payload, info = pool.next_done()
+            sh.atomic_write(sh.shard_path(out, shard_id), payload)
+            done[shard_id] = info
+            sh.write_manifest(out, manifest(False))
+            if bar and not isinstance(pool, LocalBackend):
+                bar.advance(info["examples"])
+
+        try:
+            with bar or contextlib.nullcontext():
+                for shard_id, chunk in enumerate(chunks(examples, shard_size)):
+                    if shard_id in done:
+                        if bar:
+                            bar.advance(len(chunk), resumed=True)
+                        continue
+                    pool.submit(shard_id, chunk)
+                    while pool.pending() >= pool.capacity:
+                        collect()
+                while pool.pending():
                     collect()
+        finally:  # on an error mid-stream (e.g. --strict), keep every shard that still finishes
             while pool.pending():
-                collect()
-    finally:  # on an error mid-stream (e.g. --strict), keep every shard that still finishes
-        while pool.pending():
-            try:
-                collect()
-            except Exception:  # the first error is already on its way to the user
-                continue
-        pool.close()
-    sh.write_aggregate(out, sh.merge_shards(out, list(done)))
-    final = manifest(True)
-    sh.write_manifest(out, final)
-    return CorpusResult(out, final)
+                try:
+                    collect()
+                except Exception:  # the first error is already on its way to the user
+                    continue
+            pool.close()
+        sh.write_aggregate(out, sh.merge_shards(out, list(done)))
+        final = manifest(True)
+        sh.write_manifest(out, final)
+        return CorpusResult(out, final)
 
 
 class _Progress:
