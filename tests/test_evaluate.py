@@ -232,7 +232,6 @@ def test_shared_attributions_and_the_json_round_trip(classifier):
 def test_causal_f_unembeds_only_the_last_positions(tokenizer, family):
     """`_forward_f` on a causal LM (logits of the last real positions only) equals the full-logits definition."""
     from mixlens.explain.evaluate import _forward_f, keeps_logits
-    from mixlens.explain.explain import pad_batch
 
     lens = random_lens(family, tokenizer, head="AutoModelForCausalLM", seed=3)
     assert keeps_logits(lens.model)
@@ -242,7 +241,7 @@ def test_causal_f_unembeds_only_the_last_positions(tokenizer, family):
     got = _forward_f(lens, "causal", "", seqs, owners, index, torch.zeros(3, 1))
     for s, o, g in zip(seqs, owners, got, strict=True):
         with torch.no_grad():
-            p = lens.model(**pad_batch(lens, [list(s)])).logits[0, -1].softmax(-1)[index[o]]
+            p = lens.model(**lens.encode_ids([s]).inputs).logits[0, -1].softmax(-1)[index[o]]
         assert g == pytest.approx(float(p), rel=1e-5, abs=1e-7)
 
 

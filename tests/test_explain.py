@@ -135,7 +135,7 @@ def test_bad_targets(classifier, causal, bundled):
         explain(causal, SENTENCES[:1], ["attention"], target="table", foil="table")
     with pytest.raises(MixlensError, match="needs a causal language model"):
         explain(classifier, SENTENCES[:1], ["attention"], generate=2)
-    with pytest.raises(MixlensError, match="does not explain a classifier target"):
+    with pytest.raises(MixlensError, match="does not explain a classifier's prediction"):
         explain(classifier, SENTENCES[:1], ["decompx_logit"])
     with pytest.raises(MixlensError, match="one target"):
         explain(bundled, SENTENCES[:1], ["attention"], target=1)
@@ -196,7 +196,7 @@ def test_lens_explain_and_notebook_view(classifier):
 def test_token_budget_shrinks_for_large_models(bundled):
     from types import SimpleNamespace
 
-    from mixlens.explain.attributions import ACTIVATION_FLOATS, TOKEN_BUDGET, token_budget
+    from mixlens.methods.perturbation import ACTIVATION_FLOATS, TOKEN_BUDGET, token_budget
 
     assert token_budget(bundled.model) == TOKEN_BUDGET  # the bundled 6-layer, d = 384 encoder: the full budget
 

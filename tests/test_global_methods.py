@@ -18,6 +18,7 @@ from mixlens.methods.globenc import globenc_vectors
 from mixlens.methods.norms import block_norms
 from mixlens.methods.rollout import FLOW_MAX_TOKENS, in_range, rollout
 from mixlens.trace import Memo
+from mixlens.methods.registry import refused_by
 from tests.conftest import SENTENCES, random_lens
 
 ROW_STOCHASTIC = ["attention_rollout", "attention_flow", "alti", "alti_rollout", "value_zeroing",
@@ -31,7 +32,7 @@ def real_mask(lengths: list[int], n: int) -> np.ndarray:
 
 
 def test_rows_sum_to_one_padding_zero_and_batched_equals_unbatched(family_lens):
-    refused = family_lens.adapter.family.refuses  # tested in test_real_models.py
+    refused = refused_by(family_lens.adapter.family)  # tested in test_real_models.py
     names = [m for m in ALL if m not in refused]
     options = {k: v for k, v in OPTIONS.items() if k in names}
     batched = family_lens.analyze(SENTENCES, names, batch_size=3, options=options)
@@ -56,7 +57,7 @@ def test_rows_sum_to_one_padding_zero_and_batched_equals_unbatched(family_lens):
 
 
 def test_alti_and_globenc_vectors_rebuild_the_real_outputs(family_lens):
-    if "alti" in family_lens.adapter.family.refuses:
+    if "alti" in refused_by(family_lens.adapter.family):
         pytest.skip("ALTI and GlobEnc refuse this family (tested in test_real_models.py)")
     tr = family_lens.trace(SENTENCES, ffn=True)
     mask = tr.mask[:, :, None].float()

@@ -98,7 +98,7 @@ def test_masked_lm_target_at_mask(tokenizer):
 def test_cli_errors(tmp_path, capsys):
     for argv, msg in ((["--option", "saliency.reduction=max"], "saliency.reduction must be one of l2, l1, sum"),
                       (["--option", "saliency.target=cls"], "saliency.target must be an integer ≥ 0 or 'pred'"),
-                      ([], "no output head")):
+                      (["--option", "saliency.target=3"], "sentence encoder has one target")):
         with pytest.raises(SystemExit) as e:
             main(["analyze", "hi there", "--method", "saliency", "-o", str(tmp_path / "x.json"), *argv])
         assert e.value.code == 2

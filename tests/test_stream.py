@@ -9,7 +9,8 @@ import torch
 import mixlens
 import mixlens.methods.norms as norms
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.pipeline import TARGET_METHODS, LayerStream, resolve_targets, run_methods, stream_trace
+from mixlens.pipeline import LayerStream, resolve_targets, run_methods, stream_trace
+from mixlens.methods.registry import refused_by, with_target_rows
 from tests.conftest import SENTENCES, random_lens
 from tests.test_real_models import CHECKPOINTS, model_dir
 
@@ -31,7 +32,7 @@ def _stream(lens, enc, methods, spec):
 def test_streamed_rows_equal_the_rows_of_full_mode(family, compiled, tokenizer, monkeypatch):
     monkeypatch.setattr(norms, "COMPILED", compiled)
     lens = random_lens(family, tokenizer)
-    methods = [m for m in TARGET_METHODS if m not in lens.adapter.family.refuses]
+    methods = [m for m in with_target_rows() if m not in refused_by(lens.adapter.family)]
     enc = lens.encode(SENTENCES)  # three lengths: a padded batch
     full = run_methods(lens.trace(enc, ffn=True), methods)
     heads_full = run_methods(lens.trace(enc), ["attention", "norm"], heads=True).values
@@ -129,7 +130,7 @@ def test_analyze_streams_target_rows(tokenizer, monkeypatch):
 def test_streamed_rows_on_real_checkpoints(name):
     """Real checkpoints (skipped when not fetched): streamed rows equal full mode's, the per-run check passes."""
     lens = mixlens.load(model_dir(name), head="base")
-    methods = [m for m in TARGET_METHODS if m not in lens.adapter.family.refuses]
+    methods = [m for m in with_target_rows() if m not in refused_by(lens.adapter.family)]
     enc = lens.encode(SENTENCES)
     # unnormalised, 30 layers of N-Res overflow float32
     opts = {"globenc_rollout": {"normalize": True}} if "globenc_rollout" in methods else {}

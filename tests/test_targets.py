@@ -11,7 +11,8 @@ import torch
 import mixlens.methods.norms as norms
 from mixlens.errors import MixlensError
 from mixlens.methods import get as get_method
-from mixlens.pipeline import TARGET_METHODS, resolve_targets, run_methods
+from mixlens.pipeline import resolve_targets, run_methods
+from mixlens.methods.registry import refused_by, with_target_rows
 from tests.conftest import SENTENCES, random_lens, random_model, run_cli
 
 FAMILIES = ["bert", "gpt2", "llama", "mpnet", "gemma3_text"]  # post-LN, causal pre-LN (LayerNorm, RMS), sandwich
@@ -28,8 +29,8 @@ def _rows(full: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def test_target_rows_equal_the_rows_of_the_full_maps(family, compiled, tokenizer, monkeypatch):
     monkeypatch.setattr(norms, "COMPILED", compiled)
     lens = random_lens(family, tokenizer)
-    refused = lens.adapter.family.refuses
-    methods = [m for m in TARGET_METHODS if m not in refused]
+    refused = refused_by(lens.adapter.family)
+    methods = [m for m in with_target_rows() if m not in refused]
     enc = lens.encode(SENTENCES)  # three lengths: padded batch
     assert len(set(enc.inputs["attention_mask"].sum(-1).tolist())) == 3
     full = run_methods(lens.trace(enc, ffn=True), methods).values
@@ -98,7 +99,7 @@ def test_refusals_and_bad_targets(bundled):
             run_methods(tr, ["norm"], targets=bad)
     with pytest.raises(MixlensError, match="'value_zeroing' cannot compute target rows"):
         run_methods(tr, ["value_zeroing"], targets="last")
-    assert get_method("attention_flow").name not in TARGET_METHODS
+    assert get_method("attention_flow").name not in with_target_rows()
 
 
 def test_cli_targets(capsys, tmp_path):

@@ -237,12 +237,25 @@ class _Tokenized:
                 self.words[b] = cut.word_ids(k)
                 self.lengths[b] = len(self.ids[b])
 
+    @classmethod
+    def from_ids(cls, ids: Sequence[Sequence[int]]) -> _Tokenized:
+        """Inputs given as token ids (e.g. a text with generated tokens, or a perturbed input): single segments."""
+        self = cls.__new__(cls)
+        self.ids = [list(x) for x in ids]
+        self.types = None
+        self.words = [[None] * len(x) for x in self.ids]
+        self.lengths = [len(x) for x in self.ids]
+        self.truncated = [0] * len(self.ids)
+        return self
+
     def batch(self, lens: Lens, rows: Sequence[int]) -> Encoded:
         """The inputs `rows` as one right-padded batch on the model's device."""
         n = max(self.lengths[b] for b in rows)
         ids = np.full((len(rows), n), lens.tokenizer.pad_token_id, np.int64)
         mask = np.zeros((len(rows), n), np.int64)
         types = np.full((len(rows), n), lens.tokenizer.pad_token_type_id, np.int64) if self.types else None
+        if types is None and "token_type_ids" in lens.tokenizer.model_input_names:  # ids: one segment
+            types = np.zeros((len(rows), n), np.int64)
         for k, b in enumerate(rows):
             m = self.lengths[b]
             ids[k, :m], mask[k, :m] = self.ids[b], 1
@@ -316,6 +329,12 @@ class Lens:
         texts = _check_texts(texts)
         return _Tokenized(self, texts, self.limit(max_length), truncate).batch(self, range(len(texts)))
 
+    def encode_ids(self, ids: Sequence[Sequence[int]]) -> Encoded:
+        """A right-padded batch of inputs given as token ids (single segments; no truncation)."""
+        if not ids or any(not len(x) for x in ids):
+            raise MixlensError("every input needs at least one token")
+        return _Tokenized.from_ids(ids).batch(self, range(len(ids)))
+
     def batches(
         self,
         texts: Sequence[Text | list[str]],
@@ -328,6 +347,7 @@ class Lens:
         max_cells: int | None = None,
         trace: bool | Sequence[str] = False,
         targets: Targets = None,
+        output: bool = False,
     ) -> Iterator[Batch]:
         """Batches of `texts`, each tokenized once: `order='input'` cuts the inputs in order into batches of
         `batch_size`; `order='length'` tokenizes all inputs first and packs them longest first into batches of
@@ -335,7 +355,9 @@ class Lens:
         bounds the [.., n, n] maps); `Batch.index` says where each input came from.
         `trace`: False (no forward pass), True (a full trace) or registry method names (a trace with the FFN
         activations / whole forward pass those methods need; none, only the inputs, when no method reads it).
-        `targets` with method names (all of `TARGET_METHODS`): target-row streaming (`pipeline.stream_trace`)."""
+        `targets` with method names (all declaring `target_rows`): target-row streaming (`pipeline.stream_trace`).
+        `output`: a captured forward pass runs to the model's output (`Trace.logits` / `Trace.hidden`), which is
+        what explaining a prediction reads."""
         texts = _check_texts(texts)
         if order not in ("input", "length"):
             raise MixlensError(f"unknown batch order '{order}'; valid: input, length")
@@ -344,8 +366,6 @@ class Lens:
                 f"batch_size, max_tokens and max_cells must be at least 1 (got {batch_size}, {max_tokens}, {max_cells})"
             )
         limit = self.limit(max_length)
-        ffn, full = (False, True) if isinstance(trace, bool) else trace_flags(trace)
-        capture = trace is True or (trace is not False and needs_capture(trace))
         plan: Iterable[tuple[_Tokenized | None, Sequence[int], Sequence[int] | None]]
         if order == "length":
             tokenized = _Tokenized(self, texts, limit, truncate)
@@ -358,13 +378,20 @@ class Lens:
             if tok is None or local is None:  # input order: tokenize each batch when it is reached (streams)
                 tok, local = _Tokenized(self, [texts[b] for b in rows], limit, truncate), range(len(rows))
             enc = tok.batch(self, local)
-            bare = Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
-            traced: Trace | None = None if trace is False else bare
-            if capture and not isinstance(trace, bool) and streams(trace, targets):
-                traced = stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer)
-            elif capture:
-                traced = self.trace(enc, ffn=ffn, full=full)
-            yield Batch(list(rows), enc, traced)
+            yield Batch(list(rows), enc, None if trace is False else self.trace_for(enc, trace, targets, output))
+
+    def trace_for(
+        self, enc: Encoded, trace: bool | Sequence[str] = True, targets: Targets = None, output: bool = False
+    ) -> Trace:
+        """The trace a batch needs (see `batches`): True a full one; for method names, one with what they read
+        (FFN activations, the whole forward pass, or `output`), target-row streaming for `targets`, or the inputs
+        alone, with no forward pass, when no method reads the captured pass."""
+        ffn, full = (False, True) if isinstance(trace, bool) else trace_flags(trace)
+        if trace is not True and (isinstance(trace, bool) or not needs_capture(trace)):
+            return Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
+        if not isinstance(trace, bool) and streams(trace, targets):
+            return stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer)
+        return self.trace(enc, ffn=ffn, full=full or output)
 
     @torch.no_grad()
     def trace(

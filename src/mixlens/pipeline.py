@@ -16,23 +16,10 @@ from mixlens.errors import MixlensError
 from mixlens.methods import alti, attention, globenc, rollout
 from mixlens.methods import get as get_method
 from mixlens.methods.norms import BlockNorms, NormRun, block_norms, stream_layer
-from mixlens.methods.registry import check_options
+from mixlens.methods.registry import check_options, check_target_rows
 from mixlens.trace import LayerTrace, Memo, Trace, run_traced
 
 Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
-# methods that compute only requested target rows (the rollouts by propagating those rows down the layers)
-TARGET_METHODS = (
-    "attention",
-    "norm",
-    "norm_res",
-    "norm_resln",
-    "globenc",
-    "globenc_rollout",
-    "alti",
-    "alti_rollout",
-    "attention_rollout",
-)
-NORM_ENGINE = ("norm", "norm_res", "norm_resln")  # the norm engine's own methods
 
 
 def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | None:
@@ -57,14 +44,6 @@ def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | 
             raise MixlensError(f"targets {wanted} name the same position twice in input {b + 1} ({n} tokens)")
         rows.append(pos)
     return torch.tensor(rows, dtype=torch.long)
-
-
-def _check_target_methods(names: Sequence[str]) -> None:
-    refused = [m for m in names if m not in TARGET_METHODS]
-    if refused:
-        raise MixlensError(
-            f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(TARGET_METHODS)}"
-        )
 
 
 def plan_batches(
@@ -117,12 +96,12 @@ def run_methods(
 
     `targets` (see `resolve_targets`): compute and return only those target rows, values [batch, layer, (head,)
     K, source] (row k of input b: position `resolve_targets(targets, trace.lengths)[b, k]`); mixing ratios stay
-    per token. Methods outside `TARGET_METHODS` are refused."""
+    per token. Methods that do not declare `target_rows` are refused."""
     specs = [get_method(m) for m in dict.fromkeys(methods)]
     options = check_options([s.name for s in specs], options)
     rows = resolve_targets(targets, trace.lengths)
     if rows is not None:
-        _check_target_methods([s.name for s in specs])
+        check_target_rows([s.name for s in specs])
         rows = rows.to(trace.mask.device)
     old = trace.memo.targets
     same = old is None and rows is None or old is not None and rows is not None and torch.equal(old, rows)
@@ -135,7 +114,7 @@ def run_methods(
         trace.memo = Memo()  # results of other rows
     if rows is not None:
         trace.memo.targets = rows
-    if any(s.fn.__module__ == block_norms.__module__ for s in specs) or trace.memo.norm_run is not None:
+    if any(s.engine for s in specs) or trace.memo.norm_run is not None:
         block_norms(trace)  # a streamed trace's norm passes ran: their per-run check runs here
     outs = {s.name: s.run(trace, heads=heads, **options.get(s.name, {})) for s in specs}
     return Step({k: o.values for k, o in outs.items()}, trace.memo.block_norms, {k: o.extras for k, o in outs.items()})
@@ -145,7 +124,7 @@ def streams(methods: Sequence[str], targets: Targets) -> bool:
     """Whether `methods` with `targets` run in target-row streaming mode (`stream_trace`): target rows, and every
     method able to compute them."""
     rows = not (targets is None or isinstance(targets, str) and targets == "all")
-    return rows and all(m in TARGET_METHODS for m in methods)
+    return rows and all(get_method(m).target_rows for m in methods)
 
 
 class LayerStream:
@@ -167,7 +146,7 @@ class LayerStream:
         pre_ln = adapter.family.pre_ln
         globenc = bool(self.names & {"globenc", "globenc_rollout"})
         self.memo = Memo(targets=rows, streamed=self.names)
-        if self.names & set(NORM_ENGINE) or (pre_ln and globenc):
+        if any(get_method(m).engine for m in self.names) or (pre_ln and globenc):
             self.memo.norm_run = NormRun.start(adapter, mask, rows)
         self.every_row = pre_ln and "globenc_rollout" in self.names  # N-Res matrices for the GlobEnc rollout
 
@@ -209,7 +188,7 @@ def stream_trace(
     targets: Targets,
     tokenizer: object | None = None,
 ) -> Trace:
-    """One forward pass in target-row streaming mode for `methods` (all in `TARGET_METHODS`) and `targets` (not
+    """One forward pass in target-row streaming mode for `methods` (all declaring `target_rows`) and `targets` (not
     all rows): each layer is consumed by a `LayerStream` as soon as it is complete and its α dropped, so the trace
     never holds the layers' n × n attention maps. `run_methods(trace, methods, targets=targets)` then finishes
     (rollout row propagation, the per-run check) from what the stream kept; other methods or targets are refused."""
@@ -217,7 +196,7 @@ def stream_trace(
     rows = resolve_targets(targets, mask.sum(-1).tolist())
     if rows is None:
         raise MixlensError("streaming computes target rows: give targets other than 'all'")
-    _check_target_methods([get_method(m).name for m in methods])
+    check_target_rows(methods)
     stream = LayerStream(adapter, mask, methods, rows.to(mask.device))
     post_ln_globenc = not adapter.family.pre_ln and any(m in ("globenc", "globenc_rollout") for m in methods)
     # the sink is the only reader: FFN activations and layer outputs only for GlobEnc's LN2 (post-LN)
@@ -235,8 +214,6 @@ def trace_flags(methods: Sequence[str]) -> tuple[bool, bool]:
 
 
 def needs_capture(methods: Sequence[str]) -> bool:
-    """Whether `methods` read the captured forward pass; the output-saliency methods (saliency, grad_x_input,
-    integrated_gradients) run their own passes from the inputs alone."""
-    from mixlens.methods import saliency
-
-    return any(get_method(m).fn.__module__ != saliency.__name__ for m in methods)
+    """Whether `methods` read the captured forward pass (the methods declaring `inputs_only`, e.g. saliency or
+    occlusion, run their own passes from the inputs alone)."""
+    return any(not get_method(m).inputs_only for m in methods)

@@ -1,31 +1,45 @@
-"""Prediction targets: what an explanation explains, one notion for every method.
+"""The scalar being explained: one notion for every method that explains a prediction.
+
+A *target* is resolved per input from the model's own output on the real input:
 
 - sequence classifiers: a class (default: the predicted one; an index or a label name of `config.id2label`);
-- causal LMs: the next token after the text (default: the model's top token; or a given token), optionally
-  contrasted with a foil token: logit(target) − logit(foil);
+- causal LMs: the next token after the text, read at the last real token (default: the model's top token; or a
+  given token); masked LMs: a token at a position (default: the first [MASK]);
 - sentence encoders (base models, pooled as their sentence-transformers config says, mean by default): the
-  pooled embedding e(x).
+  pooled embedding e(x);
+- optionally contrasted with a *foil* class or token: logit(target) − logit(foil);
+- (Python) any function `f(model_output, inputs) -> [B]`.
 
-Two scalars per target, both functions of one model output:
+Two scalars per target, both functions of one model output (`score`):
 - the *attribution score* g(x) that attribution methods explain: the target logit (minus the foil logit), or for
   encoders the projection e(x)·e₀/‖e₀‖² on the unperturbed embedding e₀ (the cosine's gradient vanishes at x,
   its maximum);
 - the *faithfulness score* f(x) of `mixlens evaluate`: the target's probability (softmax over classes or over the
-  vocabulary at the last real token), or for encoders cos(e(x), e₀).
+  vocabulary at the target position), or for encoders cos(e(x), e₀).
+
+Registry methods take the request as the options `target`, `foil` and `position` (`registry.TARGET_OPTIONS`);
+`readout`
+turns a request and one unperturbed output into a `Readout`, the per-input tensors every method reads g from.
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mixlens.errors import MixlensError
 
-KINDS = ("classifier", "causal", "encoder")
+KINDS = ("classifier", "causal", "masked", "encoder")  # model kinds, by the head class
+EXPLAINS = {"classifier": "class", "causal": "token", "masked": "token", "encoder": "embedding"}  # kind → target
+Spec = int | str | Callable[..., torch.Tensor]  # 'pred', a class index / label, a token id / text, or a callable
 
 
 @dataclass(frozen=True)
@@ -47,17 +61,19 @@ class Target:
 
 
 def model_kind(model: torch.nn.Module) -> str:
-    """'classifier', 'causal' or 'encoder' from the model's head class."""
+    """'classifier', 'causal', 'masked' or 'encoder' from the model's head class."""
     name = type(model).__name__
     if name.endswith("ForSequenceClassification"):
         return "classifier"
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return "causal"
+    if name.endswith("ForMaskedLM"):
+        return "masked"
     if name.endswith("Model"):
         return "encoder"
     raise MixlensError(
-        f"explain supports sequence classifiers, causal LMs and base encoders, not {name}; "
-        "load the model with head='sequence-classification', 'causal-lm' or 'base'"
+        f"mixlens explains sequence classifiers, language models and base encoders, not {name}; "
+        "load the model with head='sequence-classification', 'causal-lm', 'masked-lm' or 'base'"
     )
 
 
@@ -65,32 +81,17 @@ def pooling(model: torch.nn.Module) -> str:
     """'cls' or 'mean': the sentence-transformers pooling of a base encoder (mean when not configured)."""
     cfg = Path(str(getattr(model.config, "_name_or_path", ""))) / "1_Pooling" / "config.json"
     if cfg.is_file():
-        modes = json.loads(cfg.read_text())
-        if modes.get("pooling_mode_cls_token") and not modes.get("pooling_mode_mean_tokens"):
+        try:
+            modes = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return "mean"
+        if (
+            isinstance(modes, dict)
+            and modes.get("pooling_mode_cls_token")
+            and not modes.get("pooling_mode_mean_tokens")
+        ):
             return "cls"
     return "mean"
-
-
-@dataclass
-class Readout:
-    """Reads g (attribution score) and f (faithfulness score) from a model output, for a batch of targets.
-
-    index [B] class/token ids, foil [B] (−1: none), e0 [B, d] unperturbed pooled embeddings (encoders)."""
-
-    kind: str
-    pool: str
-    index: torch.Tensor
-    foil: torch.Tensor
-    e0: torch.Tensor | None = None
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Per-input tensors that travel with captum's batch expansion (see `scores`)."""
-        e0 = self.e0 if self.e0 is not None else torch.zeros(self.index.shape[0], 1)
-        return self.index, self.foil, e0
-
-    def select(self, rows: slice | torch.Tensor) -> Readout:
-        e0 = self.e0[rows] if self.e0 is not None else None
-        return Readout(self.kind, self.pool, self.index[rows], self.foil[rows], e0)
 
 
 def pooled(hidden: torch.Tensor, mask: torch.Tensor, pool: str) -> torch.Tensor:
@@ -101,45 +102,114 @@ def pooled(hidden: torch.Tensor, mask: torch.Tensor, pool: str) -> torch.Tensor:
     return (hidden * m).sum(1) / m.sum(1).clamp_min(1)
 
 
-def head_rows(kind: str, out, mask: torch.Tensor) -> torch.Tensor:
-    """Classifier logits [B, C], or the causal LM's logits at the last real token [B, V]."""
+def positions(kind: str, inputs: dict[str, torch.Tensor], tokenizer: Any, position: int | None = None) -> torch.Tensor:
+    """The position each input's target is read at [B]: `position` if given, else (masked LMs) the first [MASK],
+    (causal LMs) the last real token; 0 for classifiers and encoders (unused)."""
+    mask = inputs["attention_mask"].bool()
+    lengths = mask.sum(-1).cpu()
+    if position is not None:
+        if position >= int(lengths.min()):
+            raise MixlensError(f"position must be a token index below {int(lengths.min())}, got {position!r}")
+        return torch.full((mask.shape[0],), position, dtype=torch.long)
+    if kind == "causal":
+        return lengths - 1
+    if kind == "masked":
+        mask_id = getattr(tokenizer, "mask_token_id", None)
+        hits = inputs["input_ids"].cpu() == mask_id if mask_id is not None else torch.zeros_like(mask.cpu())
+        if bool(hits.any(-1).all()):
+            return hits.int().argmax(-1)
+        raise MixlensError("no [MASK] token in every input; mark one with the tokenizer's mask token or give position")
+    return torch.zeros(mask.shape[0], dtype=torch.long)
+
+
+@dataclass
+class Readout:
+    """Reads g (attribution score) and f (faithfulness score) from a model output, for a batch of targets.
+
+    index [B] class/token ids (−1: embedding), foil [B] (−1: none), position [B] the position an LM target is
+    read at, e0 [B, d] unperturbed pooled embeddings (encoders), fn a Python target function (then g = f = fn)."""
+
+    kind: str
+    pool: str
+    index: torch.Tensor
+    foil: torch.Tensor
+    position: torch.Tensor
+    e0: torch.Tensor | None = None
+    fn: Callable[..., torch.Tensor] | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Per-input tensors that travel with captum's batch expansion: (index, foil, position, e0)."""
+        e0 = self.e0 if self.e0 is not None else torch.zeros(self.index.shape[0], 1)
+        return self.index, self.foil, self.position, e0
+
+    def select(self, rows: slice | torch.Tensor) -> Readout:
+        e0 = self.e0[rows] if self.e0 is not None else None
+        return Readout(self.kind, self.pool, self.index[rows], self.foil[rows], self.position[rows], e0, self.fn)
+
+    def g(self, out: Any, inputs: dict[str, torch.Tensor], *tensors: torch.Tensor, row_at: torch.Tensor | None = None):
+        """The attribution score g [B] of a model output; `tensors` = `self.tensors()` (or captum's expansion of
+        them). `row_at` [B]: where each row's target position sits on the logits' position axis, when the forward
+        computed only some positions (`logits_to_keep`)."""
+        if self.fn is not None:
+            return self.fn(out, inputs)
+        index, foil, position, e0 = tensors or self.tensors()
+        return score(self.kind, self.pool, out, inputs["attention_mask"], index, foil, position, e0, row_at)[0]
+
+
+def logit_rows(kind: str, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The logits a target reads [B, classes | vocabulary]: a classifier's, or an LM's at each row's `position`."""
     if kind == "classifier":
-        return out.logits
-    last = mask.long().sum(-1) - 1
-    return out.logits[torch.arange(last.shape[0], device=last.device), last]
+        return logits
+    return logits[torch.arange(position.shape[0], device=logits.device), position.to(logits.device)]
 
 
-def scores(
-    kind: str, pool: str, out, mask: torch.Tensor, index: torch.Tensor, foil: torch.Tensor, e0: torch.Tensor
+def score(
+    kind: str,
+    pool: str,
+    out: Any,
+    mask: torch.Tensor,
+    index: torch.Tensor,
+    foil: torch.Tensor,
+    position: torch.Tensor,
+    e0: torch.Tensor,
+    row_at: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(g [B], f [B]) of one model output; see the module docstring."""
     if kind == "encoder":
         e = pooled(out.last_hidden_state, mask, pool)
         g = (e * e0).sum(-1) / (e0 * e0).sum(-1).clamp_min(torch.finfo(e0.dtype).tiny)
         return g, F.cosine_similarity(e, e0, dim=-1)
-    rows = head_rows(kind, out, mask)
+    rows = logit_rows(kind, out.logits, position if row_at is None else row_at)
     idx = index.to(rows.device)[:, None]
     g = rows.gather(1, idx)[:, 0]
     has_foil = foil.to(rows.device) >= 0
     g = g - torch.where(has_foil, rows.gather(1, foil.clamp_min(0).to(rows.device)[:, None])[:, 0], 0.0)
-    return g, rows.softmax(-1).gather(1, idx)[:, 0]
+    return g, rows.float().softmax(-1).gather(1, idx)[:, 0]
 
 
-def _class_index(config, spec: str | int) -> int:
+def _digits(spec: str) -> bool:
+    """An ASCII integer (unicode digits such as '²' are not class indices)."""
+    text = spec.strip()
+    body = text[1:] if text[:1] == "-" else text
+    return body.isascii() and body.isdigit()
+
+
+def class_index(config: Any, spec: str | int) -> int:
+    """A class of a classifier from an index or a label name of `config.id2label`."""
     labels = {int(k): str(v) for k, v in (config.id2label or {}).items()}
     n = config.num_labels
-    if isinstance(spec, int) or (isinstance(spec, str) and spec.strip().lstrip("-").isdigit()):
+    if (isinstance(spec, int) and not isinstance(spec, bool)) or (isinstance(spec, str) and _digits(spec)):
         i = int(spec)
         if not 0 <= i < n:
             raise MixlensError(f"class {i} out of range; the model has {n} classes")
         return i
     for i, name in labels.items():
-        if name.lower() == str(spec).strip().lower():
+        if unicodedata.normalize("NFC", name.lower()) == unicodedata.normalize("NFC", str(spec).strip().lower()):
             return i
     raise MixlensError(f"the model has no label '{spec}'; labels: {', '.join(labels[i] for i in sorted(labels))}")
 
 
-def token_id(tokenizer, spec: str | int) -> int:
+def token_id(tokenizer: Any, spec: str | int) -> int:
     """A single vocabulary token from an id, a vocabulary entry, or a text that tokenizes to one token."""
     if isinstance(spec, int) and not isinstance(spec, bool):
         if not 0 <= spec < len(tokenizer):
@@ -150,60 +220,109 @@ def token_id(tokenizer, spec: str | int) -> int:
         return vocab[spec]
     ids = tokenizer(spec, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
-        raise MixlensError(f"'{spec}' is {len(ids)} tokens for this tokenizer; give a single token")
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise MixlensError(f"'{spec}' is {len(ids)} tokens for this tokenizer ({pieces}); give a single token")
     return ids[0]
 
 
-def token_label(tokenizer, tid: int) -> str:
-    return tokenizer.convert_ids_to_tokens(int(tid))
+def token_label(tokenizer: Any, tid: int) -> str:
+    """A token as readable text: the decoded string (byte-level 'Ġ' shown as a space), else the vocabulary entry."""
+    text = tokenizer.decode([int(tid)])
+    return text if text.strip() else tokenizer.convert_ids_to_tokens(int(tid))
 
 
-def resolve(
-    lens, inputs: dict[str, torch.Tensor], target: str | int | None = None, foil: str | int | None = None
-) -> tuple[list[Target], Readout, torch.Tensor]:
-    """Targets of a batch (one unperturbed forward pass) → (targets, readout, f(x) [B] or the contrast g(x))."""
-    model, kind = lens.model, model_kind(lens.model)
-    mask = inputs["attention_mask"]
-    with torch.no_grad():
-        out = model(**inputs)
-    bsz = mask.shape[0]
+def resolve_index(kind: str, config: Any, tokenizer: Any, spec: str | int) -> int:
+    """A class index (classifiers) or token id (LMs) from what a user typed; encoders have no such target."""
     if kind == "encoder":
-        if target is not None or foil is not None:
+        raise MixlensError("a sentence encoder has one target, its pooled embedding: drop --target/--foil")
+    return class_index(config, spec) if kind == "classifier" else token_id(tokenizer, spec)
+
+
+def readout(
+    model: Any,
+    tokenizer: Any,
+    out: Any,
+    inputs: dict[str, torch.Tensor],
+    target: Spec | None = "pred",
+    foil: str | int | None = None,
+    position: int | None = None,
+    row_at: torch.Tensor | None = None,
+) -> tuple[list[Target], Readout]:
+    """The targets of a batch from its unperturbed model output `out` (no extra forward pass): per input the class
+    or token `target` names ('pred' or None: the model's top one), contrasted with `foil` when given. `row_at` [B]:
+    where each target position sits on the logits' position axis when the forward computed only some positions."""
+    kind = model_kind(model)
+    mask = inputs["attention_mask"]
+    bsz = mask.shape[0]
+    none = torch.full((bsz,), -1)
+    pos = positions(kind, inputs, tokenizer, position)
+    if callable(target) and not isinstance(target, str):
+        if foil is not None:
+            raise MixlensError("a Python target function is its own scalar: drop the foil")
+        return [Target("custom", -1, getattr(target, "__name__", "f")) for _ in range(bsz)], Readout(
+            kind, "", none, none.clone(), pos, None, target
+        )
+    if kind == "encoder":
+        if target not in (None, "pred") or foil is not None:
             raise MixlensError("a sentence encoder has one target, its pooled embedding: drop --target/--foil")
         pool = pooling(model)
-        e0 = pooled(out.last_hidden_state, mask, pool)
-        idx = torch.full((bsz,), -1)
-        ro = Readout(kind, pool, idx, idx.clone(), e0)
-        return [Target("embedding", -1, f"{pool}-pooled embedding") for _ in range(bsz)], ro, torch.ones(bsz)
-    rows = head_rows(kind, out, mask)
-    if kind == "classifier":
-        labels = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
-
-        def resolve_one(spec: str | int) -> int:
-            return _class_index(model.config, spec)
-
-        def name(i: int) -> str:
-            return labels.get(i, str(i))
+        e0 = pooled(out.last_hidden_state, mask, pool).detach()
+        return [Target("embedding", -1, f"{pool}-pooled embedding") for _ in range(bsz)], Readout(
+            kind, pool, none, none.clone(), pos, e0
+        )
+    if getattr(out, "logits", None) is None:
+        raise MixlensError(
+            "this model has no output head; load it with one (e.g. --model-head sequence-classification) "
+            "or pass a Python callable as target"
+        )
+    rows = logit_rows(kind, out.logits, pos if row_at is None else row_at)
+    if target in (None, "pred"):
+        idx = rows.argmax(-1).cpu()
     else:
-
-        def resolve_one(spec: str | int) -> int:
-            return token_id(lens.tokenizer, spec)
-
-        def name(i: int) -> str:
-            return token_label(lens.tokenizer, i)
-
-    idx = rows.argmax(-1).cpu() if target is None else torch.full((bsz,), resolve_one(target))
-    fo = torch.full((bsz,), -1) if foil is None else torch.full((bsz,), resolve_one(foil))
+        assert isinstance(target, (int, str))
+        idx = torch.full((bsz,), resolve_index(kind, model.config, tokenizer, target))
+    fo = none if foil is None else torch.full((bsz,), resolve_index(kind, model.config, tokenizer, foil))
     if foil is not None and bool((fo == idx).any()):
         raise MixlensError(
             f"the foil '{foil}' is the target itself; a contrast needs two different "
             f"{'classes' if kind == 'classifier' else 'tokens'}"
         )
-    ro = Readout(kind, "", idx, fo)
-    g, f = scores(kind, "", out, mask, idx, fo, torch.zeros(bsz, 1))
-    kind_name = "class" if kind == "classifier" else "token"
+    if kind == "classifier":
+        labels = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
+
+        def name(i: int) -> str:
+            return labels.get(i, str(i))
+    else:
+
+        def name(i: int) -> str:
+            return token_label(tokenizer, i)
+
+    what = "class" if kind == "classifier" else "token"
     targets = [
-        Target(kind_name, int(i), name(int(i)), None if int(o) < 0 else int(o), None if int(o) < 0 else name(int(o)))
+        Target(what, int(i), name(int(i)), None if int(o) < 0 else int(o), None if int(o) < 0 else name(int(o)))
         for i, o in zip(idx, fo, strict=True)
     ]
-    return targets, ro, (g if foil is not None else f).detach().cpu()
+    return targets, Readout(kind, "", idx, fo, pos)
+
+
+def trace_output(trace: Any) -> Any:
+    """The model's output on a trace's inputs (`.logits`, `.last_hidden_state`): what its captured forward pass
+    kept, else one plain forward pass, whose result the trace then keeps (an inputs-only trace)."""
+    if trace.logits is None and trace.hidden is None:
+        with torch.no_grad():
+            out = trace.model(**trace.inputs)
+        trace.logits = getattr(out, "logits", None)
+        trace.hidden = getattr(out, "last_hidden_state", None) if trace.logits is None else None
+    return SimpleNamespace(logits=trace.logits, last_hidden_state=trace.hidden)
+
+
+def resolve(
+    lens: Any, inputs: dict[str, torch.Tensor], target: str | int | None = None, foil: str | int | None = None
+) -> tuple[list[Target], Readout, torch.Tensor]:
+    """Targets of a batch after one unperturbed forward pass → (targets, readout, f(x) [B], or the contrast g(x)
+    when a foil is given)."""
+    with torch.no_grad():
+        out = lens.model(**inputs)
+    targets, ro = readout(lens.model, lens.tokenizer, out, inputs, target, foil)
+    g, f = score(ro.kind, ro.pool, out, inputs["attention_mask"], *ro.tensors())
+    return targets, ro, (g if foil is not None else f).detach().float().cpu()

@@ -114,6 +114,7 @@ class Trace:
     logits: torch.Tensor | None  # model head output when the model has one (None for a partial trace)
     tokenizer: object | None = None  # for special-token roles (e.g. the [MASK] position of saliency)
     memo: Memo = field(default_factory=Memo)  # shared intermediate results of methods
+    hidden: torch.Tensor | None = None  # [B, n, d] a base model's own output (`last_hidden_state`), when it ran
 
     @property
     def mask(self) -> torch.Tensor:  # [B, n] bool
@@ -544,4 +545,5 @@ def run_traced(
             raise RuntimeError(f"capture of '{key}' fired {count} times for {n} layers")
     layers = thin if sink is not None else [_layer_trace(adapter, rec, i) for i in range(n)]
     logits = getattr(output, "logits", None)
-    return Trace(adapter=adapter, model=model, inputs=inputs, layers=layers, logits=logits, tokenizer=tokenizer)
+    hidden = getattr(output, "last_hidden_state", None) if logits is None else None
+    return Trace(adapter, model, inputs, layers, logits, tokenizer, hidden=hidden)

@@ -40,8 +40,6 @@ class Family:
     # gives the floats of the family's own code (checked on first use)
     probs: str | None = None  # attention not routed through ALL_ATTENTION_FUNCTIONS: the module whose output is α
     # (MPNet's attention dropout); α, v and z are then captured and edited by hooks on probs, v_proj and o_proj
-    refuses: tuple[str, ...] = ()  # methods whose math does not cover this family's block
-    why: str = ""  # one line: why those methods refuse
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -147,8 +145,6 @@ FAMILIES: tuple[Family, ...] = (
         ln_post="post_attention_layernorm",
         norm_offset=True,
         **_LLAMA_LIKE,
-        refuses=("alti", "alti_rollout", "globenc", "globenc_rollout", "decompx", "decompx_classes"),
-        why="their vector decompositions assume x + Attn(LN(x)) and x + FFN(LN(x)), without Gemma's sandwich norms",
     ),
 )
 

@@ -249,14 +249,17 @@ def precheck_model(
     max_length: int | None,
     gguf_file: str | None = None,
 ) -> None:
-    """Errors that need only the config and the tokenizer, before the weights load: decompx without a
-    sequence-classification head, attention_flow over its token limit."""
-    decompx = [m for m in methods if m in ("decompx", "decompx_classes")]
-    if not decompx and "attention_flow" not in methods:
+    """Errors that need only the config and the tokenizer, before the weights load: each method's declared
+    `precheck` (e.g. decompx without a sequence-classification head, attention_flow over its token limit)."""
+    from mixlens.methods import get
+
+    checks = [get(m).precheck for m in methods]
+    if not any(checks):
         return
     import transformers
 
     from mixlens.lens import head_for, resolve_source
+    from mixlens.methods.registry import Planned
 
     src, local = resolve_source(model, gguf_file)
     gguf = {"gguf_file": gguf_file} if gguf_file else {}
@@ -264,24 +267,19 @@ def precheck_model(
         config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
     except (OSError, ValueError):
         return  # `load` says why, with its own message
-    chosen = head or head_for(config)
-    if decompx and chosen != "sequence-classification":
-        raise MixlensError(
-            f"decompx needs a sequence-classification model ({', '.join(decompx)}); this one loads as {chosen}: "
-            "give a classifier checkpoint, or --model-head sequence-classification"
-        )
-    if "attention_flow" in methods:
-        from mixlens.methods.rollout import FLOW_MAX_TOKENS
 
+    def token_counts() -> list[int]:
         tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
-        for k, text in enumerate(texts):
+        counts = []
+        for text in texts:
             pair = text if isinstance(text, tuple) else (text,)
-            n = len(tok(*pair, truncation=max_length is not None, max_length=max_length)["input_ids"])
-            if n > FLOW_MAX_TOKENS:
-                raise MixlensError(
-                    f"attention_flow is limited to {FLOW_MAX_TOKENS} tokens (it runs n² max-flows per layer); "
-                    f"input {k + 1} has {n}: shorten it or use attention_rollout"
-                )
+            counts.append(len(tok(*pair, truncation=max_length is not None, max_length=max_length)["input_ids"]))
+        return counts
+
+    plan = Planned(config, head or head_for(config), functools.cache(token_counts))
+    for check in checks:
+        if check is not None:
+            check(plan)
 
 
 INVOCATION: list[str] = []  # the command line of this run (set by `mixlens.cli.main`), e.g. to say how to resume

@@ -1,6 +1,6 @@
 """Explaining real predictions (`explain`) and measuring which explanation to trust (`evaluate`)."""
 
 from mixlens.explain.explain import Explanation, explain
-from mixlens.explain.targets import Target
+from mixlens.targets import Target
 
 __all__ = ["Explanation", "Target", "explain"]

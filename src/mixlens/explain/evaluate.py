@@ -28,9 +28,10 @@ import torch
 
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
-from mixlens.explain.explain import pad_batch
-from mixlens.explain.targets import model_kind, resolve, scores
+from mixlens.explain.explain import explained_kind, read_targets, report_truncated
+from mixlens.methods import get as get_method
 from mixlens.methods.saliency import keeps_logits
+from mixlens.targets import score
 
 KS = (1, 5, 10, 20, 50)
 AOPC_KS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
@@ -252,7 +253,7 @@ def _forward_f(
         while stop < len(order) and (stop - start + 1) * len(seqs[order[stop]]) <= FORWARD_TOKENS:
             stop += 1
         rows = order[start:stop]
-        inputs = pad_batch(lens, [list(seqs[i]) for i in rows])
+        inputs = lens.encode_ids([seqs[i] for i in rows]).inputs
         own = torch.tensor([owners[i] for i in rows])
         with torch.no_grad():
             if kind == "causal" and keeps_logits(lens.model):
@@ -260,7 +261,8 @@ def _forward_f(
             else:
                 res = lens.model(**inputs)
                 mask = inputs["attention_mask"]
-                f = scores(kind, pool, res, mask, index[own], torch.full((len(rows),), -1), e0[own])[1]
+                last = mask.sum(-1).cpu() - 1 if kind == "causal" else torch.zeros(len(rows), dtype=torch.long)
+                f = score(kind, pool, res, mask, index[own], torch.full((len(rows),), -1), last, e0[own])[1]
         out[rows] = f.float().cpu().numpy()
         start = stop
     return out
@@ -307,11 +309,12 @@ def evaluate_removals(
     mask_id = lens.tokenizer.mask_token_id
     if "mask" in removals and mask_id is None:
         raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
-    kind = model_kind(lens.model)
-    chosen = list(methods) if methods else attr.default_methods(kind)
-    real = attr.check_methods(kind, [m for m in chosen if m != RANDOM])
+    kind = explained_kind(lens.model)
+    family = lens.adapter.family
+    chosen = list(methods) if methods else attr.default_methods(kind, family)
+    real = attr.check_methods(kind, [m for m in chosen if m != RANDOM], family)
     left = [m for m in attr.applicable(kind) if m not in real]
-    slow = [m for m in left if m in attr.SLOW]
+    slow = [m for m in left if get_method(m).slow]
     notes = [f"not evaluated: {', '.join(left)}"] if left else []
     if slow:
         notes.append(
@@ -322,13 +325,14 @@ def evaluate_removals(
     shared: dict[str, float] = {}  # seconds per method (attributions)
     own = {r: {"forward": 0.0, "removal": 0.0} for r in removals}  # per removal: perturbed forwards, the rest
     examples: dict[str, list[Example]] = {r: [] for r in removals}
-    for start in range(0, len(texts), batch_size):
-        chunk = texts[start : start + batch_size]
-        enc = lens.encode(chunk)
+    finished = 0
+    for bt in lens.batches(texts, batch_size, trace=real, output=True):
+        report_truncated(bt)
+        assert bt.trace is not None  # trace=real
+        enc, chunk = bt.enc, [texts[b] for b in bt.index]
         ids = [enc.inputs["input_ids"][b, : len(t)].tolist() for b, t in enumerate(enc.tokens)]
-        inputs = pad_batch(lens, ids)
-        targets, ro, f0 = resolve(lens, inputs, None, None)
-        res = attr.attribute(lens, inputs, ro, real, seed=seed, reference=True, timings=shared)
+        targets, ro, f0 = read_targets(lens, bt.trace, "pred", None)
+        res = attr.attribute(bt.trace, ro, real, seed=seed, reference=True, timings=shared)
         batch = []
         for b, x in enumerate(ids):
             sc = {m: res[m][b, : len(x)].numpy() for m in real}
@@ -352,8 +356,9 @@ def evaluate_removals(
             _perturbed_f(lens, ro, e0, done, all_methods, removal, mask_id, own[removal])
             own[removal]["removal"] += time.perf_counter() - t0
             examples[removal] += done
+        finished += len(batch)
         if progress:
-            progress(start + len(batch), len(texts))
+            progress(finished, len(texts))
     for m in real:
         bad = sum(not np.isfinite(e.scores[m]).all() for e in examples[removals[0]])
         if bad:

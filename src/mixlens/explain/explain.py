@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ import torch
 
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
-from mixlens.explain.targets import Target, model_kind, resolve
+from mixlens.targets import Readout, Target, model_kind, readout, resolve_index, score, trace_output
 
 
 @dataclass
@@ -65,21 +66,6 @@ class Explanation:
         print_terminal(self, console)
 
 
-def pad_batch(lens, ids: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Right-padded model inputs for token-id lists (single segments: token_type_ids 0 where the model has them)."""
-    n = max(len(x) for x in ids)
-    pad = lens.tokenizer.pad_token_id or 0
-    input_ids = torch.full((len(ids), n), pad, dtype=torch.long)
-    mask = torch.zeros((len(ids), n), dtype=torch.long)
-    for b, x in enumerate(ids):
-        input_ids[b, : len(x)] = torch.tensor(x, dtype=torch.long)
-        mask[b, : len(x)] = 1
-    out = {"input_ids": input_ids, "attention_mask": mask}
-    if "token_type_ids" in lens.tokenizer.model_input_names:
-        out["token_type_ids"] = torch.zeros_like(input_ids)
-    return {k: v.to(lens.device) for k, v in out.items()}
-
-
 def explain(
     lens,
     texts: str | Sequence[str],
@@ -92,14 +78,17 @@ def explain(
     seed: int = 0,
 ) -> Explanation:
     """Explain `target` (default: the prediction) of each text with `methods` (default: every applicable one
-    but exact HTA). `generate` = N > 0 (causal LMs): generate N tokens greedily, explaining each by its context."""
+    that is not slow and supports the model's family, from the registry). `generate` = N > 0 (causal LMs): generate
+    N tokens greedily, explaining each by its context. Inputs run in `lens.batches`; each batch's prediction is
+    read from its traced forward pass."""
     from mixlens import __version__
 
     texts = [texts] if isinstance(texts, str) else list(texts)
     if not texts or any(not isinstance(t, str) or not t.strip() for t in texts):
         raise MixlensError("every input must be a non-empty text")
-    kind = model_kind(lens.model)
-    methods = attr.check_methods(kind, list(methods) if methods else attr.default_methods(kind))
+    kind = explained_kind(lens.model)
+    family = lens.adapter.family
+    methods = attr.check_methods(kind, list(methods), family) if methods else attr.default_methods(kind, family)
     if generate:
         if kind != "causal":
             raise MixlensError(f"--generate needs a causal language model; this one is a {kind}")
@@ -107,16 +96,25 @@ def explain(
             raise MixlensError("--generate explains the generated tokens; drop --target")
         if generate < 0:
             raise MixlensError(f"--generate must be a positive number of tokens, got {generate}")
+    request = request_of(lens, kind, target, foil)
     timings: dict[str, float] = {}
     done: list[Explained] = []
-    for start in range(0, len(texts), batch_size):
-        chunk = texts[start : start + batch_size]
-        enc = lens.encode(chunk)
-        ids = [enc.inputs["input_ids"][b, : len(t)].tolist() for b, t in enumerate(enc.tokens)]
+    for batch in lens.batches(texts, batch_size, trace=methods, output=True):
+        report_truncated(batch)
+        chunk = [texts[b] for b in batch.index]
+        ids = [batch.enc.inputs["input_ids"][b, : len(t)].tolist() for b, t in enumerate(batch.enc.tokens)]
+        if generate and max(len(x) for x in ids) + generate > lens.max_length:
+            raise MixlensError(
+                f"--generate {generate} runs past the model's context of {lens.max_length} tokens "
+                f"(the longest input has {max(len(x) for x in ids)})"
+            )
+        trace = batch.trace
         for step in range(max(1, generate)):
-            inputs = pad_batch(lens, ids)
-            targets, ro, score = resolve(lens, inputs, target, foil)
-            res = attr.attribute(lens, inputs, ro, methods, seed=seed, timings=timings)
+            if trace is None:
+                trace = lens.trace_for(lens.encode_ids(ids), methods, output=True)
+            assert trace is not None
+            targets, ro, score = read_targets(lens, trace, *request)
+            res = attr.attribute(trace, ro, methods, target=request[0], foil=request[1], seed=seed, timings=timings)
             for b, x in enumerate(ids):
                 toks = lens.tokenizer.convert_ids_to_tokens(x)
                 text = chunk[b] if step == 0 else lens.tokenizer.decode(x)
@@ -127,4 +125,42 @@ def explain(
                 )
             if generate:
                 ids = [x + [t.index] for x, t in zip(ids, targets, strict=True)]
+                trace = None
     return Explanation(lens.name, __version__, methods, done, timings)
+
+
+def explained_kind(model) -> str:
+    """The model kind explain and evaluate take: 'classifier', 'causal' or 'encoder'."""
+    kind = model_kind(model)
+    if kind == "masked":
+        raise MixlensError(
+            "explain and evaluate take sequence classifiers, causal LMs and base encoders, not a masked LM head; "
+            "load the model with head='sequence-classification', 'causal-lm' or 'base'"
+        )
+    return kind
+
+
+def request_of(lens, kind: str, target: str | int | None, foil: str | int | None) -> tuple[int | str, int | None]:
+    """(target, foil) as the methods' options take them: 'pred' or a class / token id, and None or an id."""
+    t: int | str = "pred" if target is None else resolve_index(kind, lens.model.config, lens.tokenizer, target)
+    f = None if foil is None else resolve_index(kind, lens.model.config, lens.tokenizer, foil)
+    return t, f
+
+
+def read_targets(lens, trace, target: int | str, foil: int | None) -> tuple[list[Target], Readout, torch.Tensor]:
+    """The targets of a traced batch, read from its forward pass: (targets, readout, f(x) [B], or the contrast g(x)
+    when a foil is given)."""
+    out = trace_output(trace)
+    targets, ro = readout(lens.model, lens.tokenizer, out, trace.inputs, target, foil)
+    g, f = score(ro.kind, ro.pool, out, trace.inputs["attention_mask"], *ro.tensors())
+    return targets, ro, (g if foil is not None else f).detach().float().cpu()
+
+
+def report_truncated(batch) -> None:
+    """Say on stderr which inputs were cut to the model's limit (their `text` stays whole in the output)."""
+    for k, n in enumerate(batch.enc.truncated):
+        if n:
+            print(
+                f"warning: input {batch.index[k] + 1} truncated from {n} to {len(batch.enc.tokens[k])} tokens",
+                file=sys.stderr,
+            )

@@ -9,6 +9,7 @@ from mixlens.methods import (  # noqa: F401  (registration side effects)
     gradients,
     norm_rollouts,
     norms,
+    perturbation,
     rollout,
     saliency,
     value_zeroing,

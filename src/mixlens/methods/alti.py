@@ -21,7 +21,7 @@ from mixlens.methods._compiled import parallel
 from mixlens.methods._numba import njit
 from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.norms import head_vectors
-from mixlens.methods.registry import register
+from mixlens.methods.registry import register, vector_block
 from mixlens.methods.rollout import (
     kept_matrices,
     pair_mask,
@@ -191,13 +191,13 @@ def alti_matrices(trace: Trace) -> torch.Tensor:
     return trace.memo.alti
 
 
-@register("alti")
+@register("alti", supports=vector_block, target_rows=True)
 def alti(trace: Trace) -> torch.Tensor:
     """ALTI per layer (Ferrando 2022): max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁), rows normalised."""
     return alti_matrices(trace)
 
 
-@register("alti_rollout")
+@register("alti_rollout", supports=vector_block, target_rows=True, explains=True)
 def alti_rollout(trace: Trace) -> torch.Tensor:
     """ALTI global attribution: rollout of the per-layer ALTI matrices over layers 1..l."""
     targets = targets_of(trace)

@@ -39,7 +39,7 @@ def stacked_alpha(trace: Trace) -> torch.Tensor:
     return a * trace.mask[:, None, None, :, None]
 
 
-@register("attention", head_dims=LHTS)
+@register("attention", head_dims=LHTS, target_rows=True, explains=True)
 def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """Attention weights α (head mean unless heads=True)."""
     if heads:

@@ -31,7 +31,7 @@ from torch import nn
 
 from mixlens.adapters import Layer, Norm, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.methods.registry import Option, register
+from mixlens.methods.registry import Option, Planned, register, vector_block
 from mixlens.trace import LayerTrace, Trace
 
 TOLERANCE = 1e-3  # max |Σ_k score − logit| / max |logit|
@@ -255,7 +255,23 @@ VALUE_BIAS_OPTION = Option(
 )
 
 
-@register("decompx", needs_ffn=True, options=(VALUE_BIAS_OPTION,))
+def needs_classifier(plan: Planned) -> None:
+    """DecompX decomposes through a sequence classifier's head: refuse any other head before the weights load."""
+    if plan.head != "sequence-classification":
+        raise MixlensError(
+            f"decompx needs a sequence-classification model; this one loads as {plan.head}: "
+            "give a classifier checkpoint, or --model-head sequence-classification"
+        )
+
+
+@register(
+    "decompx",
+    needs_ffn=True,
+    options=(VALUE_BIAS_OPTION,),
+    supports=vector_block,
+    head="classifier",
+    precheck=needs_classifier,
+)
 def decompx(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     """DecompX per layer (Modarressi 2023; classification models): ‖x_{i⇐k}‖, part of layer-l output i from token k."""
     decs = decompositions(trace, value_bias)
@@ -267,7 +283,16 @@ def decompx(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     return out
 
 
-@register("decompx_classes", dims=("class", "source"), needs_ffn=True, options=(VALUE_BIAS_OPTION,))
+@register(
+    "decompx_classes",
+    dims=("class", "source"),
+    needs_ffn=True,
+    options=(VALUE_BIAS_OPTION,),
+    supports=vector_block,
+    head="classifier",
+    explains=True,
+    precheck=needs_classifier,
+)
 def decompx_classes(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     """DecompX class scores (classification models): signed contribution of each token to each logit; sums = logits."""
     decs = decompositions(trace, value_bias)

@@ -8,11 +8,14 @@ the real logits on every input.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.decompx import TOLERANCE, final_parts, share
-from mixlens.methods.registry import Option, register
+from mixlens.methods.registry import TARGET_OPTIONS, register, vector_block
+from mixlens.targets import Spec, readout
 from mixlens.trace import Trace
 
 
@@ -28,15 +31,18 @@ def _unembedding(trace: Trace) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 @torch.no_grad()
-def logit_scores(trace: Trace, tokens: torch.Tensor, foils: torch.Tensor | None = None) -> torch.Tensor:
-    """Signed per-source scores [B, n] of logit(tokens[b]) (− logit(foils[b]) where foils[b] ≥ 0) at each input's
-    last real token; padding 0. Raises ReconstructionError when a sum misses the real score."""
+def logit_scores(
+    trace: Trace, tokens: torch.Tensor, foils: torch.Tensor | None = None, at: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Signed per-source scores [B, n] of logit(tokens[b]) (− logit(foils[b]) where foils[b] ≥ 0) at position at[b]
+    (default: each input's last real token); padding 0. Raises ReconstructionError when a sum misses the real
+    score."""
     w_u, bias = _unembedding(trace)
     assert trace.logits is not None  # checked by _unembedding
     bsz, n = trace.mask.shape
     out = torch.zeros(bsz, n)
     for b in range(bsz):
-        pos = int(trace.mask[b].sum()) - 1
+        pos = int(at[b]) if at is not None else int(trace.mask[b].sum()) - 1
         t, f = int(tokens[b]), int(foils[b]) if foils is not None else -1
         direction = w_u[t].float() - (w_u[f].float() if f >= 0 else 0)
         parts = final_parts(trace, b, pos)  # [k, d]
@@ -60,18 +66,20 @@ def logit_scores(trace: Trace, tokens: torch.Tensor, foils: torch.Tensor | None 
     "decompx_logit",
     dims=("source",),
     needs_ffn=True,
-    options=(Option("target", int, "pred", min=0, words=("pred",), help="token id of the explained logit, or 'pred'"),),
+    options=TARGET_OPTIONS,
+    supports=vector_block,
+    head="causal",
+    explains=True,
 )
-def decompx_logit(trace: Trace, *, target: int | str = "pred") -> torch.Tensor:
-    """DecompX next-token logit (causal LMs): signed contribution of each token to the target logit; sums = logit."""
+def decompx_logit(
+    trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None
+) -> torch.Tensor:
+    """DecompX next-token logit (causal LMs): signed contribution of each token to the target logit (minus the
+    foil's); sums = logit."""
     _unembedding(trace)
-    assert trace.logits is not None  # checked by _unembedding
-    last = trace.mask.sum(-1) - 1
-    rows = trace.logits[torch.arange(last.shape[0]), last.to(trace.logits.device)]
-    if target == "pred":
-        tokens = rows.argmax(-1)
-    elif isinstance(target, int) and not isinstance(target, bool) and 0 <= target < rows.shape[-1]:
-        tokens = torch.full((rows.shape[0],), target)
-    else:
-        raise MixlensError(f"decompx_logit target must be 'pred' or a token id below {rows.shape[-1]}, got {target!r}")
-    return logit_scores(trace, tokens)
+    if callable(target) and not isinstance(target, str):
+        raise MixlensError("decompx_logit decomposes a logit: give a token id or 'pred' as target, not a function")
+    _, ro = readout(
+        trace.model, trace.tokenizer, SimpleNamespace(logits=trace.logits), trace.inputs, target, foil, position
+    )
+    return logit_scores(trace, ro.index, ro.foil, ro.position)

@@ -20,7 +20,7 @@ from mixlens.errors import ReconstructionError
 from mixlens.methods.alti import projected_head_vectors
 from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.norms import TOLERANCE, attn_sum, block_norms, head_vectors, pair_rows, quad_norm
-from mixlens.methods.registry import Option, register
+from mixlens.methods.registry import Option, register, vector_block
 from mixlens.methods.rollout import kept_matrices, pair_mask, rollout, rollout_rows, row_pair_mask
 from mixlens.trace import LayerTrace, Trace
 
@@ -134,7 +134,7 @@ def n_enc(trace: Trace) -> torch.Tensor:
     return trace.memo.globenc
 
 
-@register("globenc", needs_ffn=True)
+@register("globenc", needs_ffn=True, supports=vector_block, target_rows=True)
 def globenc(trace: Trace) -> torch.Tensor:
     """GlobEnc N-Enc per layer: ‖LN2∘LN1 (attention + residual)‖ (Modarressi 2022); pre-LN models: ‖t_ij‖."""
     return n_enc(trace)
@@ -143,6 +143,9 @@ def globenc(trace: Trace) -> torch.Tensor:
 @register(
     "globenc_rollout",
     needs_ffn=True,
+    supports=vector_block,
+    target_rows=True,
+    explains=True,
     options=(Option("normalize", bool, False, help="scale the rows of every layer's N-Enc to 1 before the product"),),
 )
 def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:

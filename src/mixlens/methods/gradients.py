@@ -206,7 +206,7 @@ def _output(c: torch.Tensor, se: torch.Tensor | None) -> MethodOutput:
     return MethodOutput(c, {} if se is None else {"stderr": se})
 
 
-@register("hta", dims=LTS, extra_passes=True, options=OPTIONS, extras={"stderr": LTS})
+@register("hta", dims=LTS, extra_passes=True, options=OPTIONS, extras={"stderr": LTS}, explains=True, slow=True)
 def hta(trace: Trace, *, input: str = "word", mode: str = "exact", probes: int = 16, seed: int = 0) -> MethodOutput:
     """Hidden token attribution ‖∂e^l_i/∂x_j‖_F, rows normalised (Brunner 2020); forward-mode JVPs."""
     jn = jacobian_norms(trace, input=input, mode=mode, probes=probes, seed=seed)

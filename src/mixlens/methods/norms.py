@@ -429,7 +429,7 @@ def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     return run.rows(layers[index], run.tok.with_targets(rows))
 
 
-@register("norm", head_dims=LHTS)
+@register("norm", head_dims=LHTS, engine=True, target_rows=True)
 def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """‖α f(x)‖ (Kobayashi 2020): per head α^h_ij‖f^h(x_j)‖, or ‖Σ_h α^h_ij f^h(x_j)‖ head-summed."""
     bn = block_norms(trace)
@@ -446,13 +446,13 @@ def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     return alpha * bn.f_norm[:, :, :, None, :] * trace.mask[:, None, None, :, None]
 
 
-@register("norm_res")
+@register("norm_res", engine=True, target_rows=True)
 def norm_res(trace: Trace) -> torch.Tensor:
     """‖t_ij‖: attention plus residual (Kobayashi 2021, N-Res)."""
     return block_norms(trace).n_res
 
 
-@register("norm_resln")
+@register("norm_resln", engine=True, target_rows=True)
 def norm_resln(trace: Trace) -> torch.Tensor:
     """‖g_i(t_ij)‖: attention, residual and LayerNorm (Kobayashi 2021, N-ResLN)."""
     return block_norms(trace).n_resln

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from mixlens.errors import MixlensError
 from mixlens.trace import Trace
+
+if TYPE_CHECKING:
+    from mixlens.adapters import Family
 
 LTS = ("layer", "target", "source")
 LHTS = ("layer", "head", "target", "source")
@@ -145,8 +148,61 @@ class Option:
         return self.check(method, value)
 
 
+TARGET_OPTIONS = (  # the request for the scalar being explained (`mixlens.targets`), shared by every method of one
+    Option(
+        "target",
+        int,
+        "pred",
+        min=0,
+        words=("pred",),
+        python_callable=True,
+        help="class index / token id of the explained scalar, 'pred' (the prediction) or (Python) f(output, inputs)",
+    ),
+    Option("foil", int, None, min=0, optional=True, help="class / token id to contrast: logit(target) − logit(foil)"),
+    Option(
+        "position",
+        int,
+        None,
+        min=0,
+        optional=True,
+        help="token position of an LM target (default: the [MASK], or the last token of a causal LM)",
+    ),
+)
+
+
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def any_family(family: Family) -> str | None:
+    """Every supported family (the default `supports`)."""
+    return None
+
+
+def vector_block(family: Family) -> str | None:
+    """Methods that decompose x + Attn(LN(x)) and x + FFN(LN(x)) (or their post-LN forms) as vectors: a norm on the
+    attention output (Gemma's sandwich norms) is outside their math."""
+    if family.ln_post is not None:
+        return (
+            f"its vector decomposition assumes x + Attn(LN(x)) and x + FFN(LN(x)), without the {family.name} family's "
+            "sandwich norms"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What a method's `precheck` sees before any weights load: the model config, the head that will load
+    ('base', 'masked-lm', 'sequence-classification', 'causal-lm') and the inputs' token counts (tokenized on
+    first call)."""
+
+    config: Any
+    head: str
+    token_counts: Callable[[], list[int]]
+
+
+HEADS = (None, "any", "classifier", "causal")  # what `Method.head` may say
+EXPLAINED_KINDS = ("classifier", "causal", "masked", "encoder")  # model kinds (`mixlens.targets.model_kind`)
 
 
 @dataclass(frozen=True)
@@ -160,6 +216,29 @@ class Method:
     summary: str
     options: tuple[Option, ...] = ()
     extras: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # secondary output name → axes after batch
+    # Capabilities, declared once at registration (`register`); every other part of mixlens reads them from here.
+    supports: Callable[[Family], str | None] = any_family  # None where its math covers the family, else why not
+    head: str | None = None  # the model head it reads: None (none), 'any' (the target of any head: a class, an LM
+    # token or an encoder's pooled embedding), 'classifier' or 'causal'
+    explains: bool = False  # gives one score per source token for a target: ('source',) or ('class', 'source')
+    # methods read their target; a map [layer, target, source] is read at its last layer's target row
+    target_rows: bool = False  # computes only requested target rows, streamed layer by layer (`run_methods(targets=)`)
+    inputs_only: bool = False  # runs its own passes from the inputs: reads nothing of the captured forward pass
+    engine: bool = False  # runs the norm engine (`norms.block_norms`, with its per-run exactness check)
+    slow: bool = False  # far slower than a forward pass: left out of default method sets, progress shown
+    precheck: Callable[[Planned], None] | None = None  # errors that need only the config and tokenizer
+
+    def refusal(self, family: Family) -> str | None:
+        """Why this method refuses the family (one line), or None."""
+        why = self.supports(family)
+        return None if why is None else f"method '{self.name}' does not support the {family.name} family: {why}"
+
+    def reads(self, kind: str) -> bool:
+        """Whether this method explains a target of a model of this kind ('classifier', 'causal', 'masked',
+        'encoder'; see `mixlens.targets`)."""
+        if not self.explains:
+            return False
+        return self.head in (None, "any") or self.head == kind
 
     @property
     def needs_output(self) -> bool:
@@ -185,9 +264,9 @@ class Method:
 
     def run(self, trace: Trace, heads: bool = False, **options: object) -> MethodOutput:
         """Check the family and the options, run the function: values [batch, *dims_for(heads)] and extras."""
-        fam = trace.adapter.family
-        if self.name in fam.refuses:
-            raise MixlensError(f"method '{self.name}' does not support the {fam.name} family: {fam.why}")
+        why = self.refusal(trace.adapter.family)
+        if why is not None:
+            raise MixlensError(why)
         opts = self.check(options)
         out = self.fn(trace, heads=heads, **opts) if self.head_dims else self.fn(trace, **opts)
         out = out if isinstance(out, MethodOutput) else MethodOutput(out)
@@ -220,10 +299,18 @@ def register(
     extra_passes: bool = False,
     options: tuple[Option, ...] = (),
     extras: Mapping[str, tuple[str, ...]] | None = None,
+    supports: Callable[[Family], str | None] = any_family,
+    head: str | None = None,
+    explains: bool = False,
+    target_rows: bool = False,
+    inputs_only: bool = False,
+    engine: bool = False,
+    slow: bool = False,
+    precheck: Callable[[Planned], None] | None = None,
 ) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
     `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
-    axes after batch."""
+    axes after batch. The rest declares what the method can do (see the fields of `Method`)."""
 
     def deco(fn: F) -> F:
         if name in REGISTRY:
@@ -239,9 +326,31 @@ def register(
         for key in extras or {}:
             if not key.isidentifier():
                 raise RuntimeError(f"method '{name}': extra name '{key}' is not an identifier")
+        if head not in HEADS:
+            raise RuntimeError(f"method '{name}': head must be one of {HEADS}, got {head!r}")
+        if explains and dims[-1] != "source":
+            raise RuntimeError(f"method '{name}' explains a target but its last axis is not 'source': {dims}")
+        if inputs_only and (needs_ffn or engine or target_rows):
+            raise RuntimeError(f"method '{name}': a method that reads only the inputs cannot need the trace")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
         REGISTRY[name] = Method(
-            name, fn, dims, head_dims, needs_ffn, extra_passes, summary, tuple(options), dict(extras or {})
+            name,
+            fn,
+            dims,
+            head_dims,
+            needs_ffn,
+            extra_passes,
+            summary,
+            tuple(options),
+            dict(extras or {}),
+            supports,
+            head,
+            explains,
+            target_rows,
+            inputs_only,
+            engine,
+            slow,
+            precheck,
         )
         return fn
 
@@ -257,6 +366,31 @@ def get(name: str) -> Method:
 
 def names() -> list[str]:
     return list(REGISTRY)
+
+
+def explainers(kind: str, *, defaults: bool = False) -> list[str]:
+    """The methods that explain a target of a model of this kind (`Method.reads`), in registry order; `defaults`:
+    without the slow ones (the default set of `explain` and `evaluate`)."""
+    return [m.name for m in REGISTRY.values() if m.reads(kind) and not (defaults and m.slow)]
+
+
+def refused_by(family: Family) -> list[str]:
+    """The methods whose math does not cover this family's block (`Method.supports`)."""
+    return [m.name for m in REGISTRY.values() if m.refusal(family) is not None]
+
+
+def with_target_rows() -> list[str]:
+    """The methods that compute requested target rows only (`Method.target_rows`)."""
+    return [m.name for m in REGISTRY.values() if m.target_rows]
+
+
+def check_target_rows(methods: Sequence[str]) -> None:
+    """Refuse, in one line, methods that cannot compute target rows only."""
+    refused = [m for m in methods if not get(m).target_rows]
+    if refused:
+        raise MixlensError(
+            f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(with_target_rows())}"
+        )
 
 
 def check_options(

@@ -16,7 +16,7 @@ from scipy.sparse.csgraph import maximum_flow
 
 from mixlens.errors import MixlensError
 from mixlens.methods.attention import alpha_rows, stacked_alpha, targets_of
-from mixlens.methods.registry import register
+from mixlens.methods.registry import Planned, register
 from mixlens.trace import Trace
 
 FLOW_MAX_TOKENS = 32  # n² max-flows per layer on graphs of up to L·n² edges
@@ -132,7 +132,7 @@ def kept_matrices(trace: Trace, name: str) -> LayerRows | None:
     return lambda m: lambda rows: mats[m].gather(1, rows[:, :, None].expand(-1, -1, mats[m].shape[-1]))
 
 
-@register("attention_rollout")
+@register("attention_rollout", target_rows=True, explains=True)
 def attention_rollout(trace: Trace) -> torch.Tensor:
     """Attention rollout (Abnar & Zuidema 2020): product of 0.5·mean attention + 0.5·I over layers 1..l."""
     targets = targets_of(trace)
@@ -166,7 +166,17 @@ def _flow_one(a_hat: torch.Tensor) -> torch.Tensor:
     return row_normalize(torch.from_numpy(out / FLOW_SCALE).to(a_hat.dtype))
 
 
-@register("attention_flow")
+def flow_limit(plan: Planned) -> None:
+    """Attention flow runs n² max-flows per layer: refuse inputs over `FLOW_MAX_TOKENS` before the weights load."""
+    for k, n in enumerate(plan.token_counts()):
+        if n > FLOW_MAX_TOKENS:
+            raise MixlensError(
+                f"attention_flow is limited to {FLOW_MAX_TOKENS} tokens (it runs n² max-flows per layer); "
+                f"input {k + 1} has {n}: shorten it or use attention_rollout"
+            )
+
+
+@register("attention_flow", slow=True, precheck=flow_limit)
 def attention_flow(trace: Trace) -> torch.Tensor:
     """Attention flow (Abnar & Zuidema 2020): max-flow over 0.5·A+0.5·I layers, rows normalised; inputs ≤ 32 tokens."""
     lengths = trace.lengths

@@ -1,7 +1,9 @@
 """Output saliency for one scalar per input (DESIGN §3.7): gradient, gradient × input, integrated gradients.
 
-The scalar f is a class logit (sequence classifier), a token's logit at one position (masked LM: the [MASK];
-causal LM: the last token), or any function `target(model_output, inputs) -> [B]` given in Python. Attribution is
+The scalar is the one of `mixlens.targets`: a class logit (sequence classifier), a token's logit at one position
+(masked LM: the [MASK]; causal LM: the last token), minus a foil's logit when one is given, an encoder's pooled
+embedding projected on its unperturbed value, or any function `target(model_output, inputs) -> [B]` given in
+Python. Attribution is
 at the word-embedding output e_j (the engine's edit point `embed` replaces it, so position embeddings and
 LayerNorm are applied exactly once), reduced over hidden dims: ‖·‖₂ (default), ‖·‖₁ or the signed sum. Integrated
 gradients come from captum; with reduction='sum' they satisfy Σ_j IG_j ≈ f(x) − f(baseline) up to captum's
@@ -14,18 +16,20 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mixlens.errors import MixlensError
-from mixlens.methods.registry import MethodOutput, Option, get, register
+from mixlens.methods.registry import TARGET_OPTIONS, MethodOutput, Option, get, register
+from mixlens.targets import Readout, Spec, model_kind, positions, readout
 from mixlens.trace import Trace, hooked
 
 REDUCTIONS = ("l2", "l1", "sum")
 KINDS = ("saliency", "grad_x_input", "integrated_gradients")
 BASELINES = ("zero", "pad")
 IG_TOKENS_PER_CHUNK = 2048  # default tokens per integrated-gradients chunk (input × step rows × tokens)
-Target = int | str | Callable[..., torch.Tensor]
+Target = Spec
 
 
 @dataclass
@@ -38,29 +42,6 @@ class OutputAttribution:
     target_value: torch.Tensor
     baseline_value: torch.Tensor | None = None
     delta: torch.Tensor | None = None
-
-
-def _positions(trace: Trace, position: int | None) -> torch.Tensor:
-    """Target position per input [B]: given, else the first [MASK], else (causal models) the last real token."""
-    b = trace.mask.shape[0]
-    lengths = trace.mask.sum(-1)
-    if position is not None:
-        if position >= int(lengths.min()):
-            raise MixlensError(f"position must be a token index below {int(lengths.min())}, got {position!r}")
-        return torch.full((b,), position, dtype=torch.long)
-    mask_id = getattr(trace.tokenizer, "mask_token_id", None)
-    if mask_id is not None:
-        hits = trace.inputs["input_ids"].cpu() == mask_id
-        if hits.any(-1).all():
-            return hits.int().argmax(-1)
-    if trace.adapter.family.causal:
-        return lengths.cpu() - 1
-    raise MixlensError("no [MASK] token in every input; mark one with the tokenizer's mask token or give position")
-
-
-def _check_target(target: Target) -> None:
-    if not (callable(target) or target == "pred" or (isinstance(target, int) and not isinstance(target, bool))):
-        raise MixlensError(f"target must be 'pred', a class/token index or a Python callable, got {target!r}")
 
 
 def keeps_logits(model: torch.nn.Module) -> bool:
@@ -78,63 +59,31 @@ class LogitRows:
     """Which logit rows an LM forward computes. Models whose forward takes transformers' `logits_to_keep` compute
     them only at the target positions, so the head's forward and backward cost scale with inputs, not tokens: each
     row's own position (2-D `logits_to_keep` [R, 1], `each`) or, where the model's code only takes a 1-D one, the
-    union of the batch's positions (`kept` [K]). Any other model (or a Python callable target) computes all.
-    `at` [B]: each input's target position (each), its index among `kept`, or None (decided from the logits)."""
+    union of the batch's positions (`kept` [K]). Any other model (a classifier, an encoder, or a Python callable
+    target) computes all."""
 
-    def __init__(self, trace: Trace, target: Target, position: int | None):
-        self.each, self.kept, self.at = False, None, None
+    def __init__(self, trace: Trace, kind: str, target: Target, pos: torch.Tensor):
+        self.each, self.kept = False, None
         model = trace.model
-        if callable(target) or model.get_output_embeddings() is None:
+        if callable(target) or kind not in ("causal", "masked") or not keeps_logits(model):
             return
-        if not keeps_logits(model):
-            return
-        pos = _positions(trace, position).to(trace.mask.device)
         if per_row_keep(model):
-            self.each, self.at = True, pos
+            self.each = True
         else:
-            self.kept, self.at = torch.unique(pos, return_inverse=True)
+            self.kept = torch.unique(pos.to(trace.mask.device))
 
-    def kwargs(self, at: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The model call's keyword arguments for rows whose targets are `at` [R] (None: not an LM target)."""
-        if self.each and at is not None:
-            return {"logits_to_keep": at[:, None]}
+    def kwargs(self, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model call's keyword arguments for rows whose target positions are `pos` [R]."""
+        if self.each:
+            return {"logits_to_keep": pos[:, None]}
         return {} if self.kept is None else {"logits_to_keep": self.kept}
 
-    def index(self, at: torch.Tensor) -> torch.Tensor:
-        """Each row's index [R] on the position axis of the logits computed with `kwargs(at)`."""
-        return torch.zeros_like(at) if self.each else at
-
-
-def _selector(
-    trace: Trace, target: Target, position: int | None, logits: torch.Tensor | None, rows: LogitRows
-) -> tuple[Callable, tuple[torch.Tensor, ...]]:
-    """(select(output, inputs, *extra) -> [B], extra per-input tensors); extra rows travel with captum's batch (for
-    an LM target the first is `at`, see `LogitRows`). `logits`: the model's output at the real inputs, computed with
-    `rows.kwargs(rows.at)` ([B, classes] or [B, positions, vocab]), which 'pred' reads."""
-    _check_target(target)
-    if callable(target):
-        return (lambda out, inputs: target(out, inputs)), ()
-    if logits is None:
-        raise MixlensError(
-            "this model has no output head; load it with a head (e.g. --head sequence-classification) "
-            "or pass a Python callable as target"
-        )
-    dev = logits.device
-    if logits.dim() == 2:  # [B, classes]
-        if isinstance(target, int) and not 0 <= target < logits.shape[-1]:
-            raise MixlensError(f"class {target} out of range; the model has {logits.shape[-1]} classes")
-        cls = torch.full((logits.shape[0],), target, device=dev) if isinstance(target, int) else logits.argmax(-1)
-        return (lambda out, inputs, c: out.logits.gather(1, c[:, None])[:, 0]), (cls,)
-    at = rows.at if rows.at is not None else _positions(trace, position).to(dev)  # [B, positions, vocab]
-    target_rows = logits[torch.arange(logits.shape[0], device=dev), rows.index(at)]
-    if isinstance(target, int) and not 0 <= target < target_rows.shape[-1]:
-        raise MixlensError(f"token id {target} out of range; the vocabulary has {target_rows.shape[-1]} entries")
-    tok = torch.full((logits.shape[0],), target, device=dev) if isinstance(target, int) else target_rows.argmax(-1)
-
-    def pick(out, inputs, a, t):
-        return out.logits[torch.arange(a.shape[0], device=a.device), rows.index(a), t]
-
-    return pick, (at, tok)
+    def row_at(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """Each row's index [R] on the position axis of the logits computed with `kwargs(pos)`; None: all computed
+        (read at `pos` itself)."""
+        if self.each:
+            return torch.zeros_like(pos)
+        return None if self.kept is None else torch.searchsorted(self.kept, pos.to(self.kept.device))
 
 
 def _forward(trace: Trace, emb: torch.Tensor, inputs: dict[str, torch.Tensor], kwargs: dict[str, torch.Tensor]):
@@ -143,35 +92,30 @@ def _forward(trace: Trace, emb: torch.Tensor, inputs: dict[str, torch.Tensor], k
         return trace.model(**inputs, **kwargs)
 
 
-def _evaluate(
-    trace: Trace, emb: torch.Tensor, target: Target, position: int | None, rows: LogitRows
-) -> tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor]:
-    """One forward at the word embeddings `emb`: (select, extra, f(emb) [B]) of `_selector`, 'pred' read from this
-    forward's logits (only the rows of `rows` are computed)."""
-    out = _forward(trace, emb, trace.inputs, rows.kwargs(rows.at))
-    logits = getattr(out, "logits", None)
-    select, extra = _selector(trace, target, position, None if logits is None else logits.detach(), rows)
-    return select, extra, select(out, trace.inputs, *extra)
-
-
 def scalar_fn(
-    trace: Trace, target: Target = "pred", position: int | None = None
-) -> tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
-    """(f(emb [B, n, d], *inputs, *extra) -> [B], the real word embeddings e [B, n, d], (*inputs, *extra), f(e) [B]).
-    One plain forward at e gives f(e) and the logits that 'pred' reads."""
+    trace: Trace, target: Target = "pred", foil: int | None = None, position: int | None = None, grad: bool = False
+) -> tuple[Callable[..., torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, Readout]:
+    """(g(emb [B, n, d], *inputs, *readout tensors) -> [B], the real word embeddings e [B, n, d], (*inputs,
+    *readout tensors), g(e) [B], the readout): the scalar being explained (`mixlens.targets`) as a function of the
+    word embeddings. One plain forward at e gives g(e) and the output that 'pred' reads; with `grad`, e requires
+    grad and g(e) keeps its graph (one forward and one backward give the gradient)."""
     keys = list(trace.inputs)
-    _check_target(target)
-    rows = LogitRows(trace, target, position)
-    with torch.no_grad():
-        emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"])
-        select, extra, value = _evaluate(trace, emb, target, position, rows)
+    kind = model_kind(trace.model)
+    pos = positions(kind, trace.inputs, trace.tokenizer, position).to(trace.mask.device)
+    rows = LogitRows(trace, kind, target, pos)
+    with torch.set_grad_enabled(grad):
+        emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"]).detach().requires_grad_(grad)
+        out = _forward(trace, emb, trace.inputs, rows.kwargs(pos))
+        _, ro = readout(trace.model, trace.tokenizer, out, trace.inputs, target, foil, position, rows.row_at(pos))
+        value = ro.g(out, trace.inputs, row_at=rows.row_at(pos))
 
     def f(emb: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         inputs = dict(zip(keys, args[: len(keys)], strict=True))
-        more = args[len(keys) :]
-        return select(_forward(trace, emb, inputs, rows.kwargs(more[0] if more else None)), inputs, *more)
+        more = args[len(keys) :]  # index, foil, position, e0 (captum expands them with the inputs)
+        at = more[2]
+        return ro.g(_forward(trace, emb, inputs, rows.kwargs(at)), inputs, *more, row_at=rows.row_at(at))
 
-    return f, emb, (*trace.inputs.values(), *extra), value
+    return f, emb, (*trace.inputs.values(), *ro.tensors()), value if grad else value.detach(), ro
 
 
 def reduce_hidden(raw: torch.Tensor, reduction: str, mask: torch.Tensor) -> torch.Tensor:
@@ -198,6 +142,7 @@ def output_attribution(
     kind: str = "saliency",
     *,
     target: Target = "pred",
+    foil: int | None = None,
     position: int | None = None,
     reduction: str = "l2",
     baseline: str = "zero",
@@ -213,18 +158,15 @@ def output_attribution(
         if kind == "integrated_gradients"
         else {}
     )
-    get(kind).check({"target": target, "position": position, "reduction": reduction, **ig})  # declared options
+    get(kind).check({"target": target, "foil": foil, "position": position, "reduction": reduction, **ig})
     if kind != "integrated_gradients":
-        _check_target(target)
-        rows = LogitRows(trace, target, position)
+        _, x, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)  # one forward: 'pred' reads it
         with torch.enable_grad():
-            x = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"]).detach().requires_grad_(True)
-            _, _, value = _evaluate(trace, x, target, position, rows)  # one forward: 'pred' reads its logits
-            (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂f_b/∂e
+            (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
         raw = grad if kind == "saliency" else grad * x.detach()
         return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw, value.detach())
     chunk = _chunk_rows(trace, steps, internal_batch_size)
-    f, emb, args, value = scalar_fn(trace, target, position)
+    f, emb, args, value, _ = scalar_fn(trace, target, foil, position)
     from captum.attr import IntegratedGradients
 
     base = torch.zeros_like(emb)
@@ -246,48 +188,46 @@ def output_attribution(
 
 
 TARGET = (
-    Option(
-        "target",
-        int,
-        "pred",
-        min=0,
-        words=("pred",),
-        python_callable=True,
-        help="class index / token id of the scalar, 'pred' (the predicted one) or (Python) f(output, inputs)",
-    ),
-    Option(
-        "position",
-        int,
-        None,
-        min=0,
-        optional=True,
-        help="token position of an LM target (default: the [MASK], or the last token of a causal LM)",
-    ),
+    *TARGET_OPTIONS,
     Option("reduction", str, "l2", choices=REDUCTIONS, help="over hidden dims: ‖·‖₂, ‖·‖₁ or the signed sum"),
 )
+GRADIENT: dict[str, Any] = dict(dims=("source",), extra_passes=True, inputs_only=True, head="any", explains=True)
 
 
-@register("saliency", dims=("source",), extra_passes=True, options=TARGET)
+@register("saliency", options=TARGET, **GRADIENT)
 def saliency(
-    trace: Trace, *, target: Target = "pred", position: int | None = None, reduction: str = "l2"
+    trace: Trace,
+    *,
+    target: Target = "pred",
+    foil: int | None = None,
+    position: int | None = None,
+    reduction: str = "l2",
 ) -> torch.Tensor:
     """Gradient of a target scalar w.r.t. the word embeddings, reduced over hidden dims: [B, source]."""
-    return output_attribution(trace, "saliency", target=target, position=position, reduction=reduction).values
+    return output_attribution(
+        trace, "saliency", target=target, foil=foil, position=position, reduction=reduction
+    ).values
 
 
-@register("grad_x_input", dims=("source",), extra_passes=True, options=TARGET)
+@register("grad_x_input", options=TARGET, **GRADIENT)
 def grad_x_input(
-    trace: Trace, *, target: Target = "pred", position: int | None = None, reduction: str = "l2"
+    trace: Trace,
+    *,
+    target: Target = "pred",
+    foil: int | None = None,
+    position: int | None = None,
+    reduction: str = "l2",
 ) -> torch.Tensor:
     """Gradient × word embedding for a target scalar, reduced over hidden dims: [B, source]."""
-    return output_attribution(trace, "grad_x_input", target=target, position=position, reduction=reduction).values
+    return output_attribution(
+        trace, "grad_x_input", target=target, foil=foil, position=position, reduction=reduction
+    ).values
 
 
 @register(
     "integrated_gradients",
-    dims=("source",),
-    extra_passes=True,
     extras={"delta": ()},
+    **GRADIENT,
     options=(
         *TARGET,
         Option("baseline", str, "zero", choices=BASELINES, help="the embeddings integrated from: zeros or [PAD]s"),
@@ -306,6 +246,7 @@ def integrated_gradients(
     trace: Trace,
     *,
     target: Target = "pred",
+    foil: int | None = None,
     position: int | None = None,
     reduction: str = "l2",
     baseline: str = "zero",
@@ -320,6 +261,7 @@ def integrated_gradients(
         trace,
         "integrated_gradients",
         target=target,
+        foil=foil,
         position=position,
         reduction=reduction,
         baseline=baseline,

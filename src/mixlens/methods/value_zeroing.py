@@ -81,7 +81,7 @@ def value_zeroing(trace: Trace) -> torch.Tensor:
     return value_zeroing_matrices(trace)
 
 
-@register("value_zeroing_rollout", extra_passes=True)
+@register("value_zeroing_rollout", extra_passes=True, explains=True)
 def value_zeroing_rollout(trace: Trace) -> torch.Tensor:
     """Value-zeroing global attribution: rollout of the per-layer matrices over layers 1..l."""
     return rollout(value_zeroing_matrices(trace))

@@ -1,0 +1,106 @@
+"""The registry is the truth: every method × every family × every model head either runs (and passes its own
+exactness check) or refuses in one line — and which of the two is what the method declares (`Method.supports`,
+`Method.head`). Nothing else in mixlens keeps a list of what a method can do."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mixlens.errors import MixlensError
+from mixlens.explain.attributions import default_methods
+from mixlens.methods import REGISTRY
+from mixlens.methods import get as get_method
+from mixlens.targets import model_kind
+from tests.conftest import FAMILIES, random_lens
+
+TEXTS = ["The cat sat.", "A dog ran away!"]
+CHEAP = {  # options that keep the slow methods small on a tiny model (their exactness is tested in their own files)
+    "integrated_gradients": {"steps": 4},
+    "gradient_shap": {"samples": 2},
+    "lime": {"samples": 4},
+    "hta": {"mode": "estimate", "probes": 2},
+    "head_attribution": {"mode": "estimate", "probes": 2},
+}
+DECODERS = {"gpt2", "llama", "gemma2", "gemma3_text"}
+HEADS = {"base": "AutoModel", "classifier": "AutoModelForSequenceClassification", "causal": "AutoModelForCausalLM"}
+CASES = [(f, h) for f in FAMILIES for h in HEADS if h != "causal" or f in DECODERS]  # encoders have no causal LM
+
+
+def expected_refusal(name: str, lens) -> str | None:
+    """What the registry declares: the family's refusal, or the head the method reads."""
+    spec = get_method(name)
+    why = spec.refusal(lens.adapter.family)
+    if why is not None:
+        return why
+    kind = model_kind(lens.model)
+    if spec.head == "classifier" and kind != "classifier":
+        return "sequence-classification"
+    if spec.head == "causal" and kind != "causal":
+        return "causal language model"
+    return None
+
+
+@pytest.mark.parametrize(("family", "head"), CASES)
+def test_every_method_runs_or_refuses_as_declared(family, head, tokenizer):
+    lens = random_lens(family, tokenizer, head=HEADS[head], **({"num_labels": 2} if head == "classifier" else {}))
+    for name, spec in REGISTRY.items():
+        want = expected_refusal(name, lens)
+        options = {name: CHEAP[name]} if name in CHEAP else None
+        if want is not None:
+            with pytest.raises(MixlensError) as e:
+                lens.analyze(TEXTS, [name], options=options)
+            assert want in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
+            continue
+        res = lens.analyze(TEXTS, [name], options=options)  # the methods' exactness checks raise on a miss
+        values = res[name].values
+        assert values.shape[1:][: len(spec.dims)] == values.shape[1:] and np.isfinite(values).all(), name
+        if res.reconstruction_error is not None:
+            assert float(res.reconstruction_error.max()) < 1e-4, name
+
+
+@pytest.mark.parametrize("family", sorted(DECODERS))
+def test_explain_defaults_run_on_every_causal_lm(family, tokenizer):
+    """`explain` with its own default methods (from the registry) runs on every decoder family — Gemma's sandwich
+    norms included, where the vector decompositions are left out of the defaults, not failed."""
+    lens = random_lens(family, tokenizer, head="AutoModelForCausalLM")
+    methods = default_methods("causal", lens.adapter.family)
+    assert all(get_method(m).refusal(lens.adapter.family) is None for m in methods)
+    assert ("decompx_logit" in methods) == (lens.adapter.family.ln_post is None)
+    res = lens.explain(TEXTS[:1], methods)
+    assert set(res.inputs[0].scores) == set(methods)
+    assert all(np.isfinite(v).all() for v in res.inputs[0].scores.values())
+
+
+def test_explain_refuses_a_method_its_family_does_not_support(tokenizer):
+    lens = random_lens("gemma3_text", tokenizer, head="AutoModelForCausalLM")
+    with pytest.raises(MixlensError, match="'decompx_logit' does not support the gemma family: its vector"):
+        lens.explain(TEXTS[:1], ["decompx_logit"])
+
+
+def test_no_method_name_lists_outside_the_registry():
+    """No module keeps its own tuple of method names (the lists the registry replaced): a literal tuple or list of
+    two or more registered names anywhere in src/mixlens is a second source of truth."""
+    names = set(REGISTRY)
+    allowed = {  # choices, not capabilities: a default set, a table's columns, a view's first method, a function's kinds
+        ("lens.py", "DEFAULT_METHODS"),
+        ("commands/analyze.py", "NORM_FAMILY"),
+        ("viz/html.py", "START_METHODS"),
+        ("methods/saliency.py", "KINDS"),
+    }
+    root = Path(__file__).resolve().parents[1] / "src" / "mixlens"
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Assign) or not isinstance(node.value, (ast.Tuple, ast.List, ast.Set)):
+                continue
+            strings = [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            target = node.targets[0].id if isinstance(node.targets[0], ast.Name) else "?"
+            if sum(s in names for s in strings) >= 2 and (rel, target) not in allowed and target != "__all__":
+                found.append(f"{rel}: {target}")
+    assert not found, f"method name lists outside the registry: {found}"
