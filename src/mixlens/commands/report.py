@@ -195,6 +195,9 @@ def register(app: typer.Typer) -> None:
         max_tokens: int = typer.Option(128, "--max-tokens", min=2, help="Longest accepted input in tokens."),
     ) -> None:
         """Local viewer: type a sentence in the browser and get the report view."""
+        import os
+        import sys
+
         from mixlens.lens import load
         from mixlens.viz.server import ViewerConfig, make_server, report_files
 
@@ -214,6 +217,10 @@ def register(app: typer.Typer) -> None:
         try:
             server.serve_forever()
         except KeyboardInterrupt:
+            if not server.stop(wait=2.0):  # model code running in a thread at exit can abort the interpreter
+                typer.echo("stopped (the analysis in progress was abandoned)", err=True)
+                sys.stderr.flush()
+                os._exit(0)
             typer.echo("stopped", err=True)
         finally:
             server.server_close()
