@@ -371,3 +371,55 @@ def test_nan_and_inf_are_marked_not_drawn_as_zero():
     assert vh.NONFINITE in markup
     js = vh.asset("report.js")
     assert 'v === null ? NaN : v === "inf" ? Infinity' in js and "NaN or \\u00b1inf" in js
+
+
+NODE_DOM = """
+function ctx2d() {
+  return new Proxy({}, { get(t, k) {
+    if (k === "measureText") return () => ({ width: 10 });
+    if (k === "createImageData") return (w, h) => ({ data: new Uint8ClampedArray(4 * w * h) });
+    return k in t ? t[k] : () => {};
+  }, set(t, k, v) { t[k] = v; return true; } });
+}
+function makeEl(tag) {
+  return { tag, children: [], attrs: {}, style: {}, ownerDocument: doc,
+    appendChild(c) { this.children.push(c); return c; }, setAttribute(k, v) { this.attrs[k] = String(v); },
+    addEventListener() {}, getContext() { return this._ctx || (this._ctx = ctx2d()); },
+    getBoundingClientRect() { return { left: 0, top: 0 }; } };
+}
+var doc = { defaultView: { devicePixelRatio: 1 }, createElement: makeEl, createTextNode: (t) => ({ text: t }) };
+function find(e, pred) {
+  if (pred(e)) return e;
+  for (const c of e.children || []) { const r = find(c, pred); if (r) return r; }
+  return null;
+}
+const root = makeEl("div");
+mlxMount(root, JSON.parse(require("fs").readFileSync(0, "utf8")));
+const m = root.mixlens.map(), s = root.mixlens.state();
+const note = find(root, (e) => e.attrs && e.attrs["data-nonfinite"] !== undefined);
+console.log(JSON.stringify({ nan: Number.isNaN(m[0]), inf: m[4] === Infinity, vmin: s.vmin, vmax: s.vmax,
+                             bad: note.attrs["data-nonfinite"], text: note.textContent }));
+"""
+
+
+def test_view_marks_nan_and_inf_cells():
+    """#32 D: the view (report.js, run in node with a stub DOM) keeps NaN/inf cells as such, leaves them out of the
+    colour scale and says how many there are."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    v = np.random.default_rng(0).random((1, 2, 3, 3)).astype(np.float32)
+    v[0, 0, 0, 0], v[0, 0, 1, 1] = np.nan, np.inf
+    payload = vh.build_payload(Attribution(v, ("layer", "target", "source"), [["a", "b", "c"]], "m"))
+    payload["inputs"][0]["ratios"] = {"W": [0.5, None]}
+    run = subprocess.run(
+        [node, "-e", vh.asset("report.js") + NODE_DOM], input=json.dumps(payload), capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    finite = v[0, 0][np.isfinite(v[0, 0])]
+    assert got["nan"] and got["inf"] and got["bad"] == "2" and "2 cells are NaN or" in got["text"]
+    assert got["vmin"] == 0 and got["vmax"] == pytest.approx(finite.max(), rel=1e-3)
