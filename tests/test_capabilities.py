@@ -85,7 +85,7 @@ def test_no_method_name_lists_outside_the_registry():
     """No module keeps its own tuple of method names (the lists the registry replaced): a literal tuple or list of
     two or more registered names anywhere in src/mixlens is a second source of truth."""
     names = set(REGISTRY)
-    allowed = {  # choices, not capabilities: a default set, a table's columns, a view's first method, a function's kinds
+    allowed = {  # choices, not capabilities: a default set, table columns, a first view, a function's kinds
         ("lens.py", "DEFAULT_METHODS"),
         ("commands/analyze.py", "NORM_FAMILY"),
         ("viz/html.py", "START_METHODS"),
@@ -104,3 +104,75 @@ def test_no_method_name_lists_outside_the_registry():
             if sum(s in names for s in strings) >= 2 and (rel, target) not in allowed and target != "__all__":
                 found.append(f"{rel}: {target}")
     assert not found, f"method name lists outside the registry: {found}"
+
+
+def test_shipped_catalog_is_the_registry():
+    """`mixlens methods` reads data/methods.json (no torch); it must equal what the registry declares now
+    (regenerate with `python -m mixlens.catalog`)."""
+    from mixlens import catalog
+
+    assert catalog.load() == catalog.build(), "stale src/mixlens/data/methods.json: run python -m mixlens.catalog"
+
+
+def test_methods_command_is_fast_narrow_and_complete():
+    """`mixlens methods` imports no torch, fits 100 columns and lists every method `explain` accepts."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from mixlens.cli import main\n"
+        "try:\n    main(['methods'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported torch'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    listed = {line.split()[0] for line in lines if line and not line.startswith(" ")}
+    assert listed == set(REGISTRY)
+    for kind in ("classifier", "causal", "encoder"):
+        from mixlens.explain.attributions import applicable
+
+        assert set(applicable(kind)) <= listed
+    assert {"occlusion", "lime", "deeplift", "gradient_shap"} <= listed
+
+
+def test_a_checkpoint_without_its_head_loads_the_base_model(tmp_path, tokenizer, capsys):
+    """A sentence-transformers folder whose config names a masked-LM class but holds no LM-head weights (as
+    all-mpnet-base-v2): `load` without a head gives the base model (norm methods never read a head) with a warning;
+    asking for the head still refuses its random weights."""
+    import json
+
+    import mixlens
+    from tests.conftest import random_model
+
+    random_model("bert", tokenizer).save_pretrained(tmp_path)  # base weights only
+    tokenizer.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["BertForMaskedLM"]}))
+    lens = mixlens.load(tmp_path)
+    assert type(lens.model).__name__ == "BertModel"
+    assert "no weights for its masked-lm head; loaded the base model" in capsys.readouterr().err
+    assert lens.analyze(TEXTS, ["norm_resln"]).reconstruction_error.max() < 1e-4
+    with pytest.raises(MixlensError, match="would be random"):
+        mixlens.load(tmp_path, head="masked-lm")
+
+
+def test_a_gguf_decoder_loads_as_a_causal_lm(tmp_path, monkeypatch):
+    """A GGUF file's config names no head class: a decoder family's file loads with its causal LM head."""
+    import transformers as T
+
+    from mixlens import lens as lens_module
+
+    picked = []
+    monkeypatch.setattr(lens_module, "resolve_source", lambda model, gguf_file=None: (str(tmp_path), True))
+    monkeypatch.setattr(T.AutoConfig, "from_pretrained", lambda *a, **k: T.LlamaConfig(architectures=None))
+
+    def fake(cls, src, head, allow, **kw):
+        picked.append((cls.__name__, head, kw.get("gguf_file")))
+        raise MixlensError("stop here")
+
+    monkeypatch.setattr(lens_module, "_pretrained_without_random_weights", fake)
+    with pytest.raises(MixlensError, match="stop here"):
+        lens_module.load(tmp_path, gguf_file="m.gguf")
+    assert picked == [("AutoModelForCausalLM", "causal-lm", "m.gguf")]

@@ -121,9 +121,11 @@ def load(
 
     `gguf_file`: a GGUF file inside the directory `model`, de-quantised to float32 by transformers (needs the
     `gguf` and `accelerate` packages). `head` picks the AutoModel class ('base', 'masked-lm',
-    'sequence-classification', 'causal-lm'); by default it follows `config.architectures`. Always eager attention,
-    eval mode, fp32. Weights missing from the checkpoint (a head transformers would initialise at random) are
-    refused unless `allow_random_head`.
+    'sequence-classification', 'causal-lm'); by default it follows `config.architectures` (a GGUF decoder: its causal
+    LM head), and where the checkpoint lacks that head's weights (e.g. a sentence-transformers folder whose config
+    names a masked-LM class) the base model loads instead, with a warning: nothing random is loaded unasked. Always
+    eager attention, eval mode, fp32. Weights missing from the checkpoint for a head asked for with `head` (a head
+    transformers would initialise at random) are refused unless `allow_random_head`.
     """
     import transformers
     from safetensors import SafetensorError
@@ -134,9 +136,23 @@ def load(
         raise MixlensError(f"unknown head '{head}'; valid: {', '.join(_HEADS)}")
     try:
         config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
-        family_for(config.model_type)  # fail fast on unsupported families
-        cls = getattr(transformers, _HEADS[head or _head_for(config)])
-        net = _pretrained_without_random_weights(cls, src, head or _head_for(config), allow_random_head, **gguf)
+        family = family_for(config.model_type)  # fail fast on unsupported families
+        chosen = head or _head_for(config)
+        if head is None and gguf_file is not None and chosen == "base" and family.causal:
+            chosen = "causal-lm"  # a GGUF file names no head class; a decoder's file holds its LM head
+        try:
+            net = _pretrained_without_random_weights(
+                getattr(transformers, _HEADS[chosen]), src, chosen, allow_random_head, **gguf
+            )
+        except RandomHeadError:
+            if head is not None or chosen == "base":
+                raise
+            print(
+                f"warning: the checkpoint has no weights for its {chosen} head; loaded the base model "
+                "(give --model-head to ask for a head)",
+                file=sys.stderr,
+            )
+            net = _pretrained_without_random_weights(transformers.AutoModel, src, "base", allow_random_head, **gguf)
         tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
     except MixlensError:
         raise
@@ -153,6 +169,10 @@ def load(
     return Lens(net.to(device), tok, name=str(model) if model is not None else "all-MiniLM-L6-v2")
 
 
+class RandomHeadError(MixlensError):
+    """A head asked for whose weights are not in the checkpoint (they would be random)."""
+
+
 def _pretrained_without_random_weights(cls: Any, src: str, head: str, allow_random_head: bool, **kwargs: Any) -> Any:
     """`cls.from_pretrained(src)`; newly initialised weights (missing or size-mismatched in the checkpoint) are a
     `MixlensError` naming them, unless `allow_random_head`: explaining a random head explains noise."""
@@ -164,7 +184,7 @@ def _pretrained_without_random_weights(cls: Any, src: str, head: str, allow_rand
     )
     if new and not allow_random_head:
         shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
-        raise MixlensError(
+        raise RandomHeadError(
             f"the {head} model's weights {shown} are not in the checkpoint and would be random (newly initialised);"
             " use a model trained for this head, or pass --allow-random-head (allow_random_head=True)"
         )

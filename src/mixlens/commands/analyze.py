@@ -248,12 +248,7 @@ def print_ratios(res: Any) -> None:
 
 
 def list_methods() -> None:
-    """List the registered methods with their axes and options."""
-    from mixlens.methods import REGISTRY
+    """List every method: axes, what it reads and explains, the families it refuses, its options."""
+    from mixlens.catalog import lines, load
 
-    for m in REGISTRY.values():
-        print(f"{m.name:24s} [batch, {', '.join(m.dims)}]  {m.summary}")
-        for o in m.options:
-            print(f"{'':26s}--option {m.name}.{o.describe()}")
-        for key, axes in m.extras.items():
-            print(f"{'':26s}extra {key}: [batch{''.join(', ' + a for a in axes)}]")
+    print("\n".join(lines(load())))

@@ -286,14 +286,22 @@ INVOCATION: list[str] = []  # the command line of this run (set by `mixlens.cli.
 
 
 def quiet_libraries() -> None:
-    """Library chatter (hub retries, progress bars, captum's notes on its hooks) would bury our one-line messages."""
+    """Library chatter (hub retries, progress bars, captum's notes on its hooks) would bury our one-line messages.
+    Before transformers is imported this only sets the environment it reads at import (so a command that never
+    loads a model, e.g. `mixlens methods`, does not pay for importing it); after, its own settings."""
     import logging
+    import os
+    import sys
     import warnings
 
-    from transformers.utils import logging as hf_logging
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    else:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", category=UserWarning, module="captum")
 
