@@ -267,3 +267,18 @@ def test_figure_title_names_the_model_not_its_path():
     assert model_label("/root/.cache/mixlens/models/smollm2-135m-instruct/") == "smollm2-135m-instruct"
     assert model_label("sentence-transformers/all-MiniLM-L6-v2") == "all-MiniLM-L6-v2"
     assert model_label("bert-base-uncased") == "bert-base-uncased"
+
+
+def test_table_fits_a_100_column_terminal(classifier, monkeypatch, capsys):
+    """The evaluate table (every default method, intervals under the means) fits a 100-column terminal."""
+    import os
+    import shutil
+
+    from mixlens.commands.explain import _print
+
+    ev = evaluate(classifier, TEXTS[:2], batch_size=2)
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=(100, 24): os.terminal_size((100, 24)))
+    _print(ev)
+    lines = capsys.readouterr().out.splitlines()
+    table = [ln for ln in lines if not ln.startswith(("time:", "note:"))]
+    assert max(len(ln) for ln in table) <= 100 and any("integrated_gradients" in ln for ln in table)

@@ -24,7 +24,6 @@ turns a request and one unperturbed output into a `Readout`, the per-input tenso
 
 from __future__ import annotations
 
-import json
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,15 +80,10 @@ def pooling(model: torch.nn.Module) -> str:
     """'cls' or 'mean': the sentence-transformers pooling of a base encoder (mean when not configured)."""
     cfg = Path(str(getattr(model.config, "_name_or_path", ""))) / "1_Pooling" / "config.json"
     if cfg.is_file():
-        try:
-            modes = json.loads(cfg.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
-            return "mean"
-        if (
-            isinstance(modes, dict)
-            and modes.get("pooling_mode_cls_token")
-            and not modes.get("pooling_mode_mean_tokens")
-        ):
+        from mixlens.jsonio import read
+
+        modes = read(cfg)  # a malformed file is one line naming it, not a silent default
+        if modes.get("pooling_mode_cls_token") and not modes.get("pooling_mode_mean_tokens"):
             return "cls"
     return "mean"
 

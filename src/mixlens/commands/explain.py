@@ -149,14 +149,14 @@ def _print(ev) -> None:
 
     met = ev.metrics()
     table = Table(title=f"Faithfulness ({ev.removal}), {len(ev.examples)} examples — {ev.model}; ranked by AOPC")
-    for col in ("method", "AOPC", "comprehensiveness", "sufficiency ↓", "Spearman G×I", "time (s)"):
+    for col in ("method", "AOPC", "compreh.", "suffic. ↓", "ρ G×I", "s"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for m in ev.ranking():
         r = met[m]
 
         def cell(k: str, r=r) -> str:
             lo, hi = r["ci95"][k]
-            return f"{r[k]:.3f} [{lo:.3f}, {hi:.3f}]"
+            return f"{r[k]:.3f}\n[{lo:.2f}, {hi:.2f}]"  # two lines: the table fits 100 columns
 
         table.add_row(
             m,
@@ -166,7 +166,7 @@ def _print(ev) -> None:
             cell("spearman_gxi"),
             f"{ev.timings.get(m, 0.0):.1f}",
         )
-    Console(width=max(140, shutil.get_terminal_size((140, 24)).columns)).print(table)
+    Console(width=min(120, max(80, shutil.get_terminal_size((100, 24)).columns))).print(table)
     t = ev.timings
     print(
         f"time: total {t['total']:.1f} s, attributions {t['attributions']:.1f} s, perturbed forward passes "
