@@ -205,3 +205,11 @@ def test_token_budget_shrinks_for_large_models(bundled):
 
     want = ACTIVATION_FLOATS // (24 * 576 * 30 + 2 * 49152)
     assert token_budget(BigForCausalLM()) == want and 64 < want < TOKEN_BUDGET
+
+
+def test_html_legend_names_signed_colours_only_for_signed_scores(bundled):
+    """The legend says 'blue: against the target' only when some method gave a negative score (#32 item 9)."""
+    unsigned = bundled.explain(["a fine film"], ["saliency", "attention"]).html()
+    signed = bundled.explain(["a fine film"], ["grad_x_input"]).html()
+    assert "blue against it" not in unsigned and "deeper red = larger" in unsigned
+    assert "blue against it" in signed

@@ -12,7 +12,7 @@ import torch
 
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
-from mixlens.targets import Readout, Target, model_kind, readout, resolve_index, score, trace_output
+from mixlens.targets import Readout, Target, model_kind, readout, resolve_index, score, token_label, trace_output
 
 
 @dataclass
@@ -116,7 +116,7 @@ def explain(
             targets, ro, score = read_targets(lens, trace, *request)
             res = attr.attribute(trace, ro, methods, target=request[0], foil=request[1], seed=seed, timings=timings)
             for b, x in enumerate(ids):
-                toks = lens.tokenizer.convert_ids_to_tokens(x)
+                toks = [token_label(lens.tokenizer, t) for t in x]  # as text: ' Paris', not 'ĠParis'
                 text = chunk[b] if step == 0 else lens.tokenizer.decode(x)
                 done.append(
                     Explained(

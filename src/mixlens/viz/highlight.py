@@ -46,7 +46,13 @@ def render_fragment(expl) -> str:
     parts = [
         f'<div class="mlx-report"><style>{_CSS}</style>',
         f"<h2>Explanations — {html.escape(expl.model)}</h2>",
-        '<p class="mlx-meta">red: toward the target, blue: against it; colour scaled to each method\'s '
+        '<p class="mlx-meta">'
+        + (
+            "signed methods: red toward the target, blue against it; "
+            if any((np.asarray(s) < 0).any() for e in expl.inputs for s in e.scores.values())
+            else ""
+        )
+        + "unsigned methods (norms, weights, saliency): deeper red = larger; colour scaled to each method's "
         "max |score| on the input; hover a token for its value</p>",
     ]
     for k, e in enumerate(expl.inputs):
