@@ -14,10 +14,8 @@ import transformers as T
 
 import mixlens
 from mixlens.errors import MixlensError
-from mixlens.methods import registry
 from mixlens.methods.norms import block_norms
-from mixlens.methods.registry import refused_by
-from tests.conftest import FAMILIES, SENTENCES, assert_trace_is_the_models_own, random_lens, run_cli
+from tests.conftest import SENTENCES, assert_trace_is_the_models_own, random_lens, run_cli
 
 CHECKPOINTS = ("all-mpnet-base-v2", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m")
 NORM_METHODS = ["norm", "norm_res", "norm_resln"]
@@ -113,26 +111,7 @@ def test_norm_maps_equal_brute_force(real):
         np.testing.assert_allclose(ours[name].values[0], ref[name].numpy(), rtol=1e-3, atol=1e-4, err_msg=name)
 
 
-OTHER_HEAD = {"decompx_logit": "needs a causal language model"}  # methods of another head than a classifier's
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_method_runs_or_refuses_on_every_family(family, tokenizer):
-    """Each registered method gives finite values with padding zeroed, or refuses in one line naming the family (or,
-    for a method of another model head, naming the head it needs)."""
-    lens = random_lens(family, tokenizer, head="AutoModelForSequenceClassification", num_labels=2)
-    refused = refused_by(lens.adapter.family)
-    for name in registry.names():
-        if name in OTHER_HEAD:
-            with pytest.raises(MixlensError, match=OTHER_HEAD[name]):
-                lens.analyze(SENTENCES[:2], [name])
-            continue
-        if name in refused:
-            with pytest.raises(MixlensError, match=f"'{name}' does not support the {lens.adapter.family.name}"):
-                lens.analyze(SENTENCES[:2], [name])
-            continue
-        values = lens.analyze(SENTENCES[:2], [name])[name].values
-        assert np.isfinite(values).all(), name
+# Every method × every family × every head: tests/test_capabilities.py (runs or refuses as the registry declares).
 
 
 def test_gemma_sandwich_norm_weights_matter(tokenizer):
