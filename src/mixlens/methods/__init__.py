@@ -2,6 +2,7 @@
 
 from mixlens.methods import (  # noqa: F401  (registration side effects)
     alti,
+    alti_logit,
     attention,
     decompx,
     decompx_logit,
