@@ -480,14 +480,19 @@ def test_model_folder_with_a_truncated_checkpoint_or_a_nested_config(fx, tokeniz
 def test_gguf_file_outside_the_model_folder_is_refused(gguf_file, fx, capsys):
     """#32 D: `--gguf-file ../x.gguf` or an absolute path was opened."""
     _write(fx, "x.gguf", b"GGUF")
-    check_one_line(["analyze", "hi", "--model", "{ggdir}", "--gguf-file", gguf_file], fx, capsys,
-                   "is outside the --model folder")
+    check_one_line(
+        ["analyze", "hi", "--model", "{ggdir}", "--gguf-file", gguf_file], fx, capsys, "is outside the --model folder"
+    )
 
 
 def test_model_folder_holding_only_a_gguf_suggests_gguf_file(fx, capsys):
     """#32.9: "no config.json" without a word about --gguf-file."""
-    check_one_line(["analyze", "hi", "--model", "{ggdir}"], fx, capsys, "no config.json); it holds GGUF files: give "
-                   "--gguf-file a.gguf")
+    check_one_line(
+        ["analyze", "hi", "--model", "{ggdir}"],
+        fx,
+        capsys,
+        "no config.json); it holds GGUF files: give --gguf-file a.gguf",
+    )
 
 
 CORRUPT_GGUF = [
@@ -507,3 +512,202 @@ def test_corrupt_gguf_file_is_one_line(command, kind, data, fx, capsys):
     argv = [*BASE[command], "--model", "{ggdir}", "--gguf-file", "bad.gguf"]
     check_one_line(argv, fx, capsys, "cannot read the GGUF file")
     check_one_line(argv, fx, capsys, "bad.gguf")
+
+
+# ---- issue 32 A4, D: progress with an estimate, what was dropped or cut, NaN, Ctrl-C, save-pairs ----
+
+
+def _tty(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+
+
+PROGRESS = [
+    (["explain", "hi there", "a fine film", "--method", "saliency", "-f", "json"], "explain"),
+    (["evaluate", "--data", "{good}", "-o", "{out}", "--method", "saliency", "-f", "json"], "evaluate"),
+    (["compare-local-global", "{good}", "-o", "{out}/lg.json", "--limit", "2"], "compare-local-global"),
+]
+
+
+@pytest.mark.parametrize("argv, what", PROGRESS, ids=[a[0] for a, _ in PROGRESS])
+def test_progress_with_an_estimate_on_a_terminal_only(argv, what, fx, capsys, monkeypatch):
+    """#32.4: explain was silent, evaluate printed a bare count, compare-local-global sat at 0/8 -:--:--."""
+    argv = [a.format(**fx) for a in argv]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0 and what not in err and "eta" not in err, err  # piped: no bar
+    _tty(monkeypatch)
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0 and what in err and "eta" in err, err
+    if "json" in argv:
+        json.loads(out)  # never into the JSON
+
+
+def test_progress_advances_inside_a_batch(bundled):
+    """#32.4: per method / JVP chunk, not per batch of 8: the parts add up to the inputs."""
+    from mixlens.explain import explain
+    from mixlens.explain.evaluate import evaluate
+    from mixlens.stats.agreement import compare_local_global
+
+    texts = ["a fine film", "a dull movie", "so so"]
+    parts: list[float] = []
+    explain(bundled, texts, ["saliency", "attention"], progress=parts.append)
+    assert len(parts) == 2 and sum(parts) == pytest.approx(3)
+    seen: list[tuple[float, int]] = []
+    evaluate(bundled, texts, ["saliency"], progress=lambda d, t: seen.append((d, t)))
+    assert len(seen) == 3 and seen[-1] == (pytest.approx(3), 3)  # saliency, reference, perturbed passes
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    parts.clear()
+    compare_local_global(bundled, texts, batch_size=2, on_batch=parts.append)
+    assert len(parts) >= 4 and sum(parts) == pytest.approx(3)  # 2 batches: each JVP chunk, then the rest
+
+
+def test_evaluate_says_what_it_dropped_and_cut(fx, capsys):
+    """#32 D: records with bad UTF-8 or a lone surrogate were dropped silently; an over-long input was cut while
+    evaluation.json kept its whole text."""
+    d = Path(fx["dir"])
+    long = " ".join(["word"] * 700)
+    (d / "rows.jsonl").write_bytes(
+        b'{"text": "a fine film"}\n{"text": "caf\xe9"}\n{"text": "bad \\ud800 one"}\n'
+        + json.dumps({"text": long}).encode()
+        + b"\n"
+    )
+    argv = ["evaluate", "--data", str(d / "rows.jsonl"), "-o", fx["out"], "--method", "saliency", "-f", "json"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert "line 2 is not valid UTF-8; record skipped" in err and "lone surrogate" in err
+    assert "warning: input 2 truncated from" in err
+    notes = json.loads(out)["notes"]
+    assert any(n.startswith("skipped 2 unreadable records") and "line 2" in n for n in notes), notes
+    assert any(n.startswith("truncated to the model's limit") and "input 2 " in n for n in notes), notes
+
+
+def test_evaluate_nan_metric_is_null_and_noted(fx, capsys):
+    """#32 D: a one-token text gave NaN in evaluation.json (not JSON) and exit 0 without a word."""
+    d = Path(fx["dir"])
+    (d / "one.txt").write_text("hi\nyes\n")
+    argv = ["evaluate", "--data", str(d / "one.txt"), "-o", fx["out"], "--method", "saliency"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+
+    def no_nan(c: str) -> None:
+        raise AssertionError(f"{c} in JSON")
+
+    doc = json.loads((Path(fx["out"]) / "evaluation.json").read_text(), parse_constant=no_nan)
+    assert doc["metrics"]["saliency"]["spearman_gxi"] is None
+    assert any("spearman_gxi undefined" in n for n in doc["notes"])
+    assert "note: saliency: spearman_gxi undefined" in out
+    from mixlens.explain.evaluate import Evaluation
+
+    again = Evaluation.from_json(doc)  # null reads back as nan
+    assert json.loads(again.dumps())["notes"] == doc["notes"]
+
+
+def test_prune_json_has_no_nan(fx, capsys, monkeypatch):
+    """#32 D: prune.json could hold NaN."""
+    import mixlens.bertology.prune as cmd
+
+    real = cmd.prune
+
+    def nan_prune(*a, **k):
+        res = real(*a, **k)
+        res.heldout_score = float("nan")  # e.g. a correlation over constant scores
+        return res
+
+    monkeypatch.setattr(cmd, "prune", nan_prune)
+    code, out, err = run_cli([*(a.format(**fx) for a in BASE["prune"]), "--max-heads", "1"], capsys)
+    assert code == 0, err
+    doc = json.loads((Path(fx["out"]) / "prune.json").read_text(), parse_constant=lambda c: 1 / 0)
+    assert doc["heldout_score"] is None and "heldout_score" in doc["notes"][0] and "note: not a number" in out
+
+
+def test_evaluate_ctrl_c_keeps_finished_examples_and_resumes(fx, capsys, monkeypatch):
+    """#32 D: Ctrl-C ended evaluate with exit 130 and nothing kept; the same command now resumes."""
+    import mixlens.explain.evaluate as ev_mod
+
+    d = Path(fx["dir"])
+    (d / "four.txt").write_text("a fine film\na dull movie\nso so\nwhat a ride\n")
+    argv = ["evaluate", "--data", str(d / "four.txt"), "-o", fx["out"], "--method", "saliency", "--batch-size", "2"]
+    code, _, _ = run_cli([*argv[:4], str(d / "whole"), *argv[5:]], capsys)
+    whole = json.loads((d / "whole" / "evaluation.json").read_text())
+    real, calls = ev_mod._perturbed_f, []
+
+    def stop_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev_mod, "_perturbed_f", stop_second)
+    code, _, err = run_cli(argv, capsys)
+    assert code == 130 and "kept 2 of 4 examples" in err and "Resume with the same command" in err, err
+    assert len(err.strip().splitlines()) == 1
+    part = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
+    assert part["interrupted"] == {"examples": 2, "of": 4} and len(part["examples"]) == 2
+    monkeypatch.setattr(ev_mod, "_perturbed_f", real)
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0 and "resuming the interrupted evaluation" in err, err
+    done = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
+    assert "interrupted" not in done and done["examples"] == whole["examples"]  # as one uninterrupted run
+    assert done["metrics"] == whole["metrics"]
+
+
+def test_ctrl_c_says_what_was_kept(fx, capsys, monkeypatch):
+    """#32 D: every command but corpus ended with a bare exit 130."""
+    import mixlens.lens
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mixlens.lens, "load", interrupt)
+    code, _, err = run_cli(["explain", "hi there"], capsys)
+    assert code == 130 and err.strip() == (
+        "mixlens: interrupted; nothing was written (results are written only when the command finishes)"
+    )
+
+
+def test_relations_save_pairs_only_on_success(fx, capsys):
+    """#32 D: `relations --save-pairs` wrote its file even when the command then failed."""
+    pairs = Path(fx["dir"]) / "pairs.jsonl"
+    argv = ["relations", "--from-conllu", fx["ud"], "-o", fx["out"], "--save-pairs", str(pairs)]
+    check_one_line([*argv, "--model", "/definitely/not/here"], fx, capsys, "does not exist")
+    assert not pairs.exists()
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0 and pairs.exists() and str(pairs) in err, err
+
+
+def test_data_that_is_a_directory_says_so(fx, capsys):
+    """#32 D: `--data <dir>` said the file "does not exist"."""
+    check_one_line(["evaluate", "--data", "{adir}", "-o", "{out}"], fx, capsys, "is a directory; give a file")
+
+
+def test_evaluate_on_a_full_disk_leaves_no_folder(fx, capsys, monkeypatch):
+    """#32 D: a full filesystem left an empty output folder."""
+    import errno
+
+    import mixlens.result
+
+    def full(*a, **k):
+        raise mixlens.errors.MixlensError(f"cannot write 'x': {os.strerror(errno.ENOSPC)}")
+
+    import os
+
+    import mixlens.errors
+
+    monkeypatch.setattr(mixlens.result, "atomic_write", full)
+    code, _, err = run_cli(["evaluate", "--data", fx["good"], "-o", fx["out"], "--method", "saliency"], capsys)
+    assert code == 2 and "No space left" in err and not Path(fx["out"]).exists(), err
+
+
+def test_no_tqdm_bars_into_a_pipe():
+    """#32 D: transformers' GGUF loader printed a tqdm bar into piped stderr (errors became 10+ lines)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from mixlens.commands.options import quiet_libraries; quiet_libraries(); "
+        "from tqdm.auto import tqdm; list(tqdm(range(3), desc='Converting'))"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TQDM_DISABLE"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert "Converting" not in res.stderr, res.stderr

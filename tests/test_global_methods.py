@@ -250,3 +250,42 @@ def test_in_range_leaves_small_values_alone() -> None:
     out = in_range(x, (1,))
     assert torch.equal(out[0], x[0])
     assert out[1].max() <= 1 and torch.allclose(out[1, 1] / out[1, 0], torch.tensor(1 / 3))
+
+
+def test_in_range_lifts_underflowing_products() -> None:
+    """#32.5: norm_res_rollout reached 8.1e-41 (a denormal) on a 30-layer decoder."""
+    x = torch.tensor([[1.0e-30, 4.0e-31], [0.0, 0.0], [0.5, 0.25]])
+    out = in_range(x, (1,))
+    assert 0.5 <= out[0].max() <= 1 and torch.allclose(out[0, 1] / out[0, 0], torch.tensor(0.4))
+    assert torch.equal(out[1:], x[1:])  # zeros and values in range unchanged
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_unnormalised_rollouts_stay_in_range_on_a_deep_model(family, tokenizer) -> None:
+    """#32.5: over 30 layers the plain products reached 1.1e+18 and 8.1e-41; they stay finite and normal, each
+    layer the plain product up to one positive factor (checked against float64), and the tables show rows to 1."""
+    from mixlens.methods.norms import block_norms
+    from mixlens.methods.rollout import display_rows
+    from tests.conftest import random_lens
+
+    kw = {"n_layer": 30} if family == "gpt2" else {"num_hidden_layers": 30}
+    lens = random_lens(family, tokenizer, **kw)
+    names = ["norm_rollout", "norm_res_rollout", "norm_resln_rollout", "globenc_rollout"]
+    res = lens.analyze(["The keys to the cabinet are on the table near the door."], methods=names)
+    tr = lens.trace(["The keys to the cabinet are on the table near the door."])
+    mats = block_norms(tr).n_res[0].double()
+    exact = [mats[0]]
+    for layer in range(1, mats.shape[0]):
+        exact.append(mats[layer] @ exact[-1])
+    got = torch.as_tensor(res["norm_res_rollout"].input(0)).double()
+    for layer in (0, 15, 29):
+        nz = exact[layer] > 0  # decoders: no flow from later tokens
+        ratio = got[layer][nz] / exact[layer][nz]
+        assert torch.allclose(ratio, ratio[:1], rtol=1e-3)  # one factor per layer
+    for m in names:
+        v = torch.as_tensor(res[m].input(0))
+        assert torch.isfinite(v).all() and (v >= 0).all(), m
+        top = v.flatten(1).amax(1)
+        assert ((top >= 2.0**-65) & (top <= 2.0**65)).all(), (m, top)  # never denormal, never 1e+38
+        shown, scaled = display_rows(m, v[-1].numpy())
+        assert scaled and np.allclose(shown.sum(-1), 1, atol=1e-5), m

@@ -45,16 +45,31 @@ for _module in COMMAND_MODULES:
 
 
 def quieted(callback: Callable[..., Any]) -> Callable[..., Any]:
-    """`callback` that first silences library chatter — only when a command runs, not for `--help`."""
+    """`callback` that first silences library chatter — only when a command runs, not for `--help` — and answers
+    Ctrl-C with one line saying what was kept."""
 
     @functools.wraps(callback)
     def run(*args: Any, **kwargs: Any) -> Any:
         from mixlens.commands.options import quiet_libraries
 
         quiet_libraries()
-        return callback(*args, **kwargs)
+        try:
+            return callback(*args, **kwargs)
+        except KeyboardInterrupt:  # typer would turn it into a silent exit 130: say what was kept
+            print(f"mixlens: interrupted; {interrupted_note()}", file=sys.stderr)
+            raise typer.Exit(130) from None
 
     return run
+
+
+def interrupted_note() -> str:
+    """What a command stopped by Ctrl-C kept: the files it had completed, or that nothing was written (every file
+    is written whole, by a rename, or not at all)."""
+    written = getattr(sys.modules.get("mixlens.result"), "WRITTEN", [])  # not imported: nothing was written
+    if not written:
+        return "nothing was written (results are written only when the command finishes)"
+    done = list(dict.fromkeys(str(p) for p in written))
+    return f"kept {', '.join(done)} (complete); nothing else was written"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     options.INVOCATION[:] = args
+    if "mixlens.result" in sys.modules:  # in-process calls (tests, notebooks): count only this command's files
+        sys.modules["mixlens.result"].WRITTEN.clear()
     try:
         options.check_argv(args)
         rc = cmd.main(args=args, prog_name="mixlens", standalone_mode=False)
@@ -82,6 +99,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mixlens: error: {e}", file=sys.stderr)
         rc = 2
     except KeyboardInterrupt:
-        print("mixlens: interrupted", file=sys.stderr)
+        print(f"mixlens: interrupted; {interrupted_note()}", file=sys.stderr)
         rc = 130
     sys.exit(rc if isinstance(rc, int) else 0)

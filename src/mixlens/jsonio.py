@@ -57,3 +57,38 @@ def _json_type(obj: object) -> str:
     if isinstance(obj, bool):
         return "boolean"
     return "number"
+
+
+def finite(obj: Any, path: str = "") -> tuple[Any, list[str]]:
+    """`obj` with every NaN and ±inf float (also numpy floats) replaced by None — JSON has no NaN — and the paths
+    (`metrics.saliency.spearman_gxi`, `examples[3].f`) where that happened. Dump the result with
+    `json.dumps(..., allow_nan=False)`."""
+    import math
+
+    where: list[str] = []
+
+    def walk(o: Any, at: str) -> Any:
+        if isinstance(o, dict):
+            return {k: walk(v, f"{at}.{k}" if at else str(k)) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [walk(v, f"{at}[{i}]") for i, v in enumerate(o)]
+        if isinstance(o, float) or type(o).__name__ in ("float32", "float64", "float16"):
+            if not math.isfinite(float(o)):
+                where.append(at)
+                return None
+            return float(o)
+        return o
+
+    return walk(obj, path), where
+
+
+def dumps_finite(obj: Any, **kwargs: Any) -> tuple[str, list[str]]:
+    """`json.dumps` of `finite(obj)` (never NaN or Infinity in the text) and the paths that held one."""
+    clean, where = finite(obj)
+    return json.dumps(clean, allow_nan=False, **kwargs), where
+
+
+def summarize_paths(where: list[str], limit: int = 4) -> str:
+    """`where` from `finite` in one short phrase: the first few paths and how many more."""
+    shown = ", ".join(where[:limit])
+    return shown + (f" and {len(where) - limit} more" if len(where) > limit else "")

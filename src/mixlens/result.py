@@ -20,6 +20,8 @@ import numpy as np
 
 from mixlens.errors import MixlensError
 
+WRITTEN: list[Path] = []  # files `atomic_write` completed in this process (the CLI's Ctrl-C line names them)
+
 
 def atomic_write(path: str | Path, data: bytes) -> None:
     """Write to a temp file beside `path`, fsync and close it, then rename: a crash never leaves a half file. A
@@ -40,6 +42,7 @@ def atomic_write(path: str | Path, data: bytes) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the user's usual mode
         os.replace(tmp, path)
+        WRITTEN.append(path)
     except BaseException as e:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)

@@ -177,9 +177,11 @@ def print_top_sources(attr: Any) -> None:
     import numpy as np
 
     from mixlens.commands.output import print_table
+    from mixlens.methods.rollout import DISPLAY_NOTE, display_rows
 
     for b, toks in enumerate(attr.tokens):
         m, where = _last_layer_map(attr, b)
+        m, scaled = display_rows(attr.method, m)
         targets = list(range(len(toks))) if attr.targets is None else attr.targets[b]
         rows = []
         for i, pos in enumerate(targets):  # row i of the map is token `pos`
@@ -193,6 +195,8 @@ def print_top_sources(attr: Any) -> None:
         )
         what += f" ({where})" if where else ""
         print_table(what + (f" — input {b + 1}" if len(attr.tokens) > 1 else ""), ["token", "sources"], rows, left=(1,))
+        if scaled and b == len(attr.tokens) - 1:
+            print(f"note: {attr.method}: {DISPLAY_NOTE}")
 
 
 def _positions(targets: list[int]) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import typer
 
 from mixlens.commands.options import (
+    INVOCATION,
     deprecated_head_option,
     gguf_file_option,
     model_head_option,
@@ -50,6 +53,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed of the sampling methods (gradient_shap, lime)."),
     ) -> None:
         """Explain a prediction: each token's score for the target, per method."""
+        from mixlens.commands.output import progress
         from mixlens.explain import explain
         from mixlens.lens import load
         from mixlens.result import atomic_write
@@ -57,7 +61,10 @@ def register(app: typer.Typer) -> None:
         if fmt not in FORMATS:
             raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
-        res = explain(lens, text, method or None, target=target, foil=foil, generate=generate, seed=seed)
+        with progress(len(text), "explain") as step:
+            res = explain(
+                lens, text, method or None, target=target, foil=foil, generate=generate, seed=seed, progress=step
+            )
         if fmt == "html":
             dest = out or Path("mixlens-explain.html")
             atomic_write(dest, res.html().encode())
@@ -100,19 +107,27 @@ def register(app: typer.Typer) -> None:
         batch_size: int = typer.Option(8, "--batch-size", min=1),
         seed: int = typer.Option(0, "--seed", help="Seed of the random baseline, samplers and bootstrap."),
     ) -> None:
-        """Measure how faithful each explanation method is (comprehensiveness, sufficiency, AOPC, agreement)."""
+        """Measure how faithful each explanation method is (comprehensiveness, sufficiency, AOPC, agreement).
+        Ctrl-C keeps the finished examples in DIR/evaluation.json; the same command then resumes after them."""
+        from mixlens.commands.output import check_writable, progress, write_stdout
         from mixlens.corpus.readers import iter_examples
-        from mixlens.explain.evaluate import REMOVALS, evaluate, stderr_progress
+        from mixlens.explain.evaluate import REMOVALS, Interrupted, evaluate
         from mixlens.lens import load
-        from mixlens.result import atomic_write
 
         if fmt not in ("table", "json"):
             raise MixlensError(f"unknown format '{fmt}'; valid: table, json")
         if removal not in REMOVALS:
             raise MixlensError(f"unknown removal '{removal}'; valid: {', '.join(REMOVALS)}")
-        if not data.is_file():
-            raise MixlensError(f"data file '{data}' does not exist")
-        rows = iter_examples(data, text_column=text_column)
+        data_file(data)
+        dest = out or Path("mixlens-evaluation")
+        check_writable(dest, directory=True)
+        skipped: list[str] = []
+
+        def dropped(kind: str, where: str) -> None:
+            skipped.append(f"{where} ({kind})")
+            typer.echo(f"warning: {data}: {where}; record skipped", err=True)
+
+        rows = iter_examples(data, text_column=text_column, on_skip=dropped)
         rows = itertools.islice(rows, skip, skip + limit if limit else None)
         inputs = [ex.text for ex in rows]
         texts = [t for t in inputs if isinstance(t, str)]
@@ -123,24 +138,115 @@ def register(app: typer.Typer) -> None:
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
         if removal == "mask" and lens.tokenizer.mask_token_id is None:
             raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
-        ev = evaluate(
-            lens, texts, method or None, removal=removal, batch_size=batch_size, seed=seed, progress=stderr_progress
+        resume = _interrupted_run(dest, lens.name)
+        if resume is not None:
+            typer.echo(
+                f"resuming the interrupted evaluation in {dest} ({len(resume.examples)} examples done)", err=True
+            )
+        try:
+            with progress(len(texts), "evaluate") as step:
+                last = [0.0]
+
+                def advance(done: float, total: int) -> None:
+                    step(done - last[0])
+                    last[0] = done
+
+                ev = evaluate(
+                    lens,
+                    texts,
+                    method or None,
+                    removal=removal,
+                    batch_size=batch_size,
+                    seed=seed,
+                    progress=advance,
+                    resume=resume,
+                )
+        except Interrupted as stop:
+            part = stop.partial.get(removal)
+            if part is None:
+                typer.echo("mixlens: interrupted before the first batch finished; nothing was written", err=True)
+            else:
+                _write(dest, part, skipped, interrupted=stop.total)
+                typer.echo(
+                    f"mixlens: interrupted; kept {len(part.examples)} of {stop.total} examples in "
+                    f"{dest / 'evaluation.json'}. Resume with the same command: "
+                    f"{shlex.join(['mixlens', *INVOCATION])}",
+                    err=True,
+                )
+            raise typer.Exit(130) from None
+        payload = _write(dest, ev, skipped)
+        if fmt == "json":
+            write_stdout(payload + "\n")
+        else:
+            _print(ev)
+        typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)
+
+
+def data_file(data: Path) -> None:
+    """Refuse a `--data` that is not a readable file, saying what it is instead."""
+    if data.is_dir():
+        raise MixlensError(f"data file '{data}' is a directory; give a file (TSV/CSV/JSONL/Parquet/text)")
+    if not data.exists():
+        raise MixlensError(f"data file '{data}' does not exist")
+    if not data.is_file():
+        raise MixlensError(f"data file '{data}' is not a regular file")
+
+
+def _interrupted_run(dest: Path, model: str):
+    """The Evaluation an interrupted run left in `dest` (to resume), or None; a complete one is simply replaced."""
+    from mixlens import jsonio
+    from mixlens.explain.evaluate import Evaluation
+
+    path = dest / "evaluation.json"
+    if not path.is_file():
+        return None
+    doc = jsonio.read(path)
+    if not doc.get("interrupted"):
+        return None
+    if doc.get("model") != model:
+        raise MixlensError(
+            f"{path} holds an interrupted evaluation of another model ({doc.get('model')}); "
+            "use another --out or delete it"
         )
-        dest = out or Path("mixlens-evaluation")
+    try:
+        return Evaluation.from_json(doc)
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise MixlensError(f"{path} is not an evaluation mixlens can resume ({type(e).__name__}: {e})") from None
+
+
+def _write(dest: Path, ev, skipped: list[str], interrupted: int | None = None) -> str:
+    """evaluation.json (with the skipped records and, for an interrupted run, how far it got) and evaluation.png
+    into `dest`; a folder this call created is removed again when writing fails (a full disk leaves nothing)."""
+    import json
+
+    from mixlens.result import atomic_write
+    from mixlens.viz.evaluation import plot
+
+    if skipped:
+        ev.notes.append(
+            f"skipped {len(skipped)} unreadable records of the data file: "
+            + "; ".join(skipped[:20])
+            + (f" and {len(skipped) - 20} more" if len(skipped) > 20 else "")
+        )
+    payload = ev.dumps()
+    if interrupted is not None:
+        doc = json.loads(payload)
+        doc["interrupted"] = {"examples": len(ev.examples), "of": interrupted}
+        payload = json.dumps(doc, allow_nan=False)
+    created = not dest.exists()
+    try:
         try:
             dest.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise MixlensError(f"cannot write to '{dest}': {e.strerror or e}") from None
-        payload = ev.dumps()
         atomic_write(dest / "evaluation.json", payload.encode())
-        from mixlens.viz.evaluation import plot
-
-        plot(ev, dest / "evaluation.png")
-        if fmt == "json":
-            sys.stdout.write(payload + "\n")
-        else:
-            _print(ev)
-        typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)
+        if interrupted is None:
+            plot(ev, dest / "evaluation.png")
+    except BaseException:
+        if created:
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return payload
 
 
 def _print(ev) -> None:
@@ -172,5 +278,5 @@ def _print(ev) -> None:
         f"time: total {t['total']:.1f} s, attributions {t['attributions']:.1f} s, perturbed forward passes "
         f"{t['forward']:.1f} s, evaluation's own {t['own']:.1f} s ({100 * t['own'] / t['total']:.1f} %)"
     )
-    for note in ev.notes:
+    for note in json.loads(ev.dumps())["notes"]:  # as in evaluation.json, with undefined (null) metrics named
         print(f"note: {note}")

@@ -304,6 +304,10 @@ def quiet_libraries() -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", category=UserWarning, module="captum")
+    if not sys.stderr.isatty():
+        # Plain tqdm bars (transformers' GGUF de-quantization uses one directly, past its progress switch) into a
+        # pipe or a log file: TQDM_DISABLE is read when tqdm is imported, which a command does only later.
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def check_wordfreq_lang(lang: str) -> str:

@@ -20,9 +20,11 @@ class TableFormat(str, Enum):
 
 
 @contextmanager
-def progress(total: int | None, what: str) -> Iterator[Callable[[int], None]]:
+def progress(total: int | None, what: str) -> Iterator[Callable[[float], None]]:
     """A rich progress bar on stderr, only when stderr is a terminal (never into piped or JSON output); yields
-    `advance(n)`. `total=None`: a spinner with the elapsed time, for work whose size is not known in advance."""
+    `advance(n)` (n may be a fraction of an item: long items advance as their parts finish). The bar shows a
+    spinner, items done of the total, the elapsed time and an estimate of the time left. `total=None`: a spinner
+    with the elapsed time, for work whose size is not known in advance."""
     if not sys.stderr.isatty():
         yield lambda n: None
         return
@@ -40,14 +42,22 @@ def progress(total: int | None, what: str) -> Iterator[Callable[[int], None]]:
     columns = (
         [SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()]
         if total is None
-        else [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
+        else [
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+        ]
     )
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
         yield lambda n: bar.advance(task, n)
 
 
-def method_progress(methods: list[str], n_inputs: int) -> AbstractContextManager[Callable[[int], None]]:
+def method_progress(methods: list[str], n_inputs: int) -> AbstractContextManager[Callable[[float], None]]:
     """`progress` over the inputs when a slow method is requested (a spinner for one input), else a no-op;
     yields `advance(n)` for `Lens.analyze(on_batch=...)`."""
     from mixlens.methods import get

@@ -142,8 +142,15 @@ def prune_command(
     }
     if save is not None:
         summary["saved"] = save_checkpoint(lens, [*expand(lens, base_off), *res.heads], heldout, save)
+    from mixlens.jsonio import finite, summarize_paths
+
+    clean, where = finite(summary)
+    if where:  # e.g. a correlation of a constant score: JSON has no NaN
+        note = f"not a number (written as null): {summarize_paths(where)}"
+        clean["notes"] = [note]
+        print(f"note: {note}")
     atomic_write(out / "prune_steps.csv", steps.to_csv(index=False).encode())
-    atomic_write(out / "prune.json", (json.dumps(summary, indent=1) + "\n").encode())
+    atomic_write(out / "prune.json", (json.dumps(clean, indent=1, allow_nan=False) + "\n").encode())
     typer.echo(f"wrote {out}/prune.json and prune_steps.csv", err=True)
 
 

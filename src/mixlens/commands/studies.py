@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
             write_relations,
         )
         from mixlens.commands.options import check_limit
-        from mixlens.commands.output import progress
+        from mixlens.commands.output import check_writable, progress
         from mixlens.lens import load
 
         if (data is None) == (from_conllu is None):
@@ -115,7 +115,7 @@ def register(app: typer.Typer) -> None:
             assert from_conllu is not None  # exactly one of the two, checked above
             records = conllu_records(from_conllu, list(relation) if relation else UD_RELATIONS, check_limit(limit))
         if save_pairs is not None:
-            write_relations(records, save_pairs)
+            check_writable(save_pairs)  # written only once the study succeeded, but refused before the work
         lens = load(model, gguf_file=gguf_file, head="base")
         with progress(len(records), "relations") as step:
             rep = relation_heads(
@@ -125,6 +125,9 @@ def register(app: typer.Typer) -> None:
         files = _write(
             out, {"relations.csv": rep.table}, lambda p: relation_figure(rep, p), "relations.png", rep.best(), title
         )
+        if save_pairs is not None:
+            write_relations(records, save_pairs)
+            files = f"{files}; pairs in {save_pairs}"
         typer.echo(f"wrote {files} ({rep.skipped} pairs left out)", err=True)
 
     @app.command("frequency")

@@ -335,21 +335,29 @@ def iter_examples(
     stats: Stats = None,
     *,
     fmt: str | None = None,
+    on_skip: Callable[[str, str], None] | None = None,
 ) -> Iterator[Example]:
     """Stream the examples of SRC (a file path, or `hf:NAME[:CONFIG]:SPLIT` for a `datasets` dataset).
 
     Errors about the source itself (missing file, unknown column, empty file) are raised right away, before
     the first example is asked for. Bad records are skipped and counted in `stats` (`undecodable`,
-    `malformed`), or raise MixlensError with `strict=True`. `fmt` overrides the suffix-based format.
+    `malformed`), or raise MixlensError with `strict=True`; `on_skip(kind, where)` hears of each one skipped
+    ("malformed", "line 7 holds a lone surrogate escape"). `fmt` overrides the suffix-based format.
     """
     columns, records = open_records(src, fmt)
     where = str(src)
     tcol, pcol = resolve_columns(columns, text_column, pair_column, where)
-    return examples_from(records, tcol, pcol, strict, stats, where)
+    return examples_from(records, tcol, pcol, strict, stats, where, on_skip)
 
 
 def examples_from(
-    records: Iterator[dict[str, Any] | _Bad], tcol: str, pcol: str | None, strict: bool, stats: Stats, where: str
+    records: Iterator[dict[str, Any] | _Bad],
+    tcol: str,
+    pcol: str | None,
+    strict: bool,
+    stats: Stats,
+    where: str,
+    on_skip: Callable[[str, str], None] | None = None,
 ) -> Iterator[Example]:
     any_row, index = False, -1
     for index, rec in enumerate(records):
@@ -364,6 +372,8 @@ def examples_from(
             if strict:
                 raise MixlensError(f"{where}: {rec.where} (run without --strict to skip such records)")
             _bump(stats, rec.kind)
+            if on_skip:
+                on_skip(rec.kind, rec.where)
             continue
         any_row = True
         _bump(stats, "read")

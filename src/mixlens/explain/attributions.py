@@ -14,6 +14,7 @@ All outputs are [B, n] with padding 0.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,10 +88,12 @@ def attribute(
     seed: int = 0,
     reference: bool = False,
     timings: dict[str, float] | None = None,
+    on_method: Callable[[str], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Scores [B, n] (padding 0) of each method for the batch of `trace` and its targets `ro` (`target` / `foil`:
     the request `ro` was resolved from, passed on to the methods that take it); with `reference` also
-    `REFERENCE`. `timings` accumulates seconds per method."""
+    `REFERENCE`. `timings` accumulates seconds per method; `on_method(name)` is called as each one finishes (for
+    progress)."""
     mask = trace.mask
     fmask = mask.to(torch.float32).cpu()
     timings = timings if timings is not None else {}
@@ -108,9 +111,13 @@ def attribute(
             v = _row(v, mask, ro)
         out[name] = v.detach().cpu() * fmask
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+        if on_method:
+            on_method(name)
     if reference:
         opts: dict[str, dict[str, object]] = {"grad_x_input": {"target": target, "reduction": "l2"}}
         if foil is not None:
             opts["grad_x_input"]["foil"] = foil
         out[REFERENCE] = run_methods(trace, ["grad_x_input"], options=opts).values["grad_x_input"].cpu() * fmask
+        if on_method:
+            on_method(REFERENCE)
     return out

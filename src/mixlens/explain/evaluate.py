@@ -41,6 +41,17 @@ METRICS = ("comprehensiveness", "sufficiency", "aopc", "spearman_gxi")
 RESAMPLES = 1000
 RANDOM = "random"
 FORWARD_TOKENS = 8192  # tokens per forward pass of perturbed inputs
+NULL_NOTE = "; written as null (JSON has no NaN)"
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `evaluate`: `partial` holds the Evaluations of the examples finished before it (per removal;
+    empty when none finished)."""
+
+    def __init__(self, partial: dict[str, Evaluation], total: int) -> None:
+        super().__init__()
+        self.partial = partial
+        self.total = total
 
 
 def top_k(score: np.ndarray, special: np.ndarray, pct: float) -> np.ndarray:
@@ -157,6 +168,19 @@ class Evaluation:
         met = self.metrics()
         return sorted(self.methods, key=lambda m: -np.nan_to_num(cast(float, met[m][by]), nan=-np.inf))
 
+    def undefined_notes(self) -> list[str]:
+        """A note per method and metric whose mean is not a number (e.g. the agreement when every text has fewer
+        than two non-special tokens): JSON has no NaN, so they are written as null."""
+        out = []
+        for m, row in self.metrics().items():
+            bad = [k for k in METRICS if not math.isfinite(cast(float, row[k]))]
+            if bad:
+                out.append(
+                    f"{m}: {', '.join(bad)} undefined (no example gives a value, e.g. texts of one or only special "
+                    f"tokens){NULL_NOTE}"
+                )
+        return out
+
     def to_json(self) -> dict[str, object]:
         return {
             "model": self.model,
@@ -165,7 +189,7 @@ class Evaluation:
             "metrics": self.metrics(),
             "deletion_curves": self.curves(),
             "timings": self.timings,
-            "notes": self.notes,
+            "notes": [*self.notes, *self.undefined_notes()],
             "definitions": {
                 "k_comprehensiveness_sufficiency": list(KS),
                 "k_aopc": list(AOPC_KS),
@@ -200,11 +224,11 @@ class Evaluation:
                 e["ids"],
                 np.array(e["special"], dtype=bool),
                 e["target"],
-                e["f"],
-                {m: np.array(e["scores"][m]) for m in methods},
-                np.array(e["grad_x_input_l2"]),
-                {m: np.array(e["f_removed"][m]) for m in methods},
-                {m: np.array(e["f_kept"][m]) for m in methods},
+                float("nan") if e["f"] is None else e["f"],
+                {m: np.array(e["scores"][m], dtype=float) for m in methods},  # null (NaN in the run) → nan
+                np.array(e["grad_x_input_l2"], dtype=float),
+                {m: np.array(e["f_removed"][m], dtype=float) for m in methods},
+                {m: np.array(e["f_kept"][m], dtype=float) for m in methods},
             )
             for e in doc["examples"]
         ]
@@ -216,11 +240,18 @@ class Evaluation:
             examples,
             doc["definitions"]["seed"],
             doc["timings"],
-            doc["notes"],
+            [n for n in doc["notes"] if not n.endswith(NULL_NOTE)],
         )
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json())
+        """The JSON of `to_json`, strict: a NaN or ±inf number (an undefined metric, an overflowing score) is
+        written as null and named in a note."""
+        from mixlens.jsonio import finite, summarize_paths
+
+        doc, where = finite(self.to_json())
+        if where:
+            doc["notes"].append(f"{len(where)} numbers are not finite ({summarize_paths(where)}){NULL_NOTE}")
+        return json.dumps(doc, allow_nan=False)
 
 
 def _special_mask(lens, ids: list[int]) -> np.ndarray:
@@ -276,11 +307,22 @@ def evaluate(
     removal: str = "delete",
     batch_size: int = 8,
     seed: int = 0,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[float, int], None] | None = None,
+    resume: Evaluation | None = None,
 ) -> Evaluation:
-    """Evaluate `methods` (default: every applicable one but exact HTA) plus a seeded random baseline."""
+    """Evaluate `methods` (default: every applicable one but exact HTA) plus a seeded random baseline.
+    `progress(done, total)`: inputs done (fractions as each method and the perturbed passes of a batch finish).
+    `resume`: the `Interrupted.partial` Evaluation (or its JSON, `Evaluation.from_json`) of an interrupted run of
+    the same texts, methods, removal and seed: its examples are kept and the run continues after them."""
     return evaluate_removals(
-        lens, texts, methods, removals=(removal,), batch_size=batch_size, seed=seed, progress=progress
+        lens,
+        texts,
+        methods,
+        removals=(removal,),
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+        resume={removal: resume} if resume is not None else None,
     )[removal]
 
 
@@ -292,11 +334,12 @@ def evaluate_removals(
     removals: Sequence[str] = ("delete",),
     batch_size: int = 8,
     seed: int = 0,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[float, int], None] | None = None,
+    resume: dict[str, Evaluation] | None = None,
 ) -> dict[str, Evaluation]:
     """`evaluate` for several removal rules at once: the attributions are computed once and shared. Each
     Evaluation's timings are what a run of its removal alone would have spent (the shared part plus its own
-    perturbed forwards and bookkeeping)."""
+    perturbed forwards and bookkeeping). Ctrl-C raises `Interrupted` with the examples finished so far."""
     from mixlens import __version__
 
     t_start = time.perf_counter()
@@ -325,14 +368,127 @@ def evaluate_removals(
     shared: dict[str, float] = {}  # seconds per method (attributions)
     own = {r: {"forward": 0.0, "removal": 0.0} for r in removals}  # per removal: perturbed forwards, the rest
     examples: dict[str, list[Example]] = {r: [] for r in removals}
-    finished = 0
+    kept = _resumed(resume, removals, all_methods, seed, texts)
+    for r in removals:
+        examples[r] = list(resume[r].examples[:kept]) if resume and kept else []
+    for e in examples[removals[0]]:
+        rng.random(len(e.ids))  # the random baseline continues as in one uninterrupted run
+    if kept and resume:
+        notes += [n for n in resume[removals[0]].notes if n.startswith("truncated")]
+        notes.append(f"resumed: the first {kept} examples come from an interrupted run (timings cover this run only)")
+    cut: list[str] = []
+    finished = float(kept)
+
+    def build() -> dict[str, Evaluation]:
+        total_shared = time.perf_counter() - t_start - sum(o["removal"] for o in own.values())
+        n = len(examples[removals[0]])
+        extra = [f"interrupted after {n} of {len(texts)} examples; the metrics cover those"] if n < len(texts) else []
+        if cut:
+            extra.append(
+                "truncated to the model's limit (scores and f cover the kept tokens; `text` is whole): "
+                + "; ".join(cut[:20])
+                + (f" and {len(cut) - 20} more" if len(cut) > 20 else "")
+            )
+        for m in real:
+            bad = sum(not np.isfinite(e.scores[m]).all() for e in examples[removals[0]])
+            if bad:
+                extra.append(f"{m}: non-finite scores (overflow) on {bad} of {n} inputs; its ranks are arbitrary")
+        out = {}
+        for removal in removals:
+            t = {**shared, "forward": own[removal]["forward"], "total": total_shared + own[removal]["removal"]}
+            t["attributions"] = sum(v for k, v in shared.items() if k in real)
+            t["own"] = t["total"] - t["attributions"] - t["forward"]
+            out[removal] = Evaluation(
+                lens.name, __version__, removal, all_methods, examples[removal], seed, t, [*notes, *extra]
+            )
+        return out
+
+    try:
+        _run_batches(
+            lens,
+            texts[kept:],
+            kept,
+            batch_size,
+            real,
+            all_methods,
+            removals,
+            rng,
+            seed,
+            mask_id,
+            shared,
+            own,
+            examples,
+            cut,
+            finished,
+            len(texts),
+            progress,
+        )
+    except KeyboardInterrupt:
+        raise Interrupted(build() if examples[removals[0]] else {}, len(texts)) from None
+    return build()
+
+
+def _resumed(
+    resume: dict[str, Evaluation] | None, removals: Sequence[str], methods: list[str], seed: int, texts: list[str]
+) -> int:
+    """How many leading examples of `resume` this run keeps; a resume of another run is a `MixlensError`."""
+    if not resume:
+        return 0
+    kept = None
+    for r in removals:
+        ev = resume.get(r)
+        if ev is None or ev.removal != r or ev.methods != methods or ev.seed != seed:
+            raise MixlensError(
+                "the interrupted evaluation to resume was made with other methods, removal or seed "
+                f"({', '.join(ev.methods) if ev else 'none'}; seed {ev.seed if ev else '-'}); "
+                "use another --out or delete it"
+            )
+        got = [e.text for e in ev.examples]
+        if got != texts[: len(got)]:
+            raise MixlensError("the interrupted evaluation to resume holds other texts; use another --out or delete it")
+        kept = len(got) if kept is None else min(kept, len(got))
+    return kept or 0
+
+
+def _run_batches(
+    lens,
+    texts: list[str],
+    offset: int,
+    batch_size: int,
+    real: list[str],
+    all_methods: list[str],
+    removals: Sequence[str],
+    rng: np.random.Generator,
+    seed: int,
+    mask_id: int | None,
+    shared: dict[str, float],
+    own: dict[str, dict[str, float]],
+    examples: dict[str, list[Example]],
+    cut: list[str],
+    finished: float,
+    total: int,
+    progress: Callable[[float, int], None] | None,
+) -> None:
+    """The work of `evaluate_removals` over `texts` (input numbers from `offset`): examples appended per batch."""
+    steps = len(real) + 1 + len(removals)  # progress parts of a batch: each method, the reference, each removal
     for bt in lens.batches(texts, batch_size, trace=real, output=True):
-        report_truncated(bt)
+        for k, n in enumerate(bt.enc.truncated):
+            if n:
+                cut.append(f"input {offset + bt.index[k] + 1} {n} → {len(bt.enc.tokens[k])} tokens")
+        report_truncated(bt, offset)
         assert bt.trace is not None  # trace=real
         enc, chunk = bt.enc, [texts[b] for b in bt.index]
         ids = [enc.inputs["input_ids"][b, : len(t)].tolist() for b, t in enumerate(enc.tokens)]
+        share = len(bt.index) / steps
+
+        def advance(_: str = "", share: float = share) -> None:
+            nonlocal finished
+            finished += share
+            if progress:
+                progress(min(finished, total), total)
+
         targets, ro, f0 = read_targets(lens, bt.trace, "pred", None)
-        res = attr.attribute(bt.trace, ro, real, seed=seed, reference=True, timings=shared)
+        res = attr.attribute(bt.trace, ro, real, seed=seed, reference=True, timings=shared, on_method=advance)
         batch = []
         for b, x in enumerate(ids):
             sc = {m: res[m][b, : len(x)].numpy() for m in real}
@@ -350,27 +506,16 @@ def evaluate_removals(
                 )
             )
         e0 = ro.e0 if ro.e0 is not None else torch.zeros(len(batch), 1)
+        batches: dict[str, list[Example]] = {}
         for removal in removals:
             t0 = time.perf_counter()
             done = [replace(e) for e in batch] if len(removals) > 1 else batch
             _perturbed_f(lens, ro, e0, done, all_methods, removal, mask_id, own[removal])
+            batches[removal] = done
             own[removal]["removal"] += time.perf_counter() - t0
-            examples[removal] += done
-        finished += len(batch)
-        if progress:
-            progress(finished, len(texts))
-    for m in real:
-        bad = sum(not np.isfinite(e.scores[m]).all() for e in examples[removals[0]])
-        if bad:
-            notes.append(f"{m}: non-finite scores (overflow) on {bad} of {len(texts)} inputs; its ranks are arbitrary")
-    total_shared = time.perf_counter() - t_start - sum(o["removal"] for o in own.values())
-    out = {}
-    for removal in removals:
-        t = {**shared, "forward": own[removal]["forward"], "total": total_shared + own[removal]["removal"]}
-        t["attributions"] = sum(v for k, v in shared.items() if k in real)
-        t["own"] = t["total"] - t["attributions"] - t["forward"]
-        out[removal] = Evaluation(lens.name, __version__, removal, all_methods, examples[removal], seed, t, notes)
-    return out
+            advance()
+        for removal in removals:  # a batch counts only once every removal has it (an interrupt keeps whole batches)
+            examples[removal] += batches[removal]
 
 
 def _perturbed_f(

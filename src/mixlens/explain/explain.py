@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,11 +76,13 @@ def explain(
     generate: int = 0,
     batch_size: int = 8,
     seed: int = 0,
+    progress: Callable[[float], None] | None = None,
 ) -> Explanation:
     """Explain `target` (default: the prediction) of each text with `methods` (default: every applicable one
     that is not slow and supports the model's family, from the registry). `generate` = N > 0 (causal LMs): generate
     N tokens greedily, explaining each by its context. Inputs run in `lens.batches`; each batch's prediction is
-    read from its traced forward pass."""
+    read from its traced forward pass. `progress(n)` is called with the inputs done (in units of inputs, fractions
+    as each method and generated token of a batch finishes; they add up to `len(texts)`)."""
     from mixlens import __version__
 
     texts = [texts] if isinstance(texts, str) else list(texts)
@@ -109,12 +111,20 @@ def explain(
                 f"(the longest input has {max(len(x) for x in ids)})"
             )
         trace = batch.trace
+        share = len(ids) / (len(methods) * max(1, generate))  # inputs done per method and step
+
+        def advance(_: str, share: float = share) -> None:
+            if progress:
+                progress(share)
+
         for step in range(max(1, generate)):
             if trace is None:
                 trace = lens.trace_for(lens.encode_ids(ids), methods, output=True)
             assert trace is not None
             targets, ro, score = read_targets(lens, trace, *request)
-            res = attr.attribute(trace, ro, methods, target=request[0], foil=request[1], seed=seed, timings=timings)
+            res = attr.attribute(
+                trace, ro, methods, target=request[0], foil=request[1], seed=seed, timings=timings, on_method=advance
+            )
             for b, x in enumerate(ids):
                 toks = [token_label(lens.tokenizer, t) for t in x]  # as text: ' Paris', not 'ĠParis'
                 text = chunk[b] if step == 0 else lens.tokenizer.decode(x)
@@ -156,11 +166,12 @@ def read_targets(lens, trace, target: int | str, foil: int | None) -> tuple[list
     return targets, ro, (g if foil is not None else f).detach().float().cpu()
 
 
-def report_truncated(batch) -> None:
-    """Say on stderr which inputs were cut to the model's limit (their `text` stays whole in the output)."""
+def report_truncated(batch, offset: int = 0) -> None:
+    """Say on stderr which inputs were cut to the model's limit (their `text` stays whole in the output); input
+    numbers count from 1, plus `offset`."""
     for k, n in enumerate(batch.enc.truncated):
         if n:
             print(
-                f"warning: input {batch.index[k] + 1} truncated from {n} to {len(batch.enc.tokens[k])} tokens",
+                f"warning: input {offset + batch.index[k] + 1} truncated from {n} to {len(batch.enc.tokens[k])} tokens",
                 file=sys.stderr,
             )

@@ -116,11 +116,14 @@ def jacobian_norms(
     seed: int = 0,
     chunk: int | None = None,
     sources: list[int] | None = None,
+    on_chunk: Callable[[float], None] | None = None,
 ) -> JacobianNorms:
     """‖∂e^l_i/∂x_j‖²_F and ‖∂o^{l,h}_i/∂x_j‖²_F for all layers, heads, targets and sources (padding zeroed).
 
     Exact: n·d_in JVPs. Estimate: n·probes JVPs with Rademacher probes supported on one source position each.
     `sources` restricts the work to those source positions (other columns stay 0; for benchmarks and sampling).
+    `on_chunk(share)`: called as each chunk of JVPs finishes with its share of the work (the shares add up to 1;
+    for progress inside a long batch).
     """
     get("hta").check({"input": input, "mode": mode, "probes": probes, "seed": seed})  # the declared options
     key = JacobianKey(input, mode, probes if mode == "estimate" else 0, seed, tuple(sources or ()))
@@ -143,6 +146,8 @@ def jacobian_norms(
                 u = torch.zeros(len(k), b, n, d_in, dtype=primal.dtype, device=primal.device)
                 u[torch.arange(len(k)), :, cols[k // d_in], k % d_in] = 1.0
                 sh, so = _push(f, primal, u)  # [C, L, B, n], [C, L, B, H, n]
+                if on_chunk:
+                    on_chunk(len(k) / total)
                 if acc_h is None or acc_o is None:
                     acc_h = sh.new_zeros(n, *sh.shape[1:])
                     acc_o = so.new_zeros(n, *so.shape[1:])
@@ -160,6 +165,8 @@ def jacobian_norms(
                 u = torch.zeros(len(k), b, n, d_in, dtype=primal.dtype, device=primal.device)
                 u[torch.arange(len(k)), :, cols[k // probes]] = flat[k]
                 sh, so = _push(f, primal, u)
+                if on_chunk:
+                    on_chunk(len(k) / len(flat))
                 samples_h.append(sh)
                 samples_o.append(so)
             sh = torch.cat(samples_h).reshape(len(cols), probes, *samples_h[0].shape[1:])

@@ -37,25 +37,45 @@ def row_normalize(m: torch.Tensor) -> torch.Tensor:
     return m / torch.where(s > 0, s, torch.ones_like(s))
 
 
-RESCALE_ABOVE = 2.0**64  # unnormalised products of deep models leave float32's range (≈ 2^128)
+RESCALE_ABOVE = 2.0**64  # unnormalised products of deep models leave float32's range (≈ 2^±126)
+RESCALE_BELOW = 2.0**-64  # ... upwards (1e+18 after 30 layers) and downwards (8e-41, a denormal: precision lost)
 
 
 def in_range(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """x divided, per slice over `dims`, by the power of two just above its largest magnitude where that exceeds
-    `RESCALE_ABOVE` (other slices unchanged): a positive factor per slice, so rankings and ratios within it stay."""
+    """x divided, per slice over `dims`, by the power of two just above its largest magnitude where that is above
+    `RESCALE_ABOVE` or below `RESCALE_BELOW` (but not 0; other slices unchanged): a positive factor per slice, so
+    rankings and ratios within it stay, and a product of many layers neither overflows nor underflows."""
     top = x.abs().amax(dim=dims, keepdim=True)
-    if not bool((top > RESCALE_ABOVE).any()):
+    out = (top > RESCALE_ABOVE) | ((top < RESCALE_BELOW) & (top > 0))
+    if not bool(out.any()):
         return x
-    return x / torch.where(top > RESCALE_ABOVE, torch.exp2(torch.ceil(torch.log2(top))), torch.ones_like(top))
+    return x / torch.where(out, torch.exp2(torch.ceil(torch.log2(top))), torch.ones_like(top))
+
+
+UNNORMALISED = ("norm_rollout", "norm_res_rollout", "norm_resln_rollout", "globenc_rollout")  # plain products
+DISPLAY_NOTE = "rows scaled to sum to 1 for display (the JSON holds the plain products; docs/global.md)"
+
+
+def display_rows(method: str, rows: np.ndarray) -> tuple[np.ndarray, bool]:
+    """Rows (last axis) of `method` as a table shows them: the plain products of unnormalised maps (`UNNORMALISED`;
+    their scale grows or shrinks with depth, 1e+18 or 8e-41 after 30 layers) scaled to sum to 1, which keeps each
+    row's ranking and ratios; → (rows, whether they were scaled). Other methods unchanged."""
+    if method not in UNNORMALISED:
+        return rows, False
+    rows = np.asarray(rows, dtype=np.float64)
+    total = rows.sum(-1, keepdims=True)
+    ok = np.isfinite(total) & (total > 0)
+    return np.where(ok, rows / np.where(ok, total, 1.0), rows), True
 
 
 def rollout(mats: torch.Tensor, *, normalize: bool = False) -> torch.Tensor:
     """Cumulative product R_l = M_l R_{l−1} (R_0 = M_0) of per-layer matrices mats [B, L, n, n] → [B, L, n, n].
 
     With `normalize`, the rows of every M_l are scaled to sum to 1 first (then every row of R_l does too). Without,
-    the product can grow by a factor per layer (norm maps of deep pre-LN decoders): once R_l of an input exceeds
-    `RESCALE_ABOVE` it is divided by a power of two (`in_range`), so R_l is exact up to one positive factor per input
-    and layer instead of overflowing to inf."""
+    the product can grow or shrink by a factor per layer (norm maps of deep pre-LN decoders): once the largest value
+    of R_l of an input leaves [`RESCALE_BELOW`, `RESCALE_ABOVE`] it is divided by a power of two (`in_range`), so
+    R_l is exact (the plain product) while it stays in that range, and otherwise exact up to one positive factor per
+    input and layer instead of overflowing to inf or underflowing to denormals and 0."""
     mats = row_normalize(mats) if normalize else mats
     out = torch.empty_like(mats)
     acc = mats[:, 0]
@@ -79,8 +99,8 @@ def rollout_rows(
     is e_t M_l M_{l−1} ⋯ M_0, so going down the layers (m = L−1 … 0) each state r (one per output layer l ≥ m and
     target) becomes r · M_m = Σ_i r_i M_m[i, :], with the rows of M_m built `ROW_CHUNK` at a time by
     `layer_rows(m)(rows)` (and skipped where every r_i is 0). Memory: the states, [B, L, K, n]; compute
-    Σ_m (L − m)·K·n² per input. `normalize`: rows of every M_m scaled to sum to 1 first; without, a row beyond
-    `RESCALE_ABOVE` is divided by a power of two (`in_range`). → [B, L, K, n]."""
+    Σ_m (L − m)·K·n² per input. `normalize`: rows of every M_m scaled to sum to 1 first; without, a row outside
+    [`RESCALE_BELOW`, `RESCALE_ABOVE`] is divided by a power of two (`in_range`). → [B, L, K, n]."""
     b, n = trace.mask.shape
     n_layers, k = len(trace.layers), targets.shape[1]
     dev = targets.device

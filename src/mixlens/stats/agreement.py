@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from mixlens.methods.attention import stacked_alpha
-from mixlens.methods.gradients import head_attribution
+from mixlens.methods.gradients import head_attribution, jacobian_norms
 from mixlens.stats.tokens import TOKEN_TYPES, token_kinds, token_type_masses
 
 SCORES = ("js", "pearson", "spearman")
@@ -125,9 +125,11 @@ def compare_local_global(
     mode: str = "estimate",
     probes: int = 16,
     seed: int = 0,
-    on_batch: Callable[[int], None] | None = None,
+    on_batch: Callable[[float], None] | None = None,
 ) -> LocalGlobal:
-    """Average the local-vs-global comparison over `texts` (an iterable of str or (str, str)), batch by batch."""
+    """Average the local-vs-global comparison over `texts` (an iterable of str or (str, str)), batch by batch.
+    `on_batch(n)`: n inputs more are done — fractions of a batch as its JVP chunks finish (the shares of a batch
+    add up to its size)."""
     sums: dict[str, torch.Tensor] = {}
     n_inputs = n_rows = 0
     batch: list = []
@@ -137,7 +139,10 @@ def compare_local_global(
         [bt] = lens.batches(batch, len(batch), max_length, trace=True)
         tr = bt.trace
         attn = stacked_alpha(tr)  # [B, L, H, n, n]
-        glob = head_attribution(tr, input=input, mode=mode, probes=probes, seed=seed).values
+        if on_batch:  # the JVPs are most of the time: advance as their chunks finish, not once per batch
+            share = len(batch) * 0.99
+            jacobian_norms(tr, input=input, mode=mode, probes=probes, seed=seed, on_chunk=lambda s: on_batch(s * share))
+        glob = head_attribution(tr, input=input, mode=mode, probes=probes, seed=seed).values  # memoised norms
         mask = tr.mask
         rows = mask.float()[:, None, None, :]  # [B, 1, 1, n]
         per_row = {
@@ -157,7 +162,7 @@ def compare_local_global(
         n_inputs += len(batch)
         n_rows += int(mask.sum())
         if on_batch:
-            on_batch(len(batch))
+            on_batch(len(batch) * 0.01)
         batch.clear()
 
     for text in texts:

@@ -90,12 +90,15 @@ def print_terminal(expl, console=None) -> None:
     from rich.console import Console
     from rich.text import Text
 
+    from mixlens.methods.rollout import DISPLAY_NOTE, display_rows
+
     console = console or Console(width=shutil.get_terminal_size((120, 24)).columns)
     width = console.width
     for k, e in enumerate(expl.inputs):
         console.print(Text(f"{k + 1}. {e.text}", style="bold"))
         console.print(f"   {_header(e)}")
-        label = max(len(m) for m in e.scores) + 1
+        label = max(len(m) for m in e.scores) + 2
+        noted = False
         cols = [max(9, min(16, len(t)) + 1) for t in e.tokens]
         start = 0
         while start < len(e.tokens):
@@ -108,8 +111,10 @@ def print_terminal(expl, console=None) -> None:
                 head.append(t[: c - 1].rjust(c - 1) + " ", style="bold")
             console.print(head)
             for m, s in e.scores.items():
-                row = Text(m.ljust(label))
-                scaled = _scaled(np.asarray(s, dtype=float))
+                s, norm = display_rows(m, np.asarray(s, dtype=float))
+                noted |= norm
+                row = Text((m + ("*" if norm else "")).ljust(label))
+                scaled = _scaled(s)
                 for j in range(start, stop):
                     r, g, b = _rgb(float(scaled[j]))
                     fg = "white" if abs(scaled[j]) > 0.6 else "black"
@@ -118,4 +123,6 @@ def print_terminal(expl, console=None) -> None:
                     row.append(" ")
                 console.print(row)
             start = stop
+        if noted:
+            console.print(f"   * {DISPLAY_NOTE}", style="dim")
         console.print()
