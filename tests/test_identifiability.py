@@ -40,22 +40,30 @@ def test_probes_recover_a_known_map():
     mlp = fit_mlp(x, y, hidden=64, epochs=30, seed=0)
     err = (mlp(x) - y).pow(2).sum(-1).mean() / y.pow(2).sum(-1).mean()
     assert err < 0.2  # predicting the mean would leave about 0.9
-    assert torch.equal(fit_mlp(x, y, hidden=8, epochs=1, seed=3)(x[:3]), fit_mlp(x, y, hidden=8, epochs=1,
-                                                                                  seed=3)(x[:3]))
+    assert torch.equal(
+        fit_mlp(x, y, hidden=8, epochs=1, seed=3)(x[:3]), fit_mlp(x, y, hidden=8, epochs=1, seed=3)(x[:3])
+    )
 
 
 def test_study_on_real_model(bundled):
     texts = SENTENCES * 4
     rep = identifiability(bundled, texts, train_share=0.5, mlp_epochs=2)
     t = rep.table
-    assert list(t["layer"]) == list(range(bundled.adapter.n_layers + 1))
+    assert list(t["state"]) == list(range(bundled.adapter.n_layers + 1))
+    n = bundled.adapter.n_layers  # #32.9: named as the docs name them (layers 0..n−1), not "layer 0..n"
+    assert list(t["hidden_state"]) == [
+        "embedding output",
+        *(f"input of layer {k}" for k in range(1, n)),
+        f"output of layer {n - 1}",
+    ]
     assert np.allclose(t.loc[0, ["nn_cos", "nn_l2"]], 1.0)  # e^0 is its own nearest neighbour
     assert ((t[["nn_cos", "nn_l2", "linear", "mlp"]] >= 0) & (t[["nn_cos", "nn_l2", "linear", "mlp"]] <= 1)).all().all()
     assert rep.n_train_sentences + rep.n_test_sentences == len(texts)
 
 
-@pytest.mark.parametrize("kwargs, message", [({"probes": ["knn"]}, "unknown probe"),
-                                             ({"train_share": 1.0}, "between 0 and 1")])
+@pytest.mark.parametrize(
+    "kwargs, message", [({"probes": ["knn"]}, "unknown probe"), ({"train_share": 1.0}, "between 0 and 1")]
+)
 def test_bad_options(bundled, kwargs, message):
     with pytest.raises(MixlensError, match=message):
         identifiability(bundled, SENTENCES, **kwargs)

@@ -107,8 +107,10 @@ def fit_mlp(
 
 @dataclass
 class IdentifiabilityReport:
-    """`table`: one row per depth (`layer` 0..L; L = the last layer's output) with the share of identified
-    held-out tokens per probe; sizes of the split."""
+    """`table`: one row per hidden state — `hidden_state` its name ("embedding output", "input of layer k",
+    "output of layer L−1"; layers numbered from 0 as everywhere in mixlens) and `state` its index 0..L (the
+    residual stream entering layer `state`; L = the last layer's output) — with the share of identified held-out
+    tokens per probe; sizes of the split."""
 
     table: pd.DataFrame
     n_train_sentences: int
@@ -144,7 +146,7 @@ def identifiability(
     depth = states[0].shape[0]
     rows = []
     for layer in range(depth):
-        row: dict[str, float] = {"layer": layer}
+        row: dict[str, float | str] = {"hidden_state": state_name(layer, depth - 1), "state": layer}
         maps: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         if "nn_cos" in probes or "nn_l2" in probes:
             maps["nn"] = lambda z: z
@@ -166,6 +168,14 @@ def identifiability(
     return IdentifiabilityReport(pd.DataFrame(rows), len(train), len(test), sum(len(s[0]) for s in test))
 
 
+def state_name(state: int, n_layers: int) -> str:
+    """Hidden state `state` of a model of `n_layers` layers: its input to layer `state` (0: the embedding output), or
+    the last layer's output (`state` = n_layers)."""
+    if state == 0:
+        return "embedding output"
+    return f"output of layer {n_layers - 1}" if state == n_layers else f"input of layer {state}"
+
+
 def identifiability_figure(report: IdentifiabilityReport, path: Path, title: str) -> None:
     """Share of identified tokens per depth, one line per probe."""
     import matplotlib
@@ -183,9 +193,9 @@ def identifiability_figure(report: IdentifiabilityReport, path: Path, title: str
     fig, ax = plt.subplots(figsize=(8.5, 3.8))
     for p in PROBES:
         if p in t:
-            ax.plot(t["layer"], 100 * t[p], marker="o", label=labels[p])
+            ax.plot(t["state"], 100 * t[p], marker="o", label=labels[p])
     n = len(t) - 1
-    ax.set_xticks(t["layer"], ["emb."] + [f"in {k}" for k in range(1, n)] + [f"out {n - 1}"])
+    ax.set_xticks(t["state"], ["emb."] + [f"in {k}" for k in range(1, n)] + [f"out {n - 1}"])
     ax.set_xlabel("hidden state (embedding output, input of layer k, output of the last layer)")
     ax.set_ylabel("identified tokens (%)")
     ax.set_ylim(0, 102)
