@@ -100,3 +100,13 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
         main(args)
     out = capsys.readouterr()
     return exc.value.code, out.out, out.err
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip on a machine without a CUDA GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

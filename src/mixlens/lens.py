@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import sys
 import unicodedata
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,13 +111,98 @@ def _check_family(config: Path) -> None:
         family_for(model_type)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEVICES = "cpu, cuda, cuda:N, auto"
+_RUNTIME: contextvars.ContextVar[tuple[str | None, str | None]] = contextvars.ContextVar(
+    "mixlens_runtime", default=(None, None)
+)
+
+
+@contextmanager
+def runtime(dtype: str | None = None, device: str | None = None) -> Iterator[None]:
+    """Within the context, `load` calls that name no `dtype` / `device` use these (the CLI's `--dtype`/`--device`
+    reach every model a command loads this way). Both are checked here, before any model loads."""
+    if dtype is not None:
+        dtype_name(dtype)
+    if device is not None:
+        device = resolve_device(device)
+    token = _RUNTIME.set((dtype, device))
+    try:
+        yield
+    finally:
+        _RUNTIME.reset(token)
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """'float32', 'bfloat16', 'float16' or 'auto' for a name (also 'fp32', 'bf16', 'fp16', 'half') or torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        for name, t in DTYPES.items():
+            if t == dtype:
+                return name
+        raise MixlensError(f"dtype {dtype} is not supported; valid: {', '.join(DTYPES)}, auto")
+    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    name = aliases.get(str(dtype).lower(), str(dtype).lower())
+    if name not in (*DTYPES, "auto"):
+        raise MixlensError(f"unknown dtype '{dtype}'; valid: {', '.join(DTYPES)}, auto")
+    return name
+
+
+def checkpoint_dtype(config: Any) -> str:
+    """The dtype a checkpoint's config names (`dtype`, formerly `torch_dtype`), float32 when it names none we run."""
+    raw = getattr(config, "dtype", None)
+    if isinstance(raw, str):
+        raw = getattr(torch, raw.removeprefix("torch."), None)
+    return next((name for name, t in DTYPES.items() if t == raw), "float32")
+
+
+def resolve_device(device: str | torch.device) -> str:
+    """'auto' → 'cuda' when CUDA is available, else 'cpu'; 'cpu', 'cuda', 'cuda:N' (and 'mps') as given. A device
+    this machine lacks, or any other string, is a `MixlensError` (before any model loads)."""
+    name = str(device).strip().lower()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise MixlensError(f"unknown device '{device}'; valid: {DEVICES}")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise MixlensError(f"device '{device}' asked for, but MPS is not available on this machine (use cpu)")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise MixlensError(f"device '{device}' asked for, but CUDA is not available on this machine (use cpu)")
+        if dev.index is not None and dev.index >= count:
+            raise MixlensError(
+                f"device '{device}' asked for, but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
+            )
+    return name
+
+
+def check_dtype_on(dtype: torch.dtype, device: str) -> None:
+    """Refuse a dtype the device cannot run (a tiny matmul, softmax and norm in it), as one line."""
+    if dtype == torch.float32:
+        return
+    name = dtype_name(dtype)
+    if torch.device(device).type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise MixlensError(f"dtype {name} cannot run on {device}: this GPU does not support bfloat16 (use float16)")
+    try:
+        a = torch.ones(2, 4, dtype=dtype, device=device)
+        torch.nn.functional.layer_norm(torch.softmax(a @ a.T, -1), (2,))
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MixlensError(f"dtype {name} cannot run on {device}: {first}") from None
+
+
 def load(
     model: str | Path | None = None,
     *,
     head: str | None = None,
-    device: str = "cpu",
+    device: str | None = None,
     gguf_file: str | None = None,
     allow_random_head: bool = False,
+    dtype: str | None = None,
 ) -> Lens:
     """Load a model for analysis: None = the bundled all-MiniLM-L6-v2, else a local dir or hub id.
 
@@ -124,12 +211,21 @@ def load(
     'sequence-classification', 'causal-lm'); by default it follows `config.architectures` (a GGUF decoder: its causal
     LM head), and where the checkpoint lacks that head's weights (e.g. a sentence-transformers folder whose config
     names a masked-LM class) the base model loads instead, with a warning: nothing random is loaded unasked. Always
-    eager attention, eval mode, fp32. Weights missing from the checkpoint for a head asked for with `head` (a head
+    eager attention, eval mode. Weights missing from the checkpoint for a head asked for with `head` (a head
     transformers would initialise at random) are refused unless `allow_random_head`.
+
+    `dtype`: the dtype the forward pass runs in: 'float32', 'bfloat16', 'float16', or 'auto' (the checkpoint's own,
+    from its config; float32 when it names none); the decompositions accumulate in float32 either way, and their
+    exactness checks allow the rounding of that dtype (docs/models.md). `device`: 'cpu', 'cuda', 'cuda:N' or 'auto'
+    (cuda when available). None for either: the enclosing `runtime(...)` context's, else float32 on the CPU. A device
+    this machine lacks, or a dtype it cannot run there, is a `MixlensError` before any weights load.
     """
     import transformers
     from safetensors import SafetensorError
 
+    default_dtype, default_device = _RUNTIME.get()
+    want_dtype = dtype_name(dtype if dtype is not None else default_dtype or "float32")
+    device = resolve_device(device if device is not None else default_device or "cpu")
     src, local = resolve_source(model, gguf_file)
     gguf = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if head is not None and head not in _HEADS:
@@ -137,12 +233,14 @@ def load(
     try:
         config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
         family = family_for(config.model_type)  # fail fast on unsupported families
+        torch_dtype = DTYPES[checkpoint_dtype(config) if want_dtype == "auto" else want_dtype]
+        check_dtype_on(torch_dtype, device)
         chosen = head or _head_for(config)
         if head is None and gguf_file is not None and chosen == "base" and family.causal:
             chosen = "causal-lm"  # a GGUF file names no head class; a decoder's file holds its LM head
         try:
             net = _pretrained_without_random_weights(
-                getattr(transformers, _HEADS[chosen]), src, chosen, allow_random_head, **gguf
+                getattr(transformers, _HEADS[chosen]), src, chosen, allow_random_head, dtype=torch_dtype, **gguf
             )
         except RandomHeadError:
             if head is not None or chosen == "base":
@@ -152,7 +250,9 @@ def load(
                 "(give --model-head to ask for a head)",
                 file=sys.stderr,
             )
-            net = _pretrained_without_random_weights(transformers.AutoModel, src, "base", allow_random_head, **gguf)
+            net = _pretrained_without_random_weights(
+                transformers.AutoModel, src, "base", allow_random_head, dtype=torch_dtype, **gguf
+            )
         tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
     except MixlensError:
         raise
@@ -166,7 +266,8 @@ def load(
             raise
         where = "local directory" if local else "hub id (needs network access or a cached copy)"
         raise MixlensError(f"cannot load model '{src}' as a {where}: {first}") from None
-    return Lens(net.to(device), tok, name=str(model) if model is not None else "all-MiniLM-L6-v2")
+    name = str(model) if model is not None else "all-MiniLM-L6-v2"
+    return Lens(net.to(device), tok, name=name, dtype=torch_dtype)
 
 
 class RandomHeadError(MixlensError):
@@ -176,9 +277,8 @@ class RandomHeadError(MixlensError):
 def _pretrained_without_random_weights(cls: Any, src: str, head: str, allow_random_head: bool, **kwargs: Any) -> Any:
     """`cls.from_pretrained(src)`; newly initialised weights (missing or size-mismatched in the checkpoint) are a
     `MixlensError` naming them, unless `allow_random_head`: explaining a random head explains noise."""
-    net, info = cls.from_pretrained(
-        src, attn_implementation="eager", dtype=torch.float32, output_loading_info=True, **kwargs
-    )
+    kwargs.setdefault("dtype", torch.float32)
+    net, info = cls.from_pretrained(src, attn_implementation="eager", output_loading_info=True, **kwargs)
     new = sorted(
         {*info.get("missing_keys", ()), *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))}
     )
@@ -294,10 +394,25 @@ class _Tokenized:
 class Lens:
     """A model ready for analysis. Build with `mixlens.load(...)` or `Lens(model, tokenizer)`."""
 
-    def __init__(self, model: Any, tokenizer, name: str | None = None):  # model: a transformers nn.Module
-        if next(model.parameters()).dtype != torch.float32:
-            warnings.warn("mixlens analyses in fp32; upcasting the model", stacklevel=2)
-            model = model.float()
+    def __init__(
+        self, model: Any, tokenizer, name: str | None = None, dtype: str | torch.dtype | None = None
+    ):  # model: a transformers nn.Module
+        """`dtype`: the dtype the forward pass runs in ('float32', 'bfloat16', 'float16', or 'auto': the model's own);
+        None (default): float32, upcasting a model in another dtype with a warning."""
+        own = next(model.parameters()).dtype
+        if dtype is None:
+            if own != torch.float32:
+                warnings.warn(
+                    f"mixlens analyses in fp32 unless asked: upcasting this {own} model "
+                    "(Lens(..., dtype='auto') keeps a bfloat16 or float16 model's own dtype)",
+                    stacklevel=2,
+                )
+                model = model.float()
+        else:
+            name_ = dtype_name(dtype)
+            want = DTYPES[dtype_name(own)] if name_ == "auto" else DTYPES[name_]
+            if own != want:
+                model = model.to(want)
         if getattr(model.config, "_attn_implementation", "eager") != "eager":
             model.set_attn_implementation("eager")
         self.model: Any = model.eval()  # a transformers model: its attributes (config, heads) are dynamic
@@ -310,6 +425,11 @@ class Lens:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the forward pass runs in (the decompositions accumulate in float32)."""
+        return next(self.model.parameters()).dtype
 
     @property
     def max_length(self) -> int:
@@ -483,9 +603,9 @@ class Lens:
             for k, b in enumerate(batch.index):
                 rows[b] = [] if where is None else where[k].tolist()
             for name, v in step.values.items():
-                parts[name].append((idx, v.detach().cpu().numpy()))
+                parts[name].append((idx, _host(v)))
                 for key, e in step.extras[name].items():
-                    extras[name].setdefault(key, []).append((idx, e.detach().cpu().numpy()))
+                    extras[name].setdefault(key, []).append((idx, _host(e)))
             if step.norms is not None:
                 for view, r in step.norms.ratio.items():
                     ratios.setdefault(view, []).append((idx, r.cpu().numpy()))
@@ -530,6 +650,12 @@ class Lens:
         from mixlens.explain import explain
 
         return explain(self, texts, methods, **kwargs)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A result as a numpy array (float32 for a bfloat16 / float16 tensor, which numpy cannot hold)."""
+    t = t.detach()
+    return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).cpu().numpy()
 
 
 def _text_of(t: Text | list[str]) -> str:

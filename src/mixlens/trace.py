@@ -161,8 +161,13 @@ class _Session:
         return self.start <= self.layer <= self.stop
 
     def edit(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` after the edit of point `name`, if any, in `t`'s dtype (a bfloat16 / float16 model runs on in its
+        own dtype when an edit computes in float32)."""
         fn = self.edits.get(name)
-        return t if fn is None else fn(t)
+        if fn is None:
+            return t
+        out = fn(t)
+        return out if out.dtype == t.dtype else out.to(t.dtype)
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("mixlens_session", default=None)
@@ -383,7 +388,8 @@ def hooked(
         layer = s.enter(m)
         if not s.active:
             return None
-        h = resid_pre if layer == start and resid_pre is not None else _hidden(args, kwargs)
+        h = _hidden(args, kwargs)
+        h = resid_pre.to(h.dtype) if layer == start and resid_pre is not None else h
         h = s.edit(f"blocks.{layer}.resid_pre", h)
         rec["x"].append(h)
         return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
@@ -481,20 +487,26 @@ def hooked(
         lock.release()
 
 
+def f32(t: torch.Tensor | None) -> Any:
+    """`t` in float32 (the same tensor when it is already float32, or not floating point)."""
+    return t if t is None or t.dtype == torch.float32 or not t.is_floating_point() else t.float()
+
+
 def _layer_trace(adapter: Adapter, rec: dict[str, list[torch.Tensor]], k: int) -> LayerTrace:
-    """Item k of a complete record (layer k of a pass started at layer 0) as a LayerTrace."""
+    """Item k of a complete record (layer k of a pass started at layer 0) as a LayerTrace, in float32: a forward
+    pass in bfloat16 or float16 is captured as it ran and upcast here, so that every method accumulates in float32."""
 
     def opt(name: str) -> torch.Tensor | None:
-        return rec[name][k] if len(rec.get(name, ())) > k else None
+        return f32(rec[name][k]) if len(rec.get(name, ())) > k else None
 
     ln_post, post_raw = adapter.layers[k].ln_post, opt("post_raw")
     return LayerTrace(
-        x=rec["x"][k],
-        alpha=rec["alpha"][k],
-        value=rec["value"][k],
-        attn_out=rec["attn_out"][k],
-        mix_in=rec["mix_in"][k],
-        mix_out=rec["mix_out"][k],
+        x=f32(rec["x"][k]),
+        alpha=f32(rec["alpha"][k]),
+        value=f32(rec["value"][k]),
+        attn_out=f32(rec["attn_out"][k]),
+        mix_in=f32(rec["mix_in"][k]),
+        mix_out=f32(rec["mix_out"][k]),
         out=opt("out"),
         ffn_pre=opt("ffn_pre"),
         ffn_act=opt("ffn_act"),
@@ -521,7 +533,8 @@ def run_traced(
     `sink(l, layer_trace)` is called inside the forward pass as soon as layer l is complete (its output, or its
     ln_mix for the last layer when `full=False`), with everything a trace holds of it; then that layer's tensors are
     dropped (the trace keeps empty ones, and `post_scale`), so at most one layer's α [B, H, n, n] is alive at a
-    time and the trace holds O(layers · n) floats: the sink keeps what it needs."""
+    time and the trace holds O(layers · n) floats: the sink keeps what it needs. Every captured tensor, the logits
+    and the hidden states are float32, whatever the dtype the model ran in (`f32`)."""
     output = None
     thin: list[LayerTrace] = []  # the consumed layers, as the trace keeps them
 
@@ -543,7 +556,13 @@ def run_traced(
     for key, count in counts.items():
         if count != n:
             raise RuntimeError(f"capture of '{key}' fired {count} times for {n} layers")
-    layers = thin if sink is not None else [_layer_trace(adapter, rec, i) for i in range(n)]
-    logits = getattr(output, "logits", None)
-    hidden = getattr(output, "last_hidden_state", None) if logits is None else None
+    layers = thin
+    if sink is None:
+        for i in range(n):  # a bfloat16 / float16 record is upcast one layer at a time, each dropped when copied
+            layers.append(_layer_trace(adapter, rec, i))
+            for items in rec.values():
+                if len(items) > i:
+                    items[i] = layers[i].x.new_empty(0)
+    logits = f32(getattr(output, "logits", None))
+    hidden = f32(getattr(output, "last_hidden_state", None)) if logits is None else None
     return Trace(adapter, model, inputs, layers, logits, tokenizer, hidden=hidden)

@@ -169,6 +169,19 @@ def linear_xw(mod: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return mod.weight, mod.bias  # transformers Conv1D stores [in, out]
 
 
+def float32(t: torch.Tensor | None, cache: dict, name: str, shift: float = 0.0) -> Any:
+    """`t` (+ `shift`) in float32, upcast once per weight version (`cache[name]`); a float32 `t` without shift is
+    returned itself. A model may run in bfloat16 or float16 (`mixlens.load(dtype=...)`): every decomposition
+    accumulates in float32."""
+    if t is None or (t.dtype == torch.float32 and not shift):
+        return t
+    key = (t.data_ptr(), t._version, t.dtype, t.shape)
+    hit = cache.get(name)
+    if hit is None or hit[0] != key:
+        hit = cache[name] = (key, t.detach().float() + shift if shift else t.detach().float())
+    return hit[1]
+
+
 @dataclass
 class Norm:
     """A LayerNorm or RMSNorm as the per-target linear map of docs/DESIGN.md §3.3: g_i(v) = γ ⊙ C(v) / s_i."""
@@ -176,23 +189,19 @@ class Norm:
     module: nn.Module
     rms: bool
     offset: bool = False  # the module scales by (1 + weight) (Gemma)
-    _shifted: tuple | None = field(default=None, repr=False, compare=False)
+    _float32: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def weight(self) -> torch.Tensor:
-        """γ: the module's weight, or 1 + weight for (1 + w) norms (one tensor per weight version)."""
+        """γ in float32: the module's weight, or 1 + weight for (1 + w) norms (one tensor per weight version)."""
         w = self.module.weight
         assert isinstance(w, torch.Tensor)  # a norm's γ is a Parameter, not a submodule
-        if not self.offset:
-            return w
-        key = (w.data_ptr(), w._version)
-        if self._shifted is None or self._shifted[0] != key:
-            self._shifted = (key, w.detach() + 1)
-        return self._shifted[1]
+        return float32(w, self._float32, "weight", 1.0 if self.offset else 0.0)
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return getattr(self.module, "bias", None)
+        """β in float32 (None for RMSNorm)."""
+        return float32(getattr(self.module, "bias", None), self._float32, "bias")
 
     @property
     def eps(self) -> float:
@@ -229,10 +238,10 @@ class Layer:
     d_head: int
     o_proj: nn.Module  # the module whose output is the real attention output: the output projection, or the
     # sandwich norm after it (Gemma)
-    w_o: torch.Tensor  # [H * d_head, d]  W_O, or W_O diag(γ_post) with a sandwich norm
-    b_o: torch.Tensor | None  # [d]
-    w_v: torch.Tensor  # [d, H_kv * d_head]
-    b_v: torch.Tensor | None
+    raw_w_o: torch.Tensor  # [H * d_head, d]  W_O, or W_O diag(γ_post) with a sandwich norm, as the model holds it
+    raw_b_o: torch.Tensor | None  # [d]
+    raw_w_v: torch.Tensor  # [d, H_kv * d_head]
+    raw_b_v: torch.Tensor | None
     ln_mix: Norm
     ffn_in: nn.Module
     ffn_out: nn.Module
@@ -242,6 +251,24 @@ class Layer:
     ln_post: Norm | None = None  # sandwich norm: attention output = g^post(o_proj output) (its s_i is traced)
     proj: nn.Module | None = None  # the output projection itself when `o_proj` is the sandwich norm after it
     cache: dict = field(default_factory=dict, repr=False, compare=False)  # weight-derived tensors of methods
+    _float32: dict = field(default_factory=dict, repr=False, compare=False)  # float32 copies of raw_* weights
+
+    # The weights in float32 (themselves for a float32 model; else upcast once per weight version).
+    @property
+    def w_o(self) -> torch.Tensor:
+        return float32(self.raw_w_o, self._float32, "w_o")
+
+    @property
+    def b_o(self) -> torch.Tensor | None:
+        return float32(self.raw_b_o, self._float32, "b_o")
+
+    @property
+    def w_v(self) -> torch.Tensor:
+        return float32(self.raw_w_v, self._float32, "w_v")
+
+    @property
+    def b_v(self) -> torch.Tensor | None:
+        return float32(self.raw_b_v, self._float32, "b_v")
 
 
 @dataclass
@@ -301,7 +328,7 @@ def resolve(model: Any) -> Adapter:
                 raise MixlensError(
                     f"'{cfg.model_type}' with an attention output bias before the sandwich norm is not supported"
                 )
-            w_o = w_o * ln_post.weight
+            w_o = w_o.float() * ln_post.weight
         layers.append(
             Layer(
                 module=mod,
@@ -310,10 +337,10 @@ def resolve(model: Any) -> Adapter:
                 n_kv_heads=n_kv,
                 d_head=w_o.shape[0] // n_heads,
                 o_proj=proj if ln_post is None else ln_post.module,
-                w_o=w_o,
-                b_o=b_o,
-                w_v=w_v,
-                b_v=b_v,
+                raw_w_o=w_o,
+                raw_b_o=b_o,
+                raw_w_v=w_v,
+                raw_b_v=b_v,
                 ln_mix=Norm(get_path(mod, fam.ln_mix), fam.rms, fam.norm_offset),
                 ffn_in=get_path(mod, fam.ffn_in),
                 ffn_out=get_path(mod, fam.ffn_out),

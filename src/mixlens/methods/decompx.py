@@ -236,11 +236,14 @@ def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decom
     """DecompX of every input of the trace (cached); raises ReconstructionError past the tolerance."""
     if value_bias not in trace.memo.decompx:
         out = [decompose(trace, b, value_bias) for b in range(trace.mask.shape[0])]
+        from mixlens.methods.norms import tolerance
+
+        limit = tolerance(trace.model, TOLERANCE)
         for b, dec in enumerate(out):
-            if dec.error > TOLERANCE:
+            if not dec.error <= limit:
                 raise ReconstructionError(
                     f"input {b + 1}: DecompX class scores differ from the logits by "
-                    f"{dec.error:.3g} (relative; tolerance {TOLERANCE})"
+                    f"{dec.error:.3g} (relative; tolerance {limit})"
                 )
         trace.memo.decompx[value_bias] = out
     return trace.memo.decompx[value_bias]

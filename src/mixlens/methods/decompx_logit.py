@@ -14,6 +14,7 @@ import torch
 
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.decompx import TOLERANCE, final_parts, share
+from mixlens.methods.norms import tolerance
 from mixlens.methods.registry import TARGET_OPTIONS, register, vector_block
 from mixlens.targets import Spec, readout
 from mixlens.trace import Trace
@@ -40,7 +41,8 @@ def logit_scores(
     w_u, bias = _unembedding(trace)
     assert trace.logits is not None  # checked by _unembedding
     bsz, n = trace.mask.shape
-    out = torch.zeros(bsz, n)
+    out = torch.zeros(bsz, n, device=trace.mask.device)
+    limit = tolerance(trace.model, TOLERANCE)
     for b in range(bsz):
         pos = int(at[b]) if at is not None else int(trace.mask[b].sum()) - 1
         t, f = int(tokens[b]), int(foils[b]) if foils is not None else -1
@@ -53,10 +55,9 @@ def logit_scores(
             const = bias[t].float() - (bias[f].float() if f >= 0 else 0)
             scores = share(scores[:, None], const.reshape(1))[:, 0]
         err = (scores.sum() - want).abs().item() / max(real.abs().max().item(), torch.finfo(real.dtype).tiny)
-        if err > TOLERANCE:
+        if not err <= limit:
             raise ReconstructionError(
-                f"input {b + 1}: DecompX logit scores differ from the logit by {err:.3g} "
-                f"(relative; tolerance {TOLERANCE})"
+                f"input {b + 1}: DecompX logit scores differ from the logit by {err:.3g} (relative; tolerance {limit})"
             )
         out[b, : pos + 1] = scores
     return out

@@ -19,7 +19,7 @@ from mixlens.adapters import Layer
 from mixlens.errors import ReconstructionError
 from mixlens.methods.alti import projected_head_vectors
 from mixlens.methods.attention import alpha_rows, targets_of
-from mixlens.methods.norms import TOLERANCE, attn_sum, block_norms, head_vectors, pair_rows, quad_norm
+from mixlens.methods.norms import attn_sum, block_norms, head_vectors, pair_rows, quad_norm, tolerance
 from mixlens.methods.registry import Option, register, vector_block
 from mixlens.methods.rollout import kept_matrices, pair_mask, rollout, rollout_rows, row_pair_mask
 from mixlens.trace import LayerTrace, Trace
@@ -58,7 +58,7 @@ def _rest(lt: LayerTrace, lay: Layer, inv: torch.Tensor) -> torch.Tensor:
     ln1, ln2, ln2_in = lay.ln_mix, lay.ln_out, lt.ln_out_in
     assert ln2 is not None and ln2_in is not None  # post-LN, traced with ffn=True
     s2 = ln2.scale(ln2_in.float())[..., None]
-    b_o = lay.b_o.float() if lay.b_o is not None else torch.zeros(lt.x.shape[-1])
+    b_o = lay.b_o.float() if lay.b_o is not None else lt.x.new_zeros(lt.x.shape[-1])
     bias1 = ln2.project(ln1.project(b_o)) * inv[..., None] + ln2.project(ln1.shift().float()) / s2
     ffn = ln2_in.float() - lt.mix_out.float()
     return bias1 + ln2.project(ffn) / s2 + ln2.shift().float()
@@ -79,9 +79,11 @@ def layer_fn(
     assert lt.out is not None  # a full trace
     err = ((rebuilt - lt.out.float()).abs() * mask[..., None]).amax()
     scale = lt.out.float().abs().amax().clamp_min(1.0)
-    if err > TOLERANCE * scale:
+    limit = tolerance(lay.module)
+    if not err <= limit * scale:
         raise ReconstructionError(
-            f"layer {index}: GlobEnc's decomposition differs from the real layer output by {err.item():.3g}"
+            f"layer {index}: GlobEnc's decomposition differs from the real layer output by {err.item():.3g} "
+            f"(tolerance {limit * scale.item():.3g})"
         )
 
     def rows_of(rows: torch.Tensor | None) -> torch.Tensor:

@@ -33,8 +33,10 @@ from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 __all__ = [
+    "ATTN_TOLERANCES",
     "RATIO_VARIANTS",
     "TOLERANCE",
+    "TOLERANCES",
     "BlockNorms",
     "NormRun",
     "attn_sum",
@@ -47,13 +49,31 @@ __all__ = [
     "quad_norm",
     "quad_norms",
     "stream_layer",
+    "tolerance",
 ]
 
 RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
-TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|)
+TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|), of a forward pass in float32
+# ... and of a forward pass in another dtype (`mixlens.load(dtype=...)`): its own rounding, measured in docs/models.md
+TOLERANCES = {torch.float32: TOLERANCE, torch.bfloat16: 2e-2, torch.float16: 2.5e-3}
+# ... and, in those dtypes, the error of the attention output's decomposition relative to its own size (the stream
+# dwarfs a wrong attention output: W_O scaled by 1.1 moves the check above by less than bfloat16's rounding)
+ATTN_TOLERANCES = {torch.bfloat16: 5e-2, torch.float16: 6e-3}
 PROBES = 4  # random directions of the per-run decomposition check
 TOKEN_BLOCK = 128  # tokens per block of head vectors C f (compiled: per job, its C f stays in one core's cache)
 COMPILED = True  # CPU: the numba passes of `_kernels`; False (and other devices): the plain torch passes
+
+
+def run_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model's forward pass runs in (its parameters')."""
+    return next(model.parameters()).dtype
+
+
+def tolerance(model: torch.nn.Module, float32: float = TOLERANCE) -> float:
+    """The tolerance of an exactness check on a forward pass of `model`: `float32` (the check's own tolerance) for
+    a float32 model, else the larger of it and the rounding tolerance of the model's dtype (`TOLERANCES`)."""
+    dtype = run_dtype(model)
+    return float32 if dtype == torch.float32 else max(float32, TOLERANCES.get(dtype, TOLERANCES[torch.float16]))
 
 
 @dataclass
@@ -260,11 +280,14 @@ def _compiled_on(t: torch.Tensor) -> bool:
     return COMPILED and t.device.type == "cpu"
 
 
-def _check(results: TokenResults, tok: RealTokens) -> torch.Tensor:
-    """Raise `ReconstructionError` naming the first layer whose decomposition misses the real outputs; else the max
-    abs error per input and layer [B, L]."""
+def _check(
+    results: TokenResults, tok: RealTokens, limit: float = TOLERANCE, attn_limit: float | None = None
+) -> torch.Tensor:
+    """Raise `ReconstructionError` naming the first layer whose decomposition misses the real outputs by more than
+    `limit` (relative to max(1, |real output|)), or (`attn_limit`) whose attention output's decomposition misses it
+    by more than `attn_limit` of its own size; else the max abs error per input and layer [B, L]."""
     err = torch.maximum(results.check[:, 0], results.probe_err)  # [L, T]
-    tol = TOLERANCE * results.check[:, 1].amax(1).clamp_min(1.0)  # [L]
+    tol = limit * results.check[:, 1].amax(1).clamp_min(1.0)  # [L]
     worst = err.amax(1)
     for index, (e, t) in enumerate(zip(worst.tolist(), tol.tolist(), strict=True)):
         if not e <= t:  # NaN fails too
@@ -272,6 +295,15 @@ def _check(results: TokenResults, tok: RealTokens) -> torch.Tensor:
                 f"layer {index}: the decomposition differs from the real attention-block output by {e:.3g} "
                 f"(tolerance {t:.3g}); the adapter for this architecture does not match the model"
             )
+    if attn_limit is not None:  # relative to the attention output's own size (floor: 0.1% of the stream's)
+        own = torch.maximum(results.total_r.abs().amax(2).amax(1), 1e-3 * tol / limit)
+        for index, r in enumerate((results.probe_err.amax(1) / own).tolist()):
+            if not r <= attn_limit:
+                raise ReconstructionError(
+                    f"layer {index}: the decomposition of the attention output differs from the real one by {r:.3g} "
+                    f"of its size (tolerance {attn_limit:.3g}); the adapter for this architecture does not match "
+                    "the model"
+                )
     return tok.scatter(err.T).amax(1)
 
 
@@ -352,7 +384,8 @@ class NormRun:
         """The per-run exactness check over every layer, then the result."""
         if self.done != list(range(self.adapter.n_layers)):
             raise RuntimeError(f"the norm engine ran layers {self.done} of {self.adapter.n_layers}")
-        error = _check(self.results, self.tok)
+        dtype = run_dtype(self.adapter.base)
+        error = _check(self.results, self.tok, tolerance(self.adapter.base), ATTN_TOLERANCES.get(dtype))
         maps = self.maps
         return BlockNorms(
             f_norm=maps.f_norm,

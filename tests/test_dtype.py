@@ -1,0 +1,106 @@
+"""The checkpoint's own dtype (`mixlens.load(dtype=...)`, `Lens(..., dtype=...)`): the forward pass runs in it, the
+decompositions accumulate in float32 and their exactness checks allow its rounding (`norms.TOLERANCES`), no more."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixlens
+from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.methods import norms
+from tests.conftest import SENTENCES, random_lens, random_model
+
+NORM_FAMILY = ["norm", "norm_res", "norm_resln"]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_bfloat16_runs_in_bfloat16_and_checks_within_its_tolerance(tokenizer, family):
+    lens = mixlens.Lens(random_model(family, tokenizer), tokenizer, dtype="bfloat16")
+    assert lens.dtype == torch.bfloat16
+    tr = lens.trace(lens.encode(SENTENCES))
+    assert tr.layers[0].alpha.dtype == torch.float32  # captured as it ran, upcast for the methods
+    res = lens.analyze(SENTENCES, NORM_FAMILY)
+    assert 0 < res.reconstruction_error.max() <= norms.TOLERANCES[torch.bfloat16] * 10  # absolute, stream ≤ 10
+    ref = random_lens(family, tokenizer).analyze(SENTENCES, NORM_FAMILY)
+    for m in NORM_FAMILY:  # the same model in float32: maps agree to bfloat16's rounding
+        for a, b in zip(res[m].values, ref[m].values, strict=True):
+            assert a.dtype == b.dtype
+            assert abs(a - b).max() <= 0.05 * max(1.0, abs(b).max())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_corrupted_weight_still_trips_the_check(tokenizer, family, dtype):
+    lens = mixlens.Lens(random_model(family, tokenizer), tokenizer, dtype=dtype)
+    lay = lens.adapter.layers[1]
+    lay.raw_w_o = lay.raw_w_o * 1.1  # the decomposition's W_O, 10% off the model's
+    with pytest.raises(ReconstructionError, match="layer 1"):
+        lens.analyze(SENTENCES, ["norm"])
+
+
+def test_lens_keeps_float32_unless_asked(tokenizer):
+    model = random_model("gpt2", tokenizer).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="fp32"):
+        assert mixlens.Lens(model, tokenizer).dtype == torch.float32
+    model = random_model("gpt2", tokenizer).to(torch.bfloat16)
+    assert mixlens.Lens(model, tokenizer, dtype="auto").dtype == torch.bfloat16
+
+
+def test_load_dtype(bundled):
+    lens = mixlens.load(dtype="bfloat16")
+    assert lens.dtype == torch.bfloat16 and lens.device.type == "cpu"
+    assert mixlens.load(dtype="auto").dtype == torch.float32  # the bundled config names no dtype
+    res = lens.analyze(SENTENCES[:1], ["norm_resln"])
+    ref = bundled.analyze(SENTENCES[:1], ["norm_resln"])
+    a, b = res["norm_resln"].values[0], ref["norm_resln"].values[0]
+    assert abs(a - b).max() < 0.02 * abs(b).max()
+    with pytest.raises(MixlensError, match="unknown dtype 'float64'"):
+        mixlens.load(dtype="float64")
+
+
+def test_checkpoint_dtype():
+    from types import SimpleNamespace
+
+    from mixlens.lens import checkpoint_dtype
+
+    assert checkpoint_dtype(SimpleNamespace(dtype=torch.bfloat16)) == "bfloat16"
+    assert checkpoint_dtype(SimpleNamespace(dtype="float16")) == "float16"
+    assert checkpoint_dtype(SimpleNamespace(dtype=None)) == "float32"
+    assert checkpoint_dtype(SimpleNamespace()) == "float32"
+
+
+def test_device_resolution(monkeypatch):
+    from mixlens.lens import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(MixlensError, match="CUDA is not available"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == "cuda"
+    with pytest.raises(MixlensError, match="has 2 CUDA device"):
+        resolve_device("cuda:2")
+    with pytest.raises(MixlensError, match="unknown device 'gpu'"):
+        resolve_device("gpu")
+
+
+def test_a_dtype_the_device_cannot_run_is_one_error(monkeypatch):
+    from mixlens import lens as lens_module
+
+    def broken(*a, **k):
+        raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'\nmore")
+
+    monkeypatch.setattr(torch.nn.functional, "layer_norm", broken)
+    with pytest.raises(MixlensError, match='^dtype float16 cannot run on cpu: "addmm_impl_cpu_" not implemented'):
+        lens_module.check_dtype_on(torch.float16, "cpu")
+
+
+@pytest.mark.cuda
+def test_bfloat16_on_cuda(tokenizer):
+    lens = mixlens.Lens(random_model("llama", tokenizer).to("cuda"), tokenizer, dtype="bfloat16")
+    res = lens.analyze(SENTENCES, [*NORM_FAMILY, "globenc", "alti", "attention_rollout"])
+    assert res.reconstruction_error.max() < 1
+    assert mixlens.load(device="cuda", dtype="bfloat16").device.type == "cuda"
