@@ -102,6 +102,12 @@ def test_report_switches_and_shows_the_right_cells(drv, views, tmp_path):
     # the report opens on the decomposition (N-ResLN), not raw attention
     assert state(drv, root) == {**state(drv, root), "method": "norm_resln", "layer": 0, "head": -1, "n": n}
     np.testing.assert_allclose(shown(drv, root, n), res["norm_resln"].input(0)[0], rtol=RTOL, atol=1e-7)
+    # #32.8: the Method selector said "attention" while the map was norm_resln, and choosing "attention" did nothing
+    method_select = Select(root.find_element(By.CSS_SELECTOR, "select[data-role=method]"))
+    assert method_select.first_selected_option.text == "norm_resln"
+    pick(root, "method", "attention")
+    assert state(drv, root)["method"] == "attention"
+    np.testing.assert_allclose(shown(drv, root, n), res["attention"].input(0)[0], rtol=RTOL, atol=1e-7)
 
     pick(root, "method", "norm")
     pick(root, "layer", "3")

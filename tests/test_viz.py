@@ -150,8 +150,10 @@ def test_non_map_methods_are_scores_or_named():
     assert [m["name"] for m in p["methods"]] == ["signed"]
     assert p["methods"][0]["signed"] and p["methods"][0]["axes"] == [{"name": "class", "size": 1}]
     rows = p["scores"][0]["rows"]
-    assert p["scores"][0]["name"] == "decompx_classes" and [r["label"] for r in rows] == ["input 1, class 0",
-                                                                                        "input 1, class 1"]
+    assert p["scores"][0]["name"] == "decompx_classes" and [r["label"] for r in rows] == [
+        "input 1, class 0",
+        "input 1, class 1",
+    ]
     assert rows[0]["values"] == [1.0, 2.0, 3.0] and rows[1]["values"] == [-1.0, 0.0, 0.5]
     assert any("'scalar' has axes (layer)" in t and "--format json" in t for t in p["notes"])
     markup = vh.render_report(res)
@@ -423,3 +425,35 @@ def test_view_marks_nan_and_inf_cells():
     finite = v[0, 0][np.isfinite(v[0, 0])]
     assert got["nan"] and got["inf"] and got["bad"] == "2" and "2 cells are NaN or" in got["text"]
     assert got["vmin"] == 0 and got["vmax"] == pytest.approx(finite.max(), rel=1e-3)
+
+
+NODE_SELECT = (
+    NODE_DOM.split("const m = root.mixlens.map()")[0]
+    + """
+const sel = find(root, (e) => e.attrs && e.attrs["data-role"] === "method");
+console.log(JSON.stringify({ shown: sel.value, state: root.mixlens.state().method,
+                             options: sel.children.map((o) => o.children[0] && o.children[0].text) }));
+"""
+)
+
+
+def test_method_selector_shows_the_method_the_map_opens_on(views):
+    """#32.8: the Method dropdown showed "attention" (its first option) while the map showed norm_resln (the start
+    method), so choosing "attention" changed nothing. Run in node with a stub DOM: the selector's value is the start
+    method's index."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    res, heads = views
+    payload = vh.build_payload(res, head_maps=heads)
+    names = [m["name"] for m in payload["methods"]]
+    assert names[0] == "attention" and names[payload["start_method"]] == "norm_resln"
+    run = subprocess.run(
+        [node, "-e", vh.asset("report.js") + NODE_SELECT], input=json.dumps(payload), capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert got["state"] == "norm_resln" and got["shown"] == str(payload["start_method"]), got

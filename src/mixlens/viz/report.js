@@ -94,6 +94,9 @@ function mlxMount(root, data) {
   if (data.inputs.length < 2) cInput.label.style.display = "none";
   data.inputs.forEach(function (inp, b) { option(cInput.select, b, (b + 1) + ": " + short(inp.text, 40)); });
   data.methods.forEach(function (m, k) { option(cMethod.select, k, m.name); });
+  if (!(S.method >= 0 && S.method < data.methods.length)) S.method = 0;
+  cMethod.select.value = String(S.method);  /* the selector shows the method the map opens on (start_method) */
+  cInput.select.value = String(S.input);
   if (!data.methods.length) {
     controls.style.display = "none";
     row.textContent = "";
