@@ -28,6 +28,7 @@ class View(str, Enum):
     heatmap = "heatmap"
     ratio = "ratio"
     bipartite = "bipartite"
+    routes = "routes"
 
 
 MAX_PANELS = 4
@@ -110,7 +111,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", "-o", help="Figure file: .png, .svg or .pdf."),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
-        view: View = typer.Option(View.heatmap, "--view", help="heatmap, bipartite or ratio."),
+        view: View = typer.Option(View.heatmap, "--view", help="heatmap, bipartite, ratio or routes."),
         method: str = typer.Option("norm_resln", "--method", help="Method for heatmap/bipartite."),
         layer: int = typer.Option(-1, "--layer", help="Layer (0-based; negative counts from the end)."),
         attention_head: int | None = typer.Option(
@@ -135,6 +136,8 @@ def register(app: typer.Typer) -> None:
                 "output head"
             )
         head = attention_head
+        if view is View.routes:
+            method = "flow_routes"  # the routes figure draws the graph of flow_routes
         suffix = out.suffix.lower().lstrip(".")
         if suffix not in static.FORMATS:
             raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
@@ -170,6 +173,10 @@ def register(app: typer.Typer) -> None:
         inputs = list(range(len(res.texts)))
         if view is View.ratio:
             fig = static.ratio_figure(res)
+        elif view is View.routes:
+            from mixlens.viz.routes import routes_figure
+
+            fig = routes_figure(res[method], inputs)
         elif vector:
             fig = static.token_scores_figure(res[method], inputs)
         elif view is View.heatmap:

@@ -6,6 +6,7 @@ from mixlens.methods import (  # noqa: F401  (registration side effects)
     attention,
     decompx,
     decompx_logit,
+    flow_routes,
     globenc,
     gradients,
     norm_rollouts,

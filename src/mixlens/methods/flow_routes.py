@@ -1,0 +1,282 @@
+"""Information-flow routes (Ferrando & Voita 2024, "Information Flow Routes: Automatically Interpreting Language
+Models at Scale"): the subgraph of important edges that built one prediction, found top-down (docs/global.md,
+"Information-flow routes").
+
+The graph of a pre-LN decoder. Nodes are residual-stream vectors: x^l_i (after layer l at position i; x^{-1}_i the
+embedding), the stream after layer l's attention m^l_i (`mix_in`, the input of the norm before the FFN) and the FFN
+node of (l, i). Each node is a sum of edge vectors, checked against the trace's real tensors on every run:
+
+- attention:  m^l_i = x^{l-1}_i + Σ_j z^l_ij + b_O,   z^l_ij = Σ_h α^h_ij f^h(x^{l-1}_j)  (per head: z^{l,h}_ij)
+              edges: token j → i through the attention (one per source, or one per head and source), and the
+              residual x^{l-1}_i → m^l_i. Gemma's sandwich norm is linear once its scale s^post_i is fixed:
+              α / s^post and γ_post W_O (`LayerTrace.alpha_mix`, the adapter's W_O), so its edges are exact too.
+- FFN:        x^l_i = m^l_i + F^l_i,   F^l_i the FFN output (Gemma: after its post-FFN norm);
+              edges: the FFN node m^l_i → F → x^l_i and the residual m^l_i → x^l_i.
+
+Importance of an edge e into a node y whose edge vectors are {e_k} (the paper's proximity, as ALTI's):
+proximity(e, y) = max(0, ‖y‖₁ − ‖y − e‖₁), importance = proximity / Σ_k proximity(e_k, y). The bias b_O is part of
+y but no edge. Top-down from x^{L-1}_p (p: the prediction's position), an edge is kept when its importance exceeds
+τ, and a node is kept when a kept edge leaves it; only the kept nodes' edges are computed.
+
+Shapes at the boundary (B batch, L layers, H heads, n tokens; padding and edges outside the graph are 0):
+
+- values   [B, L, n(target), n(source)]  attention edge j → i of layer l (heads=True: [B, L, H, n, n], per head)
+- extras   residual [B, L, n]: attention-block residual edge x^{l-1}_i → m^l_i; ffn [B, L, n]: FFN edge;
+           ffn_residual [B, L, n]: FFN-block residual edge m^l_i → x^l_i; nodes [B, L, n]: 1 where x^l_i is in the
+           graph; inputs [B, n]: 1 where the embedding x^{-1}_j is; tokens [B, n]: the route score of each input
+           token (below); position [B]: the prediction's position p; error [B]: the largest reconstruction error
+           of the kept nodes, relative to max(1, max |real node|).
+- route score of token j: the sum over every route of kept edges from x^{-1}_j to x^{L-1}_p of the product of the
+  importances along it (an FFN node passes its edge's importance on). With τ → 0 the scores sum to 1; with τ the
+  share of the prediction's importance left outside the graph is lost. `flow_routes_tokens` returns it [B, n].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixlens.adapters import Family, Layer
+from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.methods.norms import TOLERANCE
+from mixlens.methods.registry import LHTS, MethodOutput, Option, register
+from mixlens.targets import positions
+from mixlens.trace import LayerTrace, Trace, repeat_kv
+
+TAU = 0.04  # the paper's threshold for its Llama 2 graphs
+CHUNK_ELEMENTS = 1 << 22  # floats of edge vectors held at once (16 MB)
+EXTRAS = {
+    "residual": ("layer", "target"),
+    "ffn": ("layer", "target"),
+    "ffn_residual": ("layer", "target"),
+    "nodes": ("layer", "target"),
+    "inputs": ("source",),
+    "tokens": ("source",),
+    "position": (),
+    "error": (),
+}
+
+
+def pre_ln_stream(family: Family) -> str | None:
+    """The routes follow a pre-LN residual stream, x + Attn + FFN, whose nodes are sums of edge vectors."""
+    if not family.pre_ln:
+        return (
+            "information-flow routes follow a pre-LN residual stream (x + Attn(LN(x)) + FFN); a post-LN block "
+            "renormalises each sum, so its nodes are not sums of edge vectors"
+        )
+    return None
+
+
+TAU_OPTION = Option(
+    "tau",
+    float,
+    TAU,
+    min=0.0,
+    max=1.0,
+    help="importance threshold τ in (0, 1): an edge is kept when its importance exceeds τ (0.04 as in the paper)",
+)
+POSITION_OPTION = Option(
+    "position", int, None, min=0, optional=True, help="position of the explained prediction (default: the last token)"
+)
+
+
+@dataclass
+class Routes:
+    """The graph of one input with m real tokens (see the module docstring for the meaning of each field)."""
+
+    edges: torch.Tensor  # [L, m, m] or [L, H, m, m]
+    residual: torch.Tensor  # [L, m]
+    ffn: torch.Tensor  # [L, m]
+    ffn_residual: torch.Tensor  # [L, m]
+    nodes: torch.Tensor  # [L, m]
+    inputs: torch.Tensor  # [m]
+    tokens: torch.Tensor  # [m]
+    error: float
+
+
+def _check_tau(method: str, tau: float) -> None:
+    if not 0.0 < tau < 1.0:
+        raise MixlensError(
+            f"option {method}.tau must be a number in (0, 1), got {tau!r} (τ = 0 would keep every edge, 1 none)"
+        )
+
+
+def _check(err: torch.Tensor, real: torch.Tensor, what: str, layer: int) -> float:
+    """Relative error of one block's kept nodes; ReconstructionError past `norms.TOLERANCE`."""
+    rel = float(err.abs().max()) / max(1.0, float(real.abs().max())) if err.numel() else 0.0
+    if not rel <= TOLERANCE:  # NaN fails too
+        raise ReconstructionError(
+            f"layer {layer}: the {what} edge vectors differ from the real residual stream by {rel:.3g} (relative; "
+            f"tolerance {TOLERANCE}); the adapter for this architecture does not match the model"
+        )
+    return rel
+
+
+def _proximity(y: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """max(0, ‖y‖₁ − ‖y − e‖₁) over the last axis; y broadcasts against e."""
+    return (y.abs().sum(-1) - (y - e).abs().sum(-1)).clamp_min(0)
+
+
+def _ffn_update(lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, family: Family) -> torch.Tensor:
+    """F^l_i of the rows [K] of input b: the FFN's last projection on its captured activation (Gemma: then its
+    post-FFN norm), as the model computes it → [K, d]."""
+    assert lt.ffn_act is not None, "flow routes need the FFN activations (needs_ffn)"
+    out = lay.ffn_out(lt.ffn_act[b, rows])
+    if family.ln_post is not None:
+        out = getattr(lay.module, "post_feedforward_layernorm")(out)  # noqa: B009  (Gemma 2/3's name)
+    return out.float()
+
+
+def _attention_rows(
+    lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, m: int, heads: bool, layer: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Importances of the attention edges into m^l_i for the rows i [K] of input b: (edges [K, m] or [H, K, m],
+    residual [K], relative error). The edge vectors are built in chunks of rows and checked against `mix_in`."""
+    v = repeat_kv(lt.value[b : b + 1, :, :m], lay.n_heads)[0].float()  # [H, m, d_h]
+    w = lay.w_o.float().reshape(lay.n_heads, lay.d_head, -1)
+    f = torch.einsum("hjk,hkd->hjd", v, w)  # [H, m, d]  f^h(x_j) (γ_post folded in with a sandwich norm)
+    hn, _, d = f.shape
+    bias = lay.b_o.float() if lay.b_o is not None else f.new_zeros(d)
+    alpha = lt.alpha_mix[b, :, :, :m].float()  # [H, n, m]
+    k = len(rows)
+    edges = f.new_zeros((hn, k, m) if heads else (k, m))
+    residual = f.new_zeros(k)
+    worst = 0.0
+    per_row = m * d * (hn if heads else 1)
+    step = max(1, CHUNK_ELEMENTS // per_row)
+    for s in range(0, k, step):
+        r = rows[s : s + step]
+        a = alpha[:, r]  # [H, k', m]
+        y = lt.mix_in[b, r].float()  # [k', d]
+        x = lt.x[b, r].float()
+        if heads:
+            z = a[..., None] * f[:, None]  # [H, k', m, d]
+            total = z.sum((0, 2))
+            prox = _proximity(y[None, :, None], z) * (a > 0)  # a zero weight: no edge (causal mask, window)
+            denom_edges = prox.sum((0, 2))
+        else:
+            z = torch.einsum("hkj,hjd->kjd", a, f)  # [k', m, d]
+            total = z.sum(1)
+            prox = _proximity(y[:, None], z) * (a > 0).any(0)
+            denom_edges = prox.sum(1)
+        worst = max(worst, _check(x + total + bias - y, y, "attention", layer))
+        prox_res = _proximity(y, x)
+        denom = (denom_edges + prox_res).clamp_min(torch.finfo(y.dtype).tiny)
+        if heads:
+            edges[:, s : s + step] = prox / denom[None, :, None]
+        else:
+            edges[s : s + step] = prox / denom[:, None]
+        residual[s : s + step] = prox_res / denom
+    return edges, residual, worst
+
+
+@torch.no_grad()
+def input_routes(trace: Trace, b: int, position: int, tau: float, heads: bool) -> Routes:
+    """The routes of input b to its prediction at `position`, top-down (see the module docstring)."""
+    m = int(trace.mask[b].sum())
+    fam = trace.adapter.family
+    n_layers, hn, dev = len(trace.layers), trace.adapter.n_heads, trace.mask.device
+    edges = torch.zeros((n_layers, hn, m, m) if heads else (n_layers, m, m), device=dev)
+    residual, ffn, ffn_res, nodes = (torch.zeros(n_layers, m, device=dev) for _ in range(4))
+    kept = torch.zeros(m, dtype=torch.bool, device=dev)  # output nodes x^l_i of the layer being walked
+    kept[position] = True
+    weight = torch.zeros(m, device=dev)  # route weight of each kept node to the prediction
+    weight[position] = 1.0
+    worst = 0.0
+    for layer in reversed(range(n_layers)):
+        lt, lay = trace.layers[layer], trace.adapter.layers[layer]
+        if lt.out is None:
+            raise MixlensError("flow routes need the whole forward pass (a trace with the last layer's output)")
+        rows = kept.nonzero()[:, 0]
+        nodes[layer, rows] = 1.0
+        # FFN block: x^l_i = m^l_i + F^l_i
+        mid, upd, real = lt.mix_in[b, rows].float(), _ffn_update(lt, lay, b, rows, fam), lt.out[b, rows].float()
+        worst = max(worst, _check(mid + upd - real, real, "FFN", layer))
+        p_ffn, p_res = _proximity(real, upd), _proximity(real, mid)
+        denom = (p_ffn + p_res).clamp_min(torch.finfo(real.dtype).tiny)
+        i_ffn, i_res = p_ffn / denom * (p_ffn / denom > tau), p_res / denom * (p_res / denom > tau)
+        ffn[layer, rows], ffn_res[layer, rows] = i_ffn, i_res
+        weight[rows] = weight[rows] * (i_ffn + i_res)  # now the weight of m^l_i
+        rows = rows[(i_ffn > 0) | (i_res > 0)]  # the kept m^l_i
+        # attention block: m^l_i = x^{l-1}_i + Σ_j z_ij + b_O
+        imp, imp_res, err = _attention_rows(lt, lay, b, rows, m, heads, layer)
+        worst = max(worst, err)
+        imp, imp_res = imp * (imp > tau), imp_res * (imp_res > tau)
+        if heads:
+            edges[layer, :, rows] = imp
+            token_edges = imp.sum(0)  # [K, m]
+        else:
+            edges[layer, rows] = imp
+            token_edges = imp
+        residual[layer, rows] = imp_res
+        w_mid = weight[rows]
+        weight = w_mid @ token_edges  # [m]: Σ_i w(m_i) · importance of j → i
+        weight[rows] += w_mid * imp_res
+        kept = (token_edges > 0).any(0)
+        kept[rows[imp_res > 0]] = True
+    return Routes(edges, residual, ffn, ffn_res, nodes, kept.float(), weight, worst)
+
+
+def _positions(trace: Trace, position: int | None) -> torch.Tensor:
+    return positions("causal", trace.inputs, trace.tokenizer, position)
+
+
+def routes(trace: Trace, *, heads: bool, tau: float, position: int | None, method: str = "flow_routes") -> list[Routes]:
+    """The routes of every input of the trace ([Routes], one per input)."""
+    _check_tau(method, tau)
+    pos = _positions(trace, position)
+    return [input_routes(trace, b, int(pos[b]), tau, heads) for b in range(trace.mask.shape[0])]
+
+
+@register(
+    "flow_routes",
+    head_dims=LHTS,
+    needs_ffn=True,
+    options=(TAU_OPTION, POSITION_OPTION),
+    extras=EXTRAS,
+    supports=pre_ln_stream,
+)
+def flow_routes(trace: Trace, *, heads: bool = False, tau: float = TAU, position: int | None = None) -> MethodOutput:
+    """Information-flow routes (Ferrando & Voita 2024): importance of the kept edges to one prediction, per layer
+    (attention edges j → i; residual and FFN edges in extras)."""
+    found = routes(trace, heads=heads, tau=tau, position=position)
+    (bsz, n), dev = trace.mask.shape, trace.mask.device
+    n_layers = len(trace.layers)
+    values = torch.zeros((bsz, n_layers, trace.adapter.n_heads, n, n) if heads else (bsz, n_layers, n, n), device=dev)
+    extras = {
+        k: torch.zeros(bsz, *(n_layers if a == "layer" else n for a in axes), device=dev) for k, axes in EXTRAS.items()
+    }
+    for b, r in enumerate(found):
+        m = len(r.tokens)
+        values[b, ..., :m, :m] = r.edges
+        for key, t in (("residual", r.residual), ("ffn", r.ffn), ("ffn_residual", r.ffn_residual), ("nodes", r.nodes)):
+            extras[key][b, :, :m] = t
+        extras["inputs"][b, :m], extras["tokens"][b, :m] = r.inputs, r.tokens
+        extras["error"][b] = r.error
+    extras["position"] = _positions(trace, position).float().to(dev)
+    return MethodOutput(values, extras)
+
+
+@register(
+    "flow_routes_tokens",
+    dims=("source",),
+    needs_ffn=True,
+    options=(
+        TAU_OPTION,
+        POSITION_OPTION,
+        Option("per_head", bool, False, help="build the graph from per-head attention edges, as the paper does"),
+    ),
+    supports=pre_ln_stream,
+    explains=True,
+)
+def flow_routes_tokens(
+    trace: Trace, *, tau: float = TAU, position: int | None = None, per_head: bool = False
+) -> torch.Tensor:
+    """Information-flow routes per input token: the total importance of the kept routes from each token to the
+    prediction (Σ over routes of the product of edge importances)."""
+    found = routes(trace, heads=per_head, tau=tau, position=position, method="flow_routes_tokens")
+    out = torch.zeros(trace.mask.shape, device=trace.mask.device)
+    for b, r in enumerate(found):
+        out[b, : len(r.tokens)] = r.tokens
+    return out

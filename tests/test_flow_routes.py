@@ -1,0 +1,226 @@
+"""Information-flow routes (Ferrando & Voita 2024): exact edge vectors, the paper's importance, τ, a graph connected
+top-down from the prediction, the per-token route score, the figure and the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.methods import flow_routes as fr
+from mixlens.methods.alti import alti_vectors
+from mixlens.trace import repeat_kv
+from tests.conftest import SENTENCES, random_lens, run_cli
+
+CAUSAL = "AutoModelForCausalLM"
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "gemma3_text"])
+def lens(request, tokenizer):
+    return random_lens(request.param, tokenizer, head=CAUSAL, initializer_range=0.2)
+
+
+def _trace(lens, texts=SENTENCES):
+    enc = lens.encode(texts)
+    with torch.no_grad():
+        return lens.trace(enc, ffn=True)
+
+
+def _reference(trace, b: int, layer: int, i: int) -> tuple[np.ndarray, float, float, float]:
+    """The paper's importances of the edges into m^l_i and x^l_i, the direct way (float64): (attention edges [m],
+    attention residual, FFN edge, FFN residual), each normalised over the edges into its node."""
+    lt, lay = trace.layers[layer], trace.adapter.layers[layer]
+    m = int(trace.mask[b].sum())
+    v = repeat_kv(lt.value, lay.n_heads)[b, :, :m].double()  # [H, m, d_h]
+    w = lay.w_o.detach().double().reshape(lay.n_heads, lay.d_head, -1)
+    a = lt.alpha_mix[b, :, i, :m].double()  # [H, m]
+    z = torch.einsum("hj,hjk,hkd->jd", a, v, w)  # [m, d]  Σ_h α^h_ij f^h(x_j)
+    y, x = lt.mix_in[b, i].double(), lt.x[b, i].double()
+
+    def prox(e):
+        return (y.abs().sum() - (y - e).abs().sum(-1)).clamp_min(0)
+
+    p, pr = prox(z), prox(x)
+    p = torch.where(a.abs().sum(0) > 0, p, 0)
+    att, res = p / (p.sum() + pr), pr / (p.sum() + pr)
+    out, mid = lt.out[b, i].double(), lt.mix_in[b, i].double()
+    f = out - mid
+    qf = (out.abs().sum() - (out - f).abs().sum()).clamp_min(0)
+    qr = (out.abs().sum() - (out - mid).abs().sum()).clamp_min(0)
+    return att.detach().numpy(), float(res), float(qf / (qf + qr)), float(qr / (qf + qr))
+
+
+def test_edge_vectors_are_exact_and_importances_are_the_papers(lens):
+    """Every kept node's edge vectors sum to the real residual stream (checked on every run, error reported), and
+    the importances equal the paper's formula computed the direct way in float64."""
+    tr = _trace(lens)
+    for b in range(len(SENTENCES)):
+        pos = int(tr.mask[b].sum()) - 1
+        r = fr.input_routes(tr, b, pos, 1e-9, heads=False)
+        assert r.error < 1e-5
+        n_layers = len(tr.layers)
+        for layer in (n_layers - 1, 0):
+            att, res, ffn, ffn_res = _reference(tr, b, layer, pos)
+            if layer == n_layers - 1:  # the target's own node is always in the graph
+                np.testing.assert_allclose(r.edges[layer, pos].numpy(), att, atol=2e-5)
+                assert r.residual[layer, pos].item() == pytest.approx(res, abs=2e-5)
+            assert r.ffn[layer, pos].item() == pytest.approx(ffn, abs=2e-5)
+            assert r.ffn_residual[layer, pos].item() == pytest.approx(ffn_res, abs=2e-5)
+
+
+def test_a_broken_decomposition_raises(tokenizer):
+    lens = random_lens("gpt2", tokenizer, head=CAUSAL)
+    tr = _trace(lens)
+    tr.layers[1].mix_in = tr.layers[1].mix_in + 0.1  # the real node no longer equals its edges
+    with pytest.raises(ReconstructionError, match="layer 1: the (FFN|attention) edge vectors differ"):
+        fr.input_routes(tr, 0, int(tr.mask[0].sum()) - 1, fr.TAU, heads=False)
+
+
+def test_tau_keeps_fewer_edges_as_it_grows_and_the_graph_is_connected(lens):
+    tr = _trace(lens, SENTENCES[:1])
+    pos = int(tr.mask[0].sum()) - 1
+    previous = None
+    for tau in (1e-9, 0.01, 0.04, 0.1, 0.3):
+        r = fr.input_routes(tr, 0, pos, tau, heads=False)
+        kept = (r.edges > 0, r.residual > 0, r.ffn > 0, r.ffn_residual > 0, r.nodes > 0)
+        if previous is not None:  # monotone: every edge and node kept at a larger τ is kept at a smaller one
+            for now, before in zip(kept, previous, strict=True):
+                assert not (now & ~before).any()
+        previous = kept
+        # connected top-down: the prediction is a node; every other node feeds a kept edge into the layer above
+        n_layers = r.nodes.shape[0]
+        assert r.nodes[-1].nonzero().flatten().tolist() == [pos]
+        for layer in range(n_layers - 1):
+            upper = r.edges[layer + 1]
+            feeds = (upper > 0).any(0)
+            feeds[r.residual[layer + 1] > 0] = True
+            assert torch.equal(r.nodes[layer] > 0, feeds)
+        feeds = (r.edges[0] > 0).any(0)
+        feeds[r.residual[0] > 0] = True
+        assert torch.equal(r.inputs > 0, feeds)
+        # an attention edge only enters a node that is in the graph and kept through one of its FFN-block edges
+        rows = (r.edges > 0).any(-1) | (r.residual > 0)
+        assert not (rows & (r.nodes == 0)).any()
+        assert not (rows & (r.ffn == 0) & (r.ffn_residual == 0)).any()
+        assert ((r.edges == 0) | (r.edges > tau)).all()
+    # τ → 0: every route is kept and the route scores share the whole prediction
+    r = fr.input_routes(tr, 0, pos, 1e-9, heads=False)
+    assert r.tokens.sum().item() == pytest.approx(1.0, abs=1e-5)
+    assert fr.input_routes(tr, 0, pos, 0.04, heads=False).tokens.sum().item() <= 1.0 + 1e-6
+
+
+def test_per_head_edges_split_the_token_edges(tokenizer):
+    """With heads=True an edge is (head, source): its vectors α^h_ij f^h(x_j) also sum exactly, and the importances
+    of one node's edges and its residual sum to 1 (before the threshold)."""
+    lens = random_lens("llama", tokenizer, head=CAUSAL, initializer_range=0.2)
+    tr = _trace(lens, SENTENCES[:1])
+    pos = int(tr.mask[0].sum()) - 1
+    r = fr.input_routes(tr, 0, pos, 1e-9, heads=True)
+    assert r.edges.shape == (2, 4, pos + 1, pos + 1) and r.error < 1e-5
+    total = r.edges[-1, :, pos].sum() + r.residual[-1, pos]
+    assert total.item() == pytest.approx(1.0, abs=1e-5)
+    res = lens.analyze(SENTENCES, ["flow_routes"], heads=True)
+    assert res["flow_routes"].values.shape[1:3] == (2, 4)
+
+
+def test_routes_relate_to_alti_by_one_factor_per_row(tokenizer):
+    """Same proximity as ALTI (pre-LN: the same y and the same vectors for j ≠ i): per target row the routes'
+    attention importances are ALTI's unnormalised contributions up to one factor (the normalisers differ — ALTI
+    merges the residual into j = i, the routes keep it as its own edge)."""
+    lens = random_lens("gpt2", tokenizer, head=CAUSAL, initializer_range=0.2)
+    tr = _trace(lens, SENTENCES[:1])
+    pos = int(tr.mask[0].sum()) - 1
+    r = fr.input_routes(tr, 0, pos, 1e-9, heads=False)
+    t, y = alti_vectors(tr, len(tr.layers) - 1)
+    yi = y[0, pos]
+    alti_prox = (yi.abs().sum() - (yi - t[0, pos, : pos + 1]).abs().sum(-1)).clamp_min(0)
+    others = torch.arange(pos) if pos else torch.arange(0)
+    ratio = r.edges[-1, pos, others] / alti_prox[others]
+    ok = alti_prox[others] > 1e-3
+    assert ok.any()
+    np.testing.assert_allclose(ratio[ok].numpy(), ratio[ok][0].item(), rtol=1e-4)
+
+
+def test_registered_methods_and_position(lens):
+    res = lens.analyze(SENTENCES, ["flow_routes", "flow_routes_tokens"])
+    a, t = res["flow_routes"], res["flow_routes_tokens"]
+    assert a.dims == ("layer", "target", "source") and t.dims == ("source",)
+    np.testing.assert_allclose(a.extras["tokens"], t.values, atol=1e-6)
+    np.testing.assert_array_equal(a.extras["position"], np.array(a.lengths) - 1)
+    assert (a.extras["error"] < 1e-5).all()
+    at = lens.analyze(SENTENCES, ["flow_routes"], options={"flow_routes": {"position": 2}})["flow_routes"]
+    assert (at.extras["position"] == 2).all() and (at.extras["nodes"][:, -1].sum(-1) == 1).all()
+    assert (at.extras["tokens"][:, 3:] == 0).all()  # a causal prediction at 2 reads tokens 0..2 only
+
+
+def test_bad_tau_is_one_line(tokenizer):
+    lens = random_lens("gpt2", tokenizer, head=CAUSAL)
+    for tau in (0.0, 1.0):
+        with pytest.raises(MixlensError, match=r"flow_routes.tau must be a number in \(0, 1\)") as e:
+            lens.analyze(SENTENCES[:1], ["flow_routes"], options={"flow_routes": {"tau": tau}})
+        assert "\n" not in str(e.value)
+    with pytest.raises(MixlensError, match=r"flow_routes_tokens.tau must be a number in"):
+        lens.analyze(SENTENCES[:1], ["flow_routes_tokens"], options={"flow_routes_tokens": {"tau": 1.0}})
+    with pytest.raises(MixlensError, match=r"flow_routes.tau must be a number in \[0, 1\]"):
+        lens.analyze(SENTENCES[:1], ["flow_routes"], options={"flow_routes": {"tau": -0.5}})
+
+
+def test_encoders_are_refused_in_one_line(tokenizer):
+    lens = random_lens("bert", tokenizer)
+    with pytest.raises(MixlensError, match="does not support the bert family: information-flow routes follow a pre-LN"):
+        lens.analyze(SENTENCES[:1], ["flow_routes"])
+
+
+@pytest.fixture(scope="module")
+def saved_gpt2(tmp_path_factory, tokenizer):
+    from tests.conftest import random_model
+
+    folder = tmp_path_factory.mktemp("rgpt2")
+    random_model("gpt2", tokenizer, head=CAUSAL, initializer_range=0.2).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_figure_and_report(saved_gpt2, tmp_path, capsys):
+    for name in ("routes.png", "routes.svg"):
+        code, _, err = run_cli(
+            ["plot", SENTENCES[0], "--model", str(saved_gpt2), "--view", "routes", "-o", str(tmp_path / name)],
+            capsys,
+        )
+        assert code == 0, err
+        assert (tmp_path / name).stat().st_size > 1000
+    assert (tmp_path / "routes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = tmp_path / "r.html"
+    code, _, err = run_cli(
+        ["report", *SENTENCES[:2], "--model", str(saved_gpt2), "--method", "flow_routes", "-o", str(out)], capsys
+    )
+    assert code == 0, err
+    page = out.read_text()
+    assert page.count('src="data:image/png;base64,') == 2 and "Information-flow routes" in page
+
+
+def test_saved_analysis_round_trips_and_plots_from_file(saved_gpt2, tmp_path, capsys):
+    import mixlens
+    from mixlens.result import Analysis
+
+    lens = mixlens.load(str(saved_gpt2))
+    res = lens.analyze(SENTENCES[:2], ["flow_routes"], options={"flow_routes": {"tau": 0.02}})
+    res.save(tmp_path / "a")
+    back = Analysis.load(tmp_path / "a")
+    for k, v in res["flow_routes"].extras.items():
+        np.testing.assert_array_equal(back["flow_routes"].extras[k], v)
+    code, _, err = run_cli(
+        ["plot", "--from", str(tmp_path / "a"), "--view", "routes", "-o", str(tmp_path / "f.png")], capsys
+    )
+    assert code == 0, err
+
+
+def test_bad_tau_on_the_cli_exits_2(saved_gpt2, tmp_path, capsys):
+    for tau in ("0", "1", "1.5", "x"):
+        code, _, err = run_cli(
+            ["plot", "hi there", "--model", str(saved_gpt2), "--view", "routes", "-o", str(tmp_path / "f.png")]
+            + ["--option", f"flow_routes.tau={tau}"],
+            capsys,
+        )
+        assert code == 2 and "flow_routes.tau must be a number" in err and len(err.strip().splitlines()) == 1
