@@ -103,6 +103,22 @@ def test_the_check_catches_a_wrong_decomposition(tokenizer):
             get_method(m)(tr)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_bfloat16_checks_within_its_rounding(tokenizer, family):
+    """A bfloat16 model runs in bfloat16; the sums are checked to its rounding (`norms.tolerance`), and the scores
+    agree with the float32 model's to that rounding."""
+    import mixlens
+    from tests.conftest import random_model
+
+    lens = mixlens.Lens(random_model(family, tokenizer, "AutoModelForCausalLM", seed=1), tokenizer, dtype="bfloat16")
+    ref = random_lens(family, tokenizer, head="AutoModelForCausalLM", seed=1)
+    for m in METHODS:
+        got = lens.analyze(SENTENCES, [m], options={m: {"target": 5, "foil": 7}})[m]
+        want = ref.analyze(SENTENCES, [m], options={m: {"target": 5, "foil": 7}})[m]
+        scale = max(1e-3, float(np.abs(want.values).max()))
+        assert np.abs(got.values - want.values).max() <= 0.1 * scale, m
+
+
 def test_target_position(tokenizer):
     """`position` explains the logit read at an earlier token: only sources up to it score."""
     lens = random_lens("gpt2", tokenizer, head="AutoModelForCausalLM")

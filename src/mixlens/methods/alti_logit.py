@@ -37,13 +37,14 @@ import torch
 from mixlens.adapters import Family, Norm
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.alti import layer_fn
-from mixlens.methods.norms import attn_sum
+from mixlens.methods.norms import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
 from mixlens.methods.registry import TARGET_OPTIONS, MethodOutput, register
 from mixlens.targets import Spec, readout
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
-TOLERANCE = 1e-4  # max |Σ scores + remainder − logit| / max |logit at the target position|
-ATTN_TOLERANCE = 1e-4  # max |rebuilt − real attention output| / max(1, max |real|), per layer
+TOLERANCE = 1e-4  # max |Σ scores + remainder − logit| / max |logit at the target position|, float32 models
+ATTN_TOLERANCE = 1e-4  # max |rebuilt − real attention output| / max(1, max |real|), per layer, float32 models
+# (a bfloat16 / float16 model: the rounding tolerances of its dtype, `norms.tolerance` / `norms.ATTN_TOLERANCES`)
 EXTRAS = {"layers": ("layer", "source"), "mlp": ("layer",), "remainder": ()}
 
 
@@ -117,6 +118,7 @@ def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, positi
     mlp = torch.zeros(bsz, n_layers, device=dev)
     rest = torch.zeros(bsz, device=dev)
     gamma, beta = norm.weight.float(), norm.shift().float()
+    limit = tolerance(trace.model, TOLERANCE)
     for b in range(bsz):
         p = int(ro.position[b])
         ids = [int(ro.index[b])] + ([int(ro.foil[b])] if int(ro.foil[b]) >= 0 else [])
@@ -146,9 +148,9 @@ def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, positi
         rebuilt = cap * torch.tanh(z / cap) if cap else z
         scale = max(real_row.abs().max().item(), torch.finfo(torch.float32).tiny)
         err = (rebuilt - real).abs().max().item() / scale
-        if not err <= TOLERANCE:  # NaN fails too
+        if not err <= limit:  # NaN fails too
             raise ReconstructionError(
-                f"input {b + 1}: {name} terms differ from the logit by {err:.3g} (relative; tolerance {TOLERANCE})"
+                f"input {b + 1}: {name} terms differ from the logit by {err:.3g} (relative; tolerance {limit})"
             )
         sign = torch.tensor([1.0, -1.0][: len(ids)], device=dev)
         heads[b, :, :, : p + 1] = torch.einsum("c,clhj->lhj", sign, parts)
@@ -163,6 +165,8 @@ def _alti_layers(trace: Trace) -> Callable[[int], torch.Tensor]:
     value vectors and checked against the real one."""
     fam, mask = trace.adapter.family, trace.mask
     cached = trace.memo.alti if trace.memo.targets is None else None
+    dtype = run_dtype(trace.model)
+    limit = ATTN_TOLERANCE if dtype == torch.float32 else ATTN_TOLERANCES.get(dtype, ATTN_TOLERANCES[torch.float16])
 
     def layer(k: int) -> torch.Tensor:
         lt, lay = _mixing(trace.layers[k]), trace.adapter.layers[k]
@@ -170,10 +174,10 @@ def _alti_layers(trace: Trace) -> Callable[[int], torch.Tensor]:
         rebuilt = attn_sum(lt, lay) + (lay.b_o.float() if lay.b_o is not None else 0)
         m = mask[..., None]
         err = ((rebuilt - real) * m).abs().max().item() / max(1.0, (real * m).abs().max().item())
-        if not err <= ATTN_TOLERANCE:
+        if not err <= limit:
             raise ReconstructionError(
                 f"layer {k}: the attention output rebuilt from α and the values differs by {err:.3g} "
-                f"(relative; tolerance {ATTN_TOLERANCE})"
+                f"(relative; tolerance {limit})"
             )
         if cached is not None and lt is trace.layers[k]:
             return cached[:, k]
@@ -199,7 +203,7 @@ def _check_sum(name: str, values: torch.Tensor, direct: torch.Tensor, trace: Tra
     rows = trace.logits[torch.arange(at.shape[0]), at.to(trace.logits.device)].float()
     scale = rows.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny).to(values.device)
     err = ((values.sum(-1) - direct.sum(-1)).abs() / scale[:, None]).max().item()
-    if not err <= TOLERANCE:
+    if not err <= TOLERANCE:  # both sides are float32 sums of the same terms, whatever the model's dtype
         raise ReconstructionError(
             f"{name}: the carried-back scores lost {err:.3g} of the logit (relative; tolerance {TOLERANCE}); "
             "an ALTI row without any contribution"
