@@ -83,7 +83,7 @@ def test_classifier_targets_and_exact_decompx_row(classifier):
 def test_every_method_gives_one_score_per_token(classifier, causal):
     for lens in (classifier, causal):
         ex = explain(lens, ["a charming film", "The keys to the cabinet are on the table."], None)
-        assert ex.methods == default_methods("classifier" if lens is classifier else "causal")
+        assert ex.methods == default_methods("classifier" if lens is classifier else "causal", lens.adapter.family)
         for e in ex.inputs:
             for m, s in e.scores.items():
                 assert s.shape == (len(e.tokens),) and bool(torch.isfinite(torch.as_tensor(s)).all()), m
@@ -148,7 +148,8 @@ def test_cli_json_schema_and_html(saved, tmp_path, capsys):
     doc = json.loads(out)
     assert set(doc) == {"model", "version", "inputs"}
     (inp,) = doc["inputs"]
-    assert set(inp) == {"text", "tokens", "target", "scores"} and set(inp["target"]) == {"kind", "label", "score"}
+    assert {"text", "tokens", "target", "scores", "methods"} <= set(inp)  # the analysis JSON plus the short 'scores'
+    assert set(inp["target"]) == {"kind", "label", "score", "index"}
     assert inp["target"]["label"] == "negative" and set(inp["scores"]) == {"attention", "decompx_classes"}
     assert all(len(v) == len(inp["tokens"]) for v in inp["scores"].values())
     page = tmp_path / "x.html"
@@ -213,3 +214,42 @@ def test_html_legend_names_signed_colours_only_for_signed_scores(bundled):
     signed = bundled.explain(["a fine film"], ["grad_x_input"]).html()
     assert "blue against it" not in unsigned and "deeper red = larger" in unsigned
     assert "blue against it" in signed
+
+
+def test_an_explanation_is_an_analysis(bundled, tmp_path, capsys):
+    """explain returns an Analysis: it saves, loads (both formats), concatenates, and `report --from` draws it."""
+    import mixlens
+    from mixlens.result import Analysis, Explanation
+
+    ex = explain(bundled, SENTENCES[:2], ["saliency", "grad_x_input", "attention_rollout"])
+    assert isinstance(ex, Analysis) and isinstance(ex, Explanation) and ex["saliency"].dims == ("source",)
+    assert [len(e.tokens) for e in ex.inputs] == [len(t) for t in ex.tokens]
+    ex.save(tmp_path / "ex")
+    back = mixlens.Analysis.load(tmp_path / "ex")
+    assert isinstance(back, Explanation) and back.explained == ex.explained
+    (tmp_path / "ex_json.json").write_text(ex.dumps())
+    again = mixlens.Analysis.load(tmp_path / "ex_json.json")
+    assert isinstance(again, Explanation) and [e.target.label for e in again.inputs] == [
+        e.target.label for e in ex.inputs
+    ]
+    for m in ex.methods:
+        for b in range(2):
+            np.testing.assert_allclose(back[m].input(b), ex[m].input(b))
+            np.testing.assert_allclose(again[m].input(b), ex[m].input(b), rtol=1e-6, atol=1e-7)
+    both = mixlens.Analysis.concat([ex, back])
+    assert isinstance(both, Explanation) and len(both) == 4 and both.explained == ex.explained * 2
+    with pytest.raises(MixlensError, match="other methods"):
+        mixlens.Analysis.concat([ex, bundled.analyze(SENTENCES[:1], ["attention"])])
+    rc, _, err = run_cli(["report", "--from", str(tmp_path / "ex_json.json"), "--out", str(tmp_path / "r.html")],
+                         capsys)
+    assert rc == 0 and "grad_x_input" in (tmp_path / "r.html").read_text(), err
+
+
+def test_a_crafted_explained_target_is_refused(bundled, tmp_path):
+    import mixlens
+
+    doc = json.loads(explain(bundled, SENTENCES[:1], ["saliency"]).dumps())
+    doc["inputs"][0]["target"] = {"kind": "class", "label": 3, "score": "high"}
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(MixlensError, match="target must have a string kind and label"):
+        mixlens.Analysis.load(tmp_path / "bad.json")

@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Analysis": "mixlens.result",
     "Attribution": "mixlens.result",
+    "Explanation": "mixlens.result",
     "Lens": "mixlens.lens",
     "load": "mixlens.lens",
     "MixlensError": "mixlens.errors",
@@ -30,11 +31,12 @@ if TYPE_CHECKING:
     from mixlens.errors import MixlensError, ReconstructionError
     from mixlens.lens import Lens, load
     from mixlens.pipeline import run_methods
-    from mixlens.result import Analysis, Attribution
+    from mixlens.result import Analysis, Attribution, Explanation
 
 __all__ = [
     "Analysis",
     "Attribution",
+    "Explanation",
     "Lens",
     "MixlensError",
     "ReconstructionError",

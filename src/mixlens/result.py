@@ -13,6 +13,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -653,8 +654,10 @@ class Analysis:
         reconstruction_error: np.ndarray | None,
         bias: np.ndarray | Blocks | None = None,
         ratio_means_only: bool = False,
+        explained: list[dict[str, Any]] | None = None,
     ):
         self.model, self.version, self.texts, self.tokens = model, version, texts, tokens
+        self.explained = explained  # per input, the target its scores explain (`Explanation`); None otherwise
         self.attributions = attributions
         self.reconstruction_error = reconstruction_error
         self.ratio_means_only = ratio_means_only
@@ -743,6 +746,7 @@ class Analysis:
                     "methods": {k: a.to_json_dict(b) for k, a in self.attributions.items()},
                     "mixing_ratio": {v: means[v][b].tolist() for v in means},
                     "reconstruction_error": None if err is None else float(err[b]),
+                    **({} if self.explained is None else {"target": self.explained[b]}),
                 }
                 for b in range(len(self.texts))
             ],
@@ -791,6 +795,7 @@ class Analysis:
             "ratio_means_only": self.ratio_means_only,
             "bias": None if self.bias_store is None else len(self.bias_store.parts),
             "reconstruction_error": self.reconstruction_error is not None,
+            "explained": self.explained,
         }
         _write(Path(path), tensors, manifest)
 
@@ -802,9 +807,9 @@ class Analysis:
         man_path = path if path.suffix == ".json" else path.with_suffix(".json")
         man = _read_manifest(man_path)
         if man.get("format") == ANALYSIS_FORMAT:
-            return cls._from_saved(man, man_path)
+            return _typed(cls._from_saved(man, man_path))
         if "inputs" in man and "format" not in man:
-            return cls.from_json(man, str(man_path))
+            return _typed(cls.from_json(man, str(man_path)))
         raise MixlensError(f"{man_path} is neither a saved analysis nor the JSON of `mixlens analyze`")
 
     @classmethod
@@ -857,8 +862,18 @@ class Analysis:
             err = tensors.get("reconstruction_error")
             if err is None or err.shape != (len(tokens),) or err.dtype.kind != "f":
                 raise MixlensError(f"{what}: 'reconstruction_error' must hold one number per input")
+        explained = _explained(man.get("explained"), len(tokens), str(path))
         return cls(
-            model, version, texts, tokens, attributions, ratios, err, bias, bool(man.get("ratio_means_only", False))
+            model,
+            version,
+            texts,
+            tokens,
+            attributions,
+            ratios,
+            err,
+            bias,
+            bool(man.get("ratio_means_only", False)),
+            explained,
         )
 
     @classmethod
@@ -876,6 +891,7 @@ class Analysis:
         extra_dims: dict[tuple[str, str], tuple[str, ...]] = {}
         means: dict[str, list[np.ndarray]] = {}
         rows: dict[str, list[list[int] | None]] = {}  # target-row mode (`analyze --targets`): positions per input
+        explained: list[Any] = []  # `explain`'s JSON: each input's target
         for b, inp in enumerate(obj["inputs"]):
             at = f"{where}: input {b + 1}"
             if not isinstance(inp, dict) or not isinstance(inp.get("text"), str):
@@ -885,6 +901,7 @@ class Analysis:
                 raise MixlensError(f"{at}: 'tokens' must be a non-empty list of strings")
             texts.append(inp["text"])
             tokens.append(toks)
+            explained.append(inp.get("target"))
             meth, ratio = inp.get("methods"), inp.get("mixing_ratio", {})
             if not isinstance(meth, dict) or not isinstance(ratio, dict):
                 raise MixlensError(f"{at}: 'methods' and 'mixing_ratio' must be objects")
@@ -968,7 +985,8 @@ class Analysis:
             for v, ms in means.items()
         }
         err_arr = None if errors[0] is None else np.asarray(errors, np.float32)
-        res = cls(model, version, texts, tokens, attributions, ratios, err_arr, None, ratio_means_only=True)
+        targets = None if all(t is None for t in explained) else _explained(explained, len(tokens), where)
+        res = cls(model, version, texts, tokens, attributions, ratios, err_arr, None, True, targets)
         res._ratio_means = {v: np.stack(ms) for v, ms in means.items()}
         return res
 
@@ -994,6 +1012,7 @@ class Analysis:
                 a.bias_store is None,
                 a.reconstruction_error is None,
                 a.ratio_means_only,
+                a.explained is None,
             )
 
         for k, a in enumerate(analyses[1:], 2):
@@ -1029,17 +1048,123 @@ class Analysis:
             if first.reconstruction_error is None
             else np.concatenate([a.reconstruction_error for a in analyses if a.reconstruction_error is not None])
         )
-        return cls(
-            first.model,
-            first.version,
-            [t for a in analyses for t in a.texts],
-            tokens,
-            attributions,
-            ratios,
-            err,
-            bias,
-            first.ratio_means_only,
+        explained = None if first.explained is None else [t for a in analyses for t in a.explained or []]
+        return _typed(
+            cls(
+                first.model,
+                first.version,
+                [t for a in analyses for t in a.texts],
+                tokens,
+                attributions,
+                ratios,
+                err,
+                bias,
+                first.ratio_means_only,
+                explained,
+            )
         )
+
+
+def _explained(value: object, n: int, where: str) -> list[dict[str, Any]] | None:
+    """Each input's explained target (`Explanation`), checked: None, or n objects with a string 'kind' and 'label',
+    a number (or null) 'score', optionally a string 'foil' and the integer ids 'index' / 'foil_index'."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n:
+        raise MixlensError(f"{where}: the explained targets must be one object per input")
+    for b, t in enumerate(value):
+        ok = (
+            isinstance(t, dict)
+            and isinstance(t.get("kind"), str)
+            and isinstance(t.get("label"), str)
+            and (
+                t.get("score") is None or isinstance(t.get("score"), (int, float)) and not isinstance(t["score"], bool)
+            )
+            and isinstance(t.get("foil", ""), str)
+            and all(type(t.get(k, 0)) is int for k in ("index", "foil_index"))
+            and set(t) <= {"kind", "label", "score", "foil", "index", "foil_index"}
+        )
+        if not ok:
+            raise MixlensError(f"{where}: input {b + 1}'s target must have a string kind and label and a number score")
+    return value
+
+
+def _typed(res: Analysis) -> Analysis:
+    """An analysis that explains targets is an `Explanation` (its views); any other stays an `Analysis`."""
+    if res.explained is None or isinstance(res, Explanation):
+        return res
+    out = Explanation.__new__(Explanation)
+    out.__dict__.update(res.__dict__)
+    out.timings = {}
+    return out
+
+
+@dataclass
+class Explained:
+    """One explained input, as the views read it: tokens, target, its score (f(x), or g(x) for a contrast) and one
+    score per token for each method ([n])."""
+
+    text: str
+    tokens: list[str]
+    target: Any  # mixlens.targets.Target
+    score: float
+    scores: dict[str, np.ndarray]
+
+
+class Explanation(Analysis):
+    """What `mixlens.explain` computed: one score per token and method (`[batch, source]`) for the target of each
+    input (`explained[b]`: kind, label, score — f(x), or g(x) with a foil — and the foil's label). It is an
+    `Analysis`: `save` / `Analysis.load` / `concat` / `mixlens report --from`; `.show()` prints it, `.html()` is a
+    self-contained page, `_repr_html_` the notebook view. `timings`: seconds per method (not saved)."""
+
+    timings: dict[str, float]
+
+    def __init__(self, *args: Any, timings: dict[str, float] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.timings = dict(timings or {})
+
+    @property
+    def methods(self) -> list[str]:
+        return list(self.attributions)
+
+    @property
+    def inputs(self) -> list[Explained]:
+        from mixlens.targets import Target
+
+        out = []
+        for b, t in enumerate(self.explained or []):
+            foil = t.get("foil_index", -1) if "foil" in t else None
+            target = Target(t["kind"], t.get("index", -1), t["label"], foil, t.get("foil"))
+            score = float("nan") if t.get("score") is None else float(t["score"])
+            scores = {m: a.input(b) for m, a in self.attributions.items()}
+            out.append(Explained(self.texts[b], self.tokens[b], target, score, scores))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The analysis JSON (`Analysis.to_json`, each input's 'target' included) plus each input's 'scores'
+        (method → one number per token), the short form `explain` has always written."""
+        doc = super().to_json()
+        for b, inp in enumerate(doc["inputs"]):
+            inp["scores"] = {m: [float(v) for v in a.input(b)] for m, a in self.attributions.items()}
+        return doc
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
+
+    def html(self) -> str:
+        from mixlens.viz.highlight import render_page
+
+        return render_page(self)
+
+    def _repr_html_(self) -> str:
+        from mixlens.viz.highlight import render_fragment
+
+        return render_fragment(self)
+
+    def show(self, console: Any = None) -> None:
+        from mixlens.viz.highlight import print_terminal
+
+        print_terminal(self, console)
 
 
 def _array(value: object, dims: tuple[str, ...], n: int, what: str, rows: int | None = None) -> np.ndarray:

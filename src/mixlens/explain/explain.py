@@ -2,68 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
+from mixlens.result import Attribution, Blocks, Explained, Explanation
 from mixlens.targets import Readout, Target, model_kind, readout, resolve_index, score, token_label, trace_output
-
-
-@dataclass
-class Explained:
-    """One explained input: tokens, target, its score (f(x), or g(x) for a contrast) and scores per method."""
-
-    text: str
-    tokens: list[str]
-    target: Target
-    score: float
-    scores: dict[str, np.ndarray]  # method → [n] one float per token
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "text": self.text,
-            "tokens": self.tokens,
-            "target": self.target.to_json(self.score),
-            "scores": {m: [float(v) for v in s] for m, s in self.scores.items()},
-        }
-
-
-@dataclass
-class Explanation:
-    """Explanations of several inputs; `.show()` prints them, `.to_json()`, `.html()`, `_repr_html_` for notebooks."""
-
-    model: str
-    version: str
-    methods: list[str]
-    inputs: list[Explained]
-    timings: dict[str, float] = field(default_factory=dict)  # seconds per method
-
-    def to_json(self) -> dict[str, object]:
-        return {"model": self.model, "version": self.version, "inputs": [e.to_json() for e in self.inputs]}
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json())
-
-    def html(self) -> str:
-        from mixlens.viz.highlight import render_page
-
-        return render_page(self)
-
-    def _repr_html_(self) -> str:
-        from mixlens.viz.highlight import render_fragment
-
-        return render_fragment(self)
-
-    def show(self, console=None) -> None:
-        from mixlens.viz.highlight import print_terminal
-
-        print_terminal(self, console)
 
 
 def explain(
@@ -136,7 +84,39 @@ def explain(
             if generate:
                 ids = [x + [t.index] for x, t in zip(ids, targets, strict=True)]
                 trace = None
-    return Explanation(lens.name, __version__, methods, done, timings)
+    return as_explanation(lens.name, __version__, done, request, timings)
+
+
+def as_explanation(
+    model: str, version: str, done: list[Explained], request: tuple[int | str, int | None], timings: dict[str, float]
+) -> Explanation:
+    """The explained inputs as an `Explanation` (an `Analysis`): each method's scores [batch, source], one block per
+    input; the request (target, foil) in each method's parameters."""
+    tokens = [e.tokens for e in done]
+    lengths = [len(t) for t in tokens]
+    params = {"target": request[0], "foil": request[1]}
+    methods = list(done[0].scores) if done else []
+    attributions = {
+        m: Attribution(
+            Blocks([(np.array([k]), e.scores[m][None]) for k, e in enumerate(done)], ("source",), lengths),
+            ("source",),
+            tokens,
+            m,
+            model,
+            dict(params),
+        )
+        for m in methods
+    }
+    explained = [
+        {
+            **e.target.to_json(e.score),
+            "index": e.target.index,
+            **({} if e.target.foil is None else {"foil_index": e.target.foil}),
+        }
+        for e in done
+    ]
+    texts = [e.text for e in done]
+    return Explanation(model, version, texts, tokens, attributions, {}, None, explained=explained, timings=timings)
 
 
 def explained_kind(model) -> str:

@@ -148,6 +148,7 @@ def globenc(trace: Trace) -> torch.Tensor:
     supports=vector_block,
     target_rows=True,
     explains=True,
+    unnormalised=True,
     options=(Option("normalize", bool, False, help="scale the rows of every layer's N-Enc to 1 before the product"),),
 )
 def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:

@@ -18,19 +18,19 @@ from mixlens.methods.rollout import rollout
 from mixlens.trace import Trace
 
 
-@register("norm_rollout", engine=True, explains=True)
+@register("norm_rollout", engine=True, explains=True, unnormalised=True)
 def norm_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N = ‖Σ_h α^h_ij f^h(x_j)‖ over layers 1..l (plain product, no residual): [B, L, n, n]."""
     return rollout(block_norms(trace).n)
 
 
-@register("norm_res_rollout", engine=True, explains=True)
+@register("norm_res_rollout", engine=True, explains=True, unnormalised=True)
 def norm_res_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N-Res = ‖t_ij‖ (attention plus residual) over layers 1..l (plain product): [B, L, n, n]."""
     return rollout(block_norms(trace).n_res)
 
 
-@register("norm_resln_rollout", engine=True, explains=True)
+@register("norm_resln_rollout", engine=True, explains=True, unnormalised=True)
 def norm_resln_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N-ResLN = ‖g_i(t_ij)‖ (attention, residual, LayerNorm) over layers 1..l (plain product)."""
     return rollout(block_norms(trace).n_resln)

@@ -226,6 +226,8 @@ class Method:
     inputs_only: bool = False  # runs its own passes from the inputs: reads nothing of the captured forward pass
     engine: bool = False  # runs the norm engine (`norms.block_norms`, with its per-run exactness check)
     slow: bool = False  # far slower than a forward pass: left out of default method sets, progress shown
+    unnormalised: bool = False  # rows are plain products of unnormalised maps (their scale drifts with depth):
+    # tables show them scaled to sum to 1
     precheck: Callable[[Planned], None] | None = None  # errors that need only the config and tokenizer
 
     def refusal(self, family: Family) -> str | None:
@@ -306,6 +308,7 @@ def register(
     inputs_only: bool = False,
     engine: bool = False,
     slow: bool = False,
+    unnormalised: bool = False,
     precheck: Callable[[Planned], None] | None = None,
 ) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
@@ -350,6 +353,7 @@ def register(
             inputs_only,
             engine,
             slow,
+            unnormalised,
             precheck,
         )
         return fn

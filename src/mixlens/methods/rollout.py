@@ -52,15 +52,18 @@ def in_range(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return x / torch.where(out, torch.exp2(torch.ceil(torch.log2(top))), torch.ones_like(top))
 
 
-UNNORMALISED = ("norm_rollout", "norm_res_rollout", "norm_resln_rollout", "globenc_rollout")  # plain products
 DISPLAY_NOTE = "rows scaled to sum to 1 for display (the JSON holds the plain products; docs/global.md)"
 
 
 def display_rows(method: str, rows: np.ndarray) -> tuple[np.ndarray, bool]:
-    """Rows (last axis) of `method` as a table shows them: the plain products of unnormalised maps (`UNNORMALISED`;
-    their scale grows or shrinks with depth, 1e+18 or 8e-41 after 30 layers) scaled to sum to 1, which keeps each
+    """Rows (last axis) of `method` as a table shows them: the plain products of unnormalised maps (methods that
+    declare `unnormalised`; their scale grows or shrinks with depth, 1e+18 or 8e-41 after 30 layers) scaled to sum
+    to 1, which keeps each
     row's ranking and ratios; → (rows, whether they were scaled). Other methods unchanged."""
-    if method not in UNNORMALISED:
+    from mixlens.methods.registry import REGISTRY
+
+    spec = REGISTRY.get(method)
+    if spec is None or not spec.unnormalised:
         return rows, False
     rows = np.asarray(rows, dtype=np.float64)
     total = rows.sum(-1, keepdims=True)
