@@ -17,7 +17,7 @@ information and are left out.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,6 @@ import torch
 
 from mixlens import jsonio
 from mixlens.errors import MixlensError
-from mixlens.trace import Trace
 
 UD_RELATIONS = ("nsubj", "obj", "amod", "advmod")
 VIEWS = ("attn", "norm")
@@ -140,35 +139,6 @@ def write_relations(records: Sequence[RelationRecord], path: str | Path) -> None
     atomic_write(Path(path), ("\n".join(lines) + "\n").encode())
 
 
-def _split_traces(
-    lens, words: list[list[str]], batch_size: int, max_length: int | None
-) -> Iterator[tuple[Trace, list[list[int | None]]]]:
-    """(trace, word id of each real token) per batch of pre-split word lists (the batching loop of this
-    module; `lens.trace(enc, full=False)`: only attention maps are needed)."""
-    from mixlens.lens import Encoded
-
-    tok = lens.tokenizer
-    limit = min(max_length or lens.max_length, lens.max_length)
-    for start in range(0, len(words), batch_size):
-        batch = words[start : start + batch_size]
-        enc = tok(
-            batch,
-            is_split_into_words=True,
-            truncation=True,
-            max_length=limit,
-            padding=True,
-            padding_side="right",
-            return_tensors="pt",
-        )
-        mask = enc["attention_mask"].bool()
-        inputs = {
-            k: v.to(lens.device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")
-        }
-        tokens = [tok.convert_ids_to_tokens(enc["input_ids"][b][mask[b]].tolist()) for b in range(len(batch))]
-        word_ids = [enc.word_ids(b)[: len(tokens[b])] for b in range(len(batch))]
-        yield lens.trace(Encoded(inputs, tokens, word_ids, [0] * len(batch)), full=False), word_ids
-
-
 @dataclass
 class RelationReport:
     """`table`: one row per (relation, view, layer, head): count (pairs with an informative stratum),
@@ -229,12 +199,12 @@ def relation_heads(
     strata: dict[str, list[np.ndarray]] = {}  # relation → K × [m, V, L, H]
     skipped = 0
     words = [r.words for r in records]
-    for start, (tr, word_ids) in zip(
-        range(0, len(records), batch_size), _split_traces(lens, words, batch_size, max_length), strict=True
-    ):
+    for batch in lens.batches(words, batch_size, max_length, trace=["attention"]):  # attention maps: no FFN
+        tr, word_ids = batch.trace, batch.enc.words
+        assert tr is not None  # trace=[...]
         with torch.no_grad():
             maps = torch.stack([view_maps(tr, v) for v in VIEWS], 2).cpu()  # [B, L, V, H, n, n]
-        for b, rec in enumerate(records[start : start + batch_size]):
+        for b, rec in enumerate(records[k] for k in batch.index):
             n = int(tr.mask[b].sum())
             wmap_t, has_t = word_maps(maps[b, ..., :n, :n], word_ids[b], len(rec.words))  # [L, V, H, W, W]
             wmap = wmap_t.permute(3, 4, 1, 0, 2).numpy()  # [W, W, V, L, H]

@@ -31,6 +31,7 @@ from mixlens.explain import attributions as attr
 from mixlens.explain.explain import explained_kind, read_targets, report_truncated
 from mixlens.methods import get as get_method
 from mixlens.methods.saliency import keeps_logits
+from mixlens.pipeline import plan_batches
 from mixlens.targets import score
 
 KS = (1, 5, 10, 20, 50)
@@ -277,13 +278,7 @@ def _forward_f(
     start_id = next((t for t in (tok.bos_token_id, tok.eos_token_id, tok.cls_token_id) if t is not None), None)
     seqs = [s if s or start_id is None else (start_id,) for s in seqs]
     out = np.zeros(len(seqs))
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    start = 0
-    while start < len(order):
-        stop = start + 1
-        while stop < len(order) and (stop - start + 1) * len(seqs[order[stop]]) <= FORWARD_TOKENS:
-            stop += 1
-        rows = order[start:stop]
+    for rows in plan_batches([len(x) for x in seqs], len(seqs), max_tokens=FORWARD_TOKENS):  # by length
         inputs = lens.encode_ids([seqs[i] for i in rows]).inputs
         own = torch.tensor([owners[i] for i in rows])
         with torch.no_grad():
@@ -295,7 +290,6 @@ def _forward_f(
                 last = mask.sum(-1).cpu() - 1 if kind == "causal" else torch.zeros(len(rows), dtype=torch.long)
                 f = score(kind, pool, res, mask, index[own], torch.full((len(rows),), -1), last, e0[own])[1]
         out[rows] = f.float().cpu().numpy()
-        start = stop
     return out
 
 
