@@ -130,7 +130,7 @@ def test_directory_that_is_not_a_model(tmp_path, capsys):
 def test_too_long_with_and_without_truncation(capsys):
     long_text = "word " * 600
     code, _, err = run_cli(["analyze", long_text, "--no-truncate"], capsys)
-    assert code == 2 and "more than the limit of 512" in err
+    assert code == 2 and "more than the model's position limit of 512 tokens" in err
     code, out, err = run_cli(
         ["analyze", long_text, "--max-length", "40", "--format", "json", "--method", "norm"], capsys
     )

@@ -711,3 +711,66 @@ def test_no_tqdm_bars_into_a_pipe():
     env = {k: v for k, v in __import__("os").environ.items() if k != "TQDM_DISABLE"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert "Converting" not in res.stderr, res.stderr
+
+
+# ---- #33 item 6: --dtype / --device on every command that loads a model; a context past the position limit ----
+
+MODEL_COMMANDS = [c for c in BASE if c != "methods"]
+
+
+def test_every_model_command_takes_dtype_and_device():
+    opts = command_options()
+    assert [c for c in MODEL_COMMANDS if not {"--dtype", "--device"} <= opts[c]] == []
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+def test_cuda_without_cuda_is_one_line(command, fx, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_one_line([*BASE[command], "--device", "cuda"], fx, capsys, "CUDA is not available on this machine")
+
+
+@pytest.mark.parametrize("command", ["analyze", "corpus", "explain", "heads"])
+def test_bad_dtype_and_device_are_one_line(command, fx, capsys, monkeypatch):
+    import torch
+
+    check_one_line([*BASE[command], "--dtype", "float64"], fx, capsys, "unknown dtype 'float64'; valid: float32")
+    check_one_line([*BASE[command], "--device", "tpu"], fx, capsys, "unknown device 'tpu'; valid: cpu, cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_one_line([*BASE[command], "--device", "cuda:1"], fx, capsys, "this machine has 1 CUDA device(s)")
+
+
+def test_a_dtype_the_device_cannot_run_is_one_line(fx, capsys, monkeypatch):
+    import torch
+
+    real = torch.nn.functional.layer_norm
+
+    def no_half(x, *a, **k):
+        if x.dtype == torch.float16:
+            raise RuntimeError('"LayerNormKernelImpl" not implemented for \'Half\'')
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "layer_norm", no_half)
+    check_one_line(
+        ["analyze", "hi there", "--dtype", "float16"], fx, capsys, "dtype float16 cannot run on cpu: \"LayerNorm"
+    )
+
+
+def test_a_context_past_the_position_limit_names_both_numbers(fx, capsys):
+    long_text = "word " * 600
+    for extra in ([], ["--max-length", "9999"]):
+        check_one_line(
+            ["analyze", long_text, "--no-truncate", *extra],
+            fx,
+            capsys,
+            "input 1 has 602 tokens, more than the model's position limit of 512 tokens",
+        )
+    check_one_line(
+        ["analyze", long_text, "--no-truncate", "--max-length", "100"],
+        fx,
+        capsys,
+        "input 1 has 602 tokens, more than the limit of 100 (allow truncation or raise --max-length, up to the "
+        "model's 512)",
+    )

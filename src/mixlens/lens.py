@@ -338,9 +338,14 @@ class _Tokenized:
         over = [b for b, n in enumerate(self.lengths) if n > limit]
         if over and not truncate:
             b = over[0]
+            if limit >= lens.max_length:  # raising --max-length cannot help: the model reads no more
+                raise MixlensError(
+                    f"input {b + 1} has {self.lengths[b]} tokens, more than the model's position limit of {limit} "
+                    "tokens (allow truncation to cut it, or use a model with a longer context)"
+                )
             raise MixlensError(
                 f"input {b + 1} has {self.lengths[b]} tokens, more than the limit of {limit} "
-                "(allow truncation or raise --max-length)"
+                f"(allow truncation or raise --max-length, up to the model's {lens.max_length})"
             )
         if over:  # the rare over-long inputs once more, cut the tokenizer's way (pairs: longest first)
             cut = tok(

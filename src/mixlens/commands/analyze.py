@@ -22,6 +22,7 @@ from mixlens.commands.options import (
     parse_options,
     pick_model_head,
     precheck_model,
+    runtime_options,
 )
 from mixlens.commands.output import check_writable, method_progress, write_stdout
 from mixlens.errors import MixlensError
@@ -34,7 +35,7 @@ class Format(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("analyze")(analyze)
+    app.command("analyze")(runtime_options(analyze))
     app.command("methods")(list_methods)
 
 

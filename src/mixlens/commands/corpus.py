@@ -13,6 +13,8 @@ from mixlens.commands.options import (
     allow_random_head_option,
     data_option,
     deprecated_head_option,
+    device_option,
+    dtype_option,
     gguf_file_option,
     max_length_option,
     method_list_option,
@@ -77,12 +79,17 @@ def register(app: typer.Typer) -> None:
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
         allow_random_head: bool = allow_random_head_option(),
-        device: str = typer.Option("cpu", "--device", help="torch device for the model (e.g. cuda)."),
+        dtype: str | None = dtype_option(),
+        device: str | None = device_option(),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary table."),
     ) -> None:
         """Run methods over every example of a dataset; resumable, sharded, in-process or on Ray."""
         from mixlens.corpus.readers import HF_PREFIX, iter_examples
         from mixlens.corpus.runner import run_corpus
+        from mixlens.lens import dtype_name, resolve_device
+
+        device = resolve_device(device or "cpu")  # a CUDA device this machine lacks: one line, before any work
+        dtype = dtype_name(dtype or "float32")
 
         if not data.startswith(HF_PREFIX):  # a file without one usable row fails before the model and --out
             next(iter_examples(data, text_column, pair_column, strict, fmt=fmt))
@@ -110,6 +117,7 @@ def register(app: typer.Typer) -> None:
                 address=address,
                 head=pick_model_head(model_head, head),
                 device=device,
+                dtype=dtype,
                 progress=not quiet and sys.stderr.isatty(),  # progress only on a terminal
                 allow_random_head=allow_random_head,
             )

@@ -18,6 +18,7 @@ from mixlens.commands.options import (
     model_head_option,
     model_option,
     pick_model_head,
+    runtime_options,
 )
 from mixlens.errors import MixlensError
 
@@ -26,6 +27,7 @@ FORMATS = ("table", "json", "html")
 
 def register(app: typer.Typer) -> None:
     @app.command("explain")
+    @runtime_options
     def explain_cmd(
         text: list[str] = typer.Argument(..., help="One or more texts."),
         model: str | None = model_option(),
@@ -82,11 +84,21 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"wrote {out}", err=True)
 
     @app.command("evaluate")
+    @runtime_options
     def evaluate_cmd(
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
         data: Path = typer.Option(
-            ..., "--data", help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record."
+            ...,
+            "--data",
+            help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record; --task blimp: a task CSV or a "
+            "folder of them (one paradigm per file).",
+        ),
+        task: str = typer.Option(
+            "faithfulness",
+            "--task",
+            help="faithfulness (remove top tokens; the model's prediction) or blimp (causal LMs: each prompt's "
+            "target vs foil word, alignment with the evidence words; docs/evaluate.md).",
         ),
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
@@ -97,8 +109,10 @@ def register(app: typer.Typer) -> None:
             help="Method (repeatable); default: every applicable "
             "method but exact HTA. A seeded 'random' baseline is always added.",
         ),
-        skip: int = typer.Option(0, "--skip", min=0, help="Skip the first N records (e.g. the training part)."),
-        limit: int = typer.Option(0, "--limit", min=0, help="Evaluate at most N records (0 = all)."),
+        skip: int = typer.Option(
+            0, "--skip", min=0, help="Skip the first N records (e.g. the training part); blimp: per paradigm."
+        ),
+        limit: int = typer.Option(0, "--limit", min=0, help="Evaluate at most N records (0 = all); blimp: per paradigm."),
         removal: str = typer.Option("delete", "--removal", help="delete (drop the tokens) or mask (mask token)."),
         fmt: str = typer.Option("table", "--format", "-f", help="table or json (json: evaluation.json on stdout)."),
         out: Path | None = typer.Option(
@@ -111,6 +125,7 @@ def register(app: typer.Typer) -> None:
         Ctrl-C keeps the finished examples in DIR/evaluation.json; the same command then resumes after them."""
         from mixlens.commands.output import check_writable, progress, write_stdout
         from mixlens.corpus.readers import iter_examples
+        from mixlens.explain import evidence
         from mixlens.explain.evaluate import REMOVALS, Interrupted, evaluate
         from mixlens.lens import load
 
@@ -118,10 +133,27 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"unknown format '{fmt}'; valid: table, json")
         if removal not in REMOVALS:
             raise MixlensError(f"unknown removal '{removal}'; valid: {', '.join(REMOVALS)}")
-        data_file(data)
+        if task not in evidence.TASKS:
+            raise MixlensError(f"unknown task '{task}'; valid: {', '.join(evidence.TASKS)}")
+        if task != "faithfulness" and text_column is not None:
+            raise MixlensError(f"--task {task} reads its own columns (one_prefix_prefix, ...); drop --text-column")
+        if task == "faithfulness":
+            data_file(data)
+        elif not data.exists():
+            raise MixlensError(f"data '{data}' does not exist")
         dest = out or Path("mixlens-evaluation")
         check_writable(dest, directory=True)
         skipped: list[str] = []
+        if task != "faithfulness":
+            rows_read = evidence.read_rows(data, skip, limit)  # bad files fail before the model loads
+            lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
+            texts, contrasts, left_out = evidence.prepare(lens.tokenizer, rows_read)
+            if not texts:
+                raise MixlensError(f"no prompt of '{data}' is usable: {left_out}")
+            _evaluate_and_write(
+                lens, texts, method, removal, batch_size, seed, dest, skipped, fmt, contrasts, task, left_out
+            )
+            return
 
         def dropped(kind: str, where: str) -> None:
             skipped.append(f"{where} ({kind})")
@@ -136,6 +168,28 @@ def register(app: typer.Typer) -> None:
         if not texts:
             raise MixlensError(f"no examples to evaluate in '{data}'" + (f" after skipping {skip}" if skip else ""))
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
+        _evaluate_and_write(lens, texts, method, removal, batch_size, seed, dest, skipped, fmt)
+
+
+def _evaluate_and_write(
+    lens,
+    texts: list[str],
+    method: list[str] | None,
+    removal: str,
+    batch_size: int,
+    seed: int,
+    dest: Path,
+    skipped: list[str],
+    fmt: str,
+    contrasts=None,
+    task: str = "faithfulness",
+    left_out: dict[str, dict[str, int]] | None = None,
+) -> None:
+    """`evaluate`'s run (resuming an interrupted one in `dest`), its files and its table or JSON."""
+    from mixlens.commands.output import progress, write_stdout
+    from mixlens.explain.evaluate import Interrupted, evaluate
+
+    if True:
         if removal == "mask" and lens.tokenizer.mask_token_id is None:
             raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
         resume = _interrupted_run(dest, lens.name)
@@ -160,6 +214,9 @@ def register(app: typer.Typer) -> None:
                     seed=seed,
                     progress=advance,
                     resume=resume,
+                    contrasts=contrasts,
+                    task=task,
+                    skipped=left_out,
                 )
         except Interrupted as stop:
             part = stop.partial.get(removal)
@@ -177,6 +234,12 @@ def register(app: typer.Typer) -> None:
         payload = _write(dest, ev, skipped)
         if fmt == "json":
             write_stdout(payload + "\n")
+        elif task != "faithfulness":
+            from mixlens.explain.evidence import table
+
+            print(table(ev))
+            for note in json.loads(ev.dumps())["notes"]:
+                print(f"note: {note}")
         else:
             _print(ev)
         typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)

@@ -19,6 +19,7 @@ from mixlens.commands.options import (
     pair_column_option,
     pick_model_head,
     read_examples,
+    runtime_options,
     text_column_option,
 )
 from mixlens.commands.output import print_table, progress
@@ -27,6 +28,7 @@ from mixlens.errors import MixlensError
 
 def register(app: typer.Typer) -> None:
     @app.command("compare-local-global")
+    @runtime_options
     def compare_local_global_cmd(
         data: Path = typer.Argument(..., help="Dataset file (TSV/CSV/JSONL/Parquet/text), one input per record."),
         model: str | None = model_option(),
@@ -80,6 +82,7 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"wrote {out}" + (f" and {figure}" if figure else ""), err=True)
 
     @app.command("saliency")
+    @runtime_options
     def saliency_cmd(
         text: list[str] = typer.Argument(..., help="One or more texts."),
         model: str | None = model_option(),

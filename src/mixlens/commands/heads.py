@@ -13,14 +13,15 @@ from mixlens.commands.options import (
     dataset_command,
     figures_option,
     out_dir_option,
+    runtime_options,
     table_format_option,
 )
 from mixlens.commands.output import TableFormat, print_frame, progress, write_table
 
 
 def register(app: typer.Typer) -> None:
-    app.command("heads")(heads)
-    app.command("head-diff")(head_diff)
+    app.command("heads")(runtime_options(heads))
+    app.command("head-diff")(runtime_options(head_diff))
 
 
 @dataset_command

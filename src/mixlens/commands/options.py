@@ -72,6 +72,46 @@ def max_length_option() -> Any:
     return typer.Option(None, "--max-length", min=1, help="Token limit per input (default: the model's).")
 
 
+def dtype_option() -> Any:
+    """`--dtype`: the dtype the model's forward pass runs in (the decompositions accumulate in float32)."""
+    return typer.Option(
+        None,
+        "--dtype",
+        help="Forward pass dtype: float32 (default), bfloat16, float16, or auto (the checkpoint's own); the "
+        "decompositions accumulate in float32.",
+    )
+
+
+def device_option() -> Any:
+    """`--device`: the torch device the model runs on."""
+    return typer.Option(None, "--device", help="Device: cpu (default), cuda, cuda:N, or auto (cuda when available).")
+
+
+def runtime_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """`command` with `--dtype` and `--device` added after its own options: every model it loads (`mixlens.load`)
+    runs in that dtype on that device. Both are checked before the command starts (an unknown dtype, a CUDA device
+    this machine lacks: one line, exit code 2)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    own = list(inspect.signature(command, eval_str=True).parameters.values())
+    added = [
+        inspect.Parameter("dtype", keyword, default=dtype_option(), annotation=str | None),
+        inspect.Parameter("device", keyword, default=device_option(), annotation=str | None),
+    ]
+
+    @functools.wraps(command)
+    def run(*args: Any, dtype: str | None = None, device: str | None = None, **kwargs: Any) -> Any:
+        from mixlens.lens import runtime
+
+        with runtime(dtype, device):
+            return command(*args, **kwargs)
+
+    signature = inspect.Signature([*own, *added])
+    del run.__wrapped__  # typer reads this signature, not the command's
+    run.__signature__ = signature  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+    return run
+
+
 def data_option(help: str = "TSV/CSV/JSONL/Parquet/plain-text file.") -> Any:
     """`--data/-d`: the dataset file (required)."""
     return typer.Option(..., "--data", "-d", help=help)

@@ -12,6 +12,7 @@ from mixlens.commands.options import (
     dataset_command,
     figures_option,
     out_dir_option,
+    runtime_options,
     table_format_option,
     view_option,
 )
@@ -19,7 +20,7 @@ from mixlens.commands.output import TableFormat, print_frame, progress, write_ta
 
 
 def register(app: typer.Typer) -> None:
-    app.command("patterns")(patterns)
+    app.command("patterns")(runtime_options(patterns))
 
 
 @dataset_command

@@ -22,6 +22,7 @@ from mixlens.commands.options import (
     option_block,
     pair_column_option,
     read_examples,
+    runtime_options,
     score_column_option,
     text_column_option,
 )
@@ -31,8 +32,8 @@ from mixlens.errors import MixlensError
 
 
 def register(app: typer.Typer) -> None:
-    app.command("prune")(prune_command)
-    app.command("ablate-patterns")(ablate_patterns_command)
+    app.command("prune")(runtime_options(prune_command))
+    app.command("ablate-patterns")(runtime_options(ablate_patterns_command))
 
 
 TASK_OPTIONS = (  # the data, model and metric of the task the heads are disabled on (prune, ablate-patterns)

@@ -19,6 +19,7 @@ from mixlens.commands.options import (
     model_option,
     parse_options,
     precheck_model,
+    runtime_options,
 )
 from mixlens.commands.output import check_writable, method_progress
 from mixlens.errors import MixlensError
@@ -57,6 +58,7 @@ def read_saved(path: Path, text: list[str] | None, methods: list[str] | None) ->
 
 def register(app: typer.Typer) -> None:
     @app.command()
+    @runtime_options
     def report(
         text: list[str] = typer.Argument(None, help="One or more texts to analyse (or --from FILE)."),
         out: Path = typer.Option(Path("mixlens-report.html"), "--out", "-o", help="The HTML file to write."),
@@ -106,6 +108,7 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"wrote report to {out}", err=True)
 
     @app.command()
+    @runtime_options
     def plot(
         text: list[str] = typer.Argument(None, help="One or more texts (one panel each; ratio: pooled), or --from."),
         out: Path = typer.Option(..., "--out", "-o", help="Figure file: .png, .svg or .pdf."),
@@ -190,6 +193,7 @@ def register(app: typer.Typer) -> None:
         )
 
     @app.command()
+    @runtime_options
     def serve(
         files: list[Path] = typer.Argument(None, help="Report files the viewer may also serve (by name)."),
         model: str | None = model_option(),

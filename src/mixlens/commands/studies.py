@@ -17,6 +17,7 @@ from mixlens.commands.options import (
     limit_option,
     model_option,
     option_block,
+    runtime_options,
     text_column_option,
 )
 from mixlens.errors import MixlensError
@@ -64,6 +65,7 @@ TEXT_STUDY = (  # the options of the studies over a file of texts (frequency, id
 
 def register(app: typer.Typer) -> None:
     @app.command("relations")
+    @runtime_options
     def relations_cmd(
         data: str | None = typer.Option(
             None,
@@ -131,6 +133,7 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"wrote {files} ({rep.skipped} pairs left out)", err=True)
 
     @app.command("frequency")
+    @runtime_options
     @option_block(*TEXT_STUDY)
     def frequency_cmd(
         inputs: SimpleNamespace,
@@ -155,6 +158,7 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"wrote {files}", err=True)
 
     @app.command("identify")
+    @runtime_options
     @option_block(*TEXT_STUDY)
     def identify_cmd(
         inputs: SimpleNamespace,

@@ -19,6 +19,7 @@ from mixlens.commands.options import (
     model_option,
     pair_column_option,
     read_examples,
+    runtime_options,
     score_column_option,
     text_column_option,
 )
@@ -30,7 +31,7 @@ METRIC_FOR_HEAD = {"base": "sts", "masked-lm": "mlm", "sequence-classification":
 
 
 def register(app: typer.Typer) -> None:
-    app.command("sweep")(sweep_command)
+    app.command("sweep")(runtime_options(sweep_command))
 
 
 def sweep_command(

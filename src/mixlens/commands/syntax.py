@@ -15,6 +15,7 @@ from mixlens.commands.options import (
     limit_option,
     model_option,
     out_dir_option,
+    runtime_options,
     table_format_option,
     view_option,
 )
@@ -22,7 +23,7 @@ from mixlens.commands.output import TableFormat, print_frame, progress, write_ta
 
 
 def register(app: typer.Typer) -> None:
-    app.command("syntax")(syntax)
+    app.command("syntax")(runtime_options(syntax))
 
 
 def syntax(

@@ -32,7 +32,9 @@ IDENTITY = (
     "store",
     "shard_size",
     "max_length",
+    "dtype",
 )
+OLD_DEFAULTS = {"dtype": "float32"}  # identity keys a manifest written before them lacks: their value then
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Job:
     device: str = "cpu"
     data_file: dict[str, object] | None = None  # `file_stamp(data)` of a local file: same path, other bytes → new run
     gguf_file: str | None = None  # a GGUF file inside the `model` directory (`mixlens.load(gguf_file=...)`)
+    dtype: str = "float32"  # the forward pass's dtype (`mixlens.load(dtype=...)`)
 
     def load(self) -> Lens:
         """The job's model, as every backend loads it."""
@@ -69,6 +72,7 @@ class Job:
             head=self.head,
             device=self.device,
             allow_random_head=self.allow_random_head,
+            dtype=self.dtype,
         )
 
     def identity(self) -> dict[str, object]:

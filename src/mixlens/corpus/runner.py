@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from mixlens.corpus import shards as sh
 from mixlens.corpus.backends import Backend, LocalBackend, ProcessBackend, RayBackend
-from mixlens.corpus.job import BACKENDS, IDENTITY, STORES, Job, chunks, file_stamp
+from mixlens.corpus.job import BACKENDS, IDENTITY, OLD_DEFAULTS, STORES, Job, chunks, file_stamp
 from mixlens.corpus.readers import ReadStats, count_records, examples_from, open_records, resolve_columns
 from mixlens.errors import MixlensError
 from mixlens.methods import check_options
@@ -148,9 +148,10 @@ def _check_out(out: Path, job: Job, overwrite: bool) -> None:
                 f"{job.data} changed since the run in {out} began (size, modification time or content "
                 "differ); use --overwrite to start afresh"
             )
-        diff = [k for k in IDENTITY if old.get("job", {}).get(k) != job.identity()[k]]
+        was_job = {**OLD_DEFAULTS, **old.get("job", {})}
+        diff = [k for k in IDENTITY if was_job.get(k) != job.identity()[k]]
         if diff:
-            what = "; ".join(f"{k}: {old.get('job', {}).get(k)!r} → {job.identity()[k]!r}" for k in diff[:3])
+            what = "; ".join(f"{k}: {was_job.get(k)!r} → {job.identity()[k]!r}" for k in diff[:3])
             raise MixlensError(f"{out} holds a different run ({what}); use --overwrite to replace it or another --out")
     elif out.is_dir() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
         raise MixlensError(f"--out {out} is not empty and holds no mixlens run; use --overwrite or another --out")
@@ -185,16 +186,19 @@ def run_corpus(
     device: str = "cpu",
     progress: bool = False,
     allow_random_head: bool = False,
+    dtype: str = "float32",
 ) -> CorpusResult:
     """Run `methods` over every example of `data` and write shards, aggregate and manifest to `out`.
 
     `data`: a TSV/CSV/JSONL/Parquet/text file or `hf:NAME[:CONFIG]:SPLIT`. `lens` (in-process only) overrides
     `model` (`gguf_file`: a GGUF file in the `model` directory). Rerunning the same call resumes: finished shards are
     kept and not recomputed. `backend='local'` with `workers` > 1 uses worker processes; `backend='ray'` uses Ray
-    actors (`address`: an existing cluster).
+    actors (`address`: an existing cluster). `dtype`, `device`: as `mixlens.load` takes them.
     """
-    from mixlens.lens import DEFAULT_METHODS
+    from mixlens.lens import DEFAULT_METHODS, dtype_name, resolve_device
 
+    dtype = dtype_name(lens.dtype if lens is not None else dtype)  # before anything loads, as the device
+    device = str(lens.device) if lens is not None else resolve_device(device)
     methods = tuple(dict.fromkeys(methods or DEFAULT_METHODS))
     specs = [get_method(m) for m in methods]  # unknown names fail before anything loads
     options = check_options(methods, options)  # typed and checked before anything loads
@@ -244,6 +248,7 @@ def run_corpus(
         head=head,
         device=device,
         allow_random_head=allow_random_head,
+        dtype=dtype,
         data_file=file_stamp(path) if path else None,
         gguf_file=gguf_file,
     )
