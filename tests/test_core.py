@@ -311,6 +311,25 @@ def test_kernels_use_512_bit_vectors_on_intel_avx512_tuning():
     assert zmm == 0 and ymm > 0
 
 
+def test_importing_mixlens_changes_nothing_process_wide():
+    """Importing the methods does not load an OpenMP runtime by hand; the engine finds torch's when it first runs.
+    (numba's target features are set when the kernel modules are imported, because numba builds its code generator
+    at the first `@njit` decoration: see `mixlens.methods._numba`.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "import mixlens.methods\n"
+        "from mixlens.methods import _compiled\n"
+        "assert _compiled._TEAM == {}, _compiled._TEAM\n"
+        "import mixlens\n"
+        "mixlens.load().analyze(['a short text'], ['norm'])\n"
+        "assert 'gomp' in _compiled._TEAM\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_partial_trace_stops_after_last_attention_block(family_lens):
     """full=False skips the last FFN and the head, and changes nothing the attention-block methods use."""
     enc = family_lens.encode(SENTENCES)

@@ -164,7 +164,7 @@ def _openmp_team() -> Callable[[Any, Any, int, int], None] | None:
 
 
 _OUTLINED = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # the body each OpenMP thread runs
-_TEAM = {"gomp": _openmp_team()}
+_TEAM: dict[str, Callable[[Any, Any, int, int], None] | None] = {}  # "gomp": found when the engine first runs
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # helper threads by count, where there is no OpenMP team to use
 os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of the parent's threads
 os.register_at_fork(after_in_child=lambda: _TEAM.update(gomp=None))  # nor a usable OpenMP team
@@ -246,6 +246,8 @@ def run_lists(lists: list[list[tuple]]) -> None:
 def _launch(work: Callable[..., None], threads: int) -> None:
     """`work()` on `threads` threads at once, the calling one included: torch's OpenMP team where there is one, else
     a pool of ours."""
+    if "gomp" not in _TEAM:  # found when the engine first runs, not at import
+        _TEAM["gomp"] = _openmp_team()
     gomp = _TEAM["gomp"]
     if threads <= 1:
         work()
