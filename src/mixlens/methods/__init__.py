@@ -4,6 +4,7 @@ from mixlens.methods import (  # noqa: F401  (registration side effects)
     alti,
     alti_logit,
     attention,
+    attnlrp,
     decompx,
     decompx_logit,
     flow_routes,

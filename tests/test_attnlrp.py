@@ -1,0 +1,195 @@
+"""AttnLRP (methods/attnlrp.py): relevance conserved where every rule conserves, the foil as a difference, the
+model's own forward values, the hooks gone afterwards, equality with lxt (the authors' package) where a Python with
+lxt is given, and bad input in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mixlens.errors import MixlensError
+from mixlens.methods import get
+from mixlens.methods.saliency import scalar_fn
+from tests.conftest import random_lens
+
+TEXTS = ["The keys to the cabinet are on the table.", "Short one."]
+CAUSAL = "AutoModelForCausalLM"
+CLASSIFIER = "AutoModelForSequenceClassification"
+
+
+def _run(lens, **options):
+    tr = lens.trace(lens.encode(TEXTS))
+    return tr, get("attnlrp").run(tr, **options)
+
+
+def _without_biases(model: torch.nn.Module) -> None:
+    """Zero every bias, position / token-type embedding (and GPT-2's row 0 of the word embeddings, which it adds
+    for token_type_ids = 0): the parts of a network that absorb relevance."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or any(k in name for k in ("position_embeddings", "wpe", "token_type")):
+                p.zero_()
+            if name.endswith("wte.weight"):
+                p[0].zero_()
+
+
+@pytest.mark.parametrize(
+    ("family", "head"),
+    [
+        ("gpt2", CAUSAL),
+        ("llama", CAUSAL),
+        ("gemma3_text", CAUSAL),
+        ("gemma2", CAUSAL),
+        ("bert", CLASSIFIER),
+        ("llama", CLASSIFIER),
+        ("roberta", CLASSIFIER),
+    ],
+)
+def test_conservation_is_exact_where_every_rule_conserves(family, head, tokenizer):
+    """With the attention weights held constant (variant 'cp') and no biases, every rule left (identity for norms
+    and activations, uniform for the gated product, ε → 0 for linear maps) conserves: Σ_j R_j = g(x) to float
+    precision. Gemma 2's logit soft-capping (tanh, identity rule) and the classifiers' tanh heads included."""
+    lens = random_lens(family, tokenizer, head=head, **({"num_labels": 2} if head == CLASSIFIER else {}))
+    _without_biases(lens.model)
+    tr, out = _run(lens, variant="cp")
+    _, _, _, g, _ = scalar_fn(tr)
+    assert torch.allclose(out.values.sum(-1), g, atol=1e-5 * float(g.abs().max()) + 1e-7)
+    assert float(out.extras["conservation"].abs().max()) <= 1e-5 * float(g.abs().max()) + 1e-7
+
+
+@pytest.mark.parametrize(
+    ("family", "head"), [("gpt2", CAUSAL), ("llama", CAUSAL), ("gemma3_text", CAUSAL), ("bert", CLASSIFIER)]
+)
+def test_conservation_extra_is_the_sum_minus_the_models_own_scalar(family, head, tokenizer):
+    """The relevance is explained against the model's own value, read from a plain forward pass (the hooks change
+    gradients, never values): Σ_j R_j − conservation = logit(target) at the last real token (or the class)."""
+    lens = random_lens(family, tokenizer, head=head, **({"num_labels": 2} if head == CLASSIFIER else {}))
+    target = 7 if head == CAUSAL else 1
+    tr, out = _run(lens, target=target)
+    with torch.no_grad():
+        logits = lens.model(**tr.inputs).logits
+    if head == CAUSAL:
+        logits = logits[torch.arange(len(TEXTS)), tr.mask.sum(-1) - 1]  # at the last real token
+    want = logits[:, target]
+    sums = out.values.sum(-1) - out.extras["conservation"]
+    assert torch.allclose(sums, want, atol=1e-6)
+    assert torch.isfinite(out.values).all() and (out.values[~tr.mask] == 0).all()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_foil_is_the_difference_of_two_targets(family, tokenizer):
+    """The modified backward pass is linear in its seed: R(target − foil) = R(target) − R(foil)."""
+    lens = random_lens(family, tokenizer, head=CAUSAL)
+    _, both = _run(lens, target=11, foil=22)
+    _, a = _run(lens, target=11)
+    _, b = _run(lens, target=22)
+    assert torch.allclose(both.values, a.values - b.values, atol=1e-6)
+
+
+def test_batch_equals_one_by_one_and_hooks_are_removed(tokenizer):
+    lens = random_lens("llama", tokenizer, head=CAUSAL)
+    full = lens.trace(lens.encode(TEXTS))
+    before = get("grad_x_input")(full, target=5, reduction="sum")
+    _, batch = _run(lens, target=5)
+    for b, text in enumerate(TEXTS):
+        tr = lens.trace(lens.encode([text]))
+        one = get("attnlrp")(tr, target=5)
+        n = one.shape[1]
+        assert torch.allclose(batch.values[b, :n], one[0], atol=1e-6)
+    for m in lens.model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, type(m).__name__
+    assert torch.equal(get("grad_x_input")(full, target=5, reduction="sum"), before)  # nothing left patched
+
+
+def test_attnlrp_differs_from_gradient_x_input_and_cp(tokenizer):
+    """The rules change the gradient (else they would not be applied)."""
+    lens = random_lens("llama", tokenizer, head=CAUSAL)
+    tr, out = _run(lens)
+    gxi = get("grad_x_input")(tr, reduction="sum")
+    cp = get("attnlrp")(tr, variant="cp")
+    assert float((out.values - gxi).abs().max()) > 1e-3
+    assert float((out.values - cp).abs().max()) > 1e-3
+
+
+def test_bad_input_is_one_line(tokenizer):
+    lens = random_lens("gpt2", tokenizer, head=CAUSAL)
+    tr = lens.trace(lens.encode(TEXTS))
+    for options, match in [
+        ({"variant": "zennit"}, "variant must be one of attnlrp, cp"),
+        ({"target": 3, "foil": 3}, "is the target itself"),
+        ({"position": 99}, "position must be a token index below"),
+    ]:
+        with pytest.raises(MixlensError, match=match) as e:
+            get("attnlrp").run(tr, **options)
+        assert "\n" not in str(e.value)
+    enc = random_lens("bert", tokenizer)  # a sentence encoder: one target, no foil
+    with pytest.raises(MixlensError, match="pooled embedding"):
+        get("attnlrp").run(enc.trace(enc.encode(TEXTS)), foil=3)
+
+
+# ---- equality with lxt (the authors' package) --------------------------------------------------------------------
+# lxt 2.1 (the newest release) imports only with transformers < 5, so it runs in its own interpreter:
+# MIXLENS_LXT_PYTHON=/path/to/python (a venv with torch, lxt and transformers 4.x). Skipped otherwise.
+LXT_SCRIPT = r"""
+import importlib, json, sys
+import torch, transformers as T
+from lxt.efficient import monkey_patch
+path, spec = sys.argv[1], json.loads(sys.argv[2])
+cfg = T.AutoConfig.from_pretrained(path)
+mt = cfg.model_type.replace("_text", "")
+rules = importlib.import_module(f"lxt.efficient.models.{mt}")
+monkey_patch(importlib.import_module(f"transformers.models.{mt}.modeling_{mt}"),
+             rules.cp_LRP if spec["variant"] == "cp" else rules.attnLRP)
+model = T.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+out = []
+for row in spec["inputs"]:
+    kw = {k: torch.tensor([v]) for k, v in row.items() if k != "input_ids"}
+    emb = model.get_input_embeddings()(torch.tensor([row["input_ids"]])).detach().requires_grad_()
+    logits = model(inputs_embeds=emb, **kw).logits[0, -1]
+    g = logits[spec["target"]] - (logits[spec["foil"]] if spec["foil"] is not None else 0)
+    g.backward()
+    out.append((emb.grad * emb).sum(-1)[0].tolist())
+print(json.dumps(out))
+"""
+
+
+def lxt_python() -> str:
+    exe = os.environ.get("MIXLENS_LXT_PYTHON")
+    if not exe:
+        pytest.skip("set MIXLENS_LXT_PYTHON to a Python with lxt (and transformers < 5) to compare with lxt")
+    return exe
+
+
+@pytest.mark.parametrize("variant", ["attnlrp", "cp"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
+def test_equals_lxt(family, variant, tokenizer, tmp_path):
+    """mixlens' hooks give lxt's relevance (its monkey-patched modelling code) on random models of three families,
+    with and without a foil."""
+    exe = lxt_python()
+    lens = random_lens(family, tokenizer, head=CAUSAL)
+    lens.model.save_pretrained(tmp_path / "model")
+    script = tmp_path / "lxt_relevance.py"
+    script.write_text(LXT_SCRIPT)
+    enc = lens.encode(TEXTS)
+    tr = lens.trace(enc)
+    rows = [{k: v[b][: int(tr.mask[b].sum())].tolist() for k, v in enc.inputs.items()} for b in range(len(TEXTS))]
+    for foil in (None, 2000):
+        spec = {"inputs": rows, "target": 1000, "foil": foil, "variant": variant}
+        run = subprocess.run(
+            [exe, str(script), str(tmp_path / "model"), json.dumps(spec)], capture_output=True, text=True, timeout=600
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        theirs = json.loads(run.stdout.strip().splitlines()[-1])
+        ours = get("attnlrp")(tr, target=1000, foil=foil, variant=variant)
+        for b, rel in enumerate(theirs):
+            want = torch.tensor(rel)
+            assert torch.allclose(ours[b, : len(rel)], want, atol=1e-6 * float(want.abs().max()) + 1e-7), (b, foil)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
