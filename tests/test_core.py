@@ -469,7 +469,7 @@ def test_mixing_ratio_is_norm_of_sum_not_sum_of_norms():
 def test_wrong_adapter_fails_loudly_naming_the_layer(bundled, monkeypatch):
     tr = bundled.trace(SENTENCES[:1])
     lay = bundled.adapter.layers[3]
-    monkeypatch.setattr(lay, "w_o", lay.w_o * 1.01)
+    monkeypatch.setattr(lay, "raw_w_o", lay.raw_w_o * 1.01)
     with pytest.raises(ReconstructionError, match="layer 3"):
         mixlens.methods.norms.block_norms(tr)
 

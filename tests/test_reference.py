@@ -69,7 +69,7 @@ def test_reference_error_sees_a_wrong_weight(bundled, monkeypatch):
     tr = bundled.trace(SENTENCES[:1])
     assert decompose(tr).error.max() <= 1e-4
     lay = bundled.adapter.layers[2]
-    monkeypatch.setattr(lay, "w_v", lay.w_v * 1.01)
+    monkeypatch.setattr(lay, "raw_w_v", lay.raw_w_v * 1.01)
     err = decompose(tr).error[0]
     assert err[2] > 1e-3 and err[[0, 1, 3, 4, 5]].max() <= 1e-4
 
