@@ -232,18 +232,26 @@ def resolve_index(kind: str, config: Any, tokenizer: Any, spec: str | int) -> in
     return class_index(config, spec) if kind == "classifier" else token_id(tokenizer, spec)
 
 
+def _per_input(kind: str, config: Any, tokenizer: Any, specs: Any, bsz: int, what: str) -> torch.Tensor:
+    """Per-input targets (or foils) given as a tuple, one class / token per input of the batch → ids [B]."""
+    if len(specs) != bsz:
+        raise MixlensError(f"{len(specs)} {what}s given for a batch of {bsz} inputs; give one per input")
+    return torch.tensor([resolve_index(kind, config, tokenizer, s) for s in specs], dtype=torch.long)
+
+
 def readout(
     model: Any,
     tokenizer: Any,
     out: Any,
     inputs: dict[str, torch.Tensor],
-    target: Spec | None = "pred",
-    foil: str | int | None = None,
+    target: Spec | tuple[int | str, ...] | None = "pred",
+    foil: str | int | tuple[int | str, ...] | None = None,
     position: int | None = None,
     row_at: torch.Tensor | None = None,
 ) -> tuple[list[Target], Readout]:
     """The targets of a batch from its unperturbed model output `out` (no extra forward pass): per input the class
-    or token `target` names ('pred' or None: the model's top one), contrasted with `foil` when given. `row_at` [B]:
+    or token `target` names ('pred' or None: the model's top one), contrasted with `foil` when given; a tuple
+    names one target (foil) per input. `row_at` [B]:
     where each target position sits on the logits' position axis when the forward computed only some positions."""
     kind = model_kind(model)
     mask = inputs["attention_mask"]
@@ -270,15 +278,22 @@ def readout(
             "or pass a Python callable as target"
         )
     rows = logit_rows(kind, out.logits, pos if row_at is None else row_at)
-    if target in (None, "pred"):
+    if isinstance(target, (tuple, list)):
+        idx = _per_input(kind, model.config, tokenizer, target, bsz, "target")
+    elif target in (None, "pred"):
         idx = rows.argmax(-1).cpu()
     else:
         assert isinstance(target, (int, str))
         idx = torch.full((bsz,), resolve_index(kind, model.config, tokenizer, target))
-    fo = none if foil is None else torch.full((bsz,), resolve_index(kind, model.config, tokenizer, foil))
+    if isinstance(foil, (tuple, list)):
+        fo = _per_input(kind, model.config, tokenizer, foil, bsz, "foil")
+    else:
+        fo = none if foil is None else torch.full((bsz,), resolve_index(kind, model.config, tokenizer, foil))
     if foil is not None and bool((fo == idx).any()):
+        same = int((fo == idx).int().argmax())
         raise MixlensError(
-            f"the foil '{foil}' is the target itself; a contrast needs two different "
+            f"the foil '{foil if not isinstance(foil, (tuple, list)) else foil[same]}' is the target itself"
+            f"{f' (input {same + 1})' if isinstance(foil, (tuple, list)) else ''}; a contrast needs two different "
             f"{'classes' if kind == 'classifier' else 'tokens'}"
         )
     if kind == "classifier":

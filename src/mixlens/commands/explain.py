@@ -7,6 +7,7 @@ import json
 import shlex
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 import typer
@@ -112,7 +113,9 @@ def register(app: typer.Typer) -> None:
         skip: int = typer.Option(
             0, "--skip", min=0, help="Skip the first N records (e.g. the training part); blimp: per paradigm."
         ),
-        limit: int = typer.Option(0, "--limit", min=0, help="Evaluate at most N records (0 = all); blimp: per paradigm."),
+        limit: int = typer.Option(
+            0, "--limit", min=0, help="Evaluate at most N records (0 = all); blimp: per paradigm."
+        ),
         removal: str = typer.Option("delete", "--removal", help="delete (drop the tokens) or mask (mask token)."),
         fmt: str = typer.Option("table", "--format", "-f", help="table or json (json: evaluation.json on stdout)."),
         out: Path | None = typer.Option(
@@ -123,10 +126,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Measure how faithful each explanation method is (comprehensiveness, sufficiency, AOPC, agreement).
         Ctrl-C keeps the finished examples in DIR/evaluation.json; the same command then resumes after them."""
-        from mixlens.commands.output import check_writable, progress, write_stdout
+        from mixlens.commands.output import check_writable
         from mixlens.corpus.readers import iter_examples
         from mixlens.explain import evidence
-        from mixlens.explain.evaluate import REMOVALS, Interrupted, evaluate
+        from mixlens.explain.evaluate import REMOVALS
         from mixlens.lens import load
 
         if fmt not in ("table", "json"):
@@ -189,60 +192,57 @@ def _evaluate_and_write(
     from mixlens.commands.output import progress, write_stdout
     from mixlens.explain.evaluate import Interrupted, evaluate
 
-    if True:
-        if removal == "mask" and lens.tokenizer.mask_token_id is None:
-            raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
-        resume = _interrupted_run(dest, lens.name)
-        if resume is not None:
-            typer.echo(
-                f"resuming the interrupted evaluation in {dest} ({len(resume.examples)} examples done)", err=True
+    if removal == "mask" and lens.tokenizer.mask_token_id is None:
+        raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
+    resume = _interrupted_run(dest, lens.name)
+    if resume is not None:
+        typer.echo(f"resuming the interrupted evaluation in {dest} ({len(resume.examples)} examples done)", err=True)
+    try:
+        with progress(len(texts), "evaluate") as step:
+            last = [0.0]
+
+            def advance(done: float, total: int) -> None:
+                step(done - last[0])
+                last[0] = done
+
+            ev = evaluate(
+                lens,
+                texts,
+                method or None,
+                removal=removal,
+                batch_size=batch_size,
+                seed=seed,
+                progress=advance,
+                resume=resume,
+                contrasts=contrasts,
+                task=task,
+                skipped=left_out,
             )
-        try:
-            with progress(len(texts), "evaluate") as step:
-                last = [0.0]
-
-                def advance(done: float, total: int) -> None:
-                    step(done - last[0])
-                    last[0] = done
-
-                ev = evaluate(
-                    lens,
-                    texts,
-                    method or None,
-                    removal=removal,
-                    batch_size=batch_size,
-                    seed=seed,
-                    progress=advance,
-                    resume=resume,
-                    contrasts=contrasts,
-                    task=task,
-                    skipped=left_out,
-                )
-        except Interrupted as stop:
-            part = stop.partial.get(removal)
-            if part is None:
-                typer.echo("mixlens: interrupted before the first batch finished; nothing was written", err=True)
-            else:
-                _write(dest, part, skipped, interrupted=stop.total)
-                typer.echo(
-                    f"mixlens: interrupted; kept {len(part.examples)} of {stop.total} examples in "
-                    f"{dest / 'evaluation.json'}. Resume with the same command: "
-                    f"{shlex.join(['mixlens', *INVOCATION])}",
-                    err=True,
-                )
-            raise typer.Exit(130) from None
-        payload = _write(dest, ev, skipped)
-        if fmt == "json":
-            write_stdout(payload + "\n")
-        elif task != "faithfulness":
-            from mixlens.explain.evidence import table
-
-            print(table(ev))
-            for note in json.loads(ev.dumps())["notes"]:
-                print(f"note: {note}")
+    except Interrupted as stop:
+        part = stop.partial.get(removal)
+        if part is None:
+            typer.echo("mixlens: interrupted before the first batch finished; nothing was written", err=True)
         else:
-            _print(ev)
-        typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)
+            _write(dest, part, skipped, interrupted=stop.total)
+            typer.echo(
+                f"mixlens: interrupted; kept {len(part.examples)} of {stop.total} examples in "
+                f"{dest / 'evaluation.json'}. Resume with the same command: "
+                f"{shlex.join(['mixlens', *INVOCATION])}",
+                err=True,
+            )
+        raise typer.Exit(130) from None
+    payload = _write(dest, ev, skipped)
+    if fmt == "json":
+        write_stdout(payload + "\n")
+    elif task != "faithfulness":
+        from mixlens.explain.evidence import table
+
+        print(table(ev))
+        for note in json.loads(ev.dumps())["notes"]:  # wrapped: the output fits 100 columns
+            print(textwrap.fill(f"note: {note}", 100, subsequent_indent="  ", break_on_hyphens=False))
+    else:
+        _print(ev)
+    typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)
 
 
 def data_file(data: Path) -> None:

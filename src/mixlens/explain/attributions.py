@@ -25,6 +25,8 @@ from mixlens.pipeline import run_methods
 from mixlens.targets import Readout
 from mixlens.trace import Trace
 
+Request = int | str | tuple[int, ...]  # 'pred', a class / token id, or (Python) one id per input of the batch
+Foil = int | tuple[int, ...] | None
 REFERENCE = "grad_x_input_l2"  # ‖∂g/∂e_j ⊙ e_j‖₂, the agreement reference of the GlobEnc paper
 SIGNED = {"grad_x_input": {"reduction": "sum"}, "integrated_gradients": {"reduction": "sum"}}  # explain's options
 
@@ -65,7 +67,7 @@ def _row(values: torch.Tensor, mask: torch.Tensor, ro: Readout) -> torch.Tensor:
     return last[torch.arange(last.shape[0]), pos.to(last.device)]
 
 
-def _options(name: str, target: int | str, foil: int | None, seed: int) -> dict[str, object]:
+def _options(name: str, target: Request, foil: Foil, seed: int) -> dict[str, object]:
     spec = get(name)
     keys = {o.name for o in spec.options}
     opts: dict[str, object] = {}
@@ -83,8 +85,8 @@ def attribute(
     ro: Readout,
     methods: list[str],
     *,
-    target: int | str = "pred",
-    foil: int | None = None,
+    target: Request = "pred",
+    foil: Foil = None,
     seed: int = 0,
     reference: bool = False,
     timings: dict[str, float] | None = None,

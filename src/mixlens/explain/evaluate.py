@@ -11,6 +11,10 @@ never removed; top-k % = the ⌈k/100 · m⌉ highest-scoring of the m non-speci
 - 95 % bootstrap intervals of every mean over examples (`RESAMPLES` resamples, seeded).
 
 Perturbed inputs of all methods and examples of a batch are de-duplicated and run together, sorted by length.
+
+Contrastive tasks with evidence (`mixlens.explain.evidence`, e.g. BLiMP): each input brings its own target and foil
+token; f(x) is then the logit difference logit(target) − logit(foil) at the last token, the same definitions apply
+to it, and each example also keeps its evidence positions (alignment: reciprocal rank, `evidence.reciprocal_rank`).
 """
 
 from __future__ import annotations
@@ -95,6 +99,43 @@ def bootstrap(values: np.ndarray, seed: int, resamples: int = RESAMPLES) -> list
     return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
 
 
+@dataclass(frozen=True)
+class Contrast:
+    """One prompt of a contrastive task: its group (e.g. the BLiMP paradigm), the target and foil token ids, the
+    words they come from and the evidence: the phrase and its token positions in the prompt."""
+
+    group: str
+    target: int
+    foil: int
+    target_word: str
+    foil_word: str
+    phrase: str
+    evidence: tuple[int, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "group": self.group,
+            "target_id": self.target,
+            "foil_id": self.foil,
+            "target_word": self.target_word,
+            "foil_word": self.foil_word,
+            "evidence_phrase": self.phrase,
+            "evidence": list(self.evidence),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Contrast:
+        return cls(
+            d["group"],
+            int(d["target_id"]),
+            int(d["foil_id"]),
+            d["target_word"],
+            d["foil_word"],
+            d["evidence_phrase"],
+            tuple(int(p) for p in d["evidence"]),
+        )
+
+
 @dataclass
 class Example:
     text: str
@@ -107,6 +148,7 @@ class Example:
     reference: np.ndarray  # [n] ‖∂g/∂e ⊙ e‖₂
     removed: dict[str, np.ndarray] = field(default_factory=dict)  # method → f(x without top-K) per LEVELS
     kept: dict[str, np.ndarray] = field(default_factory=dict)  # method → f(only top-k) per KS
+    contrast: Contrast | None = None  # contrastive tasks: f is the logit difference target − foil
 
 
 @dataclass
@@ -119,6 +161,8 @@ class Evaluation:
     seed: int
     timings: dict[str, float]  # seconds: per method, and 'forward', 'total', 'own'
     notes: list[str]
+    task: str = "faithfulness"  # or a contrastive task with evidence (`evidence.TASKS`)
+    skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # contrastive: group → reason → rows skipped
     _metrics: tuple[int, dict[str, dict[str, object]]] | None = field(default=None, repr=False)
 
     def per_example(self, method: str) -> dict[str, np.ndarray]:
@@ -183,10 +227,11 @@ class Evaluation:
         return out
 
     def to_json(self) -> dict[str, object]:
-        return {
+        doc: dict[str, object] = {
             "model": self.model,
             "version": self.version,
             "removal": self.removal,
+            "task": self.task,
             "metrics": self.metrics(),
             "deletion_curves": self.curves(),
             "timings": self.timings,
@@ -209,10 +254,16 @@ class Evaluation:
                     "special": [bool(v) for v in e.special],
                     "f_removed": {m: [float(v) for v in e.removed[m]] for m in self.methods},
                     "f_kept": {m: [float(v) for v in e.kept[m]] for m in self.methods},
+                    **({} if e.contrast is None else {"contrast": e.contrast.to_json()}),
                 }
                 for e in self.examples
             ],
         }
+        if self.task != "faithfulness":
+            from mixlens.explain.evidence import task_json
+
+            doc.update(task_json(self))
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict) -> Evaluation:
@@ -230,6 +281,7 @@ class Evaluation:
                 np.array(e["grad_x_input_l2"], dtype=float),
                 {m: np.array(e["f_removed"][m], dtype=float) for m in methods},
                 {m: np.array(e["f_kept"][m], dtype=float) for m in methods},
+                Contrast.from_json(e["contrast"]) if "contrast" in e else None,
             )
             for e in doc["examples"]
         ]
@@ -242,6 +294,8 @@ class Evaluation:
             doc["definitions"]["seed"],
             doc["timings"],
             [n for n in doc["notes"] if not n.endswith(NULL_NOTE)],
+            doc.get("task", "faithfulness"),
+            {g: dict(r) for g, r in doc.get("skipped", {}).items()},
         )
 
     def dumps(self) -> str:
@@ -259,21 +313,36 @@ def _special_mask(lens, ids: list[int]) -> np.ndarray:
     return np.array([r is not None and r != "unk" for r in lens.special_roles(ids)], dtype=bool)
 
 
-def _last_token_f(model: torch.nn.Module, inputs: dict[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
-    """Causal LMs: the target token's probability at each row's last real token, unembedding only the distinct last
-    positions of the batch (sorted by length, so few) instead of all n: [B]."""
+def _last_token_f(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], index: torch.Tensor, foil: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal LMs: the target token's probability (with `foil` [B]: the logit difference target − foil) at each
+    row's last real token, unembedding only the distinct last positions of the batch (sorted by length, so few)
+    instead of all n: [B]."""
     last = inputs["attention_mask"].sum(-1) - 1  # [B]
     keep, where = torch.unique(last, return_inverse=True)
     logits = model(**inputs, logits_to_keep=keep).logits  # [B, len(keep), V]
-    rows = logits[torch.arange(last.shape[0], device=last.device), where]  # [B, V]
-    return rows.float().softmax(-1).gather(1, index.to(rows.device)[:, None])[:, 0]
+    rows = logits[torch.arange(last.shape[0], device=last.device), where].float()  # [B, V]
+    if foil is not None:
+        idx = torch.stack([index, foil], 1).to(rows.device)
+        pair = rows.gather(1, idx)
+        return pair[:, 0] - pair[:, 1]
+    return rows.softmax(-1).gather(1, index.to(rows.device)[:, None])[:, 0]
 
 
 def _forward_f(
-    lens, kind: str, pool: str, seqs: list[tuple[int, ...]], owners: list[int], index: torch.Tensor, e0: torch.Tensor
+    lens,
+    kind: str,
+    pool: str,
+    seqs: list[tuple[int, ...]],
+    owners: list[int],
+    index: torch.Tensor,
+    e0: torch.Tensor,
+    foil: torch.Tensor | None = None,
 ) -> np.ndarray:
-    """f of every perturbed sequence (owner = its example's row in index / e0), batched by length. A sequence
-    emptied by removal (models without special tokens) is read as the single BOS (else EOS, else CLS) token."""
+    """f of every perturbed sequence (owner = its example's row in index / e0 / foil), batched by length; with
+    `foil` (a contrastive task) the logit difference target − foil. A sequence emptied by removal (models without
+    special tokens) is read as the single BOS (else EOS, else CLS) token."""
     tok = lens.tokenizer
     start_id = next((t for t in (tok.bos_token_id, tok.eos_token_id, tok.cls_token_id) if t is not None), None)
     seqs = [s if s or start_id is None else (start_id,) for s in seqs]
@@ -283,12 +352,14 @@ def _forward_f(
         own = torch.tensor([owners[i] for i in rows])
         with torch.no_grad():
             if kind == "causal" and keeps_logits(lens.model):
-                f = _last_token_f(lens.model, inputs, index[own])
+                f = _last_token_f(lens.model, inputs, index[own], None if foil is None else foil[own])
             else:
                 res = lens.model(**inputs)
                 mask = inputs["attention_mask"]
                 last = mask.sum(-1).cpu() - 1 if kind == "causal" else torch.zeros(len(rows), dtype=torch.long)
-                f = score(kind, pool, res, mask, index[own], torch.full((len(rows),), -1), last, e0[own])[1]
+                fo = torch.full((len(rows),), -1) if foil is None else foil[own]
+                g, f = score(kind, pool, res, mask, index[own], fo, last, e0[own])
+                f = f if foil is None else g
         out[rows] = f.float().cpu().numpy()
     return out
 
@@ -303,11 +374,16 @@ def evaluate(
     seed: int = 0,
     progress: Callable[[float, int], None] | None = None,
     resume: Evaluation | None = None,
+    contrasts: Sequence[Contrast] | None = None,
+    task: str = "faithfulness",
+    skipped: dict[str, dict[str, int]] | None = None,
 ) -> Evaluation:
     """Evaluate `methods` (default: every applicable one but exact HTA) plus a seeded random baseline.
     `progress(done, total)`: inputs done (fractions as each method and the perturbed passes of a batch finish).
     `resume`: the `Interrupted.partial` Evaluation (or its JSON, `Evaluation.from_json`) of an interrupted run of
-    the same texts, methods, removal and seed: its examples are kept and the run continues after them."""
+    the same texts, methods, removal and seed: its examples are kept and the run continues after them.
+    `contrasts` (a contrastive task named `task`, `mixlens.explain.evidence`): each text's own target, foil and
+    evidence; f is then the logit difference; `skipped` counts the task's rows left out, per group and reason."""
     return evaluate_removals(
         lens,
         texts,
@@ -317,6 +393,9 @@ def evaluate(
         seed=seed,
         progress=progress,
         resume={removal: resume} if resume is not None else None,
+        contrasts=contrasts,
+        task=task,
+        skipped=skipped,
     )[removal]
 
 
@@ -330,6 +409,9 @@ def evaluate_removals(
     seed: int = 0,
     progress: Callable[[float, int], None] | None = None,
     resume: dict[str, Evaluation] | None = None,
+    contrasts: Sequence[Contrast] | None = None,
+    task: str = "faithfulness",
+    skipped: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, Evaluation]:
     """`evaluate` for several removal rules at once: the attributions are computed once and shared. Each
     Evaluation's timings are what a run of its removal alone would have spent (the shared part plus its own
@@ -348,6 +430,12 @@ def evaluate_removals(
         raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
     kind = explained_kind(lens.model)
     family = lens.adapter.family
+    if contrasts is not None:
+        contrasts = list(contrasts)
+        if len(contrasts) != len(texts):
+            raise MixlensError(f"{len(contrasts)} contrasts for {len(texts)} texts; give one per text")
+        if kind != "causal":
+            raise MixlensError(f"the {task} task explains a causal LM's next token; this model is a {kind}")
     chosen = list(methods) if methods else attr.default_methods(kind, family)
     real = attr.check_methods(kind, [m for m in chosen if m != RANDOM], family)
     left = [m for m in attr.applicable(kind) if m not in real]
@@ -362,7 +450,7 @@ def evaluate_removals(
     shared: dict[str, float] = {}  # seconds per method (attributions)
     own = {r: {"forward": 0.0, "removal": 0.0} for r in removals}  # per removal: perturbed forwards, the rest
     examples: dict[str, list[Example]] = {r: [] for r in removals}
-    kept = _resumed(resume, removals, all_methods, seed, texts)
+    kept = _resumed(resume, removals, all_methods, seed, texts, task)
     for r in removals:
         examples[r] = list(resume[r].examples[:kept]) if resume and kept else []
     for e in examples[removals[0]]:
@@ -393,7 +481,16 @@ def evaluate_removals(
             t["attributions"] = sum(v for k, v in shared.items() if k in real)
             t["own"] = t["total"] - t["attributions"] - t["forward"]
             out[removal] = Evaluation(
-                lens.name, __version__, removal, all_methods, examples[removal], seed, t, [*notes, *extra]
+                lens.name,
+                __version__,
+                removal,
+                all_methods,
+                examples[removal],
+                seed,
+                t,
+                [*notes, *extra],
+                task,
+                dict(skipped or {}),
             )
         return out
 
@@ -401,6 +498,7 @@ def evaluate_removals(
         _run_batches(
             lens,
             texts[kept:],
+            None if contrasts is None else contrasts[kept:],
             kept,
             batch_size,
             real,
@@ -423,7 +521,12 @@ def evaluate_removals(
 
 
 def _resumed(
-    resume: dict[str, Evaluation] | None, removals: Sequence[str], methods: list[str], seed: int, texts: list[str]
+    resume: dict[str, Evaluation] | None,
+    removals: Sequence[str],
+    methods: list[str],
+    seed: int,
+    texts: list[str],
+    task: str = "faithfulness",
 ) -> int:
     """How many leading examples of `resume` this run keeps; a resume of another run is a `MixlensError`."""
     if not resume:
@@ -431,7 +534,7 @@ def _resumed(
     kept = None
     for r in removals:
         ev = resume.get(r)
-        if ev is None or ev.removal != r or ev.methods != methods or ev.seed != seed:
+        if ev is None or ev.removal != r or ev.methods != methods or ev.seed != seed or ev.task != task:
             raise MixlensError(
                 "the interrupted evaluation to resume was made with other methods, removal or seed "
                 f"({', '.join(ev.methods) if ev else 'none'}; seed {ev.seed if ev else '-'}); "
@@ -447,6 +550,7 @@ def _resumed(
 def _run_batches(
     lens,
     texts: list[str],
+    contrasts: list[Contrast] | None,
     offset: int,
     batch_size: int,
     real: list[str],
@@ -481,8 +585,22 @@ def _run_batches(
             if progress:
                 progress(min(finished, total), total)
 
-        targets, ro, f0 = read_targets(lens, bt.trace, "pred", None)
-        res = attr.attribute(bt.trace, ro, real, seed=seed, reference=True, timings=shared, on_method=advance)
+        mine = None if contrasts is None else [contrasts[b] for b in bt.index]
+        request: tuple[attr.Request, attr.Foil] = (
+            ("pred", None) if mine is None else (tuple(c.target for c in mine), tuple(c.foil for c in mine))
+        )
+        targets, ro, f0 = read_targets(lens, bt.trace, *request)
+        res = attr.attribute(
+            bt.trace,
+            ro,
+            real,
+            target=request[0],
+            foil=request[1],
+            seed=seed,
+            reference=True,
+            timings=shared,
+            on_method=advance,
+        )
         batch = []
         for b, x in enumerate(ids):
             sc = {m: res[m][b, : len(x)].numpy() for m in real}
@@ -497,6 +615,7 @@ def _run_batches(
                     float(f0[b]),
                     sc,
                     res[attr.REFERENCE][b, : len(x)].numpy(),
+                    contrast=None if mine is None else mine[b],
                 )
             )
         e0 = ro.e0 if ro.e0 is not None else torch.zeros(len(batch), 1)
@@ -534,7 +653,9 @@ def _perturbed_f(
                     plan.append((b, m, keep, k, seqs.setdefault((s, b), len(seqs))))
     t0 = time.perf_counter()
     keys = list(seqs)
-    fs = _forward_f(lens, ro.kind, ro.pool, [s for s, _ in keys], [b for _, b in keys], ro.index, e0)
+    contrast = batch[0].contrast is not None
+    owners = [b for _, b in keys]
+    fs = _forward_f(lens, ro.kind, ro.pool, [s for s, _ in keys], owners, ro.index, e0, ro.foil if contrast else None)
     timings["forward"] += time.perf_counter() - t0
     for e in batch:
         e.removed = {m: np.zeros(len(LEVELS)) for m in methods}

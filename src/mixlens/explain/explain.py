@@ -137,7 +137,7 @@ def request_of(lens, kind: str, target: str | int | None, foil: str | int | None
     return t, f
 
 
-def read_targets(lens, trace, target: int | str, foil: int | None) -> tuple[list[Target], Readout, torch.Tensor]:
+def read_targets(lens, trace, target: attr.Request, foil: attr.Foil) -> tuple[list[Target], Readout, torch.Tensor]:
     """The targets of a traced batch, read from its forward pass: (targets, readout, f(x) [B], or the contrast g(x)
     when a foil is given)."""
     out = trace_output(trace)

@@ -10,6 +10,7 @@ registry.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +49,8 @@ class Option:
     """One keyword option of a method: its type (bool, int, float or str), default and allowed values.
 
     `min`/`max` bound numbers, `choices` lists the allowed strings, `optional` also allows None, `words` are
-    strings allowed besides an int (e.g. `target='pred'`), `python_callable` also allows a callable (Python API)."""
+    strings allowed besides an int (e.g. `target='pred'`), `python_callable` also allows a callable (Python API),
+    `per_input` also a tuple of values, one per input of the batch (Python API; e.g. each prompt's own target)."""
 
     name: str
     type: type
@@ -60,6 +62,7 @@ class Option:
     optional: bool = False
     words: tuple[str, ...] = ()
     python_callable: bool = False
+    per_input: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in OPTION_TYPES:
@@ -105,6 +108,9 @@ class Option:
             return value
         if callable(value) and self.python_callable and not isinstance(value, str):
             return value
+        if self.per_input and isinstance(value, (tuple, list)):
+            single = dataclasses.replace(self, per_input=False, optional=False, words=(), python_callable=False)
+            return tuple(single.check(method, v) for v in value)
         ok = False
         if self.type is bool:
             ok = isinstance(value, bool)
@@ -157,8 +163,17 @@ TARGET_OPTIONS = (  # the request for the scalar being explained (`mixlens.targe
         words=("pred",),
         python_callable=True,
         help="class index / token id of the explained scalar, 'pred' (the prediction) or (Python) f(output, inputs)",
+        per_input=True,
     ),
-    Option("foil", int, None, min=0, optional=True, help="class / token id to contrast: logit(target) − logit(foil)"),
+    Option(
+        "foil",
+        int,
+        None,
+        min=0,
+        optional=True,
+        help="class / token id to contrast: logit(target) − logit(foil)",
+        per_input=True,
+    ),
     Option(
         "position",
         int,

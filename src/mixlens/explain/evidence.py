@@ -1,0 +1,291 @@
+"""Contrastive tasks with evidence for `mixlens evaluate --task blimp` (docs/evaluate.md): does an explanation of a
+causal LM's next-token choice point at the words that decide it?
+
+Data: the BLiMP / IOI prompts of Ferrando et al. (ACL 2023, "Explaining How Transformers Use Context to Build
+Predictions"; their repository mt-upc/logit-explanations, folders data/blimp_with_targets and data/ioi_with_targets):
+per row a prompt (`one_prefix_prefix`), the acceptable next word (`one_prefix_word_good`: the target), the
+unacceptable one (`one_prefix_word_bad`: the foil), and the evidence (`target_phrase`, else `target`).
+
+- target and foil tokens: the FIRST token of " " + word (a leading space, as the prompt's next word); a row whose
+  target and foil share that first token is skipped (the contrast is 0 by construction);
+- the evidence: the `target_phrase` where the file has that column, else `target` — but the subject–verb agreement
+  paradigms (`*subject_verb_agreement*`, `distractor_agreement*`) use `target`, the subject noun, as the authors'
+  code intends (their `target_phrase` there is the whole subject phrase, often the whole prompt); its first
+  word-boundary match in the prompt (case-sensitive), and its positions = every token whose characters overlap it;
+- rows with `NA` / empty evidence, evidence not found in the prompt, or target = foil are skipped and counted;
+- alignment = reciprocal rank of the best-ranked evidence token among the prompt's non-special tokens (scores
+  descending, ties: earlier position first); MRR = its mean per paradigm, with the 95 % bootstrap interval;
+- accuracy = share of prompts whose logit difference target − foil is > 0; every result is also given for the
+  correct and the wrong predictions separately.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mixlens.errors import MixlensError
+from mixlens.explain.evaluate import Contrast, Evaluation, bootstrap
+
+TASKS = ("faithfulness", "blimp")  # `mixlens evaluate --task`
+NA = {"", "NA", "NaN", "nan", "None"}
+PROMPT, GOOD, BAD = "one_prefix_prefix", "one_prefix_word_good", "one_prefix_word_bad"
+SPLITS = ("all", "correct", "wrong")
+ALL = "all paradigms"
+SKIP_NA, SKIP_NOT_FOUND, SKIP_SAME = "evidence NA", "evidence not in the prompt", "target and foil share 1st token"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One prompt of a task file: its group (the file's stem: the paradigm), prompt, target and foil words and the
+    evidence phrase (None: NA)."""
+
+    group: str
+    prompt: str
+    target: str
+    foil: str
+    phrase: str | None
+
+
+def _evidence_column(group: str, header: Sequence[str]) -> str:
+    if "subject_verb_agreement" in group or group.startswith("distractor_agreement"):
+        return "target"
+    return "target_phrase" if "target_phrase" in header else "target"
+
+
+def read_rows(path: Path, skip: int = 0, limit: int = 0) -> list[Row]:
+    """The rows of one task CSV, or of every `*.csv` of a folder (sorted by name; one group per file); `skip` /
+    `limit` apply per file (the first `limit` rows after `skip`)."""
+    if path.is_dir():
+        files = sorted(path.glob("*.csv"))
+        if not files:
+            raise MixlensError(f"'{path}' holds no .csv files of the task")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise MixlensError(f"data '{path}' does not exist")
+    rows: list[Row] = []
+    for f in files:
+        with f.open(newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            header = reader.fieldnames or []
+            need = [c for c in (PROMPT, GOOD, BAD, "target") if c not in header]
+            if need:
+                raise MixlensError(
+                    f"{f}: not a contrastive task file with evidence: no column {', '.join(need)} "
+                    f"(needs {PROMPT}, {GOOD}, {BAD}, target and optionally target_phrase)"
+                )
+            col = _evidence_column(f.stem, header)
+            for k, r in enumerate(reader):
+                if k < skip:
+                    continue
+                if limit and k >= skip + limit:
+                    break
+                ev = (r.get(col) or "").strip()
+                rows.append(Row(f.stem, r[PROMPT], r[GOOD].strip(), r[BAD].strip(), None if ev in NA else ev))
+    if not rows:
+        raise MixlensError(f"no prompts in '{path}'" + (f" after skipping {skip}" if skip else ""))
+    return rows
+
+
+def first_piece(tokenizer, word: str) -> int:
+    """The first token of " " + word (the prompt's next word, with its leading space)."""
+    ids = tokenizer(" " + word, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise MixlensError(f"the word '{word}' is no token for this tokenizer")
+    return int(ids[0])
+
+
+def evidence_span(prompt: str, phrase: str) -> tuple[int, int] | None:
+    """Characters [start, end) of the first word-boundary match of `phrase` in `prompt`, or None."""
+    m = re.search(r"(?<!\w)" + re.escape(phrase) + r"(?!\w)", prompt)
+    return None if m is None else m.span()
+
+
+def prepare(tokenizer, rows: Sequence[Row]) -> tuple[list[str], list[Contrast], dict[str, dict[str, int]]]:
+    """(prompts, their `Contrast`s, rows skipped per group and reason) for a tokenizer; the evidence positions are
+    those of the tokenizer's encoding of each prompt (the one `Lens.encode` makes)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise MixlensError("the evidence positions need a fast tokenizer (character offsets); this one is slow")
+    skipped: dict[str, dict[str, int]] = {}
+
+    def skip(group: str, why: str) -> None:
+        skipped.setdefault(group, {}).setdefault(why, 0)
+        skipped[group][why] += 1
+
+    enc = tokenizer([r.prompt for r in rows], return_offsets_mapping=True)
+    texts, out = [], []
+    for r, offsets in zip(rows, enc["offset_mapping"], strict=True):
+        if r.phrase is None:
+            skip(r.group, SKIP_NA)
+            continue
+        span = evidence_span(r.prompt, r.phrase)
+        pos = (
+            ()
+            if span is None
+            else tuple(k for k, (a, b) in enumerate(offsets) if b > a and a < span[1] and b > span[0])
+        )
+        if not pos:
+            skip(r.group, SKIP_NOT_FOUND)
+            continue
+        t, f = first_piece(tokenizer, r.target), first_piece(tokenizer, r.foil)
+        if t == f:
+            skip(r.group, SKIP_SAME)
+            continue
+        texts.append(r.prompt)
+        out.append(Contrast(r.group, t, f, r.target, r.foil, r.phrase, pos))
+    return texts, out, skipped
+
+
+def reciprocal_rank(scores: np.ndarray, special: np.ndarray, evidence: Sequence[int]) -> float:
+    """1 / rank of the best-ranked evidence position among the non-special positions (scores descending, ties:
+    earlier position first); nan when no evidence position is a non-special one."""
+    cand = np.flatnonzero(~special)
+    order = cand[np.lexsort((cand, -np.nan_to_num(scores[cand], nan=-np.inf)))]
+    hit = np.flatnonzero(np.isin(order, np.asarray(evidence, dtype=np.int64)))
+    return 1.0 / (int(hit[0]) + 1) if len(hit) else float("nan")
+
+
+def _mean(v: np.ndarray) -> float:
+    v = v[~np.isnan(v)]
+    return float(v.mean()) if len(v) else float("nan")
+
+
+def per_example(ev: Evaluation) -> dict[str, np.ndarray]:
+    """Per example: 'rr:<method>' reciprocal ranks, 'comprehensiveness:<method>' etc. (on the logit difference),
+    'correct' (bool as float) and 'group' (object)."""
+    out: dict[str, np.ndarray] = {}
+    ex = ev.examples
+    for m in ev.methods:
+        out[f"rr:{m}"] = np.array([reciprocal_rank(e.scores[m], e.special, e.contrast.evidence) for e in ex])  # type: ignore[union-attr]
+        for k, v in ev.per_example(m).items():
+            if k != "spearman_gxi":
+                out[f"{k}:{m}"] = v
+    out["correct"] = np.array([float(e.f > 0) for e in ex])
+    out["group"] = np.array([e.contrast.group for e in ex], dtype=object)  # type: ignore[union-attr]
+    return out
+
+
+def task_metrics(ev: Evaluation) -> dict[str, dict[str, object]]:
+    """Per group (paradigm, then every group pooled as `ALL`): n, accuracy [interval], rows skipped, and per split
+    (all / correct / wrong predictions) its n and per method MRR, comprehensiveness, sufficiency and AOPC on the
+    logit difference, each with its 95 % bootstrap interval."""
+    per = per_example(ev)
+    groups = list(dict.fromkeys(per["group"].tolist()))
+    out: dict[str, dict[str, object]] = {}
+    for g in [*groups, ALL]:
+        sel = np.ones(len(ev.examples), bool) if g == ALL else per["group"] == g
+        correct = per["correct"][sel]
+        skipped = (
+            {k: sum(s.get(k, 0) for s in ev.skipped.values()) for k in (SKIP_NA, SKIP_NOT_FOUND, SKIP_SAME)}
+            if g == ALL
+            else ev.skipped.get(g, {})
+        )
+        row: dict[str, object] = {
+            "n": int(sel.sum()),
+            "accuracy": _mean(correct),
+            "accuracy_ci95": bootstrap(correct, ev.seed),
+            "skipped": {k: v for k, v in skipped.items() if v},
+        }
+        for split in SPLITS:
+            pick = sel if split == "all" else sel & ((per["correct"] == 1) == (split == "correct"))
+            block: dict[str, object] = {"n": int(pick.sum())}
+            for m in ev.methods:
+                vals = {
+                    "mrr": per[f"rr:{m}"][pick],
+                    **{k: per[f"{k}:{m}"][pick] for k in ("comprehensiveness", "sufficiency", "aopc")},
+                }
+                block[m] = {
+                    **{k: _mean(v) for k, v in vals.items()},
+                    "ci95": {k: bootstrap(v, ev.seed) for k, v in vals.items()},
+                }
+            row[split] = block
+        out[g] = row
+    return out
+
+
+def task_json(ev: Evaluation) -> dict[str, object]:
+    """The task's part of evaluation.json: its results per paradigm and the rows skipped."""
+    return {
+        "task_metrics": task_metrics(ev),
+        "skipped": ev.skipped,
+        "task_definitions": {
+            "f": "logit(target) − logit(foil) at the last token; comprehensiveness / sufficiency / AOPC on it",
+            "target_foil": "first token of ' ' + word; rows whose target and foil share it are skipped",
+            "alignment": "reciprocal rank of the best-ranked evidence token among the non-special tokens "
+            "(scores descending, ties: earlier first); MRR = mean per paradigm",
+            "accuracy": "share of prompts with logit difference > 0",
+        },
+    }
+
+
+SHORT = {  # paradigm → table column (≤ 6 characters)
+    "anaphor_gender_agreement": "anaGen",
+    "anaphor_number_agreement": "anaNum",
+    "animate_subject_passive": "animSP",
+    "determiner_noun_agreement_1": "dna",
+    "determiner_noun_agreement_irregular_1": "dnaIrr",
+    "determiner_noun_agreement_with_adjective_1": "dnaAdj",
+    "determiner_noun_agreement_with_adj_irregular_1": "dnaAI",
+    "distractor_agreement_relational_noun": "distr",
+    "ioi_dataset": "ioi",
+    "irregular_plural_subject_verb_agreement_1": "svaIrr",
+    "npi_present_1": "npi",
+    "regular_plural_subject_verb_agreement_1": "svaReg",
+}
+
+
+def _short(group: str) -> str:
+    return SHORT.get(group, group[:6])
+
+
+def _num(v: object) -> str:
+    x = float(v)  # type: ignore[arg-type]
+    return "  -  " if not math.isfinite(x) else f"{x:.2f}"
+
+
+def table(ev: Evaluation, width: int = 100) -> str:
+    """Plain-text tables (≤ `width` columns): per paradigm n, skipped and accuracy; per method the pooled MRR with
+    its interval, MRR on correct / wrong predictions and the logit-difference AOPC / comprehensiveness /
+    sufficiency; then MRR per method and paradigm (paradigms in columns, as many as fit, the rest below)."""
+    met: dict[str, Any] = task_metrics(ev)
+    groups = [g for g in met if g != ALL]
+    model = ev.model if len(ev.model) <= 50 else "…" + ev.model[-49:]
+    lines = [f"Evidence alignment ({ev.task}, {ev.removal}) — {model}; {met[ALL]['n']} prompts", ""]
+    lines.append(f"{'paradigm':<47} {'code':<6} {'n':>5} {'skip':>5} {'accuracy':>18}")
+    for g in [*groups, ALL]:
+        r = met[g]
+        lo, hi = r["accuracy_ci95"]
+        skip = sum(r["skipped"].values())
+        lines.append(
+            f"{g[:47]:<47} {(_short(g) if g != ALL else ''):<6} {r['n']:>5} {skip:>5} "
+            f"{_num(r['accuracy'])} [{_num(lo)}, {_num(hi)}]"
+        )
+    lines += ["", "All paradigms pooled; MRR (higher: aligned); ΔAOPC etc. on the logit difference:"]
+    lines.append(
+        f"{'method':<22} {'MRR':>5} {'95% interval':^13} {'MRR✓':>6} {'MRR✗':>6} {'AOPC':>7} {'compr':>7} {'suff↓':>7}"
+    )
+    pooled = met[ALL]
+    order = sorted(ev.methods, key=lambda m: -np.nan_to_num(pooled["all"][m]["mrr"], nan=-np.inf))
+    for m in order:
+        a = pooled["all"][m]
+        lo, hi = a["ci95"]["mrr"]
+        right, wrong = pooled["correct"][m]["mrr"], pooled["wrong"][m]["mrr"]
+        lines.append(
+            f"{m[:22]:<22} {_num(a['mrr']):>5} [{_num(lo)}, {_num(hi)}] {_num(right):>6} {_num(wrong):>6} "
+            f"{a['aopc']:>7.2f} {a['comprehensiveness']:>7.2f} {a['sufficiency']:>7.2f}"
+        )
+    per_row = max(1, (width - 23) // 7)
+    for start in range(0, len(groups), per_row):
+        cols = groups[start : start + per_row]
+        lines += ["", f"{'MRR per paradigm':<22} " + " ".join(f"{_short(g):>6}" for g in cols)]
+        for m in order:
+            lines.append(f"{m[:22]:<22} " + " ".join(f"{_num(met[g]['all'][m]['mrr']):>6}" for g in cols))
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""`mixlens evaluate --task blimp`: contrastive targets with evidence (mixlens.explain.evidence)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mixlens.explain import evidence
+from mixlens.explain.evaluate import Evaluation, evaluate
+from tests.conftest import DATA, random_lens, run_cli
+
+HEADER = ["", "sentence_good", "sentence_bad", "one_prefix_prefix", "one_prefix_word_good", "one_prefix_word_bad",
+          "target", "target_phrase"]
+ROWS = [  # prompt, good, bad, target, target_phrase
+    ("Raymond is selling this", "sketch", "sketches", "this", "this"),
+    ("Those radii of these", "have", "has", "these", "these"),  # 'these' not matched inside 'Those'
+    ("Karla could listen to", "herself", "himself", "NA", "NA"),  # NA: skipped
+    ("Craig explored that", "grocery store", "grocery stores", "that", "that"),  # same first token: skipped
+    ("Eva has scared the", "children", "child", "those", "those"),  # evidence not in the prompt: skipped
+    ("Some waiters broke this lost", "foot", "feet", "this", "this"),
+]
+
+
+def _write(path, rows=ROWS):
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(HEADER)
+        for k, (p, g, b, t, tp) in enumerate(rows):
+            w.writerow([k, f"{p} {g}.", f"{p} {b}.", p, g, b, t, tp])
+    return path
+
+
+@pytest.fixture(scope="module")
+def causal(tokenizer):
+    return random_lens("gpt2", tokenizer, head="AutoModelForCausalLM")
+
+
+def test_reciprocal_rank_by_hand():
+    special = np.array([True, False, False, False, False])
+    s = np.array([9.0, 0.5, 0.5, 0.2, 0.1])  # the special token's 9 never counts
+    assert evidence.reciprocal_rank(s, special, [2]) == 0.5  # tie with position 1: earlier first → rank 2
+    assert evidence.reciprocal_rank(s, special, [1]) == 1.0
+    assert evidence.reciprocal_rank(s, special, [4, 3]) == pytest.approx(1 / 3)  # the best-ranked evidence token
+    assert math.isnan(evidence.reciprocal_rank(s, special, [0]))  # only a special position
+    nan = np.array([0.0, np.nan, 0.3, 0.2, 0.1])
+    assert evidence.reciprocal_rank(nan, special, [1]) == 0.25  # a NaN score ranks last
+
+
+def test_rows_are_prepared_and_skips_counted(tokenizer, tmp_path):
+    rows = evidence.read_rows(_write(tmp_path / "toy.csv"))
+    assert [r.phrase for r in rows][2] is None
+    texts, cs, skipped = evidence.prepare(tokenizer, rows)
+    assert texts == [ROWS[0][0], ROWS[1][0], ROWS[5][0]]
+    assert skipped == {"toy": {evidence.SKIP_NA: 1, evidence.SKIP_SAME: 1, evidence.SKIP_NOT_FOUND: 1}}
+    ids = tokenizer(texts)["input_ids"]
+    toks = [tokenizer.convert_ids_to_tokens(x) for x in ids]
+    assert [toks[0][p] for p in cs[0].evidence] == ["this"]
+    assert [toks[1][p] for p in cs[1].evidence] == ["these"]  # the word-boundary match, not 'Those'
+    assert cs[0].target == tokenizer(" sketch", add_special_tokens=False)["input_ids"][0]
+    assert cs[0].foil != cs[0].target and cs[0].group == "toy"
+
+
+def test_evaluation_recomputes_from_its_json(causal, tokenizer, tmp_path):
+    texts, cs, skipped = evidence.prepare(tokenizer, evidence.read_rows(_write(tmp_path / "toy.csv")))
+    ev = evaluate(causal, texts, ["alti_logit", "saliency"], contrasts=cs, task="blimp", skipped=skipped,
+                  batch_size=2)
+    doc = json.loads(ev.dumps())
+    assert doc["task"] == "blimp" and doc["skipped"] == skipped
+    with torch.no_grad():
+        for e in doc["examples"]:  # f = the model's logit difference target − foil at the last token
+            row = causal.model(**causal.encode_ids([e["ids"]]).inputs).logits[0, -1]
+            c = e["contrast"]
+            assert e["f"] == pytest.approx(float(row[c["target_id"]] - row[c["foil_id"]]), abs=1e-4)
+            assert e["target"]["foil"] is not None
+    met = doc["task_metrics"]["toy"]
+    for m in ("alti_logit", "saliency", "random"):  # MRR recomputed by hand from the JSON
+        rr = [evidence.reciprocal_rank(np.array(e["scores"][m]), np.array(e["special"]), e["contrast"]["evidence"])
+              for e in doc["examples"]]
+        assert met["all"][m]["mrr"] == pytest.approx(np.mean(rr))
+        right = [r for r, e in zip(rr, doc["examples"], strict=True) if e["f"] > 0]
+        if right:
+            assert met["correct"][m]["mrr"] == pytest.approx(np.mean(right))
+    assert met["accuracy"] == pytest.approx(np.mean([e["f"] > 0 for e in doc["examples"]]))
+    assert met["correct"]["n"] + met["wrong"]["n"] == met["n"] == 3
+    again = Evaluation.from_json(doc)
+    assert json.loads(again.dumps())["task_metrics"]["toy"]["all"] == met["all"]
+    assert max(len(line) for line in evidence.table(ev).splitlines()) <= 100
+
+
+def test_cli_task_blimp(causal, tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    causal.model.save_pretrained(model_dir)
+    causal.tokenizer.save_pretrained(model_dir)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _write(folder / "a_toy.csv")
+    _write(folder / "b_toy.csv", ROWS[:2])
+    out = tmp_path / "ev"
+    rc, stdout, err = run_cli(["evaluate", "--task", "blimp", "--model", str(model_dir), "--data", str(folder),
+                               "--method", "logit_attn", "--limit", "5", "--out", str(out)], capsys)
+    assert rc == 0, err
+    assert "MRR" in stdout and "a_toy" in stdout and "all paradigms" in stdout
+    assert max(len(line) for line in stdout.splitlines()) <= 100, [x for x in stdout.splitlines() if len(x) > 100]
+    doc = json.loads((out / "evaluation.json").read_text())
+    assert {e["contrast"]["group"] for e in doc["examples"]} == {"a_toy", "b_toy"}
+    assert len(doc["examples"]) == 2 + 2  # --limit 5 per file: rows 0, 1 kept; 2, 3, 4 skipped in a_toy
+    rc, _, err = run_cli(["evaluate", "--task", "nope", "--model", str(model_dir), "--data", str(folder)], capsys)
+    assert rc == 2 and "unknown task" in err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("text\nhello\n")
+    rc, _, err = run_cli(["evaluate", "--task", "blimp", "--model", str(model_dir), "--data", str(bad)], capsys)
+    assert rc == 2 and "one_prefix_prefix" in err
+
+
+def test_the_real_files(causal, tokenizer):
+    folder = DATA / "blimp_targets"
+    if not folder.is_dir():
+        pytest.skip(f"shared data folder {folder} not present")
+    rows = evidence.read_rows(folder, limit=4)
+    assert len({r.group for r in rows}) == 12
+    texts, cs, skipped = evidence.prepare(tokenizer, rows)
+    assert len(texts) + sum(sum(s.values()) for s in skipped.values()) == len(rows)
+    ev = evaluate(causal, texts[:16], ["logit_attn"], contrasts=cs[:16], task="blimp", skipped=skipped)
+    met = json.loads(ev.dumps())["task_metrics"]
+    assert met[evidence.ALL]["n"] == 16 and 0 < met[evidence.ALL]["all"]["random"]["mrr"] <= 1
