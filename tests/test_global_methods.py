@@ -15,10 +15,10 @@ from mixlens.cli import main
 from mixlens.methods import alti as alti_mod
 from mixlens.methods.alti import alti_vectors
 from mixlens.methods.globenc import globenc_vectors
+from mixlens.methods.memo import Memo
 from mixlens.methods.norms import block_norms
-from mixlens.methods.rollout import FLOW_MAX_TOKENS, in_range, rollout
-from mixlens.trace import Memo
 from mixlens.methods.registry import refused_by
+from mixlens.methods.rollout import FLOW_MAX_TOKENS, in_range, rollout
 from tests.conftest import SENTENCES, random_lens
 
 ROW_STOCHASTIC = ["attention_rollout", "attention_flow", "alti", "alti_rollout", "value_zeroing",

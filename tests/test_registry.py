@@ -13,9 +13,9 @@ import torch
 
 from mixlens.errors import MixlensError
 from mixlens.methods import REGISTRY, MethodOutput, Option, get, register
+from mixlens.methods.memo import Memo, memo_of
 from mixlens.methods.registry import check_options, parse_option
 from mixlens.methods.saliency import output_attribution
-from mixlens.trace import Memo
 
 from .conftest import SENTENCES, random_lens, run_cli
 
@@ -136,14 +136,18 @@ def test_integrated_gradients_delta_is_an_extra(tokenizer):
     assert res["integrated_gradients"].sel(source=0).extras.keys() == {"delta"}  # delta has no source axis
 
 
-def test_memo_is_typed(tokenizer):
+def test_memo_lives_with_the_methods(tokenizer):
+    """The trace holds an opaque slot; the methods' typed Memo is made on first use (the trace knows no method)."""
     lens = random_lens("bert", tokenizer)
     tr = lens.trace(SENTENCES[:2])
-    assert isinstance(tr.memo, Memo) and tr.memo.block_norms is None and not hasattr(tr, "cache")
+    assert tr.memo is None and isinstance(memo_of(tr), Memo) and memo_of(tr).block_norms is None
     out = get("norm").run(tr)
     assert isinstance(out, MethodOutput) and out.extras == {}
     assert tr.memo.block_norms is not None and tr.memo.alpha_mean is not None
     torch.testing.assert_close(get("attention")(tr), tr.memo.alpha_mean)
+    import mixlens.trace
+
+    assert "Memo" not in vars(mixlens.trace) and "from mixlens.methods" not in open(mixlens.trace.__file__).read()
 
 
 def test_engine_doc_example_adds_a_method(tokenizer, capsys):

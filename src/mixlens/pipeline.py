@@ -15,9 +15,10 @@ from mixlens.adapters import Adapter
 from mixlens.errors import MixlensError
 from mixlens.methods import alti, attention, globenc, rollout
 from mixlens.methods import get as get_method
+from mixlens.methods.memo import Memo, memo_of
 from mixlens.methods.norms import BlockNorms, NormRun, block_norms, stream_layer
 from mixlens.methods.registry import check_options, check_target_rows
-from mixlens.trace import LayerTrace, Memo, Trace, run_traced
+from mixlens.trace import LayerTrace, Trace, run_traced
 
 Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
 
@@ -103,21 +104,22 @@ def run_methods(
     if rows is not None:
         check_target_rows([s.name for s in specs])
         rows = rows.to(trace.mask.device)
-    old = trace.memo.targets
+    memo = memo_of(trace)
+    old = memo.targets
     same = old is None and rows is None or old is not None and rows is not None and torch.equal(old, rows)
-    if trace.memo.streamed and (not same or not {s.name for s in specs} <= trace.memo.streamed):
+    if memo.streamed and (not same or not {s.name for s in specs} <= memo.streamed):
         raise MixlensError(
-            f"this trace was streamed for methods {', '.join(sorted(trace.memo.streamed))} and its target rows only "
+            f"this trace was streamed for methods {', '.join(sorted(memo.streamed))} and its target rows only "
             "(its attention maps are gone): trace the input again for other methods or targets"
         )
     if not same:
-        trace.memo = Memo()  # results of other rows
+        trace.memo = memo = Memo()  # results of other rows
     if rows is not None:
-        trace.memo.targets = rows
-    if any(s.engine for s in specs) or trace.memo.norm_run is not None:
+        memo.targets = rows
+    if any(s.engine for s in specs) or memo.norm_run is not None:
         block_norms(trace)  # a streamed trace's norm passes ran: their per-run check runs here
     outs = {s.name: s.run(trace, heads=heads, **options.get(s.name, {})) for s in specs}
-    return Step({k: o.values for k, o in outs.items()}, trace.memo.block_norms, {k: o.extras for k, o in outs.items()})
+    return Step({k: o.values for k, o in outs.items()}, memo.block_norms, {k: o.extras for k, o in outs.items()})
 
 
 def streams(methods: Sequence[str], targets: Targets) -> bool:

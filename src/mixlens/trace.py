@@ -31,8 +31,8 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,13 +45,6 @@ from mixlens.errors import MixlensError
 Edit = Callable[[torch.Tensor], torch.Tensor]
 LayerSink = Callable[[int, "LayerTrace"], None]  # (layer index, that layer's complete record) → None
 BLOCK_POINTS = ("resid_pre", "attn.v", "attn.pattern", "attn.z")
-if TYPE_CHECKING:
-    from mixlens.methods.decompx import Decomposition
-    from mixlens.methods.norms import LayerState, NormRun
-
-    NormStates = tuple[list[LayerState], NormRun]
-    from mixlens.methods.gradients import JacobianKey, JacobianNorms
-    from mixlens.methods.norms import BlockNorms
 
 _POINT = re.compile(r"blocks\.(\d+)\.(" + "|".join(re.escape(p) for p in BLOCK_POINTS) + ")")
 
@@ -82,28 +75,6 @@ class LayerTrace:
 
 
 @dataclass
-class Memo:
-    """Intermediate results that methods share on one trace, computed once (None / empty: not yet).
-    Maps are [B, L, n(target), n(source)], padding 0."""
-
-    block_norms: BlockNorms | None = None  # the norm engine's result
-    alpha_mean: torch.Tensor | None = None  # head-mean α (a by-product of the norm engine)
-    globenc: torch.Tensor | None = None  # N-Enc per layer
-    alti: torch.Tensor | None = None  # ALTI per layer, rows normalised
-    value_zeroing: torch.Tensor | None = None  # value-zeroing per layer, rows normalised
-    decompx: dict[str, list[Decomposition]] = field(default_factory=dict)  # value_bias → one per input
-    jacobian_norms: dict[JacobianKey, JacobianNorms] = field(default_factory=dict)
-    targets: torch.Tensor | None = None  # [B, K] positions of target-row mode (`run_methods(targets=)`); None: all
-    norm_states: NormStates | None = None  # target-row mode: the engine's per-layer state, for `norms.pair_rows`
-    norm_run: NormRun | None = None  # streamed trace: the norm engine's passes, run during the forward pass
-    streamed: frozenset[str] = frozenset()  # streamed trace: the methods its layer sink served (α is gone)
-    layer_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # streamed: quantity → per layer
-    # [B, K, n] target rows (`alpha`: [B, H, K, n])
-    layer_mats: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # streamed: quantity → per layer the
-    # [B, n, n] matrix a rollout propagates the target rows through
-
-
-@dataclass
 class Trace:
     """One forward pass over a padded batch (right padding; `mask` marks real tokens)."""
 
@@ -113,7 +84,7 @@ class Trace:
     layers: list[LayerTrace]
     logits: torch.Tensor | None  # model head output when the model has one (None for a partial trace)
     tokenizer: object | None = None  # for special-token roles (e.g. the [MASK] position of saliency)
-    memo: Memo = field(default_factory=Memo)  # shared intermediate results of methods
+    memo: Any = None  # the methods' shared results on this trace (`mixlens.methods.memo.Memo`, made on first use)
     hidden: torch.Tensor | None = None  # [B, n, d] a base model's own output (`last_hidden_state`), when it ran
 
     @property

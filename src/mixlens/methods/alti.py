@@ -20,6 +20,7 @@ from mixlens.methods import norms
 from mixlens.methods._compiled import parallel
 from mixlens.methods._numba import njit
 from mixlens.methods.attention import alpha_rows, targets_of
+from mixlens.methods.memo import memo_of
 from mixlens.methods.norms import head_vectors
 from mixlens.methods.registry import register, vector_block
 from mixlens.methods.rollout import (
@@ -179,16 +180,17 @@ def _trace_layer(trace: Trace, m: int) -> Callable[[torch.Tensor | None], torch.
 def alti_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer ALTI contributions, rows normalised: [B, L, n, n], or their target rows [B, L, K, n] in target-row
     mode (cached on the trace)."""
-    if trace.memo.alti is None:
+    memo = memo_of(trace)
+    if memo.alti is None:
         targets = targets_of(trace)
-        kept, mats = trace.memo.layer_rows.get("alti"), kept_matrices(trace, "alti")
+        kept, mats = memo.layer_rows.get("alti"), kept_matrices(trace, "alti")
         if kept is not None:  # streamed
-            trace.memo.alti = torch.stack(kept, dim=1)
+            memo.alti = torch.stack(kept, dim=1)
         elif mats is not None and targets is not None:
-            trace.memo.alti = torch.stack([mats(m)(targets) for m in range(len(trace.layers))], dim=1)
+            memo.alti = torch.stack([mats(m)(targets) for m in range(len(trace.layers))], dim=1)
         else:
-            trace.memo.alti = torch.stack([_trace_layer(trace, m)(targets) for m in range(len(trace.layers))], dim=1)
-    return trace.memo.alti
+            memo.alti = torch.stack([_trace_layer(trace, m)(targets) for m in range(len(trace.layers))], dim=1)
+    return memo.alti
 
 
 @register("alti", supports=vector_block, target_rows=True)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import Trace
 
 
 def targets_of(trace: Trace) -> torch.Tensor | None:
     """The target positions [batch, K] that methods compute rows for (`run_methods(targets=...)`); None: all rows."""
-    return trace.memo.targets
+    return memo_of(trace).targets
 
 
 def alpha_rows(alpha: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -21,7 +22,7 @@ def alpha_rows(alpha: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def target_alpha(trace: Trace, index: int) -> torch.Tensor:
     """The target rows of layer `index`'s α [B, H, K, n]: kept by the layer sink of a streamed trace, else gathered."""
-    kept = trace.memo.layer_rows.get("alpha")
+    kept = memo_of(trace).layer_rows.get("alpha")
     if kept is not None:
         return kept[index]
     rows = targets_of(trace)
@@ -44,9 +45,10 @@ def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """Attention weights α (head mean unless heads=True)."""
     if heads:
         return stacked_alpha(trace)
-    if trace.memo.alpha_mean is None:  # block_norms leaves it here as a by-product of its pass over α
+    memo = memo_of(trace)
+    if memo.alpha_mean is None:  # block_norms leaves it here as a by-product of its pass over α
         if targets_of(trace) is not None:
             return stacked_alpha(trace).mean(2)
         pair = trace.mask[:, :, None] & trace.mask[:, None, :]
-        trace.memo.alpha_mean = torch.stack([lt.alpha.float().mean(1) * pair for lt in trace.layers], dim=1)
-    return trace.memo.alpha_mean
+        memo.alpha_mean = torch.stack([lt.alpha.float().mean(1) * pair for lt in trace.layers], dim=1)
+    return memo.alpha_mean

@@ -31,6 +31,7 @@ from torch import nn
 
 from mixlens.adapters import Layer, Norm, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import Option, Planned, register, vector_block
 from mixlens.trace import LayerTrace, Trace
 
@@ -234,7 +235,7 @@ def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values"
 
 def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decomposition]:
     """DecompX of every input of the trace (cached); raises ReconstructionError past the tolerance."""
-    if value_bias not in trace.memo.decompx:
+    if value_bias not in memo_of(trace).decompx:
         out = [decompose(trace, b, value_bias) for b in range(trace.mask.shape[0])]
         from mixlens.methods.norms import tolerance
 
@@ -245,8 +246,8 @@ def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decom
                     f"input {b + 1}: DecompX class scores differ from the logits by "
                     f"{dec.error:.3g} (relative; tolerance {limit})"
                 )
-        trace.memo.decompx[value_bias] = out
-    return trace.memo.decompx[value_bias]
+        memo_of(trace).decompx[value_bias] = out
+    return memo_of(trace).decompx[value_bias]
 
 
 VALUE_BIAS_OPTION = Option(

@@ -19,6 +19,7 @@ from mixlens.adapters import Layer
 from mixlens.errors import ReconstructionError
 from mixlens.methods.alti import projected_head_vectors
 from mixlens.methods.attention import alpha_rows, targets_of
+from mixlens.methods.memo import memo_of
 from mixlens.methods.norms import attn_sum, block_norms, head_vectors, pair_rows, quad_norm, tolerance
 from mixlens.methods.registry import Option, register, vector_block
 from mixlens.methods.rollout import kept_matrices, pair_mask, rollout, rollout_rows, row_pair_mask
@@ -110,9 +111,10 @@ def _layer_rows(trace: Trace, index: int) -> Callable[[torch.Tensor], torch.Tens
 def n_enc(trace: Trace) -> torch.Tensor:
     """Per-layer N-Enc matrices [B, L, n, n], or their target rows [B, L, K, n] in target-row mode (cached on the
     trace)."""
-    if trace.memo.globenc is None:
+    memo = memo_of(trace)
+    if memo.globenc is None:
         targets = targets_of(trace)
-        kept, streamed = trace.memo.layer_rows.get("globenc"), kept_matrices(trace, "globenc")
+        kept, streamed = memo.layer_rows.get("globenc"), kept_matrices(trace, "globenc")
         if targets is not None and kept is not None:
             mats = torch.stack(kept, dim=1)
         elif targets is not None and streamed is not None:
@@ -132,8 +134,8 @@ def n_enc(trace: Trace) -> torch.Tensor:
                 dim=1,
             )
             mats = mats * pair_mask(trace.mask)
-        trace.memo.globenc = mats
-    return trace.memo.globenc
+        memo.globenc = mats
+    return memo.globenc
 
 
 @register("globenc", needs_ffn=True, supports=vector_block, target_rows=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import jvp, vmap
 
+from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import LHTS, LTS, MethodOutput, Option, get, register
 from mixlens.trace import Edit, Trace, hooked
 
@@ -127,8 +128,8 @@ def jacobian_norms(
     """
     get("hta").check({"input": input, "mode": mode, "probes": probes, "seed": seed})  # the declared options
     key = JacobianKey(input, mode, probes if mode == "estimate" else 0, seed, tuple(sources or ()))
-    if key in trace.memo.jacobian_norms:
-        return trace.memo.jacobian_norms[key]
+    if key in memo_of(trace).jacobian_norms:
+        return memo_of(trace).jacobian_norms[key]
     b, n, _ = trace.layers[0].x.shape
     cols = torch.tensor(sources if sources is not None else range(n), dtype=torch.long)
     d_in = input_dim(trace, input)
@@ -188,7 +189,7 @@ def jacobian_norms(
         None if se_h is None else arrange(se_h, False),
         None if se_o is None else arrange(se_o, True),
     )
-    trace.memo.jacobian_norms[key] = out
+    memo_of(trace).jacobian_norms[key] = out
     return out
 
 

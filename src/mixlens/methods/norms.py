@@ -29,6 +29,7 @@ from mixlens.methods import _compiled, _torch_passes
 from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, TokenResults, kernel_args
 from mixlens.methods._torch_passes import quad_norm, quad_norms
 from mixlens.methods.attention import target_alpha, targets_of
+from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
@@ -430,7 +431,7 @@ def block_norms(trace: Trace) -> BlockNorms:
     target-row mode (`targets_of(trace)` [B, K]) the pair maps hold only those rows and the check covers their
     attention rows; the per-token quantities (ratios, scale, f_norm) cover every token. A trace streamed in
     target-row mode (`pipeline.stream_trace`) had its passes run during the forward pass: only the check is left."""
-    memo = trace.memo
+    memo = memo_of(trace)
     if memo.block_norms is None:
         run = memo.norm_run
         if run is None:
@@ -457,8 +458,9 @@ def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     token pass kept by `block_norms` in target-row mode: a Maps whose n, n_res, n_resln, alpha_mean are
     [B, 1, K', n] (other fields: the whole call's)."""
     block_norms(trace)
-    assert trace.memo.norm_states is not None, "pair_rows needs a (not streamed) trace in target-row mode"
-    layers, run = trace.memo.norm_states
+    memo = memo_of(trace)
+    assert memo.norm_states is not None, "pair_rows needs a (not streamed) trace in target-row mode"
+    layers, run = memo.norm_states
     return run.rows(layers[index], run.tok.with_targets(rows))
 
 

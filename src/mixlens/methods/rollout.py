@@ -16,6 +16,7 @@ from scipy.sparse.csgraph import maximum_flow
 
 from mixlens.errors import MixlensError
 from mixlens.methods.attention import alpha_rows, stacked_alpha, targets_of
+from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import Planned, register
 from mixlens.trace import Trace
 
@@ -149,7 +150,7 @@ def residual_rows(alpha: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | 
 def kept_matrices(trace: Trace, name: str) -> LayerRows | None:
     """Streamed trace: the per-layer matrices `name` [B, n, n] its layer sink kept, as `LayerRows` for
     `rollout_rows`; None when it kept none."""
-    mats = trace.memo.layer_mats.get(name)
+    mats = memo_of(trace).layer_mats.get(name)
     if mats is None:
         return None
     return lambda m: lambda rows: mats[m].gather(1, rows[:, :, None].expand(-1, -1, mats[m].shape[-1]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import register
 from mixlens.methods.rollout import pair_mask, rollout, row_normalize
 from mixlens.trace import Trace, hooked
@@ -68,11 +69,12 @@ def _layer(trace: Trace, index: int) -> torch.Tensor:
 
 def value_zeroing_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer value-zeroing matrices, rows normalised: [B, L, n, n] (cached on the trace)."""
-    if trace.memo.value_zeroing is None:
+    memo = memo_of(trace)
+    if memo.value_zeroing is None:
         with torch.no_grad():
             mats = torch.stack([_layer(trace, i) for i in range(trace.adapter.n_layers)], dim=1)
-        trace.memo.value_zeroing = row_normalize(mats.clamp_min(0) * pair_mask(trace.mask))
-    return trace.memo.value_zeroing
+        memo.value_zeroing = row_normalize(mats.clamp_min(0) * pair_mask(trace.mask))
+    return memo.value_zeroing
 
 
 @register("value_zeroing", extra_passes=True)

@@ -1,0 +1,48 @@
+"""The results methods share on one trace (`Memo`), kept with the methods: the trace has an opaque slot for it
+(`Trace.memo`) and knows no method. `memo_of(trace)` gives a trace's memo, made on first use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from mixlens.trace import Trace
+
+if TYPE_CHECKING:
+    from mixlens.methods.decompx import Decomposition
+    from mixlens.methods.gradients import JacobianKey, JacobianNorms
+    from mixlens.methods.norms import BlockNorms, LayerState, NormRun
+
+    NormStates = tuple[list[LayerState], NormRun]
+
+
+@dataclass
+class Memo:
+    """Intermediate results that methods share on one trace, computed once (None / empty: not yet).
+    Maps are [B, L, n(target), n(source)], padding 0."""
+
+    block_norms: BlockNorms | None = None  # the norm engine's result
+    alpha_mean: torch.Tensor | None = None  # head-mean α (a by-product of the norm engine)
+    globenc: torch.Tensor | None = None  # N-Enc per layer
+    alti: torch.Tensor | None = None  # ALTI per layer, rows normalised
+    value_zeroing: torch.Tensor | None = None  # value-zeroing per layer, rows normalised
+    decompx: dict[str, list[Decomposition]] = field(default_factory=dict)  # value_bias → one per input
+    jacobian_norms: dict[JacobianKey, JacobianNorms] = field(default_factory=dict)
+    targets: torch.Tensor | None = None  # [B, K] positions of target-row mode (`run_methods(targets=)`); None: all
+    norm_states: NormStates | None = None  # target-row mode: the engine's per-layer state, for `norms.pair_rows`
+    norm_run: NormRun | None = None  # streamed trace: the norm engine's passes, run during the forward pass
+    streamed: frozenset[str] = frozenset()  # streamed trace: the methods its layer sink served (α is gone)
+    layer_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # streamed: quantity → per layer
+    # [B, K, n] target rows (`alpha`: [B, H, K, n])
+    layer_mats: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # streamed: quantity → per layer the
+    # [B, n, n] matrix a rollout propagates the target rows through
+
+
+def memo_of(trace: Trace) -> Memo:
+    """The trace's memo, made on first use."""
+    if trace.memo is None:
+        trace.memo = Memo()
+    memo: Memo = trace.memo
+    return memo
