@@ -9,8 +9,8 @@ import torch
 import mixlens
 import mixlens.methods.norms as norms
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.pipeline import LayerStream, resolve_targets, run_methods, stream_trace
 from mixlens.methods.registry import refused_by, with_target_rows
+from mixlens.pipeline import LayerStream, resolve_targets, run_methods, stream_trace
 from tests.conftest import SENTENCES, random_lens
 from tests.test_real_models import CHECKPOINTS, model_dir
 

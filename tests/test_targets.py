@@ -11,8 +11,8 @@ import torch
 import mixlens.methods.norms as norms
 from mixlens.errors import MixlensError
 from mixlens.methods import get as get_method
-from mixlens.pipeline import resolve_targets, run_methods
 from mixlens.methods.registry import refused_by, with_target_rows
+from mixlens.pipeline import resolve_targets, run_methods
 from tests.conftest import SENTENCES, random_lens, random_model, run_cli
 
 FAMILIES = ["bert", "gpt2", "llama", "mpnet", "gemma3_text"]  # post-LN, causal pre-LN (LayerNorm, RMS), sandwich
