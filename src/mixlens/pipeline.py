@@ -71,7 +71,7 @@ def plan_batches(
 
 
 @dataclass
-class Step:
+class MethodResults:
     """What `run_methods` computed on one trace. `values[name]` [batch, *dims] (padding 0); `extras[name]` the
     method's secondary outputs (name → [batch, *axes declared by the method]; empty when none); `norms` is the norm
     engine's result (mixing ratios `norms.ratio`, reconstruction error `norms.error`, `norms.bias`) when a
@@ -90,7 +90,7 @@ def run_methods(
     heads: bool = False,
     options: dict[str, dict[str, object]] | None = None,
     targets: Targets = None,
-) -> Step:
+) -> MethodResults:
     """Run registry `methods` (names) on `trace` (options per method name; checked by the registry). The norm
     engine (`block_norms`, with its exactness check) runs only when one of the methods uses it: the norm
     engine's own methods run it first, so its by-products (the head-mean α) are shared.
@@ -119,7 +119,8 @@ def run_methods(
     if any(s.engine for s in specs) or memo.norm_run is not None:
         block_norms(trace)  # a streamed trace's norm passes ran: their per-run check runs here
     outs = {s.name: s.run(trace, heads=heads, **options.get(s.name, {})) for s in specs}
-    return Step({k: o.values for k, o in outs.items()}, memo.block_norms, {k: o.extras for k, o in outs.items()})
+    values = {k: o.values for k, o in outs.items()}
+    return MethodResults(values, memo.block_norms, {k: o.extras for k, o in outs.items()})
 
 
 def streams(methods: Sequence[str], targets: Targets) -> bool:

@@ -44,7 +44,7 @@ VALUE_BIAS: tuple[str, ...] = get_args(ValueBias)
 
 
 @dataclass
-class Decomposition:
+class DecompXInput:
     """DecompX of one input (n real tokens, C classes, L layers, d hidden)."""
 
     classes: torch.Tensor  # [C, n(source)] signed token scores; Σ over sources = logits
@@ -177,7 +177,7 @@ def _head(model: Any, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | 
 
 
 @torch.no_grad()
-def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> Decomposition:
+def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> DecompXInput:
     """DecompX of input b of a traced sequence-classification model (trace captured with ffn=True)."""
     adapter = trace.adapter
     steps, final, last = _head(trace.model, adapter.family.name)
@@ -200,7 +200,7 @@ def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> Decompo
     logits = trace.logits[b].float()
     top = logits.abs().max().clamp_min(torch.finfo(logits.dtype).tiny)
     err = ((scores.sum(-1) - logits).abs().max() / top).item()
-    return Decomposition(classes=scores, layers=torch.stack(norms), sums=torch.stack(sums), error=err)
+    return DecompXInput(classes=scores, layers=torch.stack(norms), sums=torch.stack(sums), error=err)
 
 
 def _propagated(trace: Trace, b: int, value_bias: ValueBias) -> Iterator[torch.Tensor]:
@@ -233,7 +233,7 @@ def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values"
     return h[0]
 
 
-def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decomposition]:
+def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[DecompXInput]:
     """DecompX of every input of the trace (cached); raises ReconstructionError past the tolerance."""
     if value_bias not in memo_of(trace).decompx:
         out = [decompose(trace, b, value_bias) for b in range(trace.mask.shape[0])]

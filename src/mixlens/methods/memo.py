@@ -11,7 +11,7 @@ import torch
 from mixlens.trace import Trace
 
 if TYPE_CHECKING:
-    from mixlens.methods.decompx import Decomposition
+    from mixlens.methods.decompx import DecompXInput
     from mixlens.methods.gradients import JacobianKey, JacobianNorms
     from mixlens.methods.norms import BlockNorms, LayerState, NormRun
 
@@ -28,7 +28,7 @@ class Memo:
     globenc: torch.Tensor | None = None  # N-Enc per layer
     alti: torch.Tensor | None = None  # ALTI per layer, rows normalised
     value_zeroing: torch.Tensor | None = None  # value-zeroing per layer, rows normalised
-    decompx: dict[str, list[Decomposition]] = field(default_factory=dict)  # value_bias → one per input
+    decompx: dict[str, list[DecompXInput]] = field(default_factory=dict)  # value_bias → one per input
     jacobian_norms: dict[JacobianKey, JacobianNorms] = field(default_factory=dict)
     targets: torch.Tensor | None = None  # [B, K] positions of target-row mode (`run_methods(targets=)`); None: all
     norm_states: NormStates | None = None  # target-row mode: the engine's per-layer state, for `norms.pair_rows`

@@ -27,7 +27,7 @@ from mixlens.trace import LayerTrace, Trace
 
 
 @dataclass
-class Decomposition:
+class ReferenceNorms:
     """Every quantity of the norm decomposition of a trace, as explicit vectors. B=batch, L=layer, H=head,
     n=tokens, d=hidden; axis order [batch, layer, (head,) target, source, (d)]; padded tokens are 0."""
 
@@ -74,7 +74,7 @@ def mixing_ratio(v: torch.Tensor) -> torch.Tensor:
     return c / (c + o)
 
 
-def _layer(trace: Trace, index: int) -> Decomposition:
+def _layer(trace: Trace, index: int) -> ReferenceNorms:
     """All quantities of one layer, without the layer axis ([B, (H,) n, n, (d)])."""
     lt, lay = trace.layers[index], trace.adapter.layers[index]
     norm = lay.ln_mix
@@ -102,7 +102,7 @@ def _layer(trace: Trace, index: int) -> Decomposition:
     w_own = 1 - alpha.mean(1).diagonal(dim1=1, dim2=2)  # 1 − ᾱ_ii  [B, n]
     ratio = {"W": w_own, "N": mixing_ratio(u), "Res-W": w_own / 2, "Res-N": mixing_ratio(t), "ResLN-N": mixing_ratio(g)}
     error = torch.maximum((y - lt.mix_in.float()).abs().amax(-1), (norm_out - lt.mix_out.float()).abs().amax(-1))
-    return Decomposition(
+    return ReferenceNorms(
         f=f,
         u=u,
         t=t,
@@ -122,14 +122,15 @@ def _layer(trace: Trace, index: int) -> Decomposition:
 
 
 @torch.no_grad()
-def decompose(trace: Trace) -> Decomposition:
+def decompose(trace: Trace) -> ReferenceNorms:
     """The explicit norm decomposition of every layer of a (small) trace."""
     layers = [_layer(trace, i) for i in range(len(trace.layers))]
 
     def stack(ts: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(ts, dim=1)  # the layer axis after the batch axis
 
-    return Decomposition(
-        **{f.name: stack([getattr(lay, f.name) for lay in layers]) for f in fields(Decomposition) if f.name != "ratio"},
+    names = [f.name for f in fields(ReferenceNorms) if f.name != "ratio"]
+    return ReferenceNorms(
+        **{name: stack([getattr(lay, name) for lay in layers]) for name in names},
         ratio={k: stack([lay.ratio[k] for lay in layers]) for k in RATIO_VARIANTS},
     )
