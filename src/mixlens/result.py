@@ -13,7 +13,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -1082,7 +1082,11 @@ def _explained(value: object, n: int, where: str) -> list[dict[str, Any]] | None
             )
             and isinstance(t.get("foil", ""), str)
             and all(type(t.get(k, 0)) is int for k in ("index", "foil_index"))
-            and set(t) <= {"kind", "label", "score", "foil", "index", "foil_index"}
+            and all(
+                isinstance(t.get(k, 0.0), (int, float)) and not isinstance(t.get(k), bool)
+                for k in ("probability", "foil_probability")
+            )
+            and set(t) <= {"kind", "label", "score", "foil", "index", "foil_index", "probability", "foil_probability"}
         )
         if not ok:
             raise MixlensError(f"{where}: input {b + 1}'s target must have a string kind and label and a number score")
@@ -1109,6 +1113,9 @@ class Explained:
     target: Any  # mixlens.targets.Target
     score: float
     scores: dict[str, np.ndarray]
+    probability: float | None = None  # the target's probability (classes or vocabulary), when the model has logits
+    foil_probability: float | None = None
+    extras: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # method → its secondary outputs
 
 
 class Explanation(Analysis):
@@ -1137,7 +1144,19 @@ class Explanation(Analysis):
             target = Target(t["kind"], t.get("index", -1), t["label"], foil, t.get("foil"))
             score = float("nan") if t.get("score") is None else float(t["score"])
             scores = {m: a.input(b) for m, a in self.attributions.items()}
-            out.append(Explained(self.texts[b], self.tokens[b], target, score, scores))
+            extras = {m: {k: s.row(b) for k, s in a.extra_store.items()} for m, a in self.attributions.items()}
+            out.append(
+                Explained(
+                    self.texts[b],
+                    self.tokens[b],
+                    target,
+                    score,
+                    scores,
+                    t.get("probability"),
+                    t.get("foil_probability"),
+                    {m: e for m, e in extras.items() if e},
+                )
+            )
         return out
 
     def to_json(self) -> dict[str, Any]:

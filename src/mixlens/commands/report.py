@@ -30,6 +30,7 @@ class View(str, Enum):
     ratio = "ratio"
     bipartite = "bipartite"
     routes = "routes"
+    logit_layers = "logit-layers"
 
 
 MAX_PANELS = 4
@@ -54,6 +55,40 @@ def read_saved(path: Path, text: list[str] | None, methods: list[str] | None) ->
     if methods:
         res.attributions = {m: res[m] for m in methods}
     return res
+
+
+def _logit_layers(
+    text: list[str] | None,
+    out: Path,
+    model: str | None,
+    gguf_file: str | None,
+    method: str,
+    model_head: str | None,
+    from_file: Path | None,
+) -> None:
+    """`plot --view logit-layers`: ALTI-Logit's per-layer view of a saved explanation (`explain -f json -o F`, or
+    `Explanation.save`), or of TEXT explained here with alti_logit (or --method logit_attn)."""
+    from mixlens.viz import static
+    from mixlens.viz.logit_layers import METHODS, logit_layers_figure
+
+    if out.suffix.lower().lstrip(".") not in static.FORMATS:
+        raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
+    chosen = method if method in METHODS else None
+    if from_file is not None:
+        res = read_saved(from_file, text, None)
+        if getattr(res, "explained", None) is None:
+            raise MixlensError(f"{from_file} is no explanation (write one with mixlens explain --method alti_logit)")
+    else:
+        from mixlens.explain import explain
+        from mixlens.lens import load
+
+        if not text:
+            raise MixlensError("give one or more texts, or --from FILE")
+        res = explain(load(model, gguf_file=gguf_file, head=model_head or "causal-lm"), text, [chosen or METHODS[0]])
+    if len(res.texts) > MAX_PANELS:
+        raise MixlensError(f"{len(res.texts)} inputs: a logit-layers figure holds at most {MAX_PANELS} panels")
+    static.save_figure(logit_layers_figure(res, list(range(len(res.texts))), chosen), out)
+    typer.echo(f"wrote the per-layer logit figure to {out}", err=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -114,7 +149,12 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", "-o", help="Figure file: .png, .svg or .pdf."),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
-        view: View = typer.Option(View.heatmap, "--view", help="heatmap, bipartite, ratio or routes."),
+        view: View = typer.Option(
+            View.heatmap,
+            "--view",
+            help="heatmap, bipartite, ratio, routes or logit-layers (alti_logit / logit_attn per layer; --from an "
+            "explanation, or TEXT).",
+        ),
         method: str = typer.Option("norm_resln", "--method", help="Method for heatmap/bipartite."),
         layer: int = typer.Option(-1, "--layer", help="Layer (0-based; negative counts from the end)."),
         attention_head: int | None = typer.Option(
@@ -139,6 +179,9 @@ def register(app: typer.Typer) -> None:
                 "output head"
             )
         head = attention_head
+        if view is View.logit_layers:
+            _logit_layers(text, out, model, gguf_file, method, model_head, from_file)
+            return
         if view is View.routes:
             method = "flow_routes"  # the routes figure draws the graph of flow_routes
         suffix = out.suffix.lower().lstrip(".")

@@ -91,11 +91,12 @@ def attribute(
     reference: bool = False,
     timings: dict[str, float] | None = None,
     on_method: Callable[[str], None] | None = None,
+    extras: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Scores [B, n] (padding 0) of each method for the batch of `trace` and its targets `ro` (`target` / `foil`:
     the request `ro` was resolved from, passed on to the methods that take it); with `reference` also
     `REFERENCE`. `timings` accumulates seconds per method; `on_method(name)` is called as each one finishes (for
-    progress)."""
+    progress); `extras`, when given, receives each method's secondary outputs (name → [B, *axes], on the CPU)."""
     mask = trace.mask
     fmask = mask.to(torch.float32).cpu()
     timings = timings if timings is not None else {}
@@ -103,7 +104,10 @@ def attribute(
     for name in methods:
         spec = get(name)
         t0 = time.perf_counter()
-        v = run_methods(trace, [name], options={name: _options(name, target, foil, seed)}).values[name].float()
+        step = run_methods(trace, [name], options={name: _options(name, target, foil, seed)})
+        v = step.values[name].float()
+        if extras is not None:
+            extras[name] = {k: x.detach().cpu() for k, x in step.extras.get(name, {}).items()}
         if spec.dims == ("class", "source"):
             rows = torch.arange(v.shape[0], device=v.device)
             v = v[rows, ro.index.to(v.device)] - torch.where(

@@ -10,8 +10,19 @@ import torch
 
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
-from mixlens.result import Attribution, Blocks, Explained, Explanation
-from mixlens.targets import Readout, Target, model_kind, readout, resolve_index, score, token_label, trace_output
+from mixlens.methods import get as get_method
+from mixlens.result import TOKEN_AXES, Attribution, Blocks, Explained, Explanation
+from mixlens.targets import (
+    Readout,
+    Target,
+    logit_rows,
+    model_kind,
+    readout,
+    resolve_index,
+    score,
+    token_label,
+    trace_output,
+)
 
 
 def explain(
@@ -70,15 +81,32 @@ def explain(
                 trace = lens.trace_for(lens.encode_ids(ids), methods, output=True)
             assert trace is not None
             targets, ro, score = read_targets(lens, trace, *request)
+            extras: dict[str, dict[str, torch.Tensor]] = {}
             res = attr.attribute(
-                trace, ro, methods, target=request[0], foil=request[1], seed=seed, timings=timings, on_method=advance
+                trace,
+                ro,
+                methods,
+                target=request[0],
+                foil=request[1],
+                seed=seed,
+                timings=timings,
+                on_method=advance,
+                extras=extras,
             )
+            p_target, p_foil = probabilities(trace, ro)
             for b, x in enumerate(ids):
                 toks = [token_label(lens.tokenizer, t) for t in x]  # as text: ' Paris', not 'ĠParis'
                 text = chunk[b] if step == 0 else lens.tokenizer.decode(x)
                 done.append(
                     Explained(
-                        text, toks, targets[b], float(score[b]), {m: res[m][b, : len(x)].numpy() for m in methods}
+                        text,
+                        toks,
+                        targets[b],
+                        float(score[b]),
+                        {m: res[m][b, : len(x)].numpy() for m in methods},
+                        None if p_target is None else float(p_target[b]),
+                        None if p_foil is None else float(p_foil[b]),
+                        {m: _input_extras(m, ex, b, len(x)) for m, ex in extras.items() if ex},
                     )
                 )
             if generate:
@@ -96,6 +124,15 @@ def as_explanation(
     lengths = [len(t) for t in tokens]
     params = {"target": request[0], "foil": request[1]}
     methods = list(done[0].scores) if done else []
+
+    def extras_of(m: str) -> dict[str, Blocks]:
+        dims = get_method(m).extras
+        kept = [k for k in dims if all(k in e.extras.get(m, {}) for e in done)]
+        return {
+            k: Blocks([(np.array([i]), e.extras[m][k][None]) for i, e in enumerate(done)], dims[k], lengths)
+            for k in kept
+        }
+
     attributions = {
         m: Attribution(
             Blocks([(np.array([k]), e.scores[m][None]) for k, e in enumerate(done)], ("source",), lengths),
@@ -104,6 +141,7 @@ def as_explanation(
             m,
             model,
             dict(params),
+            extras=extras_of(m) if done else {},
         )
         for m in methods
     }
@@ -112,11 +150,43 @@ def as_explanation(
             **e.target.to_json(e.score),
             "index": e.target.index,
             **({} if e.target.foil is None else {"foil_index": e.target.foil}),
+            # with a foil the score is g(x); the probabilities are kept beside it (without, score = f(x))
+            **(
+                {}
+                if e.target.foil is None or e.probability is None
+                else {"probability": e.probability, "foil_probability": e.foil_probability}
+            ),
         }
         for e in done
     ]
     texts = [e.text for e in done]
     return Explanation(model, version, texts, tokens, attributions, {}, None, explained=explained, timings=timings)
+
+
+def _input_extras(method: str, extras: dict[str, torch.Tensor], b: int, n: int) -> dict[str, np.ndarray]:
+    """Input b's secondary outputs of `method`, token axes cut to its n tokens (the registry names their axes)."""
+    dims = get_method(method).extras
+    out = {}
+    for k, v in extras.items():
+        axes = dims.get(k)
+        if axes is None or v.dim() != len(axes) + 1:
+            continue
+        cut = tuple(slice(0, n) if a in TOKEN_AXES else slice(None) for a in axes)
+        out[k] = v[b][cut].float().numpy()
+    return out
+
+
+def probabilities(trace, ro: Readout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The target's and the foil's probability at each input's target position (softmax over the classes or the
+    vocabulary), [B] each; None where the model has no logits (encoders) or no foil was given."""
+    out = trace_output(trace)
+    if ro.kind == "encoder" or out.logits is None or ro.fn is not None:
+        return None, None
+    rows = logit_rows(ro.kind, out.logits, ro.position).detach().float().softmax(-1).cpu()
+    pick = torch.arange(rows.shape[0])
+    p_t = rows[pick, ro.index.clamp_min(0)]
+    p_f = rows[pick, ro.foil.clamp_min(0)] if bool((ro.foil >= 0).any()) else None
+    return p_t, p_f
 
 
 def explained_kind(model) -> str:

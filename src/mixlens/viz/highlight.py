@@ -43,8 +43,10 @@ def _header(e) -> str:
 
 def render_fragment(expl) -> str:
     """An HTML fragment (own CSS) with one table per input: one row per method, tokens coloured by score."""
+    from mixlens.viz import logit_layers
+
     parts = [
-        f'<div class="mlx-report"><style>{_CSS}</style>',
+        f'<div class="mlx-report"><style>{_CSS}{logit_layers.css()}</style>',
         f"<h2>Explanations — {html.escape(expl.model)}</h2>",
         '<p class="mlx-meta">'
         + (
@@ -71,6 +73,8 @@ def render_fragment(expl) -> str:
                 )
             parts.append(f"<tr><th>{html.escape(m)}</th><td>{''.join(cells)}</td></tr>")
         parts.append("</table>")
+        for m in logit_layers.layered(e):  # ALTI-Logit's per-layer view: one row per layer, the sum last
+            parts.append(logit_layers.render_html(e, m))
     parts.append("</div>")
     return "\n".join(parts)
 
