@@ -12,8 +12,7 @@ import mixlens
 from mixlens.lens import default_model_path
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-SENTENCES = ["The keys to the cabinet are on the table.", "A dog barked, and then it ran away quickly!",
-             "Short one."]
+SENTENCES = ["The keys to the cabinet are on the table.", "A dog barked, and then it ran away quickly!", "Short one."]
 
 _SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 CONFIGS = {
@@ -27,11 +26,21 @@ CONFIGS = {
     "llama": lambda: T.LlamaConfig(num_key_value_heads=2, **_SMALL),
     "mpnet": lambda: T.MPNetConfig(**_SMALL),
     "gemma3_text": lambda: T.Gemma3TextConfig(
-        num_key_value_heads=1, head_dim=24, query_pre_attn_scalar=24, sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"], **_SMALL),
+        num_key_value_heads=1,
+        head_dim=24,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        **_SMALL,
+    ),
     "gemma2": lambda: T.Gemma2Config(
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, attn_logit_softcapping=5.0,
-        **_SMALL),
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        attn_logit_softcapping=5.0,
+        **_SMALL,
+    ),
 }
 _ZERO_NORMS = ("gemma3_text", "gemma2")  # (1 + w) norms initialised at w = 0: randomised so that w matters
 FAMILIES = list(CONFIGS)

@@ -5,7 +5,7 @@ about 10 % of a 512-token forward pass on a CPU; these functions write one, the 
 They do the same float operations in the same order as the code they stand in for, so they give the same floats.
 That is not assumed: `mixlens.trace` uses one only for families with `Family.inplace_attention`, without autograd, and
 only after `same_floats` compared it bit for bit with the family's own code on a small input of the same form
-(once per function and form); otherwise the family's own code runs. `tests/test_trace.py` checks every family.
+(once per function and form); otherwise the family's own code runs. `tests/engine/test_trace.py` checks every family.
 """
 
 from __future__ import annotations

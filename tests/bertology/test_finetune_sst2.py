@@ -14,7 +14,7 @@ from mixlens.lens import default_model_path
 from mixlens.methods import decompx as dx
 from tests.conftest import data_file
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "finetune_sst2.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "finetune_sst2.py"
 
 
 def _script():
@@ -27,8 +27,19 @@ def _script():
 def test_finetune_few_steps_deterministic(tmp_path, capsys):
     data = data_file("sst2", "dev.tsv")
     script = _script()
-    args = ["--data", str(data), "--train", "8", "--held-out", "4", "--epochs", "1", "--batch-size", "4",
-            "--skip-head-diff"]
+    args = [
+        "--data",
+        str(data),
+        "--train",
+        "8",
+        "--held-out",
+        "4",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "4",
+        "--skip-head-diff",
+    ]
     threads = torch.get_num_threads()
     try:
         for run in ("a", "b"):

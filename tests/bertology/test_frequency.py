@@ -69,8 +69,12 @@ def test_mixing_vs_disabling_on_a_small_model(tokenizer):
     from tests.conftest import random_lens
 
     lens = random_lens("bert", tokenizer, num_hidden_layers=3)
-    pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[1], SENTENCES[2]), (SENTENCES[0], SENTENCES[2]),
-             ("A cat.", "A dog sat.")]
+    pairs = [
+        (SENTENCES[0], SENTENCES[1]),
+        (SENTENCES[1], SENTENCES[2]),
+        (SENTENCES[0], SENTENCES[2]),
+        ("A cat.", "A dog sat."),
+    ]
     task = StsTask(lens, pairs, [1.0, 2.0, 3.0, 0.5])
     rep = mixing_vs_disabling(lens, task, [s for p in pairs for s in p], modes=("zero",))
     direct = sweep(lens, task, "zero")

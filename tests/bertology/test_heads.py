@@ -25,9 +25,11 @@ def _hand_maps() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     a = torch.zeros(2, 1, 2, n, n)
     a[:, 0, 0, :4, 0] = 1.0
     a[:, 0, 1, :4, :4] = 0.25
-    kinds = {"cls": torch.tensor([[1, 0, 0, 0, 0]] * 2, dtype=torch.bool),
-             "sep": torch.tensor([[0, 0, 0, 1, 0]] * 2, dtype=torch.bool),
-             "punct": torch.tensor([[0, 0, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)}
+    kinds = {
+        "cls": torch.tensor([[1, 0, 0, 0, 0]] * 2, dtype=torch.bool),
+        "sep": torch.tensor([[0, 0, 0, 1, 0]] * 2, dtype=torch.bool),
+        "punct": torch.tensor([[0, 0, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool),
+    }
     return a, kinds, mask
 
 
@@ -114,13 +116,23 @@ def test_attention_similarity(bundled, tokenizer):
 
 def test_cli_heads_csv_on_sst2(capsys):
     f = data_file("sst2", "dev.tsv")
-    code, out, err = run_cli(["heads", "-d", str(f), "--limit", "6", "--format", "csv", "--no-figures",
-                              "--no-cluster"], capsys)
+    code, out, err = run_cli(
+        ["heads", "-d", str(f), "--limit", "6", "--format", "csv", "--no-figures", "--no-cluster"], capsys
+    )
     assert code == 0, err
     df = pd.read_csv(io.StringIO(out))
     assert len(df) == 72 and df["layer"].min() == 0 and df["head"].max() == 11
-    assert {"attn_cls", "attn_sep", "attn_punct", "attn_self", "attn_prev", "attn_next", "attn_entropy",
-            "norm_cls", "norm_entropy"} <= set(df.columns)
+    assert {
+        "attn_cls",
+        "attn_sep",
+        "attn_punct",
+        "attn_self",
+        "attn_prev",
+        "attn_next",
+        "attn_entropy",
+        "norm_cls",
+        "norm_entropy",
+    } <= set(df.columns)
 
 
 def test_cli_heads_figures(tmp_path, capsys):
@@ -133,11 +145,14 @@ def test_cli_heads_figures(tmp_path, capsys):
     assert len(pd.read_parquet(tmp_path / "o" / "heads.parquet")) == 72
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["heads", "-d", "/nonexistent.tsv"], "does not exist"),
-    (["heads", "-d", "{sst}", "--view", "bogus"], "unknown view"),
-    (["heads", "-d", "{sst}", "--limit", "0"], "--limit"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["heads", "-d", "/nonexistent.tsv"], "does not exist"),
+        (["heads", "-d", "{sst}", "--view", "bogus"], "unknown view"),
+        (["heads", "-d", "{sst}", "--limit", "0"], "--limit"),
+    ],
+)
 def test_cli_heads_errors(args, msg, capsys):
     sst = str(data_file("sst2", "dev.tsv"))
     code, _, err = run_cli([a.replace("{sst}", sst) for a in args], capsys)
@@ -148,8 +163,23 @@ def test_cli_head_diff(tmp_path, capsys):
     from mixlens.lens import default_model_path
 
     f = data_file("sst2", "dev.tsv")
-    code, out, err = run_cli(["head-diff", "-d", str(f), "--limit", "3", "--other", str(default_model_path()),
-                              "--format", "csv", "-o", str(tmp_path), "--figures"], capsys)
+    code, out, err = run_cli(
+        [
+            "head-diff",
+            "-d",
+            str(f),
+            "--limit",
+            "3",
+            "--other",
+            str(default_model_path()),
+            "--format",
+            "csv",
+            "-o",
+            str(tmp_path),
+            "--figures",
+        ],
+        capsys,
+    )
     assert code == 0, err
     df = pd.read_csv(io.StringIO(out))
     assert len(df) == 72 and np.allclose(df["cosine"], 1.0, atol=1e-5)

@@ -13,8 +13,9 @@ from tests.conftest import SENTENCES, data_file, random_lens, run_cli
 
 
 def test_head_types_is_the_majority_label():
-    labels = np.array([[["vertical", "block"]], [["vertical", "diagonal"]], [["heterogeneous", "diagonal"]]],
-                      dtype=object)  # [inputs, L=1, H=2]
+    labels = np.array(
+        [[["vertical", "block"]], [["vertical", "diagonal"]], [["heterogeneous", "diagonal"]]], dtype=object
+    )  # [inputs, L=1, H=2]
     assert head_types(labels).tolist() == [["vertical", "diagonal"]]
 
 
@@ -33,8 +34,9 @@ def test_type_ablation_matches_the_sweep_and_random_control_is_seeded(tokenizer)
     assert res.n_heads == {"vertical": 4, "diagonal": 1, "vertical+diagonal": 0, "block": 0, "heterogeneous": 3}
     assert [r[0] for r in res.rows()] == ["vertical", "diagonal", "heterogeneous"]
     again = ablate_patterns(lens, task, types, "uniform", draws=3, seed=0)
-    assert [again.random_mean[t] for t in ("vertical", "diagonal")] == [res.random_mean[t] for t in
-                                                                         ("vertical", "diagonal")]
+    assert [again.random_mean[t] for t in ("vertical", "diagonal")] == [
+        res.random_mean[t] for t in ("vertical", "diagonal")
+    ]
     # the single-head random control: the same seeded draws, scored by the sweep
     rng = np.random.default_rng(0)
     for _ in range(3):
@@ -49,8 +51,11 @@ def test_bad_pattern_ablation_input(tokenizer):
     lens = random_lens("bert", tokenizer, head="AutoModelForSequenceClassification", num_labels=2)
     task = ClassificationTask(lens, SENTENCES, [0, 1, 1], batch_size=5)
     types = np.full((2, 4), "heterogeneous", dtype=object)
-    for kwargs, msg in [({"mode": "mean"}, "unknown ablation mode"), ({"draws": 1}, "at least 2"),
-                        ({"types": types[:1]}, "do not fit the model")]:
+    for kwargs, msg in [
+        ({"mode": "mean"}, "unknown ablation mode"),
+        ({"draws": 1}, "at least 2"),
+        ({"types": types[:1]}, "do not fit the model"),
+    ]:
         args = {"types": types, **kwargs}
         with pytest.raises(MixlensError, match=msg):
             ablate_patterns(lens, task, **args)
@@ -58,8 +63,9 @@ def test_bad_pattern_ablation_input(tokenizer):
 
 def test_cli_ablate_patterns(tmp_path, capsys):
     f = data_file("stsb", "dev.tsv")
-    code, out, err = run_cli(["ablate-patterns", "-d", str(f), "--limit", "6", "--draws", "2", "-o", str(tmp_path)],
-                             capsys)
+    code, out, err = run_cli(
+        ["ablate-patterns", "-d", str(f), "--limit", "6", "--draws", "2", "-o", str(tmp_path)], capsys
+    )
     assert code == 0, err
     assert "baseline spearman" in out and (tmp_path / "ablate_patterns.png").is_file()
     kinds = (tmp_path / "head_types.csv").read_text().splitlines()
@@ -87,8 +93,16 @@ def test_figure_counts_heads_in_words(tmp_path, monkeypatch):
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (shown.append(self), save(self, *a, **k))[1])
     counts = {t: 0 for t in PATTERNS} | {"vertical": 2, "diagonal": 1}
     res = PatternAblation(
-        "spearman", True, "uniform", 0.8, np.full((1, 3), "vertical", dtype=object), counts,
-        {t: 0.7 for t in PATTERNS}, {t: -0.05 for t in PATTERNS}, {t: 0.01 for t in PATTERNS}, 3,
+        "spearman",
+        True,
+        "uniform",
+        0.8,
+        np.full((1, 3), "vertical", dtype=object),
+        counts,
+        {t: 0.7 for t in PATTERNS},
+        {t: -0.05 for t in PATTERNS},
+        {t: 0.01 for t in PATTERNS},
+        3,
     )
     pattern_ablation_figure(res, tmp_path / "f.png")
     assert [t.get_text() for t in shown[0].axes[0].get_xticklabels()] == ["vertical\n(2 heads)", "diagonal\n(1 head)"]

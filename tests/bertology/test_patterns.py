@@ -20,7 +20,7 @@ from mixlens.stats.patterns import (
 )
 from tests.conftest import SENTENCES, data_file, run_cli
 
-LABELLED = Path(__file__).parent / "data" / "pattern_labels.json"
+LABELLED = Path(__file__).resolve().parents[2] / "data" / "pattern_labels.json"
 N = 16
 
 
@@ -73,8 +73,10 @@ def test_agreement_with_hand_labels():
     """Real maps of the bundled model labelled by eye (tests/data/pattern_labels.json)."""
     data = json.loads(LABELLED.read_text())["maps"]
     assert len(data) >= 30
-    hits = [classify(np.array(m["map"]), segments_from_separators([t == "[SEP]" for t in m["tokens"]]))
-            == m["label"] for m in data]
+    hits = [
+        classify(np.array(m["map"]), segments_from_separators([t == "[SEP]" for t in m["tokens"]])) == m["label"]
+        for m in data
+    ]
     assert np.mean(hits) >= 0.85
 
 
@@ -98,8 +100,7 @@ def test_classify_inputs_and_shares(bundled):
 
 def test_cli_patterns_csv(tmp_path, capsys):
     f = data_file("sst2", "dev.tsv")
-    code, out, err = run_cli(["patterns", "-d", str(f), "--limit", "4", "--format", "csv", "-o", str(tmp_path)],
-                             capsys)
+    code, out, err = run_cli(["patterns", "-d", str(f), "--limit", "4", "--format", "csv", "-o", str(tmp_path)], capsys)
     assert code == 0, err
     df = pd.read_csv(io.StringIO(out))
     assert list(df.columns) == ["layer", *PATTERNS] and len(df) == 6

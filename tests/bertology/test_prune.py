@@ -41,9 +41,11 @@ def test_parse_and_format_heads(bundled):
     assert abl == [Ablation(0, (1, 9), "zero"), Ablation(3, None, "zero"), Ablation(5, (8,), "zero")]
     assert parse_heads("", bundled) == []
     assert format_heads([(5, 8), (0, 9)]) == "L5H8,L0H9"
-    for spec, msg in [("L5H12", "unknown head in 'L5H12': the model has heads H0..H11"),
-                      ("L6H0", "unknown layer in 'L6H0': the model has layers L0..L5"),
-                      ("5.8", "bad head '5.8'")]:
+    for spec, msg in [
+        ("L5H12", "unknown head in 'L5H12': the model has heads H0..H11"),
+        ("L6H0", "unknown layer in 'L6H0': the model has layers L0..L5"),
+        ("5.8", "bad head '5.8'"),
+    ]:
         with pytest.raises(MixlensError, match=msg.replace(".", r"\.")):
             parse_heads(spec, bundled)
 
@@ -176,8 +178,24 @@ def test_physical_pruning_refuses_other_families(tokenizer):
 
 def test_cli_prune_stsb(tmp_path, capsys):
     f = data_file("stsb", "dev.tsv")
-    code, out, err = run_cli(["prune", "-d", str(f), "--limit", "24", "--max-heads", "2", "--resamples", "200",
-                              "--disable", "L5H8", "-o", str(tmp_path)], capsys)
+    code, out, err = run_cli(
+        [
+            "prune",
+            "-d",
+            str(f),
+            "--limit",
+            "24",
+            "--max-heads",
+            "2",
+            "--resamples",
+            "200",
+            "--disable",
+            "L5H8",
+            "-o",
+            str(tmp_path),
+        ],
+        capsys,
+    )
     assert code == 0, err
     summary = json.loads((tmp_path / "prune.json").read_text())
     assert summary["n_selection"] == 12 and summary["n_heldout"] == 12 and summary["disabled_before"] == "L5H8"
@@ -186,9 +204,14 @@ def test_cli_prune_stsb(tmp_path, capsys):
     assert len(summary["heads"].split(",")) <= 2
 
 
-@pytest.mark.parametrize("args,msg", [(["--disable", "L5H12"], "unknown head in 'L5H12'"),
-                                      (["--limit", "12"], "too small to confirm a pruning"),
-                                      (["--held-out", "1.5"], "between 0 and 1")])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--disable", "L5H12"], "unknown head in 'L5H12'"),
+        (["--limit", "12"], "too small to confirm a pruning"),
+        (["--held-out", "1.5"], "between 0 and 1"),
+    ],
+)
 def test_cli_prune_errors(args, msg, capsys):
     f = data_file("stsb", "dev.tsv")
     code, _, err = run_cli(["prune", "-d", str(f), "--limit", "40", *args], capsys)
@@ -217,8 +240,20 @@ def classifier(tmp_path, tokenizer):
 
 
 def _prune_argv(model, data, out, *extra):
-    return ["prune", "--model", str(model), "-d", str(data), "--max-heads", "1", "--resamples", "100",
-            "-o", str(out), *extra]
+    return [
+        "prune",
+        "--model",
+        str(model),
+        "-d",
+        str(data),
+        "--max-heads",
+        "1",
+        "--resamples",
+        "100",
+        "-o",
+        str(out),
+        *extra,
+    ]
 
 
 def _tree(path):
@@ -233,8 +268,9 @@ def test_cli_prune_save_classifier_loads_in_mixlens_and_transformers(classifier,
 
     model_dir, data = classifier
     save = tmp_path / "pruned"
-    code, out, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o", "--disable", "L0H0", "--save", str(save)),
-                             capsys)
+    code, out, err = run_cli(
+        _prune_argv(model_dir, data, tmp_path / "o", "--disable", "L0H0", "--save", str(save)), capsys
+    )
     assert code == 0, err
     assert "pruned forward" in out and "vs original" in out
     summary = json.loads((tmp_path / "o" / "prune.json").read_text())
@@ -258,8 +294,11 @@ def test_cli_prune_save_refuses_the_source_folder_and_a_file(classifier, tmp_pat
     model_dir, data = classifier
     before = _tree(model_dir)
     (tmp_path / "afile").write_text("x\n")
-    for target, msg in ((model_dir, "is the --model folder"), (tmp_path / "afile", "is a file"),
-                        (tmp_path, "non-empty directory that holds no pruned checkpoint")):
+    for target, msg in (
+        (model_dir, "is the --model folder"),
+        (tmp_path / "afile", "is a file"),
+        (tmp_path, "non-empty directory that holds no pruned checkpoint"),
+    ):
         code, out, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o", "--save", str(target)), capsys)
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
         assert "saved" not in out and not (tmp_path / "o").exists()
@@ -278,8 +317,9 @@ def test_cli_prune_save_on_a_failing_filesystem_is_one_line(classifier, tmp_path
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full)
-    code, out, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o", "--disable", "L0H0", "--save",
-                                         str(tmp_path / "pruned")), capsys)
+    code, out, err = run_cli(
+        _prune_argv(model_dir, data, tmp_path / "o", "--disable", "L0H0", "--save", str(tmp_path / "pruned")), capsys
+    )
     assert code == 2 and "No space left on device" in err and len(err.strip().splitlines()) == 1, err
     assert "saved" not in out and not (tmp_path / "o").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clf", "d.tsv"]  # no checkpoint, no temporary folder
@@ -316,15 +356,22 @@ def test_pruning_a_pruned_checkpoint_keeps_the_earlier_heads(tmp_path, tokenizer
     save_pruned(lens, [(0, 1)], tmp_path / "a")
     again = save_pruned(mixlens.load(tmp_path / "a"), [(1, 2)], tmp_path / "b")
     assert json.loads((tmp_path / "b" / "config.json").read_text())["mixlens_pruned_heads"] == {"0": [1], "1": [2]}
-    assert n_parameters(load_pruned(tmp_path / "b")) == n_parameters(again) == n_parameters(
-        save_pruned(lens, [(0, 1), (1, 2)], tmp_path / "c"))
+    assert (
+        n_parameters(load_pruned(tmp_path / "b"))
+        == n_parameters(again)
+        == n_parameters(save_pruned(lens, [(0, 1), (1, 2)], tmp_path / "c"))
+    )
 
 
 def test_cli_prune_save_sst2_classifier(classifier, tmp_path, capsys):
     """Item 11 as reported: a 2-class classifier on the SST-2 dev TSV, --max-heads 1 --disable L0H0 --save DIR."""
     f = data_file("sst2", "dev.tsv")
     model_dir, _ = classifier
-    code, out, err = run_cli(_prune_argv(model_dir, f, tmp_path / "o", "--limit", "40", "--disable", "L0H0",
-                                         "--save", str(tmp_path / "pruned")), capsys)
+    code, out, err = run_cli(
+        _prune_argv(
+            model_dir, f, tmp_path / "o", "--limit", "40", "--disable", "L0H0", "--save", str(tmp_path / "pruned")
+        ),
+        capsys,
+    )
     assert code == 0 and "Traceback" not in err, err
     assert "pruned forward" in out and (tmp_path / "pruned" / "model.safetensors").is_file()

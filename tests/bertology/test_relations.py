@@ -41,28 +41,35 @@ def test_conllu_pairs_and_round_trip(tmp_path):
     f = tmp_path / "t.conllu"
     f.write_text(CONLLU)
     recs = conllu_records(f)
-    assert [(p.source, p.target, p.relation) for p in recs[0].pairs] == [(1, 2, "nsubj"), (4, 2, "obj"),
-                                                                          (5, 2, "advmod")]
+    assert [(p.source, p.target, p.relation) for p in recs[0].pairs] == [
+        (1, 2, "nsubj"),
+        (4, 2, "obj"),
+        (5, 2, "advmod"),
+    ]
     write_relations(recs, tmp_path / "out.jsonl")
     back = read_relations(tmp_path / "out.jsonl")
     assert back[0].words == recs[0].words and back[0].pairs == recs[0].pairs
 
 
 def test_words_by_string(tmp_path):
-    rec = read_relations(_write(tmp_path, {"text": "the dog barked", "pairs": [{"from": "dog", "to": "barked",
-                                                                               "relation": "nsubj"}]}))[0]
+    rec = read_relations(
+        _write(tmp_path, {"text": "the dog barked", "pairs": [{"from": "dog", "to": "barked", "relation": "nsubj"}]})
+    )[0]
     assert rec.pairs == [RelationPair(1, 2, "nsubj")]
 
 
-@pytest.mark.parametrize("obj, message", [
-    ({"words": ["a", "b"], "pairs": [{"from": 0, "to": 5, "relation": "x"}]}, "is not a word index"),
-    ({"words": ["a", "b"], "pairs": [{"from": -1, "to": 1, "relation": "x"}]}, "is not a word index"),
-    ({"words": ["a", "b"], "pairs": [{"from": "zebra", "to": 1, "relation": "x"}]}, "occurs 0 times"),
-    ({"words": ["a", "a"], "pairs": [{"from": "a", "to": 1, "relation": "x"}]}, "occurs 2 times"),
-    ({"words": ["a", "b"], "pairs": [{"from": 0, "to": 1}]}, "needs 'from', 'to' and a 'relation'"),
-    ({"words": [], "pairs": []}, "'words' must be"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        ({"words": ["a", "b"], "pairs": [{"from": 0, "to": 5, "relation": "x"}]}, "is not a word index"),
+        ({"words": ["a", "b"], "pairs": [{"from": -1, "to": 1, "relation": "x"}]}, "is not a word index"),
+        ({"words": ["a", "b"], "pairs": [{"from": "zebra", "to": 1, "relation": "x"}]}, "occurs 0 times"),
+        ({"words": ["a", "a"], "pairs": [{"from": "a", "to": 1, "relation": "x"}]}, "occurs 2 times"),
+        ({"words": ["a", "b"], "pairs": [{"from": 0, "to": 1}]}, "needs 'from', 'to' and a 'relation'"),
+        ({"words": [], "pairs": []}, "'words' must be"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_bad_records(tmp_path, obj, message):
     with pytest.raises(MixlensError, match=message):
         read_relations(_write(tmp_path, obj))
@@ -103,8 +110,9 @@ def test_weights_match_word_level_attention(bundled):
         np.testing.assert_allclose(s["mean"].to_numpy().reshape(wmap.shape[:2]), wmap[:, :, i, j], atol=1e-5)
         delta = j - i
         a = np.arange(max(0, -delta), min(len(words), len(words) - delta))
-        np.testing.assert_allclose(s["baseline"].to_numpy().reshape(wmap.shape[:2]),
-                                   wmap[:, :, a, a + delta].mean(-1), atol=1e-5)
+        np.testing.assert_allclose(
+            s["baseline"].to_numpy().reshape(wmap.shape[:2]), wmap[:, :, a, a + delta].mean(-1), atol=1e-5
+        )
     norm = rep.table[rep.table["view"] == "norm"]
     assert np.all(norm["mean"] > 0) and np.all(norm["mean"] < 1)
 
@@ -113,8 +121,20 @@ def test_cli_from_conllu_writes_table_figure_and_pairs(tmp_path, capsys):
     f = tmp_path / "t.conllu"
     f.write_text(CONLLU)
     out = tmp_path / "o"
-    code, _, err = run_cli(["relations", "--from-conllu", str(f), "--permutations", "20", "-o", str(out),
-                            "--save-pairs", str(tmp_path / "p.jsonl")], capsys)
+    code, _, err = run_cli(
+        [
+            "relations",
+            "--from-conllu",
+            str(f),
+            "--permutations",
+            "20",
+            "-o",
+            str(out),
+            "--save-pairs",
+            str(tmp_path / "p.jsonl"),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert (out / "relations.png").stat().st_size > 0
     t = pd.read_csv(out / "relations.csv")

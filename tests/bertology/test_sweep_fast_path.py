@@ -9,7 +9,7 @@ import torch
 
 from mixlens.bertology.sweep import sweep
 from mixlens.bertology.tasks import StsTask
-from tests.test_interventions import GOLD, PAIRS
+from tests.engine.test_interventions import GOLD, PAIRS
 
 
 class RecordingSts(StsTask):
@@ -44,7 +44,7 @@ def _naive(lens, inputs: dict[str, torch.Tensor], layer: int, heads: list[int], 
             if mode == "zero":
                 z[..., cols] = 0
             else:
-                z[..., cols] = ((values["v"][..., cols] * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True))
+                z[..., cols] = (values["v"][..., cols] * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True)
         return (z, *out[1:])
 
     hooks = [lay.attn.value.register_forward_hook(keep_values), lay.attn.register_forward_hook(replace)]

@@ -13,11 +13,13 @@ from mixlens.interventions import Ablation, merged_edits
 from mixlens.trace import hooked
 from tests.conftest import random_lens
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "bertology.md"
-PAIRS = [("A man is playing a guitar.", "A man plays the guitar."),
-         ("A woman is slicing an onion.", "Someone is cutting an onion."),
-         ("Two dogs run in the park.", "Dogs are running outside."),
-         ("Kids play soccer.", "Children are playing football on a field.")]
+DOC = Path(__file__).resolve().parents[2] / "docs" / "bertology.md"
+PAIRS = [
+    ("A man is playing a guitar.", "A man plays the guitar."),
+    ("A woman is slicing an onion.", "Someone is cutting an onion."),
+    ("Two dogs run in the park.", "Dogs are running outside."),
+    ("Kids play soccer.", "Children are playing football on a field."),
+]
 
 
 def _example_task_class() -> type:
@@ -38,8 +40,11 @@ def _margin(lens, edits=None) -> float:
                 embs.append(lens.model(**inputs).last_hidden_state[0].mean(0))
     e = torch.nn.functional.normalize(torch.stack(embs), dim=-1)
     cos = e[0::2] @ e[1::2].T
-    return float(torch.mean(torch.stack([cos[i, i] - max(cos[i, j] for j in range(len(PAIRS)) if j != i)
-                                         for i in range(len(PAIRS))])))
+    return float(
+        torch.mean(
+            torch.stack([cos[i, i] - max(cos[i, j] for j in range(len(PAIRS)) if j != i) for i in range(len(PAIRS))])
+        )
+    )
 
 
 def test_documented_task_example(tokenizer):

@@ -76,8 +76,11 @@ def test_accuracies_match_a_direct_count(bundled, tmp_path):
         with torch.no_grad():
             a = stacked_alpha(run_traced(bundled.adapter, bundled.model, dict(enc))).numpy()
         toks = tok.convert_ids_to_tokens(enc["input_ids"][0].tolist())
-        wm = Attribution(a, ("layer", "head", "target", "source"), [toks], "attention",
-                         words=[enc.word_ids(0)]).to_words().values[0][:, :, 1:-1, 1:-1]  # drop [CLS]/[SEP]
+        wm = (
+            Attribution(a, ("layer", "head", "target", "source"), [toks], "attention", words=[enc.word_ids(0)])
+            .to_words()
+            .values[0][:, :, 1:-1, 1:-1]
+        )  # drop [CLS]/[SEP]
         for d, (h, rel) in enumerate(zip(s.heads, s.relations, strict=True)):
             if h < 0 or rel != "det":
                 continue
@@ -98,17 +101,27 @@ def test_accuracies_match_a_direct_count(bundled, tmp_path):
 
 def test_cli_syntax(tmp_path, capsys):
     f = data_file("ud_ewt", "en_ewt-ud-dev.conllu")
-    code, out, err = run_cli(["syntax", "-d", str(f), "--limit", "12", "--min-count", "3", "--format", "csv",
-                              "-o", str(tmp_path)], capsys)
+    code, out, err = run_cli(
+        ["syntax", "-d", str(f), "--limit", "12", "--min-count", "3", "--format", "csv", "-o", str(tmp_path)], capsys
+    )
     assert code == 0, err
     df = pd.read_csv(io.StringIO(out))
-    assert {"relation", "direction", "count", "layer", "head", "accuracy", "baseline_offset",
-            "baseline_accuracy"} <= set(df.columns)
+    assert {
+        "relation",
+        "direction",
+        "count",
+        "layer",
+        "head",
+        "accuracy",
+        "baseline_offset",
+        "baseline_accuracy",
+    } <= set(df.columns)
     assert df["accuracy"].between(0, 1).all() and (df["count"] >= 3).all()
 
 
-@pytest.mark.parametrize("args,msg", [(["-d", "/no/such.conllu"], "does not exist"),
-                                      (["-d", "{ud}", "--view", "x"], "unknown view")])
+@pytest.mark.parametrize(
+    "args,msg", [(["-d", "/no/such.conllu"], "does not exist"), (["-d", "{ud}", "--view", "x"], "unknown view")]
+)
 def test_cli_syntax_errors(args, msg, capsys):
     ud = str(data_file("ud_ewt", "en_ewt-ud-dev.conllu"))
     code, _, err = run_cli(["syntax", *[a.replace("{ud}", ud) for a in args]], capsys)

@@ -16,6 +16,7 @@ SENTENCE = "The keys to the cabinet are on the table."
 HEAVY = ("torch", "transformers", "numpy", "pandas", "matplotlib", "pyarrow", "scipy", "numba", "rich", "safetensors")
 
 
+@pytest.mark.slow  # starts fresh processes
 def test_help_loads_no_heavy_module():
     """Start-up: in a fresh interpreter, the CLI module and every `--help` load none of the heavy libraries."""
     code = textwrap.dedent(f"""
@@ -38,6 +39,7 @@ def test_help_loads_no_heavy_module():
     assert proc.stdout.splitlines()[-1] == "loaded:"
 
 
+@pytest.mark.slow  # starts fresh processes
 def test_import_mixlens_is_lazy_and_complete():
     code = (
         "import sys, mixlens; assert 'torch' not in sys.modules; "

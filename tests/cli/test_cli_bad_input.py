@@ -749,12 +749,12 @@ def test_a_dtype_the_device_cannot_run_is_one_line(fx, capsys, monkeypatch):
 
     def no_half(x, *a, **k):
         if x.dtype == torch.float16:
-            raise RuntimeError('"LayerNormKernelImpl" not implemented for \'Half\'')
+            raise RuntimeError("\"LayerNormKernelImpl\" not implemented for 'Half'")
         return real(x, *a, **k)
 
     monkeypatch.setattr(torch.nn.functional, "layer_norm", no_half)
     check_one_line(
-        ["analyze", "hi there", "--dtype", "float16"], fx, capsys, "dtype float16 cannot run on cpu: \"LayerNorm"
+        ["analyze", "hi there", "--dtype", "float16"], fx, capsys, 'dtype float16 cannot run on cpu: "LayerNorm'
     )
 
 

@@ -23,16 +23,25 @@ import mixlens
 from mixlens.cli import main
 from mixlens.lens import default_model_path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BLOCK = re.compile(r"^(?:<!-- docs-test: skip: (?P<skip>.+?) -->\n)?```(?P<lang>python|bash)\n(?P<code>.*?)^```",
-                   re.M | re.S)
+BLOCK = re.compile(
+    r"^(?:<!-- docs-test: skip: (?P<skip>.+?) -->\n)?```(?P<lang>python|bash)\n(?P<code>.*?)^```", re.M | re.S
+)
 # placeholders in the docs for a user's own model → the bundled model
 PLACEHOLDERS = {'"path/to/sst2-model"': "MODEL", '"path/or/hub-id"': "MODEL"}
-SST2 = ["sentence\tlabel", "a charming and often affecting journey .\t1", "unflinchingly bleak and desperate\t0",
-        "the acting , costumes , music , cinematography and sound are all astounding\t1", "it 's slow -- very slow\t0"]
-STSB = ["sentence1\tsentence2\tscore", "A man is playing a guitar.\tA man plays the guitar.\t4.8",
-        "A woman is slicing an onion.\tSomeone is cutting a tomato.\t1.2"]
+SST2 = [
+    "sentence\tlabel",
+    "a charming and often affecting journey .\t1",
+    "unflinchingly bleak and desperate\t0",
+    "the acting , costumes , music , cinematography and sound are all astounding\t1",
+    "it 's slow -- very slow\t0",
+]
+STSB = [
+    "sentence1\tsentence2\tscore",
+    "A man is playing a guitar.\tA man plays the guitar.\t4.8",
+    "A woman is slicing an onion.\tSomeone is cutting a tomato.\t1.2",
+]
 
 
 def blocks(path: Path) -> list[tuple[int, str, str, str | None]]:
@@ -68,8 +77,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("sst2-minilm")
     net = transformers.AutoModelForSequenceClassification.from_pretrained(
-        default_model_path(), num_labels=2, id2label={0: "negative", 1: "positive"},
-        label2id={"negative": 0, "positive": 1})
+        default_model_path(),
+        num_labels=2,
+        id2label={0: "negative", 1: "positive"},
+        label2id={"negative": 0, "positive": 1},
+    )
     net.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(out)
     return out
@@ -113,8 +125,9 @@ def test_doc_blocks_run(path, tmp_path, monkeypatch, given, checkpoint, capsys):
             for argv in commands(code):
                 with pytest.raises(SystemExit) as e:
                     main(argv)
-                assert e.value.code in (0, None), f"{where}: mixlens {' '.join(argv)} → exit {e.value.code}: " \
-                    f"{capsys.readouterr().err[-500:]}"
+                assert e.value.code in (0, None), (
+                    f"{where}: mixlens {' '.join(argv)} → exit {e.value.code}: {capsys.readouterr().err[-500:]}"
+                )
         ran += 1
     if not ran:
         pytest.skip(f"{path.name} has no runnable code block")

@@ -116,8 +116,11 @@ def corrupt_parquet(path) -> None:
 
 @pytest.mark.parametrize(
     "command, message",
-    [("heads", "the Parquet data cannot be read"), ("patterns", "the Parquet data cannot be read"),
-     ("syntax", "is not valid UTF-8")],  # syntax reads CoNLL-U only: binary input is refused as such
+    [
+        ("heads", "the Parquet data cannot be read"),
+        ("patterns", "the Parquet data cannot be read"),
+        ("syntax", "is not valid UTF-8"),
+    ],  # syntax reads CoNLL-U only: binary input is refused as such
 )
 def test_parquet_with_corrupt_data_pages(command, message, tmp_path, capsys, no_model):
     f = tmp_path / "bad.parquet"
@@ -168,8 +171,17 @@ def test_analyze_map_method_prints_top_sources(tmp_path, monkeypatch, capsys):
 
 def test_analyze_vector_method_says_what_was_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    argv = ["analyze", "A fine film.", "--method", "saliency", "--method", "norm", "--model-head",
-            "sequence-classification", "--allow-random-head"]
+    argv = [
+        "analyze",
+        "A fine film.",
+        "--method",
+        "saliency",
+        "--method",
+        "norm",
+        "--model-head",
+        "sequence-classification",
+        "--allow-random-head",
+    ]
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     assert "saliency:" in out and "film" in out and "Context-mixing ratio" in out
@@ -224,8 +236,17 @@ def test_report_opens_on_the_decomposition_and_draws_vector_methods(bundled):
 
 def test_plot_draws_a_vector_method_as_text(tmp_path, capsys):
     f = tmp_path / "s.png"
-    argv = ["plot", "A fine film.", "--method", "decompx_classes", "--model-head", "sequence-classification",
-            "--allow-random-head", "--out", str(f)]
+    argv = [
+        "plot",
+        "A fine film.",
+        "--method",
+        "decompx_classes",
+        "--model-head",
+        "sequence-classification",
+        "--allow-random-head",
+        "--out",
+        str(f),
+    ]
     code, _, err = run_cli(argv, capsys)
     assert code == 0, err
     assert f.read_bytes().startswith(b"\x89PNG") and "highlighted-text figure of decompx_classes" in err

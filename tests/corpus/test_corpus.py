@@ -31,8 +31,9 @@ WORDS = "the a cat dog sat on mat and then ran away quickly , . ! big small red 
 
 def synth(path: Path, n: int, seed: int = 0) -> Path:
     rng = random.Random(seed)
-    lines = ["sentence\tlabel"] + [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 20))) + f"\t{i % 2}"
-                                   for i in range(n)]
+    lines = ["sentence\tlabel"] + [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 20))) + f"\t{i % 2}" for i in range(n)
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -56,13 +57,14 @@ def cli(*args: str) -> int:
 
 
 def test_readers_all_formats_same_examples(tmp_path):
-    rows = [{"text": "hello there", "label": 1}, {"text": "a, \"quoted\" one", "label": 0}]
+    rows = [{"text": "hello there", "label": 1}, {"text": 'a, "quoted" one', "label": 0}]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "a.csv").write_text('text,label\nhello there,1\n"a, ""quoted"" one",0\n')
     (tmp_path / "a.tsv").write_text('text\tlabel\nhello there\t1\na, "quoted" one\t0\n')
-    (tmp_path / "a.txt").write_text("hello there\n\na, \"quoted\" one\n")
-    pq.write_table(pa.table({"text": [r["text"] for r in rows], "label": [1, 0]}), tmp_path / "a.parquet",
-                   row_group_size=1)
+    (tmp_path / "a.txt").write_text('hello there\n\na, "quoted" one\n')
+    pq.write_table(
+        pa.table({"text": [r["text"] for r in rows], "label": [1, 0]}), tmp_path / "a.parquet", row_group_size=1
+    )
     for suffix in ("jsonl", "csv", "tsv", "txt", "parquet"):
         got = list(iter_examples(tmp_path / f"a.{suffix}"))
         assert [e.text for e in got] == [r["text"] for r in rows], suffix
@@ -108,6 +110,7 @@ def test_readers_source_errors(tmp_path):
 def test_hf_source_without_datasets_is_a_clear_error():
     try:
         import datasets  # noqa: F401
+
         pytest.skip("datasets is installed")
     except ImportError:
         pass
@@ -145,8 +148,12 @@ def test_sums_merge_in_any_order_equals_whole():
             row = t.loc[(layer, h)]
             v = whole[:, layer, h]
             assert row["count"] == len(v)
-            np.testing.assert_allclose([row["mean"], row["std"], row["min"], row["max"]],
-                                       [v.mean(), v.std(), v.min(), v.max()], rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(
+                [row["mean"], row["std"], row["min"], row["max"]],
+                [v.mean(), v.std(), v.min(), v.max()],
+                rtol=1e-12,
+                atol=1e-12,
+            )
 
 
 # ---------------------------------------------------------------------------------- exactness of a run
@@ -158,8 +165,9 @@ def test_corpus_matches_lens_analyze(tmp_path, tiny):
     lens = mixlens.load(tiny)
     data = synth(tmp_path / "d.tsv", 23)
     texts = [e.text for e in iter_examples(data)]
-    res = run_corpus(data, tmp_path / "out", ["attention", "norm_resln"], lens=lens, store="full", shard_size=10,
-                     batch_size=4)
+    res = run_corpus(
+        data, tmp_path / "out", ["attention", "norm_resln"], lens=lens, store="full", shard_size=10, batch_size=4
+    )
     assert res.manifest["complete"] and res.manifest["counts"]["examples"] == 23
     ex = res.examples()
     assert ex["index"].tolist() == list(range(23)) and ex["text"].tolist() == texts
@@ -213,12 +221,16 @@ def _snapshot(out: Path) -> dict[str, tuple[int, bytes]]:
     return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted((out / "shards").glob("shard-*.parquet"))}
 
 
+@pytest.mark.slow  # starts fresh processes
 def test_resume_after_sigkill_is_identical(tmp_path, tiny):
     data = synth(tmp_path / "d.tsv", 72)
     args = ["corpus", "--data", str(data), "--model", tiny, "--shard-size", "3", "--batch-size", "2", "--quiet"]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "mixlens", *args, "--out", str(killed)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mixlens", *args, "--out", str(killed)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 600  # generous: the model import alone is slow on a loaded machine
         while len(list((killed / "shards").glob("shard-*.parquet"))) < 2 and proc.poll() is None:
@@ -266,15 +278,21 @@ def test_cli_refuses_other_run_unless_overwrite(tmp_path, tiny, capsys):
 def test_cli_bad_input_one_line_exit_2(tmp_path, tiny, capsys, case):
     data = synth(tmp_path / "d.tsv", 3)
     (tmp_path / "empty.tsv").write_text("")
-    args = {"missing_file": ["--data", str(tmp_path / "nope.tsv")],
-            "missing_column": ["--data", str(data), "--text-column", "review"],
-            "empty_file": ["--data", str(tmp_path / "empty.tsv")],
-            "unknown_method": ["--data", str(data), "--method", "nope"]}[case]
+    args = {
+        "missing_file": ["--data", str(tmp_path / "nope.tsv")],
+        "missing_column": ["--data", str(data), "--text-column", "review"],
+        "empty_file": ["--data", str(tmp_path / "empty.tsv")],
+        "unknown_method": ["--data", str(data), "--method", "nope"],
+    }[case]
     assert cli("corpus", *args, "--model", tiny, "--out", str(tmp_path / "o"), "--quiet") == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mixlens: error:") and len(err.splitlines()) == 1
-    assert {"missing_file": "does not exist", "missing_column": "available columns: sentence, label",
-            "empty_file": "empty", "unknown_method": "unknown method"}[case] in err
+    assert {
+        "missing_file": "does not exist",
+        "missing_column": "available columns: sentence, label",
+        "empty_file": "empty",
+        "unknown_method": "unknown method",
+    }[case] in err
 
 
 def test_cli_undecodable_lines_skipped_or_strict_keeps_finished(tmp_path, tiny, capsys):
@@ -297,8 +315,12 @@ def test_cli_undecodable_lines_skipped_or_strict_keeps_finished(tmp_path, tiny, 
 def test_cli_overlong_rows_truncated_and_counted(tmp_path, tiny, capsys):
     data = tmp_path / "long.txt"
     data.write_text("short line\n" + " ".join(["word"] * 40) + "\n")
-    assert cli("corpus", "--data", str(data), "--model", tiny, "--out", str(tmp_path / "o"), "--max-length", "8",
-               "--quiet") == 0
+    assert (
+        cli(
+            "corpus", "--data", str(data), "--model", tiny, "--out", str(tmp_path / "o"), "--max-length", "8", "--quiet"
+        )
+        == 0
+    )
     assert "1 truncated" in capsys.readouterr().err
     res = CorpusResult.open(tmp_path / "o")
     assert res.manifest["counts"]["truncated"] == 1
@@ -310,8 +332,20 @@ def test_cli_overlong_rows_truncated_and_counted(tmp_path, tiny, capsys):
 
 def test_resume_over_changed_file_is_refused(tmp_path, tiny, capsys):
     data = synth(tmp_path / "d.tsv", 12)
-    base = ["corpus", "--data", str(data), "--model", tiny, "--out", str(tmp_path / "o"), "--shard-size", "4",
-            "--quiet", "--method", "attention"]
+    base = [
+        "corpus",
+        "--data",
+        str(data),
+        "--model",
+        tiny,
+        "--out",
+        str(tmp_path / "o"),
+        "--shard-size",
+        "4",
+        "--quiet",
+        "--method",
+        "attention",
+    ]
     assert cli(*base) == 0
     synth(data, 12, seed=1)  # same path and row count, other rows
     capsys.readouterr()
@@ -334,16 +368,19 @@ def test_unchanged_file_still_resumes(tmp_path, tiny):
 def test_errors_without_model_come_first_and_leave_no_output(tmp_path, capsys, case):
     data = synth(tmp_path / "d.tsv", 3)
     (tmp_path / "head.tsv").write_text("sentence\tlabel\n")
-    args = {"header_only": ["--data", str(tmp_path / "head.tsv")],
-            "unknown_column": ["--data", str(data), "--text-column", "review"],
-            "max_length_0": ["--data", str(data), "--max-length", "0"]}[case]
+    args = {
+        "header_only": ["--data", str(tmp_path / "head.tsv")],
+        "unknown_column": ["--data", str(data), "--text-column", "review"],
+        "max_length_0": ["--data", str(data), "--max-length", "0"],
+    }[case]
     out = tmp_path / "o"
     # a model path that cannot load: the data error must be the one reported
     assert cli("corpus", *args, "--model", str(tmp_path / "no-model"), "--out", str(out), "--quiet") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no-model" not in err
-    assert {"header_only": "has no rows", "unknown_column": "no column 'review'",
-            "max_length_0": "--max-length"}[case] in err
+    assert {"header_only": "has no rows", "unknown_column": "no column 'review'", "max_length_0": "--max-length"}[
+        case
+    ] in err
     assert not out.exists()
 
 
@@ -386,6 +423,7 @@ def test_second_run_into_a_locked_out_is_refused(tmp_path, tiny, capsys):
     assert (out / "manifest.json").is_file()
 
 
+@pytest.mark.slow  # starts fresh processes
 def test_concurrent_runs_into_one_out(tmp_path, tiny):
     """#32.17: two different jobs started at once into the same --out: one finishes, the other is refused in one line
     (never two exit 0 and one manifest with shards of both)."""
@@ -393,9 +431,25 @@ def test_concurrent_runs_into_one_out(tmp_path, tiny):
     out = tmp_path / "o"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "mixlens", "corpus", "--data", str(data), "--model", tiny, "--out", str(out),
-             "--quiet", "--method", method, "--shard-size", "4"],
-            stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "mixlens",
+                "corpus",
+                "--data",
+                str(data),
+                "--model",
+                tiny,
+                "--out",
+                str(out),
+                "--quiet",
+                "--method",
+                method,
+                "--shard-size",
+                "4",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for method in ("attention", "norm")
     ]

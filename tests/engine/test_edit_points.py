@@ -22,8 +22,12 @@ def _expected_shape(lens, enc, name: str) -> tuple[int, ...]:
     d = lay.w_o.shape[1]
     if name == "embed":
         return (b, n, lens.adapter.base.get_input_embeddings().weight.shape[1])
-    return {"resid_pre": (b, n, d), "attn.v": (b, lay.n_kv_heads, n, lay.d_head),
-            "attn.pattern": (b, lay.n_heads, n, n), "attn.z": (b, lay.n_heads, n, lay.d_head)}[name.split(".", 2)[2]]
+    return {
+        "resid_pre": (b, n, d),
+        "attn.v": (b, lay.n_kv_heads, n, lay.d_head),
+        "attn.pattern": (b, lay.n_heads, n, n),
+        "attn.z": (b, lay.n_heads, n, lay.d_head),
+    }[name.split(".", 2)[2]]
 
 
 def test_each_edit_point_fires_once_per_layer_with_its_shape(family_lens):
@@ -54,8 +58,9 @@ def test_edit_points_are_keyed_by_the_real_layer(family_lens):
     last = family_lens.adapter.n_layers - 1
     with torch.no_grad():
         plain = family_lens.trace(enc)
-        tr = family_lens.trace(enc, edits={f"blocks.{last}.resid_pre": lambda x: 2 * x,
-                                           f"blocks.{last}.attn.v": torch.zeros_like})
+        tr = family_lens.trace(
+            enc, edits={f"blocks.{last}.resid_pre": lambda x: 2 * x, f"blocks.{last}.attn.v": torch.zeros_like}
+        )
     for a, b in zip(plain.layers[:last], tr.layers[:last], strict=True):
         assert torch.equal(a.x, b.x) and torch.equal(a.out, b.out)
     assert torch.equal(tr.layers[last].x, 2 * plain.layers[last].x)
@@ -67,8 +72,9 @@ def test_embed_edit_replaces_the_word_embeddings(family_lens):
     exactly as the same δ added to the token embedding rows would."""
     enc = family_lens.encode(SENTENCES)
     emb = family_lens.adapter.base.get_input_embeddings()
-    delta = 0.1 * torch.randn(*enc.inputs["input_ids"].shape, emb.weight.shape[1], generator=torch.Generator()
-                              .manual_seed(0))
+    delta = 0.1 * torch.randn(
+        *enc.inputs["input_ids"].shape, emb.weight.shape[1], generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         plain = family_lens.trace(enc)
         own = emb(enc.inputs["input_ids"])
@@ -118,21 +124,27 @@ def small(tokenizer):
     return random_lens("bert", tokenizer)
 
 
-@pytest.mark.parametrize("kwargs,msg", [
-    ({"edits": {"blocks.0.attn.q": None}}, r"unknown edit point 'blocks.0.attn.q'; valid: embed, "
-                                           r"blocks.\{l\}.resid_pre, .*attn.z \(l = 0..1\)"),
-    ({"edits": {"embeds": None}}, "unknown edit point 'embeds'"),
-    ({"edits": {"blocks.0.resid_pre.x": None}}, "unknown edit point"),
-    ({"edits": {"blocks.2.attn.v": None}}, r"layer 2 out of range in edit point 'blocks.2.attn.v'"),
-    ({"edits": {"blocks.0.attn.v": None}, "start": 1, "x": True}, r"outside the layers run \(1..1\)"),
-    ({"edits": {"blocks.1.attn.z": None}, "stop_after": 0}, r"outside the layers run \(0..0\)"),
-    ({"edits": {"embed": None}, "start": 1, "x": True}, "'embed' is not run"),
-    ({"start": 2, "x": True}, r"start layer 2 out of range; the model has 2 layers \(0..1\)"),
-    ({"start": -1}, "start layer -1 out of range"),
-    ({"start": 1}, "start=1 needs resid_pre"),
-    ({"stop_after": 2}, r"stop_after layer 2 out of range; valid: 0..1"),
-    ({"start": 1, "stop_after": 0, "x": True}, r"stop_after layer 0 out of range; valid: 1..1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (
+            {"edits": {"blocks.0.attn.q": None}},
+            r"unknown edit point 'blocks.0.attn.q'; valid: embed, "
+            r"blocks.\{l\}.resid_pre, .*attn.z \(l = 0..1\)",
+        ),
+        ({"edits": {"embeds": None}}, "unknown edit point 'embeds'"),
+        ({"edits": {"blocks.0.resid_pre.x": None}}, "unknown edit point"),
+        ({"edits": {"blocks.2.attn.v": None}}, r"layer 2 out of range in edit point 'blocks.2.attn.v'"),
+        ({"edits": {"blocks.0.attn.v": None}, "start": 1, "x": True}, r"outside the layers run \(1..1\)"),
+        ({"edits": {"blocks.1.attn.z": None}, "stop_after": 0}, r"outside the layers run \(0..0\)"),
+        ({"edits": {"embed": None}, "start": 1, "x": True}, "'embed' is not run"),
+        ({"start": 2, "x": True}, r"start layer 2 out of range; the model has 2 layers \(0..1\)"),
+        ({"start": -1}, "start layer -1 out of range"),
+        ({"start": 1}, "start=1 needs resid_pre"),
+        ({"stop_after": 2}, r"stop_after layer 2 out of range; valid: 0..1"),
+        ({"start": 1, "stop_after": 0, "x": True}, r"stop_after layer 0 out of range; valid: 1..1"),
+    ],
+)
 def test_bad_edit_points_and_layer_ranges_are_refused(small, kwargs, msg):
     kwargs = dict(kwargs)
     x = torch.zeros(1, 3, 64) if kwargs.pop("x", False) else None
@@ -165,8 +177,9 @@ def test_albert_shared_layers_are_told_apart(tokenizer, groups):
         assert tr.layers[1].value.abs().max() == 0 and tr.layers[2].value.abs().max() > 0
         assert not torch.allclose(tr.layers[1].out, plain.layers[1].out)
         for start in range(4):
-            with hooked(lens.adapter, start=start, resid_pre=plain.layers[start].x, stop_after=min(3, start + 1)
-                        ) as rec:
+            with hooked(
+                lens.adapter, start=start, resid_pre=plain.layers[start].x, stop_after=min(3, start + 1)
+            ) as rec:
                 lens.model(**enc.inputs)
             assert len(rec["out"]) == min(3, start + 1) - start + 1
             for k, out in enumerate(rec["out"]):

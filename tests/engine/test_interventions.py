@@ -13,12 +13,14 @@ from mixlens.interventions import Ablation, ablated_trace, head_contexts, merged
 from mixlens.trace import hooked
 from tests.conftest import SENTENCES, data_file, random_lens, run_cli
 
-PAIRS = [("A man is playing a guitar.", "A man plays the guitar."),
-         ("A woman is slicing an onion.", "Someone is cutting an onion."),
-         ("The cat sleeps.", "A plane is taking off from the runway."),
-         ("Two dogs run in the park.", "Dogs are running outside."),
-         ("A child is reading a book.", "The stock market fell sharply today."),
-         ("Kids play soccer.", "Children are playing football on a field.")]
+PAIRS = [
+    ("A man is playing a guitar.", "A man plays the guitar."),
+    ("A woman is slicing an onion.", "Someone is cutting an onion."),
+    ("The cat sleeps.", "A plane is taking off from the runway."),
+    ("Two dogs run in the park.", "Dogs are running outside."),
+    ("A child is reading a book.", "The stock market fell sharply today."),
+    ("Kids play soccer.", "Children are playing football on a field."),
+]
 GOLD = [4.8, 4.0, 0.2, 3.8, 0.0, 4.2]
 
 
@@ -87,8 +89,12 @@ def test_bad_ablations(bundled):
     from mixlens.errors import MixlensError
 
     mask = torch.ones(1, 3, dtype=torch.bool)
-    for ab, msg in [(Ablation(9, None), "out of range"), (Ablation(0, (12,)), "out of range"),
-                    (Ablation(0, None, "bogus"), "unknown ablation mode"), (Ablation(0, None, "mean"), "head means")]:
+    for ab, msg in [
+        (Ablation(9, None), "out of range"),
+        (Ablation(0, (12,)), "out of range"),
+        (Ablation(0, None, "bogus"), "unknown ablation mode"),
+        (Ablation(0, None, "mean"), "head means"),
+    ]:
         with pytest.raises(MixlensError, match=msg):
             merged_edits(bundled, [ab], mask)
 
@@ -134,8 +140,9 @@ def test_sweep_mlm_and_mean_mode(tokenizer):
     res = sweep(lens, task, "mean")
     assert not res.higher_is_better and res.baseline > 0
     assert head_means(lens, SENTENCES).shape == (2, 4, 16)
-    assert res.heads[1, 2] == pytest.approx(_direct(lens, task, [Ablation(1, (2,), "mean")],
-                                                    means=_task_means(lens, task)), abs=1e-5)
+    assert res.heads[1, 2] == pytest.approx(
+        _direct(lens, task, [Ablation(1, (2,), "mean")], means=_task_means(lens, task)), abs=1e-5
+    )
 
 
 def _task_means(lens, task) -> torch.Tensor:
@@ -179,9 +186,14 @@ def test_cli_sweep_stsb(tmp_path, capsys):
     assert [[name, f"{d:+.4f}"] for name, d in res.top_changes(10)] == printed
 
 
-@pytest.mark.parametrize("args,msg", [(["--mode", "bogus"], "unknown ablation mode"),
-                                      (["--metric", "bleu"], "unknown metric"),
-                                      (["--score-column", "nope"], "no column 'nope'")])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--mode", "bogus"], "unknown ablation mode"),
+        (["--metric", "bleu"], "unknown metric"),
+        (["--score-column", "nope"], "no column 'nope'"),
+    ],
+)
 def test_cli_sweep_errors(args, msg, capsys):
     f = data_file("stsb", "dev.tsv")
     code, _, err = run_cli(["sweep", "-d", str(f), "--limit", "2", *args], capsys)

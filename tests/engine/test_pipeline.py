@@ -47,8 +47,9 @@ def test_batches_equal_single_inputs(bundled, order):
                 np.testing.assert_allclose(got[..., :n, :n].numpy(), ref.numpy(), atol=1e-5, err_msg=name)
                 assert got[..., n:, :].abs().sum() == 0 and got[..., :, n:].abs().sum() == 0
             for v in step.norms.ratio:
-                np.testing.assert_allclose(step.norms.ratio[v][k, :, :n].numpy(), single.norms.ratio[v][0].numpy(),
-                                           atol=1e-5)
+                np.testing.assert_allclose(
+                    step.norms.ratio[v][k, :, :n].numpy(), single.norms.ratio[v][0].numpy(), atol=1e-5
+                )
         seen += bt.index
     assert sorted(seen) == list(range(len(TEXTS)))
     if order == "input":
@@ -59,8 +60,10 @@ def test_length_order_packs_longest_first_and_analyze_keeps_input_order(bundled)
     batches = list(bundled.batches(TEXTS, batch_size=2, order="length", max_tokens=40))
     widths = [bt.enc.inputs["input_ids"].shape[1] for bt in batches]
     assert widths == sorted(widths, reverse=True)
-    assert all(len(bt.index) <= 2 and (len(bt.index) == 1 or len(bt.index) * w <= 40)
-               for bt, w in zip(batches, widths, strict=True))
+    assert all(
+        len(bt.index) <= 2 and (len(bt.index) == 1 or len(bt.index) * w <= 40)
+        for bt, w in zip(batches, widths, strict=True)
+    )
     assert all(bt.trace is None for bt in batches)
     assert plan_batches([3, 5, 5, 1], 2, None) == [[1, 2], [0, 3]]
     assert plan_batches([3, 5, 5, 1], 4, max_cells=50) == [[1, 2], [0, 3]]

@@ -1,6 +1,6 @@
 """The package reference of the norm decomposition (`methods.reference`) against the model's own modules.
 
-The engine is tested against the reference (tests/test_core.py); here the reference is tested against what the
+The engine is tested against the reference (tests/engine/test_core.py); here the reference is tested against what the
 model's own norm and output-projection modules computed, captured by plain forward hooks (not the trace's), so that
 the two cannot be wrong in the same way.
 """
@@ -24,6 +24,7 @@ def module_io(lens: mixlens.Lens, *module_of) -> tuple[mixlens.trace.Trace, list
     calls: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in module_of]
     handles = []
     for record, get in zip(calls, module_of, strict=True):
+
         def hook(_: nn.Module, args: tuple, out: torch.Tensor, record: list = record) -> None:
             record.append((args[0].detach().clone(), out.detach().clone()))
 
@@ -82,8 +83,9 @@ def test_batched_equals_unbatched_and_padding_is_zero(family_lens):
     assert batched.n.shape[-1] > k  # the batch is padded
     for key in ("n", "n_res", "n_resln", "s"):
         b = getattr(batched, key)[2]
-        torch.testing.assert_close(b[..., :k, :k] if b.dim() == 3 else b[..., :k], getattr(short, key)[0],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            b[..., :k, :k] if b.dim() == 3 else b[..., :k], getattr(short, key)[0], atol=1e-5, rtol=1e-5
+        )
         assert not torch.any(b[..., k:]), key
     for v in RATIO_VARIANTS:
         torch.testing.assert_close(batched.ratio[v][2, :, :k], short.ratio[v][0], atol=1e-5, rtol=1e-5)

@@ -12,7 +12,7 @@ from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.registry import refused_by, with_target_rows
 from mixlens.pipeline import LayerStream, resolve_targets, run_methods, stream_trace
 from tests.conftest import SENTENCES, random_lens
-from tests.test_real_models import CHECKPOINTS, model_dir
+from tests.real_models.test_real_models import CHECKPOINTS, model_dir
 
 FAMILIES = ["bert", "gpt2", "llama", "mpnet", "gemma3_text"]  # post-LN, causal pre-LN (LayerNorm, RMS), sandwich
 
@@ -72,8 +72,11 @@ def test_the_trace_holds_target_rows_and_one_n_squared_matrix_per_rollout(family
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LayerStream, "__call__", spy)
-        for methods, mats in ((["norm", "norm_res", "norm_resln"], 0), (["norm_res", "globenc_rollout"], 1),
-                              (["alti_rollout", "attention_rollout"], 2)):
+        for methods, mats in (
+            (["norm", "norm_res", "norm_resln"], 0),
+            (["norm_res", "globenc_rollout"], 1),
+            (["alti_rollout", "attention_rollout"], 2),
+        ):
             alive.clear()
             tr = _stream(lens, enc, methods, "last")
             assert alive == list(range(layers))
@@ -122,8 +125,7 @@ def test_analyze_streams_target_rows(tokenizer, monkeypatch):
     for m in methods:
         for b, toks in enumerate(got.tokens):
             want = full[m].input(b)[:, [len(toks) - 1]]
-            torch.testing.assert_close(torch.from_numpy(got[m].input(b)), torch.from_numpy(want), rtol=1e-5,
-                                       atol=1e-6)
+            torch.testing.assert_close(torch.from_numpy(got[m].input(b)), torch.from_numpy(want), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)

@@ -93,8 +93,14 @@ def test_bytes_held_grow_with_the_targets_not_n_squared(bundled):
 
 def test_refusals_and_bad_targets(bundled):
     tr = bundled.trace(bundled.encode(["one two"]))
-    for bad, msg in (([7], "outside input 1 (4 tokens)"), ([-5], "outside"), ([1, -3], "same position twice"),
-                     ("first", "'all', 'last'"), ([], "non-empty"), ([1.5], "integer")):
+    for bad, msg in (
+        ([7], "outside input 1 (4 tokens)"),
+        ([-5], "outside"),
+        ([1, -3], "same position twice"),
+        ("first", "'all', 'last'"),
+        ([], "non-empty"),
+        ([1.5], "integer"),
+    ):
         with pytest.raises(MixlensError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             run_methods(tr, ["norm"], targets=bad)
     with pytest.raises(MixlensError, match="'value_zeroing' cannot compute target rows"):
@@ -107,9 +113,11 @@ def test_cli_targets(capsys, tmp_path):
     assert code == 0
     m = json.loads(out)["inputs"][0]["methods"]["norm"]
     assert m["targets"] == [0, 4] and len(m["values"][0]) == 2
-    for args, message in ((["--targets", "9"], "target position 9 is outside input 1 (5 tokens)"),
-                          (["--targets", "1,x"], "--targets must be"),
-                          (["--targets", "last", "-f", "html"], "use --targets all")):
+    for args, message in (
+        (["--targets", "9"], "target position 9 is outside input 1 (5 tokens)"),
+        (["--targets", "1,x"], "--targets must be"),
+        (["--targets", "last", "-f", "html"], "use --targets all"),
+    ):
         code, out, err = run_cli(["analyze", "the cat sat", *args], capsys)
         lines = [ln for ln in err.strip().splitlines() if ln]
         assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err

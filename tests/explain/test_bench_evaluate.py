@@ -9,7 +9,7 @@ import numpy as np
 
 from mixlens.explain.evaluate import Evaluation, Example
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
@@ -22,10 +22,12 @@ def _bench():
 
 def test_conllu_prefixes(tmp_path):
     f = tmp_path / "x.conllu"
-    f.write_text("# sent_id = 1\n# text = The cat sat on the warm mat.\n1\tThe\n\n"
-                 "# text = Too short here.\n\n"
-                 "# text = This one ends with a number like 42.\n\n"
-                 '# text = She said that it was "fine" in the end today!"\n')
+    f.write_text(
+        "# sent_id = 1\n# text = The cat sat on the warm mat.\n1\tThe\n\n"
+        "# text = Too short here.\n\n"
+        "# text = This one ends with a number like 42.\n\n"
+        '# text = She said that it was "fine" in the end today!"\n'
+    )
     assert _bench().conllu_prefixes(f) == ["The cat sat on the warm", 'She said that it was "fine" in the end']
 
 

@@ -14,8 +14,11 @@ from mixlens.errors import MixlensError
 from mixlens.explain.evaluate import AOPC_KS, KS, bootstrap, evaluate, perturb, spearman, top_k
 from tests.conftest import random_lens, run_cli
 
-TEXTS = ["a charming and often affecting journey .", "unflinchingly bleak and desperate",
-         "the keys to the cabinet are on the table ."]
+TEXTS = [
+    "a charming and often affecting journey .",
+    "unflinchingly bleak and desperate",
+    "the keys to the cabinet are on the table .",
+]
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +92,14 @@ def test_metrics_match_a_direct_recomputation(classifier, removal):
         inner = list(range(1, len(ids) - 1))  # [CLS] and [SEP] are never removed
 
         comp = np.mean([f0 - _f(classifier, _without(ids, _top(s, inner, k), removal, mask_id), cls) for k in KS])
-        suff = np.mean([f0 - _f(classifier, _without(ids, [j for j in inner if j not in _top(s, inner, k)], removal,
-                                                     mask_id), cls) for k in KS])
-        aopc = np.mean([f0 - _f(classifier, _without(ids, _top(s, inner, k), removal, mask_id), cls)
-                        for k in AOPC_KS])
+        suff = np.mean(
+            [
+                f0
+                - _f(classifier, _without(ids, [j for j in inner if j not in _top(s, inner, k)], removal, mask_id), cls)
+                for k in KS
+            ]
+        )
+        aopc = np.mean([f0 - _f(classifier, _without(ids, _top(s, inner, k), removal, mask_id), cls) for k in AOPC_KS])
         for name, v in (("comprehensiveness", comp), ("sufficiency", suff), ("aopc", aopc)):
             per_metric[name].append(v)
     for name, vals in per_metric.items():
@@ -136,8 +143,24 @@ def test_cli_json_schema(saved, tmp_path, capsys):
     data = tmp_path / "d.tsv"
     data.write_text("sentence\tlabel\n" + "".join(f"{t}\t1\n" for t in TEXTS))
     out = tmp_path / "ev"
-    rc, stdout, _ = run_cli(["evaluate", "--model", str(saved), "--data", str(data), "--method", "attention",
-                             "--skip", "1", "--format", "json", "--out", str(out)], capsys)
+    rc, stdout, _ = run_cli(
+        [
+            "evaluate",
+            "--model",
+            str(saved),
+            "--data",
+            str(data),
+            "--method",
+            "attention",
+            "--skip",
+            "1",
+            "--format",
+            "json",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert rc == 0
     doc = json.loads(stdout)
     assert doc == json.loads((out / "evaluation.json").read_text()) and (out / "evaluation.png").is_file()
@@ -150,8 +173,22 @@ def test_cli_json_schema(saved, tmp_path, capsys):
     for e in doc["examples"]:
         assert {"text", "tokens", "target", "f", "scores"} <= set(e)
         assert all(len(v) == len(e["tokens"]) for v in e["scores"].values())
-    rc, stdout, _ = run_cli(["evaluate", "--model", str(saved), "--data", str(data), "--method", "attention",
-                             "--limit", "1", "--out", str(out)], capsys)
+    rc, stdout, _ = run_cli(
+        [
+            "evaluate",
+            "--model",
+            str(saved),
+            "--data",
+            str(data),
+            "--method",
+            "attention",
+            "--limit",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert rc == 0 and "AOPC" in stdout and "own" in stdout
 
 
@@ -159,8 +196,11 @@ def test_cli_bad_input(saved, tmp_path, capsys):
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
     dest = tmp_path / "never"
-    for args, msg in ((["--data", str(empty)], "empty"), (["--data", str(tmp_path / "nope.tsv")], "does not exist"),
-                      (["--data", str(empty), "--removal", "zap"], "unknown removal")):
+    for args, msg in (
+        (["--data", str(empty)], "empty"),
+        (["--data", str(tmp_path / "nope.tsv")], "does not exist"),
+        (["--data", str(empty), "--removal", "zap"], "unknown removal"),
+    ):
         rc, _, err = run_cli(["evaluate", "--model", str(saved), "--out", str(dest), *args], capsys)
         assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1 and not dest.exists()
 
@@ -186,8 +226,22 @@ def test_cli_mask_removal_without_a_mask_token_writes_nothing(classifier, tmp_pa
     data = tmp_path / "d.tsv"
     data.write_text("sentence\tlabel\n" + "".join(f"{t}\t1\n" for t in TEXTS))
     dest = tmp_path / "never"
-    rc, out, err = run_cli(["evaluate", "--model", str(model_dir), "--data", str(data), "--removal", "mask",
-                            "--method", "attention", "--out", str(dest)], capsys)
+    rc, out, err = run_cli(
+        [
+            "evaluate",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(data),
+            "--removal",
+            "mask",
+            "--method",
+            "attention",
+            "--out",
+            str(dest),
+        ],
+        capsys,
+    )
     assert rc == 2 and "needs a model with a mask token" in err and len(err.strip().splitlines()) == 1
     assert not dest.exists() and out == ""
 
@@ -216,8 +270,9 @@ def test_notes_name_the_methods_left_out(classifier):
 def test_shared_attributions_and_the_json_round_trip(classifier):
     from mixlens.explain.evaluate import Evaluation, evaluate_removals
 
-    both = evaluate_removals(classifier, TEXTS, ["attention", "grad_x_input"], removals=("delete", "mask"),
-                             batch_size=2)
+    both = evaluate_removals(
+        classifier, TEXTS, ["attention", "grad_x_input"], removals=("delete", "mask"), batch_size=2
+    )
     for removal, ev in both.items():
         alone = evaluate(classifier, TEXTS, ["attention", "grad_x_input"], removal=removal, batch_size=2)
         assert ev.removal == removal and ev.metrics() == alone.metrics()

@@ -14,8 +14,16 @@ from mixlens.explain import evidence
 from mixlens.explain.evaluate import Evaluation, evaluate
 from tests.conftest import DATA, random_lens, run_cli
 
-HEADER = ["", "sentence_good", "sentence_bad", "one_prefix_prefix", "one_prefix_word_good", "one_prefix_word_bad",
-          "target", "target_phrase"]
+HEADER = [
+    "",
+    "sentence_good",
+    "sentence_bad",
+    "one_prefix_prefix",
+    "one_prefix_word_good",
+    "one_prefix_word_bad",
+    "target",
+    "target_phrase",
+]
 ROWS = [  # prompt, good, bad, target, target_phrase
     ("Raymond is selling this", "sketch", "sketches", "this", "this"),
     ("Those radii of these", "have", "has", "these", "these"),  # 'these' not matched inside 'Those'
@@ -67,8 +75,7 @@ def test_rows_are_prepared_and_skips_counted(tokenizer, tmp_path):
 
 def test_evaluation_recomputes_from_its_json(causal, tokenizer, tmp_path):
     texts, cs, skipped = evidence.prepare(tokenizer, evidence.read_rows(_write(tmp_path / "toy.csv")))
-    ev = evaluate(causal, texts, ["alti_logit", "saliency"], contrasts=cs, task="blimp", skipped=skipped,
-                  batch_size=2)
+    ev = evaluate(causal, texts, ["alti_logit", "saliency"], contrasts=cs, task="blimp", skipped=skipped, batch_size=2)
     doc = json.loads(ev.dumps())
     assert doc["task"] == "blimp" and doc["skipped"] == skipped
     with torch.no_grad():
@@ -79,8 +86,10 @@ def test_evaluation_recomputes_from_its_json(causal, tokenizer, tmp_path):
             assert e["target"]["foil"] is not None
     met = doc["task_metrics"]["toy"]
     for m in ("alti_logit", "saliency", "random"):  # MRR recomputed by hand from the JSON
-        rr = [evidence.reciprocal_rank(np.array(e["scores"][m]), np.array(e["special"]), e["contrast"]["evidence"])
-              for e in doc["examples"]]
+        rr = [
+            evidence.reciprocal_rank(np.array(e["scores"][m]), np.array(e["special"]), e["contrast"]["evidence"])
+            for e in doc["examples"]
+        ]
         assert met["all"][m]["mrr"] == pytest.approx(np.mean(rr))
         right = [r for r, e in zip(rr, doc["examples"], strict=True) if e["f"] > 0]
         if right:
@@ -101,8 +110,24 @@ def test_cli_task_blimp(causal, tmp_path, capsys):
     _write(folder / "a_toy.csv")
     _write(folder / "b_toy.csv", ROWS[:2])
     out = tmp_path / "ev"
-    rc, stdout, err = run_cli(["evaluate", "--task", "blimp", "--model", str(model_dir), "--data", str(folder),
-                               "--method", "logit_attn", "--limit", "5", "--out", str(out)], capsys)
+    rc, stdout, err = run_cli(
+        [
+            "evaluate",
+            "--task",
+            "blimp",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(folder),
+            "--method",
+            "logit_attn",
+            "--limit",
+            "5",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert rc == 0, err
     assert "MRR" in stdout and "a_toy" in stdout and "all paradigms" in stdout
     assert max(len(line) for line in stdout.splitlines()) <= 100, [x for x in stdout.splitlines() if len(x) > 100]

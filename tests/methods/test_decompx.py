@@ -110,7 +110,7 @@ def test_batched_equals_unbatched(classifier):
     cls = batched["decompx_classes"]
     assert cls.dims == ("class", "source") and cls.values.shape[:2] == (3, 2)
     n = [len(t) for t in batched.tokens]
-    assert all(np.abs(cls.values[b, :, n[b]:]).max(initial=0) == 0 for b in range(3))  # padding is 0
+    assert all(np.abs(cls.values[b, :, n[b] :]).max(initial=0) == 0 for b in range(3))  # padding is 0
 
 
 def test_absdot_bias_sharing_by_hand():
@@ -127,8 +127,9 @@ def test_absdot_bias_sharing_by_hand():
 def test_known_answer_hand_built(tokenizer):
     """1 layer, uniform attention, W_V = W_O = I, FFN = 0, plain LayerNorms, identity pooler weights, no biases:
     x_{CLS⇐k} = C([k=0] x_0 + x_k/n) / (s1 s2), pooled part = tanh(p)/p ⊙ that, score = W_c · pooled part."""
-    lens = random_lens("bert", tokenizer, head=HEAD, hidden_size=8, num_attention_heads=2, intermediate_size=16,
-                       num_hidden_layers=1)
+    lens = random_lens(
+        "bert", tokenizer, head=HEAD, hidden_size=8, num_attention_heads=2, intermediate_size=16, num_hidden_layers=1
+    )
     m = lens.model
     with torch.no_grad():
         layer = m.bert.encoder.layer[0]
@@ -166,17 +167,40 @@ def test_cli_without_classification_head(capsys):
 
 
 def test_cli_unknown_value_bias(capsys):
-    code, _, err = run_cli(["analyze", "A fine film.", "--method", "decompx_classes", "--model-head",
-                            "sequence-classification", "--allow-random-head", "--option",
-                            "decompx_classes.value_bias=zero"], capsys)
+    code, _, err = run_cli(
+        [
+            "analyze",
+            "A fine film.",
+            "--method",
+            "decompx_classes",
+            "--model-head",
+            "sequence-classification",
+            "--allow-random-head",
+            "--option",
+            "decompx_classes.value_bias=zero",
+        ],
+        capsys,
+    )
     assert code == 2
     assert "decompx_classes.value_bias must be one of values, absdot, got 'zero'" in err
     assert len(err.strip().splitlines()) == 1
 
 
 def test_cli_with_classification_head(capsys):
-    code, out, err = run_cli(["analyze", "A fine film.", "--method", "decompx_classes", "--model-head",
-                          "sequence-classification", "--allow-random-head", "--format", "json"], capsys)
+    code, out, err = run_cli(
+        [
+            "analyze",
+            "A fine film.",
+            "--method",
+            "decompx_classes",
+            "--model-head",
+            "sequence-classification",
+            "--allow-random-head",
+            "--format",
+            "json",
+        ],
+        capsys,
+    )
     assert code == 0, err
     m = json.loads(out)["inputs"][0]["methods"]["decompx_classes"]
     assert m["dims"] == ["class", "source"] and len(m["values"]) == 2

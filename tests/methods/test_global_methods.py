@@ -21,8 +21,15 @@ from mixlens.methods.registry import refused_by
 from mixlens.methods.rollout import FLOW_MAX_TOKENS, in_range, rollout
 from tests.conftest import SENTENCES, random_lens
 
-ROW_STOCHASTIC = ["attention_rollout", "attention_flow", "alti", "alti_rollout", "value_zeroing",
-                  "value_zeroing_rollout", "globenc_rollout"]
+ROW_STOCHASTIC = [
+    "attention_rollout",
+    "attention_flow",
+    "alti",
+    "alti_rollout",
+    "value_zeroing",
+    "value_zeroing_rollout",
+    "globenc_rollout",
+]
 ALL = ROW_STOCHASTIC + ["globenc"]
 OPTIONS = {"globenc_rollout": {"normalize": True}}
 
@@ -49,8 +56,9 @@ def test_rows_sum_to_one_padding_zero_and_batched_equals_unbatched(family_lens):
         np.testing.assert_allclose(v, single[name].values, atol=1e-5, rtol=1e-4, err_msg=name)
         if name in ROW_STOCHASTIC:
             rows = v.sum(-1)  # [B, L, n]
-            np.testing.assert_allclose(rows, np.broadcast_to(m[:, None, :], rows.shape).astype(float), atol=1e-5,
-                                       err_msg=name)
+            np.testing.assert_allclose(
+                rows, np.broadcast_to(m[:, None, :], rows.shape).astype(float), atol=1e-5, err_msg=name
+            )
     if family_lens.adapter.family.causal:  # nothing flows from later tokens
         for name in names:
             assert np.abs(np.triu(batched[name].values, k=1)).max() < 1e-6, name
@@ -79,15 +87,19 @@ def test_alti_and_globenc_vectors_rebuild_the_real_outputs(family_lens):
         c = c / c.sum(-1, keepdim=True).clamp_min(1e-30)
         np.testing.assert_allclose(res["alti"].values[:, layer], c.numpy(), atol=1e-5)
         if pre_ln:  # GlobEnc on a pre-LN layer is ‖t_ij‖
-            np.testing.assert_allclose(res["globenc"].values[:, layer],
-                                       (t.norm(dim=-1) * (tr.mask[:, :, None] & tr.mask[:, None, :])).numpy(),
-                                       atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(
+                res["globenc"].values[:, layer],
+                (t.norm(dim=-1) * (tr.mask[:, :, None] & tr.mask[:, None, :])).numpy(),
+                atol=1e-4,
+                rtol=1e-4,
+            )
             continue
         v, rest = globenc_vectors(tr, layer)
         assert ((v.sum(2) + rest - lt.out.float()).abs() * mask).max() < 1e-4, layer
         pair = tr.mask[:, :, None] & tr.mask[:, None, :]
-        np.testing.assert_allclose(res["globenc"].values[:, layer], (v.norm(dim=-1) * pair).numpy(), atol=1e-4,
-                                   rtol=1e-4)
+        np.testing.assert_allclose(
+            res["globenc"].values[:, layer], (v.norm(dim=-1) * pair).numpy(), atol=1e-4, rtol=1e-4
+        )
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])  # a causal model's rows skip the sources after the target
@@ -109,10 +121,12 @@ def test_alti_blocking_and_the_torch_path_match(family, tokenizer, monkeypatch):
 
 # ---- known answers on a hand-built BERT: uniform attention, W_V = W_O = I, no FFN, plain LayerNorms ----
 
+
 def uniform_lens(tokenizer, n_layers: int) -> mixlens.Lens:
     """Every layer: y_i = x_i + mean_j x_j (real tokens j), then LN1, FFN = 0, LN2 (γ = 1, β = 0)."""
-    lens = random_lens("bert", tokenizer, hidden_size=8, num_attention_heads=2, intermediate_size=16,
-                       num_hidden_layers=n_layers)
+    lens = random_lens(
+        "bert", tokenizer, hidden_size=8, num_attention_heads=2, intermediate_size=16, num_hidden_layers=n_layers
+    )
     with torch.no_grad():
         for layer in lens.model.encoder.layer:
             att = layer.attention
@@ -198,18 +212,24 @@ def test_attention_flow_rows_sum_to_one(bundled):
 
 # ---- bad input through the real CLI: one line, exit code 2 ----
 
+
 def cli(args: list[str], capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exc:
         main(args)
     return exc.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["analyze", " ".join(["word"] * FLOW_MAX_TOKENS), "--method", "attention_flow"], "limited to 32 tokens"),
-    (["analyze", "A text.", "--method", "globenc_rollout", "--option", "globenc_rollout.normalize=maybe"],
-     "must be true or false"),
-    (["analyze", "A text.", "--method", "alti", "--option", "alti.normalize=true"], "has no option"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["analyze", " ".join(["word"] * FLOW_MAX_TOKENS), "--method", "attention_flow"], "limited to 32 tokens"),
+        (
+            ["analyze", "A text.", "--method", "globenc_rollout", "--option", "globenc_rollout.normalize=maybe"],
+            "must be true or false",
+        ),
+        (["analyze", "A text.", "--method", "alti", "--option", "alti.normalize=true"], "has no option"),
+    ],
+)
 def test_cli_errors(args, message, capsys):
     code, err = cli(args, capsys)
     assert code == 2
@@ -218,8 +238,21 @@ def test_cli_errors(args, message, capsys):
 
 def test_cli_runs_global_methods(tmp_path, capsys):
     out = tmp_path / "a.json"
-    code, err = cli(["analyze", "Short one.", "--method", "globenc_rollout", "--method", "value_zeroing",
-                     "--option", "globenc_rollout.normalize=true", "--out", str(out)], capsys)
+    code, err = cli(
+        [
+            "analyze",
+            "Short one.",
+            "--method",
+            "globenc_rollout",
+            "--method",
+            "value_zeroing",
+            "--option",
+            "globenc_rollout.normalize=true",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, err
     import json
 

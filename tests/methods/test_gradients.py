@@ -8,12 +8,15 @@ import torch
 
 from mixlens.cli import main
 from mixlens.methods import gradients as G
-
-from .conftest import random_lens
+from tests.conftest import random_lens
 
 TEXTS = ["A dog barked.", "Short one, a bit longer."]
-TINY = {"bert": dict(hidden_size=32, intermediate_size=64), "gpt2": dict(n_embd=32),
-        "llama": dict(hidden_size=32, intermediate_size=64), "albert": dict(hidden_size=32, intermediate_size=64)}
+TINY = {
+    "bert": dict(hidden_size=32, intermediate_size=64),
+    "gpt2": dict(n_embd=32),
+    "llama": dict(hidden_size=32, intermediate_size=64),
+    "albert": dict(hidden_size=32, intermediate_size=64),
+}
 
 
 def tiny(tokenizer, family: str = "bert"):
@@ -34,8 +37,9 @@ def reverse_norms(tr, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     return je.pow(2).sum((3, 5)), jo.pow(2).sum((4, 6))
 
 
-@pytest.mark.parametrize("family,where", [("bert", "word"), ("gpt2", "word"), ("llama", "embedding"),
-                                          ("albert", "embedding")])
+@pytest.mark.parametrize(
+    "family,where", [("bert", "word"), ("gpt2", "word"), ("llama", "embedding"), ("albert", "embedding")]
+)
 def test_exact_matches_reverse_mode(tokenizer, family, where):
     lens = tiny(tokenizer, family)
     tr = lens.trace(TEXTS)
@@ -62,8 +66,7 @@ def test_hand_built_identity_model(tokenizer):
     lens = tiny(tokenizer)
     with torch.no_grad():
         for lay in lens.adapter.base.encoder.layer:
-            for lin in (lay.attention.self.value, lay.attention.output.dense, lay.intermediate.dense,
-                        lay.output.dense):
+            for lin in (lay.attention.self.value, lay.attention.output.dense, lay.intermediate.dense, lay.output.dense):
                 lin.weight.zero_()
                 lin.bias.zero_()
     tr = lens.trace(["one two three"])
@@ -119,11 +122,12 @@ def test_analyze_and_cli_errors(tokenizer, tmp_path, capsys):
     assert entry["extras"]["stderr"]["dims"] == ["layer", "target", "source"]
     stderr = np.array(entry["extras"]["stderr"]["values"], np.float32)
     np.testing.assert_array_equal(stderr, res["hta"].extra_store["stderr"].row(0))
-    for argv, msg in ((["--option", "hta.mode=fast"], "hta.mode must be one of exact, estimate, got 'fast'"),
-                      (["--option", "hta.input=pos"], "hta.input must be one of word, embedding"),
-                      (["--option", "hta.output=stderr"], "method 'hta' has no option 'output'"),
-                      (["--option", "hta.mode=estimate", "--option", "hta.probes=1"],
-                       "hta.probes must be an integer ≥ 2")):
+    for argv, msg in (
+        (["--option", "hta.mode=fast"], "hta.mode must be one of exact, estimate, got 'fast'"),
+        (["--option", "hta.input=pos"], "hta.input must be one of word, embedding"),
+        (["--option", "hta.output=stderr"], "method 'hta' has no option 'output'"),
+        (["--option", "hta.mode=estimate", "--option", "hta.probes=1"], "hta.probes must be an integer ≥ 2"),
+    ):
         with pytest.raises(SystemExit) as e:
             main(["analyze", "hi there", "--method", "hta", "-o", str(tmp_path / "x.json"), *argv])
         assert e.value.code == 2

@@ -14,8 +14,7 @@ from mixlens.methods.attention import stacked_alpha
 from mixlens.methods.gradients import head_attribution
 from mixlens.stats.agreement import compare_local_global, js_rows, pearson_rows, spearman_rows
 from mixlens.stats.tokens import TOKEN_TYPES
-
-from .conftest import random_lens
+from tests.conftest import random_lens
 
 
 def test_row_statistics_known_answers():
@@ -58,8 +57,7 @@ def test_cli(tmp_path, capsys):
     data.write_text("sentence\tlabel\nthe film is fun .\t1\na dull , slow movie\t0\n")
     out, fig = tmp_path / "lg.json", tmp_path / "lg.png"
     with pytest.raises(SystemExit) as e:
-        main(["compare-local-global", str(data), "--probes", "2", "--limit", "2", "-o", str(out), "--figure",
-              str(fig)])
+        main(["compare-local-global", str(data), "--probes", "2", "--limit", "2", "-o", str(out), "--figure", str(fig)])
     assert e.value.code == 0
     res = json.loads(out.read_text())
     assert res["n_inputs"] == 2 and len(res["js_per_layer"]) == 6 and fig.stat().st_size > 0

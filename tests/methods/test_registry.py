@@ -16,10 +16,9 @@ from mixlens.methods import REGISTRY, MethodOutput, Option, get, register
 from mixlens.methods.memo import Memo, memo_of
 from mixlens.methods.registry import check_options, parse_option
 from mixlens.methods.saliency import output_attribution
+from tests.conftest import SENTENCES, random_lens, run_cli
 
-from .conftest import SENTENCES, random_lens, run_cli
-
-ENGINE = Path(__file__).parents[1] / "docs" / "ENGINE.md"
+ENGINE = Path(__file__).parents[2] / "docs" / "ENGINE.md"
 
 
 def test_option_python_values():
@@ -55,12 +54,13 @@ def test_option_cli_strings():
     assert parse_option("saliency", "position", "none") is None
     assert parse_option("saliency", "reduction", '"l1"') == "l1"
     for method, key, raw, msg in (
-            ("globenc_rollout", "normalize", "maybe", "globenc_rollout.normalize must be true or false, got 'maybe'"),
-            ("integrated_gradients", "steps", "1", "integrated_gradients.steps must be an integer ≥ 2, got 1"),
-            ("integrated_gradients", "steps", "2.5", "must be an integer ≥ 2, got '2.5'"),
-            ("saliency", "target", "len", "saliency.target must be an integer ≥ 0 or 'pred'"),
-            ("hta", "output", "stderr", "method 'hta' has no option 'output'; options: input, mode, probes, seed"),
-            ("nope", "x", "1", "unknown method 'nope'")):
+        ("globenc_rollout", "normalize", "maybe", "globenc_rollout.normalize must be true or false, got 'maybe'"),
+        ("integrated_gradients", "steps", "1", "integrated_gradients.steps must be an integer ≥ 2, got 1"),
+        ("integrated_gradients", "steps", "2.5", "must be an integer ≥ 2, got '2.5'"),
+        ("saliency", "target", "len", "saliency.target must be an integer ≥ 0 or 'pred'"),
+        ("hta", "output", "stderr", "method 'hta' has no option 'output'; options: input, mode, probes, seed"),
+        ("nope", "x", "1", "unknown method 'nope'"),
+    ):
         with pytest.raises(MixlensError) as e:
             parse_option(method, key, raw)
         assert msg in str(e.value) and "\n" not in str(e.value)
@@ -70,9 +70,11 @@ def test_declarations_match_signatures():
     for m in REGISTRY.values():
         assert {o.name for o in m.options} <= set(m.defaults())
     with pytest.raises(RuntimeError, match="do not match"):
+
         @register("bad_method_for_test", options=(Option("k", int, 1),))
         def bad(trace, *, k: int = 2) -> torch.Tensor:
             return trace.mask
+
     assert "bad_method_for_test" not in REGISTRY
     with pytest.raises(TypeError):
         Option("x", list, [])
@@ -100,9 +102,11 @@ def test_cli_validates_options_before_loading(monkeypatch, capsys):
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(mixlens.lens, "load", no_model)
-    for argv, msg in ((["--method", "hta", "--option", "hta.probes=1"], "option hta.probes must be an integer ≥ 2"),
-                      (["--method", "decompx", "--option", "decompx.value_bias=x"], "one of values, absdot"),
-                      (["--method", "norm", "--option", "norm.heads=true"], "method 'norm' has no option 'heads'")):
+    for argv, msg in (
+        (["--method", "hta", "--option", "hta.probes=1"], "option hta.probes must be an integer ≥ 2"),
+        (["--method", "decompx", "--option", "decompx.value_bias=x"], "one of values, absdot"),
+        (["--method", "norm", "--option", "norm.heads=true"], "method 'norm' has no option 'heads'"),
+    ):
         code, _, err = run_cli(["analyze", "A text.", *argv], capsys)
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
 
@@ -123,8 +127,12 @@ def test_methods_lists_typed_options(capsys):
 def test_integrated_gradients_delta_is_an_extra(tokenizer):
     lens = random_lens("bert", tokenizer, head="AutoModelForSequenceClassification")
     texts = SENTENCES[:3]
-    res = lens.analyze(texts, ["integrated_gradients", "saliency"], batch_size=2,
-                       options={"integrated_gradients": {"steps": 8, "target": 1}})
+    res = lens.analyze(
+        texts,
+        ["integrated_gradients", "saliency"],
+        batch_size=2,
+        options={"integrated_gradients": {"steps": 8, "target": 1}},
+    )
     delta = res["integrated_gradients"].extras["delta"]
     assert delta.shape == (3,) and res["saliency"].extras == {}
     for b, text in enumerate(texts):  # per input, in input order, equal to a direct call
@@ -156,8 +164,9 @@ def test_engine_doc_example_adds_a_method(tokenizer, capsys):
     try:
         exec(compile(textwrap.dedent(block.group(1)), str(ENGINE), "exec"), {})
         lens = random_lens("bert", tokenizer)
-        res = lens.analyze(SENTENCES[:3], ["attention", "attention_power"], batch_size=2,
-                           options={"attention_power": {"power": 1.0}})
+        res = lens.analyze(
+            SENTENCES[:3], ["attention", "attention_power"], batch_size=2, options={"attention_power": {"power": 1.0}}
+        )
         for b in range(3):  # power 1: the head-mean attention itself (rows already sum to 1)
             np.testing.assert_allclose(res["attention_power"].input(b), res["attention"].input(b), atol=1e-6)
             np.testing.assert_allclose(res["attention_power"].extra_store["row_sum"].row(b), 1.0, atol=1e-5)

@@ -10,8 +10,7 @@ import mixlens
 from mixlens.cli import main
 from mixlens.errors import MixlensError
 from mixlens.methods.saliency import output_attribution
-
-from .conftest import random_lens, random_model
+from tests.conftest import random_lens, random_model
 
 TEXTS = ["A dog barked.", "Short one, a bit longer."]
 
@@ -60,8 +59,12 @@ def test_hand_computable_gradient(linear_gpt2):
 
 
 def test_classifier_ig_completeness_and_batching(tokenizer):
-    lens = mixlens.Lens(random_model("bert", tokenizer, head="AutoModelForSequenceClassification",
-                                     hidden_size=32, intermediate_size=64), tokenizer)
+    lens = mixlens.Lens(
+        random_model(
+            "bert", tokenizer, head="AutoModelForSequenceClassification", hidden_size=32, intermediate_size=64
+        ),
+        tokenizer,
+    )
     tr = lens.trace(TEXTS)
     for baseline in ("zero", "pad"):
         ig = output_attribution(tr, "integrated_gradients", target=1, reduction="sum", baseline=baseline, steps=100)
@@ -79,8 +82,9 @@ def test_classifier_ig_completeness_and_batching(tokenizer):
 
 
 def test_masked_lm_target_at_mask(tokenizer):
-    lens = mixlens.Lens(random_model("bert", tokenizer, head="AutoModelForMaskedLM", hidden_size=32,
-                                     intermediate_size=64), tokenizer)
+    lens = mixlens.Lens(
+        random_model("bert", tokenizer, head="AutoModelForMaskedLM", hidden_size=32, intermediate_size=64), tokenizer
+    )
     texts = ["The [MASK] barked.", "A cat [MASK] on the mat today."]
     tr = lens.trace(texts)
     tok_id = tokenizer.convert_tokens_to_ids("dog")
@@ -96,9 +100,11 @@ def test_masked_lm_target_at_mask(tokenizer):
 
 
 def test_cli_errors(tmp_path, capsys):
-    for argv, msg in ((["--option", "saliency.reduction=max"], "saliency.reduction must be one of l2, l1, sum"),
-                      (["--option", "saliency.target=cls"], "saliency.target must be an integer ≥ 0 or 'pred'"),
-                      (["--option", "saliency.target=3"], "sentence encoder has one target")):
+    for argv, msg in (
+        (["--option", "saliency.reduction=max"], "saliency.reduction must be one of l2, l1, sum"),
+        (["--option", "saliency.target=cls"], "saliency.target must be an integer ≥ 0 or 'pred'"),
+        (["--option", "saliency.target=3"], "sentence encoder has one target"),
+    ):
         with pytest.raises(SystemExit) as e:
             main(["analyze", "hi there", "--method", "saliency", "-o", str(tmp_path / "x.json"), *argv])
         assert e.value.code == 2
@@ -108,14 +114,20 @@ def test_cli_errors(tmp_path, capsys):
 
 def test_ig_chunked_equals_unchunked(tokenizer):
     """Integrated gradients in chunks of input × step rows give the numbers of one pass over all steps."""
-    lens = mixlens.Lens(random_model("bert", tokenizer, head="AutoModelForSequenceClassification",
-                                     hidden_size=32, intermediate_size=64), tokenizer)
+    lens = mixlens.Lens(
+        random_model(
+            "bert", tokenizer, head="AutoModelForSequenceClassification", hidden_size=32, intermediate_size=64
+        ),
+        tokenizer,
+    )
     tr = lens.trace(TEXTS)
-    whole = output_attribution(tr, "integrated_gradients", target=1, reduction="sum", steps=20,
-                               internal_batch_size=2 * 20)
+    whole = output_attribution(
+        tr, "integrated_gradients", target=1, reduction="sum", steps=20, internal_batch_size=2 * 20
+    )
     for rows in (2, 7, 16):  # one step per chunk, uneven chunks, several steps per chunk
-        part = output_attribution(tr, "integrated_gradients", target=1, reduction="sum", steps=20,
-                                  internal_batch_size=rows)
+        part = output_attribution(
+            tr, "integrated_gradients", target=1, reduction="sum", steps=20, internal_batch_size=rows
+        )
         torch.testing.assert_close(part.raw, whole.raw, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(part.delta, whole.delta, atol=1e-6, rtol=1e-5)
     default = output_attribution(tr, "integrated_gradients", target=1, reduction="sum", steps=20)
@@ -126,16 +138,21 @@ def test_ig_chunked_equals_unchunked(tokenizer):
 
 def test_output_saliency_runs_no_captured_forward(tokenizer, monkeypatch):
     """Gradient-only runs skip the traced forward (capture hooks): same numbers as from a full trace."""
-    lens = mixlens.Lens(random_model("bert", tokenizer, head="AutoModelForSequenceClassification",
-                                     hidden_size=32, intermediate_size=64), tokenizer)
+    lens = mixlens.Lens(
+        random_model(
+            "bert", tokenizer, head="AutoModelForSequenceClassification", hidden_size=32, intermediate_size=64
+        ),
+        tokenizer,
+    )
     traced = {k: output_attribution(lens.trace(TEXTS), k).values for k in ("saliency", "grad_x_input")}
 
     def no_trace(*args, **kwargs):
         raise AssertionError("a traced forward pass ran")
 
     monkeypatch.setattr("mixlens.lens.run_traced", no_trace)
-    an = lens.analyze(TEXTS, ["saliency", "grad_x_input", "integrated_gradients"],
-                      options={"integrated_gradients": {"steps": 4}})
+    an = lens.analyze(
+        TEXTS, ["saliency", "grad_x_input", "integrated_gradients"], options={"integrated_gradients": {"steps": 4}}
+    )
     for k, v in traced.items():
         for b in range(len(TEXTS)):
             n = len(an.tokens[b])

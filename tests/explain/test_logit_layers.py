@@ -62,8 +62,20 @@ def test_plot_logit_layers(expl, causal, tmp_path, capsys):
     rc, _, err = run_cli(["plot", "--view", "logit-layers", "--from", str(src), "--out", str(png)], capsys)
     assert rc == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rc, _, err = run_cli(["plot", "--view", "logit-layers", "--from", str(src), "--method", "logit_attn",
-                          "--out", str(tmp_path / "g.svg")], capsys)
+    rc, _, err = run_cli(
+        [
+            "plot",
+            "--view",
+            "logit-layers",
+            "--from",
+            str(src),
+            "--method",
+            "logit_attn",
+            "--out",
+            str(tmp_path / "g.svg"),
+        ],
+        capsys,
+    )
     assert rc == 0, err
     plain = tmp_path / "p.json"
     plain.write_text(explain(causal, TEXTS[:1], ["saliency"]).dumps())

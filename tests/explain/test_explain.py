@@ -97,12 +97,18 @@ def test_integrated_gradients_complete_and_occlusion_direct(classifier):
     emb = classifier.model.get_input_embeddings()(enc.inputs["input_ids"])
     with torch.no_grad():
         full = classifier.model(**enc.inputs).logits[0, 1]
-        zero = classifier.model(inputs_embeds=torch.zeros_like(emb), attention_mask=enc.inputs["attention_mask"],
-                                token_type_ids=enc.inputs["token_type_ids"]).logits[0, 1]
+        zero = classifier.model(
+            inputs_embeds=torch.zeros_like(emb),
+            attention_mask=enc.inputs["attention_mask"],
+            token_type_ids=enc.inputs["token_type_ids"],
+        ).logits[0, 1]
         occluded = emb.clone()
         occluded[0, 2] = 0
-        drop = classifier.model(inputs_embeds=occluded, attention_mask=enc.inputs["attention_mask"],
-                                token_type_ids=enc.inputs["token_type_ids"]).logits[0, 1]
+        drop = classifier.model(
+            inputs_embeds=occluded,
+            attention_mask=enc.inputs["attention_mask"],
+            token_type_ids=enc.inputs["token_type_ids"],
+        ).logits[0, 1]
     assert float(e.scores["integrated_gradients"].sum()) == pytest.approx(float(full - zero), abs=2e-2)
     assert float(e.scores["occlusion"][2]) == pytest.approx(float(full - drop), abs=1e-4)
 
@@ -142,8 +148,23 @@ def test_bad_targets(classifier, causal, bundled):
 
 
 def test_cli_json_schema_and_html(saved, tmp_path, capsys):
-    rc, out, _ = run_cli(["explain", "a charming film", "--model", str(saved / "clf"), "--method", "attention",
-                          "--method", "decompx_classes", "--target", "negative", "--format", "json"], capsys)
+    rc, out, _ = run_cli(
+        [
+            "explain",
+            "a charming film",
+            "--model",
+            str(saved / "clf"),
+            "--method",
+            "attention",
+            "--method",
+            "decompx_classes",
+            "--target",
+            "negative",
+            "--format",
+            "json",
+        ],
+        capsys,
+    )
     assert rc == 0
     doc = json.loads(out)
     assert set(doc) == {"model", "version", "inputs"}
@@ -153,19 +174,37 @@ def test_cli_json_schema_and_html(saved, tmp_path, capsys):
     assert inp["target"]["label"] == "negative" and set(inp["scores"]) == {"attention", "decompx_classes"}
     assert all(len(v) == len(inp["tokens"]) for v in inp["scores"].values())
     page = tmp_path / "x.html"
-    rc, _, _ = run_cli(["explain", "a charming film", "--model", str(saved / "lm"), "--method", "decompx_logit",
-                        "--foil", "the", "--format", "html", "--out", str(page)], capsys)
+    rc, _, _ = run_cli(
+        [
+            "explain",
+            "a charming film",
+            "--model",
+            str(saved / "lm"),
+            "--method",
+            "decompx_logit",
+            "--foil",
+            "the",
+            "--format",
+            "html",
+            "--out",
+            str(page),
+        ],
+        capsys,
+    )
     text = page.read_text()
     assert rc == 0 and "decompx_logit" in text and "<script" not in text and "http" not in text.split("<body>")[1]
     rc, out, _ = run_cli(["explain", "a charming film", "--model", str(saved / "clf"), "--method", "attention"], capsys)
     assert rc == 0 and "attention" in out and "charming" in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "clf", "--target", "neutral"], "no label 'neutral'"),
-    (["--model", "lm", "--target", "the", "--foil", "the"], "is the target itself"),
-    (["--model", "clf", "--generate", "2"], "needs a causal language model"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "clf", "--target", "neutral"], "no label 'neutral'"),
+        (["--model", "lm", "--target", "the", "--foil", "the"], "is the target itself"),
+        (["--model", "clf", "--generate", "2"], "needs a causal language model"),
+    ],
+)
 @pytest.mark.parametrize("fmt", ["json", "html"])
 def test_cli_bad_input_one_line_exit_2(saved, tmp_path, capsys, monkeypatch, args, message, fmt):
     args = [a if a not in ("clf", "lm") else str(saved / a) for a in args]
@@ -173,8 +212,9 @@ def test_cli_bad_input_one_line_exit_2(saved, tmp_path, capsys, monkeypatch, arg
     monkeypatch.chdir(tmp_path)  # html without --out would write mixlens-explain.html here
     rc, out, err = run_cli(["explain", "a charming film", "--method", "attention", "--format", fmt, *args], capsys)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and out == ""
-    rc, out, err = run_cli(["explain", "a charming film", "--method", "attention", "--format", fmt,
-                            "--out", str(dest), *args], capsys)
+    rc, out, err = run_cli(
+        ["explain", "a charming film", "--method", "attention", "--format", fmt, "--out", str(dest), *args], capsys
+    )
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1 and out == ""
     assert list(tmp_path.iterdir()) == []
 
@@ -240,8 +280,9 @@ def test_an_explanation_is_an_analysis(bundled, tmp_path, capsys):
     assert isinstance(both, Explanation) and len(both) == 4 and both.explained == ex.explained * 2
     with pytest.raises(MixlensError, match="other methods"):
         mixlens.Analysis.concat([ex, bundled.analyze(SENTENCES[:1], ["attention"])])
-    rc, _, err = run_cli(["report", "--from", str(tmp_path / "ex_json.json"), "--out", str(tmp_path / "r.html")],
-                         capsys)
+    rc, _, err = run_cli(
+        ["report", "--from", str(tmp_path / "ex_json.json"), "--out", str(tmp_path / "r.html")], capsys
+    )
     assert rc == 0 and "grad_x_input" in (tmp_path / "r.html").read_text(), err
 
 
