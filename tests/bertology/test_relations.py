@@ -140,3 +140,22 @@ def test_cli_from_conllu_writes_table_figure_and_pairs(tmp_path, capsys):
     t = pd.read_csv(out / "relations.csv")
     assert set(t["relation"]) == {"nsubj", "obj", "advmod"} and len(t) == 3 * 2 * 72
     assert len(read_relations(tmp_path / "p.jsonl")[0].pairs) == 3
+
+
+def test_word_maps_are_sized_by_the_words_the_model_sees(bundled, monkeypatch):
+    """A 3,000-word record cut to the model's 512 tokens builds maps of the words it sees, not 3,000² (#32 D)."""
+    import mixlens.stats.syntax as syntax
+
+    sizes = []
+    real = syntax.word_maps
+
+    def spy(maps, word_ids, n_words):
+        sizes.append((maps.shape[-1], n_words))
+        return real(maps, word_ids, n_words)
+
+    monkeypatch.setattr(syntax, "word_maps", spy)
+    words = ["the", "dog", "chased", "a", "small", "cat"] * 500
+    pairs = [RelationPair(1, 2, "nsubj"), RelationPair(5, 2, "obj"), RelationPair(2990, 2992, "far")]
+    rep = relation_heads(bundled, [RelationRecord(words, pairs)], n_permutations=10)
+    (n, w), *_ = sizes
+    assert n == 512 and w < n and set(rep.table["relation"]) == {"nsubj", "obj"}  # the cut-off pair is skipped

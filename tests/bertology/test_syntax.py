@@ -126,3 +126,24 @@ def test_cli_syntax_errors(args, msg, capsys):
     ud = str(data_file("ud_ewt", "en_ewt-ud-dev.conllu"))
     code, _, err = run_cli(["syntax", *[a.replace("{ud}", ud) for a in args]], capsys)
     assert code == 2 and msg in err and "Traceback" not in err
+
+
+def test_syntax_word_maps_are_sized_by_the_words_the_model_sees(bundled, monkeypatch):
+    """A 3,000-word sentence cut to 512 tokens: maps of the words the model sees; arcs past the cut are skipped."""
+    import mixlens.stats.syntax as syntax
+
+    sizes = []
+    real = syntax.word_maps
+
+    def spy(maps, word_ids, n_words):
+        sizes.append(n_words)
+        return real(maps, word_ids, n_words)
+
+    monkeypatch.setattr(syntax, "word_maps", spy)
+    words = ["the", "dog", "barked"] * 1000
+    heads = [k + 1 if k % 3 == 0 else (k + 1 if k % 3 == 1 else -1) for k in range(len(words))]
+    sent = syntax.UdSentence(
+        words, heads, ["det" if k % 3 == 0 else "nsubj" if k % 3 == 1 else "root" for k in range(3000)]
+    )
+    rep = syntax_heads(bundled, [sent])
+    assert sizes and sizes[0] < 512 and rep.counts["det"] < 1000

@@ -189,7 +189,7 @@ def relation_heads(
 ) -> RelationReport:
     """Mean attention and norm-based weight per head and relation against the same-distance baseline."""
     from mixlens.stats.heads import view_maps
-    from mixlens.stats.syntax import word_maps
+    from mixlens.stats.syntax import seen_words, word_maps
 
     if not records:
         raise MixlensError("no relation records given")
@@ -206,15 +206,16 @@ def relation_heads(
             maps = torch.stack([view_maps(tr, v) for v in VIEWS], 2).cpu()  # [B, L, V, H, n, n]
         for b, rec in enumerate(records[k] for k in batch.index):
             n = int(tr.mask[b].sum())
-            wmap_t, has_t = word_maps(maps[b, ..., :n, :n], word_ids[b], len(rec.words))  # [L, V, H, W, W]
+            seen = seen_words(word_ids[b], n, len(rec.words))  # maps sized by the words the model sees
+            wmap_t, has_t = word_maps(maps[b, ..., :n, :n], word_ids[b], seen)  # [L, V, H, W, W]
             wmap = wmap_t.permute(3, 4, 1, 0, 2).numpy()  # [W, W, V, L, H]
             has = has_t.numpy()
             for pair in rec.pairs:
                 i, j = pair.source, pair.target
                 delta = j - i
-                a = np.arange(max(0, -delta), min(len(rec.words), len(rec.words) - delta))
+                a = np.arange(max(0, -delta), min(seen, seen - delta))
                 a = a[has[a] & has[a + delta]]
-                if not (has[i] and has[j]) or len(a) < 2:
+                if i >= seen or j >= seen or not (has[i] and has[j]) or len(a) < 2:
                     skipped += 1
                     continue
                 observed.setdefault(pair.relation, []).append(wmap[i, j])

@@ -101,6 +101,13 @@ def word_maps(maps: torch.Tensor, word_ids: list[int | None], n_words: int) -> t
     return frm @ maps @ s.T, has
 
 
+def seen_words(word_ids: list[int | None], n: int, n_words: int) -> int:
+    """How many leading words of an input the model sees (its first `n` tokens): word maps are sized by this, not
+    by the whole text (a 3,000-word record cut to 512 tokens is a few hundred words, not a 3,000² map)."""
+    ids = [w for w in word_ids[:n] if w is not None]
+    return min(n_words, max(ids) + 1) if ids else 0
+
+
 def predicted_words(wmap: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
     """Most-attended OTHER word (with pieces) for each word: wmap [..., W, W] → [..., W] long."""
     w = wmap.clone()
@@ -151,10 +158,11 @@ def syntax_heads(
             maps = view_maps(bt.trace, view).cpu()
         for b, sent in enumerate(batch):
             n = len(tokens[b])
-            wmap, has = word_maps(maps[b, :, :, :n, :n], words[b], len(sent.words))
+            seen = seen_words(words[b], n, len(sent.words))  # words past the token limit are not scored
+            wmap, has = word_maps(maps[b, :, :, :n, :n], words[b], seen)
             pred = predicted_words(wmap, has).numpy()  # [L, H, W]
             for d, (h, rel) in enumerate(zip(sent.heads, sent.relations, strict=True)):
-                if h < 0 or not (has[d] and has[h]):
+                if h < 0 or d >= seen or h >= seen or not (has[d] and has[h]):
                     continue
                 if rel not in correct:
                     correct[rel] = np.zeros((2, *pred.shape[:2]))
