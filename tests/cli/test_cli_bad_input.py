@@ -335,7 +335,7 @@ def test_report_from_json_declaring_many_tokens_and_layers(fx, capsys):
     assert "first 256 of 200000 tokens" in Path(fx["out"] + ".html").read_text()
 
 
-@pytest.mark.parametrize("command", ["analyze", "report"])
+@pytest.mark.parametrize("command", ["analyze", "report", "explain"])
 def test_unwritable_out_is_found_before_the_work(command, fx, capsys, monkeypatch):
     """#32.16/D: an --out that cannot be written is refused before the model loads."""
     import mixlens.lens

@@ -56,13 +56,15 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed of the sampling methods (gradient_shap, lime)."),
     ) -> None:
         """Explain a prediction: each token's score for the target, per method."""
-        from mixlens.commands.output import progress
+        from mixlens.commands.output import check_writable, progress
         from mixlens.explain import explain
         from mixlens.lens import load
         from mixlens.result import atomic_write
 
         if fmt not in FORMATS:
             raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
+        if out is not None or fmt == "html":
+            check_writable(out or Path("mixlens-explain.html"))  # before any work
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
         with progress(len(text), "explain") as step:
             res = explain(
