@@ -15,8 +15,8 @@ from mixlens.adapters import Adapter
 from mixlens.errors import MixlensError
 from mixlens.methods import alti, attention, globenc, rollout
 from mixlens.methods import get as get_method
+from mixlens.methods.engine import BlockNorms, NormRun, block_norms, stream_layer
 from mixlens.methods.memo import Memo, memo_of
-from mixlens.methods.norms import BlockNorms, NormRun, block_norms, stream_layer
 from mixlens.methods.registry import check_options, check_target_rows
 from mixlens.trace import LayerTrace, Trace, run_traced
 

@@ -545,3 +545,44 @@ def test_local_directory_roundtrip_and_unsupported_family(tmp_path, tokenizer):
     T.T5Model(cfg).save_pretrained(tmp_path / "t5")
     with pytest.raises(mixlens.MixlensError, match="unsupported architecture 't5'; supported model types: albert"):
         mixlens.load(tmp_path / "t5")
+
+
+def test_the_engine_has_one_door():
+    """Outside the engine (norms and its private modules) mixlens imports the engine only through
+    `mixlens.methods.engine`."""
+    import ast
+    from pathlib import Path
+
+    root = Path(mixlens.__file__).resolve().parent
+    inside = {"methods/norms.py", "methods/engine.py", "methods/memo.py", "methods/__init__.py"}
+    private = (
+        "mixlens.methods._compiled",
+        "mixlens.methods._kernels",
+        "mixlens.methods._numba",
+        "mixlens.methods._torch_passes",
+        "mixlens.methods.norms",
+    )
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel in inside or rel.startswith("methods/_"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module in private:
+                found.append(f"{rel}: {node.module}")
+    assert not found, found
+
+
+def test_engine_backend_is_a_setting(bundled):
+    from mixlens.methods import engine
+
+    tr = bundled.trace(SENTENCES[:2])
+    assert engine.get_backend() == "compiled"
+    with engine.backend("torch"):
+        assert engine.get_backend() == "torch"
+        slow = mixlens.run_methods(tr, ["norm_resln"]).values["norm_resln"]
+    assert engine.get_backend() == "compiled"
+    fast = mixlens.run_methods(bundled.trace(SENTENCES[:2]), ["norm_resln"]).values["norm_resln"]
+    torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-6)
+    with pytest.raises(mixlens.MixlensError, match="unknown engine backend 'gpu'"):
+        engine.set_backend("gpu")

@@ -250,7 +250,6 @@ class Layer:
     ffn_gate: nn.Module | None
     ln_post: Norm | None = None  # sandwich norm: attention output = g^post(o_proj output) (its s_i is traced)
     proj: nn.Module | None = None  # the output projection itself when `o_proj` is the sandwich norm after it
-    cache: dict = field(default_factory=dict, repr=False, compare=False)  # weight-derived tensors of methods
     _float32: dict = field(default_factory=dict, repr=False, compare=False)  # float32 copies of raw_* weights
 
     # The weights in float32 (themselves for a float32 model; else upcast once per weight version).

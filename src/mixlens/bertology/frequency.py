@@ -48,7 +48,7 @@ def _traces(lens, texts: Sequence[str], batch_size: int, max_length: int | None)
 
 def token_norms(trace) -> dict[str, torch.Tensor]:
     """ratio, self and context (module docstring) per token: each [B, L, n], padding 0."""
-    from mixlens.methods.norms import block_norms
+    from mixlens.methods.engine import block_norms
 
     bn = block_norms(trace)
     r = bn.ratio["ResLN-N"]

@@ -37,7 +37,7 @@ def mixing_profile(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(mean ResLN-N ratio per layer [L], mean share of each head in the attention output norm [L, H])."""
     from mixlens.interventions import head_contexts
-    from mixlens.methods.norms import block_norms
+    from mixlens.methods.engine import block_norms
 
     if not texts:
         raise MixlensError("no input text given")

@@ -146,7 +146,7 @@ def register(app: typer.Typer) -> None:
 def print_summary(res: Any) -> None:
     """The mean mixing ratio per layer and method of a corpus run, as a table on stderr that fits the terminal."""
     from mixlens.commands.output import print_table
-    from mixlens.methods.norms import RATIO_VARIANTS  # W, N, Res-W, Res-N, ResLN-N
+    from mixlens.methods.engine import RATIO_VARIANTS  # W, N, Res-W, Res-N, ResLN-N
 
     agg = res.aggregate()
     r = agg[agg["stat"] == "mixing_ratio"].pivot(index="layer", columns="method", values="mean")

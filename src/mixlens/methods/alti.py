@@ -17,11 +17,9 @@ import torch
 
 from mixlens.adapters import Layer
 from mixlens.methods import norms
-from mixlens.methods._compiled import parallel
-from mixlens.methods._numba import njit
 from mixlens.methods.attention import alpha_rows, targets_of
+from mixlens.methods.engine import head_vectors, njit, parallel
 from mixlens.methods.memo import memo_of
-from mixlens.methods.norms import head_vectors
 from mixlens.methods.registry import register, vector_block
 from mixlens.methods.rollout import (
     kept_matrices,

@@ -37,8 +37,8 @@ import torch
 from mixlens.adapters import Family, Norm
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.alti import layer_fn
+from mixlens.methods.engine import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
 from mixlens.methods.memo import memo_of
-from mixlens.methods.norms import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
 from mixlens.methods.registry import TARGET_OPTIONS, MethodOutput, register
 from mixlens.targets import Spec, readout
 from mixlens.trace import LayerTrace, Trace, repeat_kv

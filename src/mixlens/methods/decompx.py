@@ -237,7 +237,7 @@ def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decom
     """DecompX of every input of the trace (cached); raises ReconstructionError past the tolerance."""
     if value_bias not in memo_of(trace).decompx:
         out = [decompose(trace, b, value_bias) for b in range(trace.mask.shape[0])]
-        from mixlens.methods.norms import tolerance
+        from mixlens.methods.engine import tolerance
 
         limit = tolerance(trace.model, TOLERANCE)
         for b, dec in enumerate(out):

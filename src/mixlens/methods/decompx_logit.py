@@ -14,7 +14,7 @@ import torch
 
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.decompx import TOLERANCE, final_parts, share
-from mixlens.methods.norms import tolerance
+from mixlens.methods.engine import tolerance
 from mixlens.methods.registry import TARGET_OPTIONS, register, vector_block
 from mixlens.targets import Spec, readout
 from mixlens.trace import Trace

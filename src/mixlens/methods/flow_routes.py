@@ -39,7 +39,7 @@ import torch
 
 from mixlens.adapters import Family, Layer
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.methods.norms import TOLERANCE
+from mixlens.methods.engine import TOLERANCE
 from mixlens.methods.registry import LHTS, MethodOutput, Option, register
 from mixlens.targets import positions
 from mixlens.trace import LayerTrace, Trace, repeat_kv

@@ -19,8 +19,8 @@ from mixlens.adapters import Layer
 from mixlens.errors import ReconstructionError
 from mixlens.methods.alti import projected_head_vectors
 from mixlens.methods.attention import alpha_rows, targets_of
+from mixlens.methods.engine import attn_sum, block_norms, head_vectors, pair_rows, quad_norm, tolerance
 from mixlens.methods.memo import memo_of
-from mixlens.methods.norms import attn_sum, block_norms, head_vectors, pair_rows, quad_norm, tolerance
 from mixlens.methods.registry import Option, register, vector_block
 from mixlens.methods.rollout import kept_matrices, pair_mask, rollout, rollout_rows, row_pair_mask
 from mixlens.trace import LayerTrace, Trace

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mixlens.methods.norms import block_norms
+from mixlens.methods.engine import block_norms
 from mixlens.methods.registry import register
 from mixlens.methods.rollout import rollout
 from mixlens.trace import Trace

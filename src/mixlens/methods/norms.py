@@ -17,6 +17,8 @@ layer if not.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -159,7 +161,8 @@ class RealTokens:
 
 @dataclass
 class Weights:
-    """Weight-derived tensors of one layer's decomposition (cached on the adapter layer per weight version)."""
+    """Weight-derived tensors of one layer's decomposition (kept by the engine per layer and weight version,
+    `_WEIGHTS`; the adapter holds none)."""
 
     w_c: torch.Tensor  # [H, d_h, d]  W_O^h C (W_O^h for RMSNorm): C f^h = v^h w_c[h]
     bias_terms: torch.Tensor  # [2, d]  P(b_O), β
@@ -171,6 +174,9 @@ class Weights:
         return kernel_args(self.consts)
 
 
+_WEIGHTS: dict[int, tuple[weakref.ref, tuple, Weights]] = {}  # id(layer) → (the layer, weight version, Weights)
+
+
 def _weights(lay: Layer, index: int) -> Weights:
     norm, w_o = lay.ln_mix, lay.w_o
     key = (
@@ -178,7 +184,8 @@ def _weights(lay: Layer, index: int) -> Weights:
         index,
         *(None if t is None else (t.data_ptr(), t._version) for t in (w_o, norm.weight, norm.bias, lay.b_o)),
     )
-    if key not in lay.cache:
+    held = _WEIGHTS.get(id(lay))
+    if held is None or held[0]() is not lay or held[1] != key:
         h, d = lay.n_heads, w_o.shape[-1]
         w = w_o.detach().float().reshape(h, lay.d_head, d)  # [H, d_h, d]  W_O^h
         mean_w = w.new_empty(0, lay.d_head) if norm.rms else w.mean(-1)
@@ -197,13 +204,15 @@ def _weights(lay: Layer, index: int) -> Weights:
             eps=norm.eps,
             rms=norm.rms,
         )
-        lay.cache.clear()  # stale versions
-        lay.cache[key] = Weights(
+        weights = Weights(
             w_c=(w if norm.rms else w - mean_w[..., None]).contiguous(),
             bias_terms=torch.stack([norm.project(b_o).detach(), beta]),
             consts=consts,
         )
-    return lay.cache[key]
+        gone = functools.partial(_WEIGHTS.pop, id(lay), None)  # the entry leaves with its layer
+        held = (weakref.ref(lay, lambda _: gone()), key, weights)
+        _WEIGHTS[id(lay)] = held  # a new weight version replaces the stale one
+    return held[2]
 
 
 @dataclass

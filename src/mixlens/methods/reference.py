@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from mixlens.adapters import Layer
-from mixlens.methods.norms import RATIO_VARIANTS
+from mixlens.methods.engine import RATIO_VARIANTS
 from mixlens.trace import LayerTrace, Trace
 
 

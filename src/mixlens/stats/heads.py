@@ -24,7 +24,7 @@ import torch
 
 from mixlens.errors import MixlensError
 from mixlens.methods.attention import stacked_alpha
-from mixlens.methods.norms import head_vectors
+from mixlens.methods.engine import head_vectors
 from mixlens.stats.clustering import js_divergence_sums
 from mixlens.stats.tokens import TOKEN_TYPES, row_entropy, token_kinds, token_type_masses
 from mixlens.trace import Trace
