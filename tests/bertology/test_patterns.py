@@ -20,7 +20,7 @@ from mixlens.stats.patterns import (
 )
 from tests.conftest import SENTENCES, data_file, run_cli
 
-LABELLED = Path(__file__).resolve().parents[2] / "data" / "pattern_labels.json"
+LABELLED = Path(__file__).resolve().parents[1] / "data" / "pattern_labels.json"
 N = 16
 
 

@@ -400,9 +400,10 @@ def test_probes_log_one_line_each_and_no_traceback(probe, capsys):
 
 
 SERVE_WITHOUT_MODEL = """
-import sys, time, types
+import contextlib, sys, time, types
 lens = types.ModuleType("mixlens.lens")  # no torch, no weights: a stand-in whose tokenizer takes 60 s
 lens.load = lambda *a, **k: types.SimpleNamespace(name="stand-in", tokenizer=lambda text: time.sleep(60))
+lens.runtime = lambda *a, **k: contextlib.nullcontext()  # --dtype / --device
 sys.modules["mixlens.lens"] = lens
 import mixlens.commands.report as report
 report.check_methods = lambda given: ["attention"]

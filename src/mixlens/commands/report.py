@@ -69,11 +69,11 @@ def _logit_layers(
     """`plot --view logit-layers`: ALTI-Logit's per-layer view of a saved explanation (`explain -f json -o F`, or
     `Explanation.save`), or of TEXT explained here with alti_logit (or --method logit_attn)."""
     from mixlens.viz import static
-    from mixlens.viz.logit_layers import METHODS, logit_layers_figure
+    from mixlens.viz.logit_layers import layered_methods, logit_layers_figure
 
     if out.suffix.lower().lstrip(".") not in static.FORMATS:
         raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
-    chosen = method if method in METHODS else None
+    chosen = method if method in layered_methods() else None
     if from_file is not None:
         res = read_saved(from_file, text, None)
         if getattr(res, "explained", None) is None:
@@ -84,7 +84,7 @@ def _logit_layers(
 
         if not text:
             raise MixlensError("give one or more texts, or --from FILE")
-        res = explain(load(model, gguf_file=gguf_file, head=model_head or "causal-lm"), text, [chosen or METHODS[0]])
+        res = explain(load(model, gguf_file=gguf_file, head=model_head or "causal-lm"), text, [chosen or "alti_logit"])
     if len(res.texts) > MAX_PANELS:
         raise MixlensError(f"{len(res.texts)} inputs: a logit-layers figure holds at most {MAX_PANELS} panels")
     static.save_figure(logit_layers_figure(res, list(range(len(res.texts))), chosen), out)

@@ -20,13 +20,20 @@ from matplotlib.figure import Figure
 from mixlens.errors import MixlensError
 from mixlens.viz.static import STYLE
 
-METHODS = ("alti_logit", "logit_attn")  # the methods whose extra `layers` [layer, source] this view draws
 MAX_TOKENS = 60
+
+
+def layered_methods() -> list[str]:
+    """The methods this view draws: those whose registry entry declares an extra `layers` [layer, source] (read from
+    the shipped catalog, so drawing needs no torch)."""
+    from mixlens.catalog import load
+
+    return [m["name"] for m in load() if m["extras"].get("layers") == ["layer", "source"]]
 
 
 def layered(e: Any) -> list[str]:
     """The methods of an explained input (`result.Explained`) that carry per-layer rows."""
-    return [m for m in METHODS if "layers" in e.extras.get(m, {})]
+    return [m for m in layered_methods() if "layers" in e.extras.get(m, {})]
 
 
 def caption(e: Any) -> str:
@@ -120,7 +127,7 @@ def logit_layers_figure(expl: Any, inputs: list[int], method: str | None = None,
         have = layered(e)
         if not have or (method is not None and method not in have):
             raise MixlensError(
-                f"input {b + 1} has no per-layer rows of {method or ' or '.join(METHODS)}: explain it with "
+                f"input {b + 1} has no per-layer rows of {method or ' or '.join(layered_methods())}: explain it with "
                 "--method alti_logit (or logit_attn)"
             )
         m = method or have[0]
