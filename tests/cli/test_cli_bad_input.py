@@ -186,6 +186,7 @@ SPECIFIC = [
     (["ablate-patterns", "-d", "{sts}", "-o", "{out}", "--disable", "L0H99"], "L0H99"),
     (["ablate-patterns", "-d", "{sts}", "-o", "{out}", "--mode", "bogus"], "bogus"),
     (["compare-local-global", "/no/data.tsv"], "does not exist"),
+    (["compare-local-global", "{adir}"], "is a directory; give a file"),
     (["compare-local-global", "{good}", "--mode", "bogus"], "unknown mode 'bogus'"),
     (["compare-local-global", "{good}", "-o", "{adir}"], "is a directory"),
     (["saliency", ""], "input 1 is empty or whitespace only"),

@@ -57,8 +57,9 @@ def register(app: typer.Typer) -> None:
 
         if mode not in MODES:
             raise MixlensError(f"unknown mode '{mode}'; valid: {', '.join(MODES)}")
-        if not data.is_file():
-            raise MixlensError(f"data file '{data}' does not exist")
+        from mixlens.commands.explain import data_file
+
+        data_file(data)  # a directory is named as one
         for path in (out, figure):
             if path is not None and path.is_dir():
                 raise MixlensError(f"cannot write '{path}': it is a directory; give a file name")
