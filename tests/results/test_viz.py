@@ -457,3 +457,23 @@ def test_method_selector_shows_the_method_the_map_opens_on(views):
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
     assert got["state"] == "norm_resln" and got["shown"] == str(payload["start_method"]), got
+
+
+def test_report_shows_unnormalised_rollouts_with_rows_to_one(bundled):
+    """#32 A5: the report draws the plain products of unnormalised maps (their scale drifts with depth) with rows
+    scaled to sum to 1, and says so; normalised methods are drawn as they are."""
+    from mixlens.viz.html import build_payload
+
+    res = bundled.analyze(["The keys to the cabinet are on the table."], ["globenc_rollout", "attention"])
+    payload = build_payload(res)
+    by_name = {m["name"]: m for m in payload["methods"]}
+    n = len(res.tokens[0])
+    rows = np.asarray(by_name["globenc_rollout"]["values"][0], dtype=float).reshape(-1, n, n).sum(-1)
+    np.testing.assert_allclose(rows, 1.0, atol=1e-3)
+    raw = res["globenc_rollout"].input(0).sum(-1)
+    assert not np.allclose(raw, 1.0, atol=1e-3)  # the stored values keep the official convention
+    assert any("globenc_rollout" in note and "sum to 1" in note for note in payload["notes"])
+    att = np.asarray(by_name["attention"]["values"][0], dtype=float)
+    np.testing.assert_allclose(
+        att, np.asarray([round(float(x), 6) for x in res["attention"].input(0).ravel()]), atol=1e-3
+    )

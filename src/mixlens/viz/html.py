@@ -168,6 +168,11 @@ def build_payload(
         )
         plans = [(n, a, None) for n, a, _ in plans]
     methods, used, dropped = [], 0, []
+    from mixlens.methods.rollout import DISPLAY_NOTE, display_rows
+
+    scaled = [n for n, a, _ in plans if display_rows(n, np.ones((1, 1)))[1]]
+    if scaled:
+        notes.append(f"{', '.join(scaled)}: {DISPLAY_NOTE}")
     for name, a, per_head in plans:
         if used + size(a) > max_values:
             dropped.append(name)
@@ -213,11 +218,13 @@ def _method_entry(name: str, a: Attribution, per_head: Attribution | None, shown
     own_head = "head" in lead
     axes = [{"name": d, "size": s} for d, s in zip(lead, _lead(a), strict=True) if d != "head"]
     values, head_values = [], []
+    from mixlens.methods.rollout import display_rows
+
     for b, n in enumerate(shown):
         v = a.input(b)[..., :n, :n]  # [*lead, n, n]
         if own_head:
             v = v.mean(lead.index("head"))
-        values.append(_flat(v))
+        values.append(_flat(display_rows(name, v)[0]))  # unnormalised rollouts: rows scaled to sum to 1
         if per_head is not None:
             h = per_head.input(b)[..., :n, :n]
             head_values.append(_flat(np.moveaxis(h, per_head.dims.index("head"), -3)))  # [*lead, head, n, n]
