@@ -294,3 +294,13 @@ def test_a_crafted_explained_target_is_refused(bundled, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(MixlensError, match="target must have a string kind and label"):
         mixlens.Analysis.load(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("spec", ["²", "³", "--1"])
+def test_unicode_digits_are_not_class_indices(saved, spec, capsys):
+    """#32.15: `--target ²` on a classifier is one line (unicode digits never reach int())."""
+    rc, _, err = run_cli(
+        ["explain", "a charming film", "--model", str(saved / "clf"), "--method", "attention", f"--target={spec}"],
+        capsys,
+    )
+    assert rc == 2 and f"no label '{spec}'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
