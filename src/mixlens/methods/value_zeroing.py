@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import register
+from mixlens.methods.registry import TARGET_OPTIONS, register
 from mixlens.methods.rollout import pair_mask, rollout, row_normalize
+from mixlens.targets import Spec, readout, trace_output
 from mixlens.trace import Trace, hooked
 
 MAX_TOKENS_PER_CALL = 1 << 13  # examples·copies·n tokens in one layer call (activations stay near cache)
@@ -87,3 +88,46 @@ def value_zeroing(trace: Trace) -> torch.Tensor:
 def value_zeroing_rollout(trace: Trace) -> torch.Tensor:
     """Value-zeroing global attribution: rollout of the per-layer matrices over layers 1..l."""
     return rollout(value_zeroing_matrices(trace))
+
+
+@register(
+    "value_zeroing_logit",
+    dims=("source",),
+    extra_passes=True,
+    inputs_only=True,
+    head="any",
+    explains=True,
+    options=TARGET_OPTIONS,
+)
+def value_zeroing_logit(
+    trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None
+) -> torch.Tensor:
+    """Value zeroing of a prediction: g(x) − g(x with token j's value vectors zeroed in every layer), for the
+    explained scalar g (a logit, a logit difference with a foil, or an encoder's pooled projection): [B, source]."""
+    out = trace_output(trace)
+    _, ro = readout(trace.model, trace.tokenizer, out, trace.inputs, target, foil, position)
+    g0 = ro.g(out, trace.inputs).detach().float()  # [B]
+    b, n = trace.mask.shape
+    lengths = torch.tensor(trace.lengths)
+    scores = torch.zeros(b, n)
+    extra = {"use_cache": False} if trace.adapter.family.causal else {}
+    s = 0
+    while s < n:
+        rows = torch.nonzero(lengths > s).flatten()  # examples for which source s is a real token
+        m = min(n - s, max(1, MAX_TOKENS_PER_CALL // (len(rows) * n)))
+        keep = torch.ones(m, n, device=trace.mask.device)
+        keep[torch.arange(m), torch.arange(s, s + m)] = 0
+        keep = keep.repeat(len(rows), 1)[:, None, :, None]  # [R·m, 1, n(source), 1]
+        rep = rows.repeat_interleave(m)  # the example of each copy
+        inputs = {k: v[rep.to(v.device)] for k, v in trace.inputs.items()}
+
+        def zero(v: torch.Tensor, keep: torch.Tensor = keep) -> torch.Tensor:
+            return v * keep.to(v.dtype)
+
+        edits = {f"blocks.{layer}.attn.v": zero for layer in range(trace.adapter.n_layers)}
+        with torch.no_grad(), hooked(trace.adapter, edits):
+            zeroed = trace.model(**inputs, **extra)
+        g = ro.select(rep).g(zeroed, inputs).detach().float().reshape(len(rows), m)
+        scores[rows, s : s + m] = (g0[rows, None] - g).cpu()
+        s += m
+    return scores * trace.mask.cpu().float()
