@@ -30,12 +30,17 @@ import mixlens.methods.norms as norms
 
 ROOT = Path(os.environ.get("MIXLENS_MODELS", Path.home() / ".cache" / "mixlens" / "models")).expanduser()
 METHODS = ["norm", "norm_res", "norm_resln"]
-CASES = (  # id, model, tokens, methods, targets
-    ("mpnet-128", "all-mpnet-base-v2", 128, METHODS, None),
-    ("mpnet-512", "all-mpnet-base-v2", 512, METHODS, None),
-    ("smollm2-last", "smollm2-135m-instruct", 2048, [*METHODS, "globenc_rollout"], "last"),
-    ("smollm2-alti", "smollm2-135m-instruct", 2048, ["alti_rollout"], "last"),
-    ("smollm2-full", "smollm2-135m-instruct", 2048, METHODS, None),
+CASES = (  # id, model, tokens, methods, targets, model head
+    ("mpnet-128", "all-mpnet-base-v2", 128, METHODS, None, "base"),
+    ("mpnet-512", "all-mpnet-base-v2", 512, METHODS, None, "base"),
+    ("smollm2-last", "smollm2-135m-instruct", 2048, [*METHODS, "globenc_rollout"], "last", "base"),
+    ("smollm2-alti", "smollm2-135m-instruct", 2048, ["alti_rollout"], "last", "base"),
+    ("smollm2-full", "smollm2-135m-instruct", 2048, METHODS, None, "base"),
+    # the decoder methods of a prediction (#30 item 8): the causal LM, its forward computing every position's logits
+    ("smollm2-altilogit-128", "smollm2-135m-instruct", 128, ["alti_logit"], None, "causal-lm"),
+    ("smollm2-routes-128", "smollm2-135m-instruct", 128, ["flow_routes"], None, "causal-lm"),
+    ("smollm2-altilogit-2048", "smollm2-135m-instruct", 2048, ["alti_logit"], None, "causal-lm"),
+    ("smollm2-routes-2048", "smollm2-135m-instruct", 2048, ["flow_routes"], None, "causal-lm"),
 )
 FILLER = ("the film is a charming and often affecting journey through memory , loss and the small mercies of "
           "ordinary life , told with wit and without sentimentality . ")
@@ -66,12 +71,12 @@ def timed(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[fl
     return runs
 
 
-def peak_rss(name: str, n_tokens: int, methods: list[str], targets: str | None) -> float:
+def peak_rss(name: str, n_tokens: int, methods: list[str], targets: str | None, head: str = "base") -> float:
     """Peak RSS (GiB) of a fresh process: load + one analysis. VmHWM, not ru_maxrss: a child spawned from a large
     parent inherits the parent's ru_maxrss on Linux."""
     here = str(Path(__file__).parent)
     code = (f"import sys; sys.path.insert(0, {here!r}); import bench_models as b, mixlens; from rss import peak_gib; "
-            f"lens = mixlens.load(b.ROOT / {name!r}, head='base'); "
+            f"lens = mixlens.load(b.ROOT / {name!r}, head={head!r}); "
             f"lens.analyze([b.text_of(lens, {n_tokens})], {methods!r}, max_length={n_tokens}, targets={targets!r}); "
             "print(peak_gib())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -127,15 +132,15 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}; forward: model(**inputs, output_attentions=True), eager attention")
     print("case | model | tokens | methods | targets | forward s | analyze s (compiled) | ratio | analyze s (torch) | "
           "ratio | peak RSS GiB | load avg")
-    for case, name, n_tokens, methods, targets in CASES:
+    for case, name, n_tokens, methods, targets, head in CASES:
         if args.case not in case:
             continue
         if not (ROOT / name / "config.json").is_file():
             print(f"{name}: not fetched, skipped")
             continue
-        runs = run_case(mixlens.load(ROOT / name, head="base"), n_tokens, methods, targets, args.repeats, modes)
+        runs = run_case(mixlens.load(ROOT / name, head=head), n_tokens, methods, targets, args.repeats, modes)
         med = {k: statistics.median(v) for k, v in runs.items()}
-        rss = "-" if args.no_rss else f"{peak_rss(name, n_tokens, methods, targets):.2f}"
+        rss = "-" if args.no_rss else f"{peak_rss(name, n_tokens, methods, targets, head):.2f}"
         torch_cols = f"{med['torch']:.3f} | {ratio(runs, 'torch')}" if "torch" in med else "- | -"
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"{case} | {name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | {med['forward']:.3f} | "
