@@ -104,3 +104,20 @@ def test_bfloat16_on_cuda(tokenizer):
     res = lens.analyze(SENTENCES, [*NORM_FAMILY, "globenc", "alti", "attention_rollout"])
     assert res.reconstruction_error.max() < 1
     assert mixlens.load(device="cuda", dtype="bfloat16").device.type == "cuda"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma3_text"])
+def test_every_decoder_method_runs_on_a_bfloat16_causal_lm(tokenizer, family):
+    """Every method that explains a causal LM's prediction runs on a bfloat16 model (the captures are float32, the
+    modules the methods call again are bfloat16) and gives finite scores."""
+    import numpy as np
+
+    from mixlens.explain.attributions import default_methods
+
+    model = random_model(family, tokenizer, head="AutoModelForCausalLM").to(torch.bfloat16)
+    lens = mixlens.Lens(model, tokenizer, dtype="auto")
+    methods = default_methods("causal", lens.adapter.family)
+    options = {"integrated_gradients": {"steps": 4}, "gradient_shap": {"samples": 2}, "lime": {"samples": 4}}
+    res = lens.analyze(SENTENCES[:1], methods, options={k: v for k, v in options.items() if k in methods})
+    for m in methods:
+        assert np.isfinite(res[m].values).all(), m

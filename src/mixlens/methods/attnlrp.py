@@ -54,7 +54,8 @@ def _swap(out: torch.Tensor, surrogate: torch.Tensor) -> torch.Tensor:
 
 def scale_grad(t: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
     """t unchanged, its gradient multiplied by `factor` (the uniform rule of a bilinear product)."""
-    return t.detach() + (t - t.detach()) * factor
+    f = factor.to(t) if isinstance(factor, torch.Tensor) else factor  # keep t's dtype (bfloat16 / float16 models)
+    return t.detach() + (t - t.detach()) * f
 
 
 def identity_rule(x: torch.Tensor, out: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
@@ -80,7 +81,7 @@ def _norm_hook(norm: Norm, path: str) -> Callable[..., torch.Tensor]:
         tol = NORM_RTOL if out.dtype == torch.float32 else 30 * NORM_RTOL  # half precision: ~3e-3 per value
         if not torch.allclose(sur.detach(), want, rtol=tol, atol=tol):
             raise MixlensError(f"attnlrp: the norm '{path}' ({type(m).__name__}) is not of the LayerNorm/RMSNorm form")
-        return _swap(out, sur)
+        return _swap(out, sur.to(out.dtype))  # the model's own dtype downstream (bfloat16 / float16 models)
 
     return hook
 

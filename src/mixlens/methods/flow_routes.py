@@ -39,7 +39,7 @@ import torch
 
 from mixlens.adapters import Family, Layer
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.methods.engine import TOLERANCE
+from mixlens.methods.engine import TOLERANCE, tolerance
 from mixlens.methods.registry import LHTS, MethodOutput, Option, register
 from mixlens.targets import positions
 from mixlens.trace import LayerTrace, Trace, repeat_kv
@@ -102,13 +102,14 @@ def _check_tau(method: str, tau: float) -> None:
         )
 
 
-def _check(err: torch.Tensor, real: torch.Tensor, what: str, layer: int) -> float:
-    """Relative error of one block's kept nodes; ReconstructionError past `norms.TOLERANCE`."""
+def _check(err: torch.Tensor, real: torch.Tensor, what: str, layer: int, limit: float = TOLERANCE) -> float:
+    """Relative error of one block's kept nodes; ReconstructionError past `limit` (the engine's tolerance for the
+    model's dtype)."""
     rel = float(err.abs().max()) / max(1.0, float(real.abs().max())) if err.numel() else 0.0
-    if not rel <= TOLERANCE:  # NaN fails too
+    if not rel <= limit:  # NaN fails too
         raise ReconstructionError(
             f"layer {layer}: the {what} edge vectors differ from the real residual stream by {rel:.3g} (relative; "
-            f"tolerance {TOLERANCE}); the adapter for this architecture does not match the model"
+            f"tolerance {limit:.3g}); the adapter for this architecture does not match the model"
         )
     return rel
 
@@ -122,14 +123,15 @@ def _ffn_update(lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, family: 
     """F^l_i of the rows [K] of input b: the FFN's last projection on its captured activation (Gemma: then its
     post-FFN norm), as the model computes it → [K, d]."""
     assert lt.ffn_act is not None, "flow routes need the FFN activations (needs_ffn)"
-    out = lay.ffn_out(lt.ffn_act[b, rows])
+    act = lt.ffn_act[b, rows]
+    out = lay.ffn_out(act.to(next(lay.ffn_out.parameters()).dtype))  # the model's own dtype (captures are float32)
     if family.ln_post is not None:
         out = getattr(lay.module, "post_feedforward_layernorm")(out)  # noqa: B009  (Gemma 2/3's name)
     return out.float()
 
 
 def _attention_rows(
-    lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, m: int, heads: bool, layer: int
+    lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, m: int, heads: bool, layer: int, limit: float = TOLERANCE
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Importances of the attention edges into m^l_i for the rows i [K] of input b: (edges [K, m] or [H, K, m],
     residual [K], relative error). The edge vectors are built in chunks of rows and checked against `mix_in`."""
@@ -160,7 +162,7 @@ def _attention_rows(
             total = z.sum(1)
             prox = _proximity(y[:, None], z) * (a > 0).any(0)
             denom_edges = prox.sum(1)
-        worst = max(worst, _check(x + total + bias - y, y, "attention", layer))
+        worst = max(worst, _check(x + total + bias - y, y, "attention", layer, limit))
         prox_res = _proximity(y, x)
         denom = (denom_edges + prox_res).clamp_min(torch.finfo(y.dtype).tiny)
         if heads:
@@ -176,6 +178,7 @@ def input_routes(trace: Trace, b: int, position: int, tau: float, heads: bool) -
     """The routes of input b to its prediction at `position`, top-down (see the module docstring)."""
     m = int(trace.mask[b].sum())
     fam = trace.adapter.family
+    limit = tolerance(trace.model)
     n_layers, hn, dev = len(trace.layers), trace.adapter.n_heads, trace.mask.device
     edges = torch.zeros((n_layers, hn, m, m) if heads else (n_layers, m, m), device=dev)
     residual, ffn, ffn_res, nodes = (torch.zeros(n_layers, m, device=dev) for _ in range(4))
@@ -192,7 +195,7 @@ def input_routes(trace: Trace, b: int, position: int, tau: float, heads: bool) -
         nodes[layer, rows] = 1.0
         # FFN block: x^l_i = m^l_i + F^l_i
         mid, upd, real = lt.mix_in[b, rows].float(), _ffn_update(lt, lay, b, rows, fam), lt.out[b, rows].float()
-        worst = max(worst, _check(mid + upd - real, real, "FFN", layer))
+        worst = max(worst, _check(mid + upd - real, real, "FFN", layer, limit))
         p_ffn, p_res = _proximity(real, upd), _proximity(real, mid)
         denom = (p_ffn + p_res).clamp_min(torch.finfo(real.dtype).tiny)
         i_ffn, i_res = p_ffn / denom * (p_ffn / denom > tau), p_res / denom * (p_res / denom > tau)
@@ -200,7 +203,7 @@ def input_routes(trace: Trace, b: int, position: int, tau: float, heads: bool) -
         weight[rows] = weight[rows] * (i_ffn + i_res)  # now the weight of m^l_i
         rows = rows[(i_ffn > 0) | (i_res > 0)]  # the kept m^l_i
         # attention block: m^l_i = x^{l-1}_i + Σ_j z_ij + b_O
-        imp, imp_res, err = _attention_rows(lt, lay, b, rows, m, heads, layer)
+        imp, imp_res, err = _attention_rows(lt, lay, b, rows, m, heads, layer, limit)
         worst = max(worst, err)
         imp, imp_res = imp * (imp > tau), imp_res * (imp_res > tau)
         if heads:
