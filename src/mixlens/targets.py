@@ -37,6 +37,12 @@ import torch.nn.functional as F
 from mixlens.errors import MixlensError
 
 KINDS = ("classifier", "causal", "masked", "encoder")  # model kinds, by the head class
+KIND_NAMES = {
+    "classifier": "a sequence classifier",
+    "causal": "a causal LM",
+    "masked": "a masked LM",
+    "encoder": "a base encoder",
+}
 EXPLAINS = {"classifier": "class", "causal": "token", "masked": "token", "encoder": "embedding"}  # kind → target
 Spec = int | str | Callable[..., torch.Tensor]  # 'pred', a class index / label, a token id / text, or a callable
 
@@ -323,15 +329,3 @@ def trace_output(trace: Any) -> Any:
         trace.logits = getattr(out, "logits", None)
         trace.hidden = getattr(out, "last_hidden_state", None) if trace.logits is None else None
     return SimpleNamespace(logits=trace.logits, last_hidden_state=trace.hidden)
-
-
-def resolve(
-    lens: Any, inputs: dict[str, torch.Tensor], target: str | int | None = None, foil: str | int | None = None
-) -> tuple[list[Target], Readout, torch.Tensor]:
-    """Targets of a batch after one unperturbed forward pass → (targets, readout, f(x) [B], or the contrast g(x)
-    when a foil is given)."""
-    with torch.no_grad():
-        out = lens.model(**inputs)
-    targets, ro = readout(lens.model, lens.tokenizer, out, inputs, target, foil)
-    g, f = score(ro.kind, ro.pool, out, inputs["attention_mask"], *ro.tensors())
-    return targets, ro, (g if foil is not None else f).detach().float().cpu()

@@ -36,7 +36,7 @@ from mixlens.explain.explain import explained_kind, read_targets, report_truncat
 from mixlens.methods import get as get_method
 from mixlens.methods.saliency import keeps_logits
 from mixlens.pipeline import plan_batches
-from mixlens.targets import score
+from mixlens.targets import KIND_NAMES, score
 
 KS = (1, 5, 10, 20, 50)
 AOPC_KS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
@@ -435,7 +435,7 @@ def evaluate_removals(
         if len(contrasts) != len(texts):
             raise MixlensError(f"{len(contrasts)} contrasts for {len(texts)} texts; give one per text")
         if kind != "causal":
-            raise MixlensError(f"the {task} task explains a causal LM's next token; this model is a {kind}")
+            raise MixlensError(f"the {task} task explains a causal LM's next token; this model is {KIND_NAMES[kind]}")
     chosen = list(methods) if methods else attr.default_methods(kind, family)
     real = attr.check_methods(kind, [m for m in chosen if m != RANDOM], family)
     left = [m for m in attr.applicable(kind) if m not in real]

@@ -13,6 +13,7 @@ from mixlens.explain import attributions as attr
 from mixlens.methods import get as get_method
 from mixlens.result import TOKEN_AXES, Attribution, Blocks, Explained, Explanation
 from mixlens.targets import (
+    KIND_NAMES,
     Readout,
     Target,
     logit_rows,
@@ -52,7 +53,7 @@ def explain(
     methods = attr.check_methods(kind, list(methods), family) if methods else attr.default_methods(kind, family)
     if generate:
         if kind != "causal":
-            raise MixlensError(f"--generate needs a causal language model; this one is a {kind}")
+            raise MixlensError(f"--generate needs a causal language model; this one is {KIND_NAMES[kind]}")
         if target is not None:
             raise MixlensError("--generate explains the generated tokens; drop --target")
         if generate < 0:

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixlens.adapters import Adapter, Norm, get_path
 from mixlens.errors import MixlensError
-from mixlens.methods.registry import TARGET_OPTIONS, MethodOutput, Option, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, register
 from mixlens.methods.saliency import Target, scalar_fn
 from mixlens.trace import Trace, _model_lock
 
@@ -165,7 +165,6 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
 
 @register(
     "attnlrp",
-    dims=("source",),
     options=(
         *TARGET_OPTIONS,
         Option(
@@ -178,10 +177,7 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
         ),
     ),
     extras={"conservation": ()},
-    extra_passes=True,
-    inputs_only=True,
-    head="any",
-    explains=True,
+    **TARGET_SCORES,
 )
 def attnlrp(
     trace: Trace,

@@ -30,6 +30,8 @@ class Memo:
     value_zeroing: torch.Tensor | None = None  # value-zeroing per layer, rows normalised
     decompx: dict[str, list[DecompXInput]] = field(default_factory=dict)  # value_bias → one per input
     jacobian_norms: dict[JacobianKey, JacobianNorms] = field(default_factory=dict)
+    gradients: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # the
+    # target request (target, foil, position) → (∂g/∂e, e, g(e)) of `saliency.gradient`
     targets: torch.Tensor | None = None  # [B, K] positions of target-row mode (`run_methods(targets=)`); None: all
     norm_states: NormStates | None = None  # target-row mode: the engine's per-layer state, for `norms.pair_rows`
     norm_run: NormRun | None = None  # streamed trace: the norm engine's passes, run during the forward pass

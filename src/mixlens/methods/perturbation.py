@@ -21,14 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixlens.methods.registry import TARGET_OPTIONS, Option, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, Option, register
 from mixlens.methods.saliency import Target, scalar_fn
 from mixlens.targets import model_kind
 from mixlens.trace import Trace
 
 TOKEN_BUDGET = 4096  # at most this many tokens per forward pass of the perturbations
 ACTIVATION_FLOATS = 1 << 28  # and about this many floats kept for the backward pass (1 GiB in float32)
-CAPTUM: dict[str, Any] = dict(dims=("source",), extra_passes=True, inputs_only=True, head="any", explains=True)
 SEED = Option("seed", int, 0, help="seed of the samples")
 
 
@@ -65,7 +64,7 @@ def _masked(trace: Trace, scores: torch.Tensor) -> torch.Tensor:
     return scores.detach().float() * trace.mask.to(torch.float32)
 
 
-@register("occlusion", options=TARGET_OPTIONS, **CAPTUM)
+@register("occlusion", options=TARGET_OPTIONS, **TARGET_SCORES)
 def occlusion(trace: Trace, *, target: Target = "pred", foil: int | None = None, position: int | None = None):
     """Occlusion (captum): the drop of the explained scalar when one token's word embedding is zeroed."""
     from captum.attr import Occlusion
@@ -83,7 +82,7 @@ def occlusion(trace: Trace, *, target: Target = "pred", foil: int | None = None,
     return _masked(trace, a.mean(-1))  # each window's Δg is written to every element of the window
 
 
-@register("deeplift", options=TARGET_OPTIONS, **CAPTUM)
+@register("deeplift", options=TARGET_OPTIONS, **TARGET_SCORES)
 def deeplift(trace: Trace, *, target: Target = "pred", foil: int | None = None, position: int | None = None):
     """DeepLift (captum) from zero word embeddings, summed over hidden dims (see the module docstring)."""
     from captum.attr import DeepLift
@@ -97,7 +96,7 @@ def deeplift(trace: Trace, *, target: Target = "pred", foil: int | None = None, 
 @register(
     "gradient_shap",
     options=(*TARGET_OPTIONS, Option("samples", int, 16, min=1, help="samples of expected gradients"), SEED),
-    **CAPTUM,
+    **TARGET_SCORES,
 )
 def gradient_shap(
     trace: Trace,
@@ -137,7 +136,7 @@ def gradient_shap(
 @register(
     "lime",
     options=(*TARGET_OPTIONS, Option("samples", int, 100, min=2, help="sampled token subsets per input"), SEED),
-    **CAPTUM,
+    **TARGET_SCORES,
 )
 def lime(
     trace: Trace,

@@ -185,6 +185,11 @@ TARGET_OPTIONS = (  # the request for the scalar being explained (`mixlens.targe
 )
 
 
+# The capabilities of a method that scores each source token for a target from the inputs alone (its own forward and
+# backward passes): gradients, captum's perturbations, AttnLRP, value zeroing of a prediction.
+TARGET_SCORES: dict[str, Any] = dict(dims=("source",), extra_passes=True, inputs_only=True, head="any", explains=True)
+
+
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 

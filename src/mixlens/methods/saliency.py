@@ -16,12 +16,12 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from mixlens.errors import MixlensError
-from mixlens.methods.registry import TARGET_OPTIONS, MethodOutput, Option, get, register
+from mixlens.methods.memo import memo_of
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, get, register
 from mixlens.targets import Readout, Spec, model_kind, positions, readout
 from mixlens.trace import Trace, hooked
 
@@ -118,6 +118,30 @@ def scalar_fn(
     return f, emb, (*trace.inputs.values(), *ro.tensors()), value if grad else value.detach(), ro
 
 
+def gradient(
+    trace: Trace, target: Target = "pred", foil: int | None = None, position: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(∂g/∂e [B, n, d], the word embeddings e [B, n, d], g(e) [B]) for one target request: one forward and one
+    backward pass per trace, kept in its memo, so that saliency, gradient × input (any reduction) and evaluate's
+    agreement reference share them."""
+    key = (target, foil, position)
+    kept = memo_of(trace).gradients
+    try:
+        hit = kept.get(key)
+        cacheable = True
+    except TypeError:  # an unhashable Python target: computed each time
+        hit, cacheable = None, False
+    if hit is not None:
+        return hit
+    _, x, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)  # one forward: 'pred' reads it
+    with torch.enable_grad():
+        (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
+    out = (grad, x.detach(), value.detach())
+    if cacheable:
+        kept[key] = out
+    return out
+
+
 def reduce_hidden(raw: torch.Tensor, reduction: str, mask: torch.Tensor) -> torch.Tensor:
     """[B, n, d] → [B, n] by 'l2', 'l1' or 'sum' over d; padded tokens 0."""
     if reduction == "l2":
@@ -160,11 +184,9 @@ def output_attribution(
     )
     get(kind).check({"target": target, "foil": foil, "position": position, "reduction": reduction, **ig})
     if kind != "integrated_gradients":
-        _, x, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)  # one forward: 'pred' reads it
-        with torch.enable_grad():
-            (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
-        raw = grad if kind == "saliency" else grad * x.detach()
-        return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw, value.detach())
+        grad, x, value = gradient(trace, target, foil, position)
+        raw = grad if kind == "saliency" else grad * x
+        return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw, value)
     chunk = _chunk_rows(trace, steps, internal_batch_size)
     f, emb, args, value, _ = scalar_fn(trace, target, foil, position)
     from captum.attr import IntegratedGradients
@@ -191,10 +213,9 @@ TARGET = (
     *TARGET_OPTIONS,
     Option("reduction", str, "l2", choices=REDUCTIONS, help="over hidden dims: ‖·‖₂, ‖·‖₁ or the signed sum"),
 )
-GRADIENT: dict[str, Any] = dict(dims=("source",), extra_passes=True, inputs_only=True, head="any", explains=True)
 
 
-@register("saliency", options=TARGET, **GRADIENT)
+@register("saliency", options=TARGET, **TARGET_SCORES)
 def saliency(
     trace: Trace,
     *,
@@ -209,7 +230,7 @@ def saliency(
     ).values
 
 
-@register("grad_x_input", options=TARGET, **GRADIENT)
+@register("grad_x_input", options=TARGET, **TARGET_SCORES)
 def grad_x_input(
     trace: Trace,
     *,
@@ -227,7 +248,7 @@ def grad_x_input(
 @register(
     "integrated_gradients",
     extras={"delta": ()},
-    **GRADIENT,
+    **TARGET_SCORES,
     options=(
         *TARGET,
         Option("baseline", str, "zero", choices=BASELINES, help="the embeddings integrated from: zeros or [PAD]s"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import TARGET_OPTIONS, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, register
 from mixlens.methods.rollout import pair_mask, rollout, row_normalize
 from mixlens.targets import Spec, readout, trace_output
 from mixlens.trace import Trace, hooked
@@ -92,12 +92,8 @@ def value_zeroing_rollout(trace: Trace) -> torch.Tensor:
 
 @register(
     "value_zeroing_logit",
-    dims=("source",),
-    extra_passes=True,
-    inputs_only=True,
-    head="any",
-    explains=True,
     options=TARGET_OPTIONS,
+    **TARGET_SCORES,
 )
 def value_zeroing_logit(
     trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None
