@@ -65,7 +65,7 @@ def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float
     enc = lens.encode(texts)
     times: dict[str, list[float]] = {k: [] for k in ("forward", "analyze", "traced", "decomposition", "tok_fwd")}
     faults: dict[str, list[int]] = {"forward": [], "analyze": []}
-    ffn, full = trace_flags(DEFAULT_METHODS)
+    ffn, to_output = trace_flags(DEFAULT_METHODS)
     with torch.no_grad():
         for _ in range(2):  # warm-up: compiled kernels, caches, the allocator
             lens.model(**enc.inputs, output_attentions=True)
@@ -79,7 +79,7 @@ def ratio(lens: mixlens.Lens, texts: list[str], repeats: int) -> dict[str, float
                 faults[name].append(minor_faults() - f0)
                 del out
             t2b = time.perf_counter()
-            trace = lens.trace(enc, ffn=ffn, full=full)
+            trace = lens.trace(enc, ffn=ffn, to_output=to_output)
             t3 = time.perf_counter()
             step = run_methods(trace, DEFAULT_METHODS)
             t4 = time.perf_counter()

@@ -23,7 +23,7 @@ from transformers.models.mpnet.modeling_mpnet import MPNetSelfAttention
 _VERDICTS: dict[tuple, bool] = {}  # (the family's function, the form of the call) → whether ours gives its floats
 
 
-def plain(module: nn.Module, tensor: torch.Tensor) -> bool:
+def may_write_in_place(module: nn.Module, tensor: torch.Tensor) -> bool:
     """Whether this call runs in evaluation mode on plain float32 tensors: no autograd of either mode, no `torch.func`
     transform (a `vmap` of `jvp` wraps the tensors), where in-place writes would break what records or batches them."""
     return not (
@@ -80,7 +80,7 @@ def eager_for(
     eager: Callable[..., tuple], module: nn.Module, query: torch.Tensor, key: torch.Tensor, mask: Any, kwargs: dict
 ) -> Callable[..., tuple]:
     """`softmax_attention` where it gives the floats of the family's `eager` for a call of this form, else `eager`."""
-    if not plain(module, query):
+    if not may_write_in_place(module, query):
         return eager
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dtype == query.dtype and mask.dim() == 4):
         return eager
@@ -134,8 +134,8 @@ def mpnet_attention(
 def forward_for(module: nn.Module) -> Callable[..., tuple] | None:
     """An in-place forward for `module` (MPNet's self-attention) that gives the floats of its own, or None. Call it
     before any trace hook is on the module's submodules: the check runs both forwards. The forward it returns runs
-    the module's own where a call is not `plain`."""
-    if not isinstance(module, MPNetSelfAttention) or not plain(module, next(module.parameters())):
+    the module's own where a call may not write in place (`may_write_in_place`)."""
+    if not isinstance(module, MPNetSelfAttention) or not may_write_in_place(module, next(module.parameters())):
         return None
     own = type(module).forward
     heads, d = module.num_attention_heads, module.all_head_size
@@ -150,7 +150,8 @@ def forward_for(module: nn.Module) -> Callable[..., tuple] | None:
         return None
 
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        fn = mpnet_attention if plain(module, hidden_states) else own  # the mode may change after the check
+        # the mode may change after the check
+        fn = mpnet_attention if may_write_in_place(module, hidden_states) else own
         return fn(module, hidden_states, *args, **kwargs)
 
     return forward

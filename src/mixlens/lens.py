@@ -531,23 +531,27 @@ class Lens:
         """The trace a batch needs (see `batches`): True a full one; for method names, one with what they read
         (FFN activations, the whole forward pass, or `output`), target-row streaming for `targets`, or the inputs
         alone, with no forward pass, when no method reads the captured pass."""
-        ffn, full = (False, True) if isinstance(trace, bool) else trace_flags(trace)
+        ffn, to_output = (False, True) if isinstance(trace, bool) else trace_flags(trace)
         if trace is not True and (isinstance(trace, bool) or not needs_capture(trace)):
             return Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
         if not isinstance(trace, bool) and streams(trace, targets):
             return stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer)
-        return self.trace(enc, ffn=ffn, full=full or output)
+        return self.trace(enc, ffn=ffn, to_output=to_output or output)
 
     @torch.no_grad()
     def trace(
-        self, enc: Encoded | Sequence[Text], edits: dict[str, Edit] | None = None, ffn: bool = False, full: bool = True
+        self,
+        enc: Encoded | Sequence[Text],
+        edits: dict[str, Edit] | None = None,
+        ffn: bool = False,
+        to_output: bool = True,
     ) -> Trace:
-        """One forward pass with capture hooks (and optional attention edits); `full=False` stops after the last
+        """One forward pass with capture hooks (and optional attention edits); `to_output=False` stops after the last
         attention block (see `run_traced`)."""
         if not isinstance(enc, Encoded):
             enc = self.encode(enc)
         return run_traced(
-            self.adapter, self.model, enc.inputs, edits=edits, ffn=ffn, tokenizer=self.tokenizer, full=full
+            self.adapter, self.model, enc.inputs, edits=edits, ffn=ffn, tokenizer=self.tokenizer, to_output=to_output
         )
 
     def analyze(

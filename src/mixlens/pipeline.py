@@ -204,14 +204,14 @@ def stream_trace(
     post_ln_globenc = not adapter.family.pre_ln and any(m in ("globenc", "globenc_rollout") for m in methods)
     # the sink is the only reader: FFN activations and layer outputs only for GlobEnc's LN2 (post-LN)
     trace = run_traced(
-        adapter, model, inputs, ffn=post_ln_globenc, tokenizer=tokenizer, full=post_ln_globenc, sink=stream
+        adapter, model, inputs, ffn=post_ln_globenc, tokenizer=tokenizer, to_output=post_ln_globenc, sink=stream
     )
     trace.memo = stream.memo
     return trace
 
 
 def trace_flags(methods: Sequence[str]) -> tuple[bool, bool]:
-    """(ffn, full) of the trace that `methods` need: FFN activations, and the whole forward pass."""
+    """(ffn, to_output) of the trace that `methods` need: FFN activations, and the whole forward pass."""
     specs = [get_method(m) for m in methods]
     return any(s.needs_ffn for s in specs), any(s.needs_output for s in specs)
 

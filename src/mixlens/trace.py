@@ -494,18 +494,18 @@ def run_traced(
     edits: Mapping[str, Edit] | None = None,
     ffn: bool = False,
     tokenizer: object | None = None,
-    full: bool = True,
+    to_output: bool = True,
     sink: LayerSink | None = None,
 ) -> Trace:
-    """One forward pass with capture hooks → Trace (call under torch.no_grad() for analysis). `full=False`
+    """One forward pass with capture hooks → Trace (call under torch.no_grad() for analysis). `to_output=False`
     stops after the last layer's ln_mix: everything the attention-block methods use, without the last FFN and
     the model head (the last layer's `out` and the logits are then None).
 
     `sink(l, layer_trace)` is called inside the forward pass as soon as layer l is complete (its output, or its
-    ln_mix for the last layer when `full=False`), with everything a trace holds of it; then that layer's tensors are
-    dropped (the trace keeps empty ones, and `post_scale`), so at most one layer's α [B, H, n, n] is alive at a
-    time and the trace holds O(layers · n) floats: the sink keeps what it needs. Every captured tensor, the logits
-    and the hidden states are float32, whatever the dtype the model ran in (`f32`)."""
+    ln_mix for the last layer when `to_output=False`), with everything a trace holds of it; then that layer's
+    tensors are dropped (the trace keeps empty ones, and `post_scale`), so at most one layer's α [B, H, n, n] is
+    alive at a time and the trace holds O(layers · n) floats: the sink keeps what it needs. Every captured tensor,
+    the logits and the hidden states are float32, whatever the dtype the model ran in (`f32`)."""
     output = None
     thin: list[LayerTrace] = []  # the consumed layers, as the trace keeps them
 
@@ -519,11 +519,12 @@ def run_traced(
                 items[k] = empty
         thin.append(LayerTrace(empty, empty, empty, empty, empty, empty, empty, post_scale=lt.post_scale))
 
-    with hooked(adapter, edits, ffn and full, stop_at_mix=not full, on_layer=None if sink is None else consume) as rec:
+    on_layer = None if sink is None else consume
+    with hooked(adapter, edits, ffn and to_output, stop_at_mix=not to_output, on_layer=on_layer) as rec:
         output = model(**inputs)
     n = adapter.n_layers
     counts = {k: len(rec[k]) for k in ("x", "attn_out", "mix_in", "mix_out", "alpha", "value")}
-    counts["out"] = len(rec["out"]) + (0 if full else 1)
+    counts["out"] = len(rec["out"]) + (0 if to_output else 1)
     for key, count in counts.items():
         if count != n:
             raise RuntimeError(f"capture of '{key}' fired {count} times for {n} layers")

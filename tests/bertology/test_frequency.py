@@ -17,7 +17,7 @@ from tests.conftest import SENTENCES
 
 @torch.no_grad()
 def test_own_and_context_norms_from_explicit_vectors(bundled):
-    tr = bundled.trace(bundled.encode(SENTENCES), full=False)
+    tr = bundled.trace(bundled.encode(SENTENCES), to_output=False)
     q = token_norms(tr)
     for layer, (lt, lay) in enumerate(zip(tr.layers, bundled.adapter.layers, strict=True)):
         u = torch.einsum("bhij,bhjd->bijd", lt.alpha.float(), head_vectors(lt, lay))  # [B, i, j, d]

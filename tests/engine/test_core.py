@@ -333,9 +333,9 @@ def test_importing_mixlens_changes_nothing_process_wide():
 
 
 def test_partial_trace_stops_after_last_attention_block(family_lens):
-    """full=False skips the last FFN and the head, and changes nothing the attention-block methods use."""
+    """to_output=False skips the last FFN and the head, and changes nothing the attention-block methods use."""
     enc = family_lens.encode(SENTENCES)
-    full, part = family_lens.trace(enc), family_lens.trace(enc, full=False)
+    full, part = family_lens.trace(enc), family_lens.trace(enc, to_output=False)
     assert part.logits is None and part.layers[-1].out is None and full.layers[-1].out is not None
     for a, b in zip(full.layers, part.layers, strict=True):
         for key in ("x", "alpha", "value", "attn_out", "mix_in", "mix_out"):

@@ -85,12 +85,13 @@ def test_trace_of_the_bundled_model_is_its_own_forward(bundled):
     assert_trace_is_the_models_own(bundled)
 
 
-def test_calls_under_forward_mode_autograd_or_vmap_are_not_plain(tokenizer):
+def test_calls_under_forward_mode_autograd_or_vmap_may_not_write_in_place(tokenizer):
     attn = resolve(random_model("bert", tokenizer).eval()).layers[0].attn
     x = torch.ones(3, 4)
     with torch.no_grad():
-        assert inplace.plain(attn, x)
-        assert torch.func.vmap(lambda row: torch.tensor(inplace.plain(attn, row)))(x).tolist() == [False] * 3
+        assert inplace.may_write_in_place(attn, x)
+        verdicts = torch.func.vmap(lambda row: torch.tensor(inplace.may_write_in_place(attn, row)))(x)
+        assert verdicts.tolist() == [False] * 3
         with torch.autograd.forward_ad.dual_level():
-            assert not inplace.plain(attn, torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
-    assert not inplace.plain(attn, x)  # reverse-mode autograd on
+            assert not inplace.may_write_in_place(attn, torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+    assert not inplace.may_write_in_place(attn, x)  # reverse-mode autograd on

@@ -19,7 +19,7 @@ def test_bias_is_built_from_the_scale_and_equals_the_engine(bundled, tmp_path):
     assert store.nbytes == 4 * (scale_floats + layers * 2 * d)  # L·n floats per input, not L·n·d
     for b, text in enumerate(TEXTS):
         n = len(res.tokens[b])
-        ref = block_norms(bundled.trace([text], full=False)).bias[0].numpy()  # [L, n, d]
+        ref = block_norms(bundled.trace([text], to_output=False)).bias[0].numpy()  # [L, n, d]
         np.testing.assert_allclose(store.row(b), ref, atol=1e-6)
         np.testing.assert_allclose(res.bias[b, :, :n], ref, atol=1e-6)
         assert not res.bias[b, :, n:].any()  # padding 0

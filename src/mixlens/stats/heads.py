@@ -186,7 +186,7 @@ def attention_similarity(
     n_inputs = 0
     for bt in lens_a.batches(list(texts), max(1, batch_size), max_length, order="length", trace=["attention"]):
         ma = stacked_alpha(bt.trace).flatten(-2)  # [B, L, H, n·n]; pad rows/columns are 0 in both
-        mb = stacked_alpha(lens_b.trace(bt.enc, full=False)).flatten(-2)
+        mb = stacked_alpha(lens_b.trace(bt.enc, to_output=False)).flatten(-2)
         s = torch.nn.functional.cosine_similarity(ma, mb, dim=-1).sum(0)
         total = s if total is None else total + s
         n_inputs += len(bt.index)
