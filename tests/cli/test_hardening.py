@@ -72,28 +72,28 @@ def test_out_is_a_directory(argv, tmp_path, capsys, no_model):
 
 @pytest.mark.parametrize("eno, reason", [(errno.EROFS, "Read-only file system"), (errno.ENOSPC, "No space left")])
 def test_atomic_write_failing_filesystem(eno, reason, tmp_path, monkeypatch):
-    from mixlens import result
+    from mixlens.result import files
 
     def fail(*args, **kwargs):
         raise OSError(eno, os.strerror(eno))
 
     if eno == errno.EROFS:
-        monkeypatch.setattr(result.tempfile, "mkstemp", fail)
+        monkeypatch.setattr(files.tempfile, "mkstemp", fail)
     else:  # the temp file is created, the write fails: it must not stay behind
-        monkeypatch.setattr(result.os, "replace", fail)
+        monkeypatch.setattr(files.os, "replace", fail)
     target = tmp_path / "out.json"
     with pytest.raises(MixlensError, match=f"cannot write '{target}': {reason}"):
-        result.atomic_write(target, b"{}")
+        files.atomic_write(target, b"{}")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_analyze_on_read_only_filesystem(tmp_path, monkeypatch, capsys):
-    from mixlens import result
+    from mixlens.result import files
 
     def fail(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
-    monkeypatch.setattr(result.tempfile, "mkstemp", fail)
+    monkeypatch.setattr(files.tempfile, "mkstemp", fail)
     code, _, err = run_cli(["analyze", "hi", "--out", str(tmp_path / "a.json")], capsys)
     assert one_line_error(code, err) and "a.json" in err and "Read-only file system" in err
 

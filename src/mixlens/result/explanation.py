@@ -1,0 +1,95 @@
+"""`Explanation`: what `mixlens.explain` computed, an `Analysis` of one score per token and method for each input's
+target, and `Explained`, one explained input as the views read it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mixlens.result.analysis import Analysis
+
+
+@dataclass
+class Explained:
+    """One explained input, as the views read it: tokens, target, its score (f(x), or g(x) for a contrast) and one
+    score per token for each method ([n])."""
+
+    text: str
+    tokens: list[str]
+    target: Any  # mixlens.targets.Target
+    score: float
+    scores: dict[str, np.ndarray]
+    probability: float | None = None  # the target's probability (classes or vocabulary), when the model has logits
+    foil_probability: float | None = None
+    extras: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # method → its secondary outputs
+
+
+class Explanation(Analysis):
+    """What `mixlens.explain` computed: one score per token and method (`[batch, source]`) for the target of each
+    input (`explained[b]`: kind, label, score — f(x), or g(x) with a foil — and the foil's label). It is an
+    `Analysis`: `save` / `Analysis.load` / `concat` / `mixlens report --from`; `.show()` prints it, `.html()` is a
+    self-contained page, `_repr_html_` the notebook view. `timings`: seconds per method (not saved)."""
+
+    timings: dict[str, float]
+
+    def __init__(self, *args: Any, timings: dict[str, float] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.timings = dict(timings or {})
+
+    @property
+    def methods(self) -> list[str]:
+        return list(self.attributions)
+
+    @property
+    def inputs(self) -> list[Explained]:
+        from mixlens.targets import Target
+
+        out = []
+        for b, t in enumerate(self.explained or []):
+            foil = t.get("foil_index", -1) if "foil" in t else None
+            target = Target(t["kind"], t.get("index", -1), t["label"], foil, t.get("foil"))
+            score = float("nan") if t.get("score") is None else float(t["score"])
+            scores = {m: a.input(b) for m, a in self.attributions.items()}
+            extras = {m: {k: s.row(b) for k, s in a.extra_store.items()} for m, a in self.attributions.items()}
+            out.append(
+                Explained(
+                    self.texts[b],
+                    self.tokens[b],
+                    target,
+                    score,
+                    scores,
+                    t.get("probability"),
+                    t.get("foil_probability"),
+                    {m: e for m, e in extras.items() if e},
+                )
+            )
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The analysis JSON (`Analysis.to_json`, each input's 'target' included) plus each input's 'scores'
+        (method → one number per token), the short form `explain` has always written."""
+        doc = super().to_json()
+        for b, inp in enumerate(doc["inputs"]):
+            inp["scores"] = {m: [float(v) for v in a.input(b)] for m, a in self.attributions.items()}
+        return doc
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
+
+    def html(self) -> str:
+        from mixlens.viz.highlight import render_page
+
+        return render_page(self)
+
+    def _repr_html_(self) -> str:
+        from mixlens.viz.highlight import render_fragment
+
+        return render_fragment(self)
+
+    def show(self, console: Any = None) -> None:
+        from mixlens.viz.highlight import print_terminal
+
+        print_terminal(self, console)

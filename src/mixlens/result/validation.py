@@ -1,0 +1,205 @@
+"""Checking untrusted loaded data (a saved file's manifest and tensors, analyze's JSON) before any value is used:
+every field, axis and array against the manifest and the tokens; a crafted or damaged file gives one `MixlensError`
+line naming the file and the field."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mixlens.errors import MixlensError
+from mixlens.result.rows import TOKEN_AXES
+
+if TYPE_CHECKING:
+    from mixlens.result.attribution import Attribution
+    from mixlens.result.rows import Blocks
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_rows(
+    parts: list[tuple[np.ndarray, np.ndarray]],
+    dims: tuple[str, ...],
+    lengths: list[int],
+    what: str,
+    rows: list[int] | None = None,
+) -> None:
+    """Per-input rows from untrusted arrays (a loaded file), before they are stored (`Blocks.checked`): every input
+    exactly once, float values with one row per input number, token axes as long as the block's longest input (the
+    `target` axis of target-row mode: its inputs' most `rows`), other axes equal in every block."""
+    seen = np.zeros(len(lengths), bool)
+    sizes: dict[int, int] = {}
+    for k, (i, a) in enumerate(parts):
+        if i.ndim != 1 or i.dtype.kind not in "iu":
+            raise MixlensError(f"{what}: block {k} has no list of input numbers")
+        if a.dtype.kind != "f":
+            raise MixlensError(f"{what}: block {k} holds {a.dtype}, not floating-point values")
+        if a.ndim != len(dims) + 1 or len(a) != len(i):
+            raise MixlensError(
+                f"{what}: block {k} has shape {list(a.shape)}, expected {len(i)} rows of axes [{', '.join(dims)}]"
+            )
+        if len(i) == 0 or i.min() < 0 or i.max() >= len(lengths):
+            raise MixlensError(f"{what}: block {k} names inputs outside 1..{len(lengths)}")
+        if seen[i].any() or len(np.unique(i)) != len(i):
+            raise MixlensError(f"{what}: an input appears in more than one row")
+        seen[i] = True
+        longest = max(lengths[b] for b in i.tolist())
+        most_rows = longest if rows is None else max(rows[b] for b in i.tolist())  # target-row mode
+        for ax, d in enumerate(dims):
+            size = a.shape[ax + 1]
+            if d == "target" and rows is not None:
+                if size != most_rows:
+                    raise MixlensError(f"{what}: block {k} has {size} target rows, its inputs have {most_rows}")
+            elif d in TOKEN_AXES and size != longest:
+                raise MixlensError(
+                    f"{what}: block {k} has {size} '{d}' positions but its longest input has {longest} tokens"
+                )
+            if d not in TOKEN_AXES and sizes.setdefault(ax, size) != size:
+                raise MixlensError(f"{what}: axis '{d}' has {size} entries in block {k}, {sizes[ax]} before")
+    if not seen.all():
+        raise MixlensError(f"{what}: input {int(np.argmin(seen)) + 1} has no values")
+
+
+def _get(man: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
+    if key not in man:
+        raise MixlensError(f"{path}: missing field '{key}'")
+    if not isinstance(man[key], kind) or isinstance(man[key], bool) and kind is not bool:
+        raise MixlensError(f"{path}: field '{key}' has the wrong type ({type(man[key]).__name__})")
+    return man[key]
+
+
+def _tokens(man: dict[str, Any], path: Path) -> list[list[str]]:
+    tokens = _get(man, "tokens", list, path)
+    if not tokens or not all(isinstance(t, list) and t and all(isinstance(x, str) for x in t) for t in tokens):
+        raise MixlensError(f"{path}: 'tokens' must be a non-empty list of non-empty token lists")
+    return tokens
+
+
+def _words(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int | None]] | None:
+    words = man.get("words")
+    if words is None:
+        return None
+    if (
+        not isinstance(words, list)
+        or len(words) != len(tokens)
+        or not all(
+            isinstance(w, list) and len(w) == len(t) and all(x is None or _is_int(x) for x in w)
+            for w, t in zip(words, tokens, strict=False)
+        )
+    ):
+        raise MixlensError(f"{path}: 'words' must give a word id (or null) for every token")
+    return words
+
+
+def _dims(value: object, path: Path, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(d, str) for d in value) or len(set(value)) != len(value):
+        raise MixlensError(f"{path}: {what} must be a list of distinct axis names")
+    return tuple(value)
+
+
+def _targets(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int]] | None:
+    """The target positions of target-row mode from a manifest, checked against the tokens (None: every row)."""
+    targets = man.get("targets")
+    if targets is None:
+        return None
+    if (
+        not isinstance(targets, list)
+        or len(targets) != len(tokens)
+        or not all(
+            isinstance(r, list) and all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(t) for p in r)
+            for r, t in zip(targets, tokens, strict=True)
+        )
+    ):
+        raise MixlensError(f"{path}: 'targets' must list, per input, token positions inside that input")
+    return targets
+
+
+def _explained(value: object, n: int, where: str) -> list[dict[str, Any]] | None:
+    """Each input's explained target (`Explanation`), checked: None, or n objects with a string 'kind' and 'label',
+    a number (or null) 'score', optionally a string 'foil' and the integer ids 'index' / 'foil_index'."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != n:
+        raise MixlensError(f"{where}: the explained targets must be one object per input")
+    for b, t in enumerate(value):
+        ok = (
+            isinstance(t, dict)
+            and isinstance(t.get("kind"), str)
+            and isinstance(t.get("label"), str)
+            and (
+                t.get("score") is None or isinstance(t.get("score"), (int, float)) and not isinstance(t["score"], bool)
+            )
+            and isinstance(t.get("foil", ""), str)
+            and all(type(t.get(k, 0)) is int for k in ("index", "foil_index"))
+            and all(
+                isinstance(t.get(k, 0.0), (int, float)) and not isinstance(t.get(k), bool)
+                for k in ("probability", "foil_probability")
+            )
+            and set(t) <= {"kind", "label", "score", "foil", "index", "foil_index", "probability", "foil_probability"}
+        )
+        if not ok:
+            raise MixlensError(f"{where}: input {b + 1}'s target must have a string kind and label and a number score")
+    return value
+
+
+def _array(value: object, dims: tuple[str, ...], n: int, what: str, rows: int | None = None) -> np.ndarray:
+    """Nested lists of numbers → a float32 array with one axis per name in `dims`, token axes of length n (the
+    `target` axis of target-row mode: `rows`). Only numbers are accepted (not strings, booleans or null)."""
+    if isinstance(value, (str, bytes)):
+        raise MixlensError(f"{what}: values are not a regular array of numbers")
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError, RecursionError):
+        raise MixlensError(f"{what}: values are not a regular array of numbers") from None
+    if a.dtype.kind not in "iuf":  # strings, objects (ragged lists, null) and booleans
+        raise MixlensError(f"{what}: values are not a regular array of numbers")
+    a = a.astype(np.float32)
+    if a.ndim != len(dims):
+        raise MixlensError(f"{what}: values have {a.ndim} axes, the dims name {len(dims)}")
+    for s, d in zip(a.shape, dims, strict=True):
+        want = rows if d == "target" and rows is not None else n
+        if d in TOKEN_AXES and s != want:
+            raise MixlensError(
+                f"{what}: axis '{d}' has {s} entries for {want} {'target rows' if want is rows else 'tokens'}"
+            )
+    return a
+
+
+def _check_layers(
+    attributions: Mapping[str, Attribution], ratios: Mapping[str, Blocks], bias: Blocks | None, where: str
+) -> None:
+    """Every 'layer' axis of a loaded analysis (methods, extras, mixing ratios, bias) has the same length."""
+    found: dict[int, str] = {}
+    stores = [(f"'{n}'", a.store) for n, a in attributions.items()]
+    stores += [(f"'{n}.{k}'", e) for n, a in attributions.items() for k, e in a.extra_store.items()]
+    stores += [(f"mixing ratio '{v}'", r) for v, r in ratios.items()] + ([("the bias", bias)] if bias else [])
+    for what, st in stores:
+        if "layer" in st.dims:
+            found.setdefault(int(st.parts[0][1].shape[1 + st.dims.index("layer")]), what)
+    if len(found) > 1:
+        (a, x), (b, y) = list(found.items())[:2]
+        raise MixlensError(f"{where}: {x} has {a} layers but {y} has {b}")
+
+
+def _json_targets(value: object, dims: tuple[str, ...], n: int, what: str) -> list[int] | None:
+    """The `targets` of one method of one input in analyze's JSON (target-row mode): distinct integer positions
+    inside the input's n tokens, for a method with a `target` axis; None when absent."""
+    if value is None:
+        return None
+    if "target" not in dims:
+        raise MixlensError(f"{what}: 'targets' given for a method without a 'target' axis")
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(_is_int(p) and 0 <= p < n for p in value)
+        or len(set(value)) != len(value)
+    ):
+        raise MixlensError(
+            f"{what}: 'targets' must list distinct integer token positions inside the input ({n} tokens)"
+        )
+    return value
