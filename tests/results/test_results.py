@@ -12,7 +12,7 @@ from rich.console import Console
 from safetensors.numpy import save
 
 from mixlens.errors import MixlensError
-from mixlens.result import Analysis, Attribution, Blocks
+from mixlens.result import Analysis, Attribution, InputRows
 from tests.conftest import SENTENCES, random_lens, run_cli
 
 TEXTS = [SENTENCES[0], "Short one.", SENTENCES[1], "A fourth, medium input."]
@@ -318,5 +318,5 @@ def test_crafted_analyze_json(res, tmp_path):
 
 def test_blocks_checked_accepts_what_analyze_wrote(res):
     s = res["norm"].store
-    again = Blocks.checked(s.parts, s.dims, s.lengths, "x")
+    again = InputRows.checked(s.parts, s.dims, s.lengths, "x")
     np.testing.assert_array_equal(again.full(), s.full())

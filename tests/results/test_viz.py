@@ -331,26 +331,26 @@ def test_head_figure_labels_are_readable():
 
 def _blocks_attribution(lengths: list[int], seed: int = 0) -> Attribution:
     """A [layer=2, target, source] attribution stored per input (one block each), as `Lens.analyze` stores it."""
-    from mixlens.result import Blocks
+    from mixlens.result import InputRows
 
     rng = np.random.default_rng(seed)
     parts = [(np.array([b]), rng.random((1, 2, n, n)).astype(np.float32)) for b, n in enumerate(lengths)]
     tokens = [[f"t{k}" for k in range(n)] for n in lengths]
     dims = ("layer", "target", "source")
-    return Attribution(Blocks(parts, dims, lengths), dims, tokens, "m")
+    return Attribution(InputRows(parts, dims, lengths), dims, tokens, "m")
 
 
 def test_payload_is_built_per_input_without_padding(monkeypatch):
     """#32 D: the payload read `.values` (every input padded to the longest: 200 two-token texts and one 500-token
     text took 5.4 GB); it is built per input from `.input(b)`."""
-    from mixlens.result import Blocks
+    from mixlens.result import InputRows
 
     attr = _blocks_attribution([2] * 20 + [40])
 
     def padded(self):
         raise AssertionError("the padded [batch, ...] array was built")
 
-    monkeypatch.setattr(Blocks, "full", padded)
+    monkeypatch.setattr(InputRows, "full", padded)
     payload = vh.build_payload(attr)
     (m,) = payload["methods"]
     assert m["axes"] == [{"name": "layer", "size": 2}]

@@ -11,7 +11,7 @@ import torch
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
 from mixlens.methods import get as get_method
-from mixlens.result import TOKEN_AXES, Attribution, Blocks, Explained, Explanation
+from mixlens.result import TOKEN_AXES, Attribution, Explained, Explanation, InputRows
 from mixlens.targets import (
     KIND_NAMES,
     Readout,
@@ -126,17 +126,17 @@ def as_explanation(
     params = {"target": request[0], "foil": request[1]}
     methods = list(done[0].scores) if done else []
 
-    def extras_of(m: str) -> dict[str, Blocks]:
+    def extras_of(m: str) -> dict[str, InputRows]:
         dims = get_method(m).extras
         kept = [k for k in dims if all(k in e.extras.get(m, {}) for e in done)]
         return {
-            k: Blocks([(np.array([i]), e.extras[m][k][None]) for i, e in enumerate(done)], dims[k], lengths)
+            k: InputRows([(np.array([i]), e.extras[m][k][None]) for i, e in enumerate(done)], dims[k], lengths)
             for k in kept
         }
 
     attributions = {
         m: Attribution(
-            Blocks([(np.array([k]), e.scores[m][None]) for k, e in enumerate(done)], ("source",), lengths),
+            InputRows([(np.array([k]), e.scores[m][None]) for k, e in enumerate(done)], ("source",), lengths),
             ("source",),
             tokens,
             m,

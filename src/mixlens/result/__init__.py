@@ -2,7 +2,7 @@
 
 The package, by role:
 
-- `rows`: the per-input store every result holds its arrays in (`Blocks`, `BiasBlocks`), and `TOKEN_AXES`;
+- `rows`: the per-input store every result holds its arrays in (`InputRows`, `InputBiasRows`), and `TOKEN_AXES`;
 - `attribution`, `analysis`, `explanation`: the data model (`Attribution`, `Analysis`, `Explanation`, `Explained`);
 - `files`: writing and reading files (`atomic_write`, the safetensors + JSON manifest format, tied by a save id);
 - `validation`, `loading`: checking untrusted loaded data (a saved file, analyze's JSON) before any value is used.
@@ -12,7 +12,9 @@ from mixlens.result.analysis import Analysis
 from mixlens.result.attribution import Attribution
 from mixlens.result.explanation import Explained, Explanation
 from mixlens.result.files import ANALYSIS_FORMAT, ATTRIBUTION_FORMAT, MAX_HEADER, SAVE_ID, WRITTEN, atomic_write
-from mixlens.result.rows import TOKEN_AXES, BiasBlocks, Blocks
+from mixlens.result.rows import TOKEN_AXES, InputBiasRows, InputRows
+
+Blocks, BiasBlocks = InputRows, InputBiasRows  # the former names, still imported by lens.py (to be updated there)
 
 __all__ = [
     "ANALYSIS_FORMAT",
@@ -25,6 +27,8 @@ __all__ = [
     "Attribution",
     "BiasBlocks",
     "Blocks",
+    "InputBiasRows",
+    "InputRows",
     "Explained",
     "Explanation",
     "atomic_write",

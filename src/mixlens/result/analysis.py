@@ -14,7 +14,7 @@ from mixlens.errors import MixlensError
 from mixlens.result import loading
 from mixlens.result.attribution import Attribution
 from mixlens.result.files import ANALYSIS_FORMAT, _json_default, _read_manifest, _write
-from mixlens.result.rows import BiasBlocks, Blocks
+from mixlens.result.rows import InputBiasRows, InputRows
 
 
 class Analysis:
@@ -35,9 +35,9 @@ class Analysis:
         texts: list[str],
         tokens: list[list[str]],
         attributions: dict[str, Attribution],
-        ratios: Mapping[str, np.ndarray | Blocks],
+        ratios: Mapping[str, np.ndarray | InputRows],
         reconstruction_error: np.ndarray | None,
-        bias: np.ndarray | Blocks | None = None,
+        bias: np.ndarray | InputRows | None = None,
         ratio_means_only: bool = False,
         explained: list[dict[str, Any]] | None = None,
     ):
@@ -49,12 +49,13 @@ class Analysis:
         self._ratio_means: dict[str, np.ndarray] | None = None  # read from analyze's JSON: [batch, layer] per variant
         lengths = [len(t) for t in tokens]
         self.ratio_store = {
-            v: r if isinstance(r, Blocks) else Blocks.of(r, ("layer", "target"), lengths) for v, r in ratios.items()
+            v: r if isinstance(r, InputRows) else InputRows.of(r, ("layer", "target"), lengths)
+            for v, r in ratios.items()
         }
         self.bias_store = (
             bias
-            if bias is None or isinstance(bias, Blocks)
-            else Blocks.of(bias, ("layer", "target", "hidden"), lengths)
+            if bias is None or isinstance(bias, InputRows)
+            else InputRows.of(bias, ("layer", "target", "hidden"), lengths)
         )
 
     @property
@@ -245,15 +246,22 @@ class Analysis:
         attributions = {}
         for name, x in first.attributions.items():
             parts = [a.attributions[name] for a in analyses]
-            extras = {e: Blocks.concat([p.extra_store[e] for p in parts], lengths) for e in x.extra_store}
+            extras = {e: InputRows.concat([p.extra_store[e] for p in parts], lengths) for e in x.extra_store}
             attributions[name] = Attribution(
-                Blocks.concat([p.store for p in parts], lengths), x.dims, tokens, name, x.model, x.params, words, extras
+                InputRows.concat([p.store for p in parts], lengths),
+                x.dims,
+                tokens,
+                name,
+                x.model,
+                x.params,
+                words,
+                extras,
             )
-        ratios = {v: Blocks.concat([a.ratio_store[v] for a in analyses], lengths) for v in first.ratio_store}
+        ratios = {v: InputRows.concat([a.ratio_store[v] for a in analyses], lengths) for v in first.ratio_store}
         bias = (
             None
             if first.bias_store is None
-            else BiasBlocks.concat([a.bias_store for a in analyses if a.bias_store is not None], lengths)
+            else InputBiasRows.concat([a.bias_store for a in analyses if a.bias_store is not None], lengths)
         )
         err = (
             None

@@ -17,7 +17,7 @@ from mixlens.result.files import (
     _read_tensors,
     _write,
 )
-from mixlens.result.rows import TOKEN_AXES, Blocks
+from mixlens.result.rows import TOKEN_AXES, InputRows
 from mixlens.result.validation import _dims, _get, _targets, _tokens, _words
 
 
@@ -27,7 +27,7 @@ class Attribution:
     `values` has axes `("batch", *dims)`; `target`/`source` axes are padded to the longest input and
     padded entries are 0. `tokens[b]` lists the real tokens of input b (special tokens included), and
     `words[b][k]` the word index of token k (None for special tokens). Results of `Lens.analyze` are stored per
-    batch (`store`, a `Blocks`); `values` is then built on first use (a convenience for small results: it pads
+    batch (`store`, an `InputRows`); `values` is then built on first use (a convenience for small results: it pads
     every input to the longest one) — `input(b)`, `sel`, `mean`, `to_words`, `to_dataframe`, `save` never build it.
     `extra_store[name]` holds the method's secondary outputs (e.g. `delta` of integrated gradients) per input;
     `extras[name]` is the padded [batch, *axes] array.
@@ -36,14 +36,14 @@ class Attribution:
 
     def __init__(
         self,
-        values: np.ndarray | Blocks,
+        values: np.ndarray | InputRows,
         dims: tuple[str, ...],
         tokens: list[list[str]],
         method: str,
         model: str = "",
         params: dict[str, Any] | None = None,
         words: list[list[int | None]] | None = None,
-        extras: dict[str, Blocks] | None = None,
+        extras: dict[str, InputRows] | None = None,
         targets: list[list[int]] | None = None,
     ):
         self.dims = tuple(dims)
@@ -54,12 +54,12 @@ class Attribution:
         self.params = params or {}
         self.words = words
         self.extra_store = dict(extras or {})
-        if isinstance(values, Blocks):
+        if isinstance(values, InputRows):
             self.store = values
         else:
             if values.ndim != len(self.dims) + 1:
                 raise ValueError(f"values have {values.ndim} axes, dims name {len(self.dims) + 1}")
-            self.store = Blocks.of(values, self.dims, self.lengths)
+            self.store = InputRows.of(values, self.dims, self.lengths)
 
     @property
     def values(self) -> np.ndarray:
@@ -82,7 +82,7 @@ class Attribution:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def _like(self, store: Blocks, dims: tuple[str, ...], params: dict[str, Any], touched: set[str]) -> Attribution:
+    def _like(self, store: InputRows, dims: tuple[str, ...], params: dict[str, Any], touched: set[str]) -> Attribution:
         """A derived attribution; extras with an axis in `touched` no longer describe it and are dropped."""
         extras = {k: s for k, s in self.extra_store.items() if not touched & set(s.dims)}
         return Attribution(
@@ -147,7 +147,7 @@ class Attribution:
         ]
         extras = {k: s for k, s in self.extra_store.items() if not set(TOKEN_AXES) & set(s.dims)}
         return Attribution(
-            Blocks(parts, self.dims, [len(g) for g in groups]),
+            InputRows(parts, self.dims, [len(g) for g in groups]),
             self.dims,
             toks,
             self.method,
@@ -253,12 +253,12 @@ class Attribution:
         lengths = [len(t) for t in tokens]
         what = f"{path.with_suffix('.safetensors')}"
         if "values" in tensors:  # one padded array (files of earlier versions)
-            store = Blocks.checked([(np.arange(len(tokens)), tensors["values"])], dims, lengths, what, rows)
+            store = InputRows.checked([(np.arange(len(tokens)), tensors["values"])], dims, lengths, what, rows)
         else:
             count = man.get("blocks", sum(k.startswith("values.") for k in tensors))
-            store = Blocks.from_tensors(tensors, "", count, dims, lengths, what, rows)
+            store = InputRows.from_tensors(tensors, "", count, dims, lengths, what, rows)
         extras = {
-            k: Blocks.from_tensors(
+            k: InputRows.from_tensors(
                 tensors,
                 f"extra.{k}.",
                 e.get("blocks"),

@@ -12,7 +12,7 @@ import numpy as np
 from mixlens.errors import MixlensError
 from mixlens.result.attribution import Attribution
 from mixlens.result.files import _check_save_id, _read_tensors
-from mixlens.result.rows import TOKEN_AXES, Blocks
+from mixlens.result.rows import TOKEN_AXES, InputRows
 from mixlens.result.validation import (
     _array,
     _check_layers,
@@ -49,12 +49,12 @@ def from_saved(cls: type[Analysis], man: dict[str, Any], path: Path) -> Analysis
         ):
             raise MixlensError(f"{path}: method '{name}' has a malformed entry")
         dims = _dims(m.get("dims"), path, f"the axes of '{name}'")
-        store = Blocks.from_tensors(tensors, f"method.{name}.", m.get("blocks"), dims, lengths, what)
+        store = InputRows.from_tensors(tensors, f"method.{name}.", m.get("blocks"), dims, lengths, what)
         extras = {}
         for k, e in m.get("extras", {}).items():
             if not isinstance(e, dict):
                 raise MixlensError(f"{path}: extra '{k}' of '{name}' has a malformed entry")
-            extras[k] = Blocks.from_tensors(
+            extras[k] = InputRows.from_tensors(
                 tensors,
                 f"extra.{name}.{k}.",
                 e.get("blocks"),
@@ -64,13 +64,13 @@ def from_saved(cls: type[Analysis], man: dict[str, Any], path: Path) -> Analysis
             )
         attributions[name] = Attribution(store, dims, tokens, name, model, m["params"], words, extras)
     ratios = {
-        v: Blocks.from_tensors(tensors, f"ratio.{v}.", k, ("layer", "target"), lengths, what)
+        v: InputRows.from_tensors(tensors, f"ratio.{v}.", k, ("layer", "target"), lengths, what)
         for v, k in ratio_man.items()
     }
     bias = (
         None
         if man.get("bias") is None
-        else Blocks.from_tensors(tensors, "bias.", man["bias"], ("layer", "target", "hidden"), lengths, what)
+        else InputRows.from_tensors(tensors, "bias.", man["bias"], ("layer", "target", "hidden"), lengths, what)
     )
     _check_layers(attributions, ratios, bias, str(path))
     err = None
@@ -172,8 +172,8 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
         raise MixlensError(f"{where}: the mixing ratios and the methods give different layer counts ({sorted(layers)})")
     lengths = [len(t) for t in tokens]
 
-    def store(arrs: list[np.ndarray], d: tuple[str, ...]) -> Blocks:
-        return Blocks([(np.array([b]), a[None]) for b, a in enumerate(arrs)], d, lengths)
+    def store(arrs: list[np.ndarray], d: tuple[str, ...]) -> InputRows:
+        return InputRows([(np.array([b]), a[None]) for b, a in enumerate(arrs)], d, lengths)
 
     attributions = {
         name: Attribution(

@@ -1,5 +1,6 @@
-"""The per-input store of a result: each input's rows, held in per-batch blocks padded only to their batch's longest
-input (`Blocks`), and the bias part of the norm output built from its per-token scales when read (`BiasBlocks`)."""
+"""The per-input store of a result: a ragged store of each input's rows, held in per-batch blocks padded only to
+their batch's longest input (`InputRows`), and the bias part of the norm output, built from its per-token scales
+when read (`InputBiasRows`)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from mixlens.errors import MixlensError
 TOKEN_AXES = ("target", "source", "token")
 
 
-class Blocks:
-    """Per-input rows stored per batch: block k holds the inputs `parts[k][0]` (original input numbers) as an array
-    [rows, *dims] whose token axes are padded only to the longest input of that block, so memory follows the work,
-    not the longest input of the whole call. `lengths[b]` is the number of real tokens of input b."""
+class InputRows:
+    """A ragged store of each input's rows, held per batch: block k holds the inputs `parts[k][0]` (original input
+    numbers) as an array [rows, *dims] whose token axes are padded only to the longest input of that block, so memory
+    follows the work, not the longest input of the whole call. `lengths[b]` is the number of real tokens of input b."""
 
     def __init__(self, parts: list[tuple[np.ndarray, np.ndarray]], dims: tuple[str, ...], lengths: list[int]):
         self.parts = [(np.asarray(i, dtype=np.int64), a) for i, a in parts]
@@ -29,7 +30,7 @@ class Blocks:
         self._full: np.ndarray | None = None
 
     @classmethod
-    def of(cls, values: np.ndarray, dims: tuple[str, ...], lengths: list[int]) -> Blocks:
+    def of(cls, values: np.ndarray, dims: tuple[str, ...], lengths: list[int]) -> InputRows:
         """One block holding every input (an already padded [batch, *dims] array)."""
         return cls([(np.arange(len(values)), values)], dims, lengths)
 
@@ -41,8 +42,8 @@ class Blocks:
         lengths: list[int],
         what: str,
         rows: list[int] | None = None,
-    ) -> Blocks:
-        """Blocks from untrusted arrays (a loaded file): every input exactly once, float values with one row per
+    ) -> InputRows:
+        """Rows from untrusted arrays (a loaded file): every input exactly once, float values with one row per
         input number, token axes as long as the block's longest input, other axes equal in every block
         (`validation.check_rows`)."""
         from mixlens.result.validation import check_rows
@@ -51,7 +52,7 @@ class Blocks:
         return cls(parts, dims, lengths)
 
     @classmethod
-    def concat(cls, stores: Sequence[Blocks], lengths: list[int]) -> Blocks:
+    def concat(cls, stores: Sequence[InputRows], lengths: list[int]) -> InputRows:
         """The blocks of several stores one after the other (input numbers shifted)."""
         parts, offset = [], 0
         for s in stores:
@@ -83,9 +84,9 @@ class Blocks:
                 self._full = out
         return self._full
 
-    def map(self, fn: Callable[[np.ndarray], np.ndarray], dims: tuple[str, ...]) -> Blocks:
+    def map(self, fn: Callable[[np.ndarray], np.ndarray], dims: tuple[str, ...]) -> InputRows:
         """Apply `fn` to every block (axes [rows, *self.dims] → [rows, *dims])."""
-        return Blocks([(i, fn(a)) for i, a in self.parts], dims, self.lengths)
+        return InputRows([(i, fn(a)) for i, a in self.parts], dims, self.lengths)
 
     def tensors(self, prefix: str) -> dict[str, np.ndarray]:
         """The blocks as named arrays for a safetensors file: `{prefix}values.k` and `{prefix}index.k`."""
@@ -104,7 +105,7 @@ class Blocks:
         lengths: list[int],
         what: str,
         rows: list[int] | None = None,
-    ) -> Blocks:
+    ) -> InputRows:
         """The inverse of `tensors` for `count` blocks, checked (`checked`)."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise MixlensError(f"{what}: the manifest gives no valid block count ({count!r})")
@@ -117,13 +118,13 @@ class Blocks:
         return cls.checked(parts, dims, lengths, what, rows)
 
 
-class BiasBlocks(Blocks):
+class InputBiasRows(InputRows):
     """The bias part of the norm output, g_i(b_O) + β = P(b_O) / s_i + β: [rows, layer, target, hidden] per block,
-    built when read from what is stored, the per-token scale s_i (`scale`, a Blocks of [layer, target], 0 at
+    built when read from what is stored, the per-token scale s_i (`scale`, an InputRows of [layer, target], 0 at
     padding) and the per-layer `terms` [layer, 2, hidden] (P(b_O), β). Holds L·n instead of L·n·d floats per
     input."""
 
-    def __init__(self, scale: Blocks, terms: np.ndarray):
+    def __init__(self, scale: InputRows, terms: np.ndarray):
         self.scale, self.terms = scale, terms
         self.dims, self.lengths = ("layer", "target", "hidden"), scale.lengths
         self._where, self._full = scale._where, None
@@ -145,10 +146,10 @@ class BiasBlocks(Blocks):
         return self._bias(self.scale.row(b)[None])[0]
 
     @classmethod
-    def concat(cls, stores: Sequence[Blocks], lengths: list[int]) -> Blocks:
-        """Lazy again when every store is a BiasBlocks of the same per-layer terms."""
-        if all(isinstance(s, BiasBlocks) for s in stores):
-            lazy = [s for s in stores if isinstance(s, BiasBlocks)]
+    def concat(cls, stores: Sequence[InputRows], lengths: list[int]) -> InputRows:
+        """Lazy again when every store is an InputBiasRows of the same per-layer terms."""
+        if all(isinstance(s, InputBiasRows) for s in stores):
+            lazy = [s for s in stores if isinstance(s, InputBiasRows)]
             if all(np.array_equal(s.terms, lazy[0].terms) for s in lazy):
-                return cls(Blocks.concat([s.scale for s in lazy], lengths), lazy[0].terms)
-        return Blocks.concat(stores, lengths)
+                return cls(InputRows.concat([s.scale for s in lazy], lengths), lazy[0].terms)
+        return InputRows.concat(stores, lengths)

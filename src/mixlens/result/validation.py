@@ -15,7 +15,7 @@ from mixlens.result.rows import TOKEN_AXES
 
 if TYPE_CHECKING:
     from mixlens.result.attribution import Attribution
-    from mixlens.result.rows import Blocks
+    from mixlens.result.rows import InputRows
 
 
 def _is_int(x: object) -> bool:
@@ -29,7 +29,7 @@ def check_rows(
     what: str,
     rows: list[int] | None = None,
 ) -> None:
-    """Per-input rows from untrusted arrays (a loaded file), before they are stored (`Blocks.checked`): every input
+    """Per-input rows from untrusted arrays (a loaded file), before they are stored (`InputRows.checked`): every input
     exactly once, float values with one row per input number, token axes as long as the block's longest input (the
     `target` axis of target-row mode: its inputs' most `rows`), other axes equal in every block."""
     seen = np.zeros(len(lengths), bool)
@@ -171,7 +171,7 @@ def _array(value: object, dims: tuple[str, ...], n: int, what: str, rows: int | 
 
 
 def _check_layers(
-    attributions: Mapping[str, Attribution], ratios: Mapping[str, Blocks], bias: Blocks | None, where: str
+    attributions: Mapping[str, Attribution], ratios: Mapping[str, InputRows], bias: InputRows | None, where: str
 ) -> None:
     """Every 'layer' axis of a loaded analysis (methods, extras, mixing ratios, bias) has the same length."""
     found: dict[int, str] = {}
