@@ -192,8 +192,8 @@ def test_analyze_vector_method_says_what_was_written(tmp_path, monkeypatch, caps
 def test_wide_tables_fit(width, monkeypatch, capsys):
     import pandas as pd
 
-    from mixlens.commands.output import print_frame
     from mixlens.stats.heads import STATISTICS
+    from mixlens.viz.terminal import print_frame
 
     monkeypatch.setenv("COLUMNS", str(width))
     cols = ["layer", *[f"{v}_{s}" for v in ("attn", "norm") for s in STATISTICS]]

@@ -329,11 +329,11 @@ def test_table_fits_a_100_column_terminal(classifier, monkeypatch, capsys):
     import os
     import shutil
 
-    from mixlens.commands.explain import _print
+    from mixlens.viz.terminal import print_evaluation
 
     ev = evaluate(classifier, TEXTS[:2], batch_size=2)
     monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=(100, 24): os.terminal_size((100, 24)))
-    _print(ev)
+    print_evaluation(ev)
     lines = capsys.readouterr().out.splitlines()
     table = [ln for ln in lines if not ln.startswith(("time:", "note:"))]
     assert max(len(ln) for ln in table) <= 100 and any("integrated_gradients" in ln for ln in table)

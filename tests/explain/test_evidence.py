@@ -12,6 +12,7 @@ import torch
 
 from mixlens.explain import evidence
 from mixlens.explain.evaluate import Evaluation, evaluate
+from mixlens.viz.terminal import evidence_table
 from tests.conftest import DATA, random_lens, run_cli
 
 HEADER = [
@@ -98,7 +99,7 @@ def test_evaluation_recomputes_from_its_json(causal, tokenizer, tmp_path):
     assert met["correct"]["n"] + met["wrong"]["n"] == met["n"] == 3
     again = Evaluation.from_json(doc)
     assert json.loads(again.dumps())["task_metrics"]["toy"]["all"] == met["all"]
-    assert max(len(line) for line in evidence.table(ev).splitlines()) <= 100
+    assert max(len(line) for line in evidence_table(ev).splitlines()) <= 100
 
 
 def test_cli_task_blimp(causal, tmp_path, capsys):

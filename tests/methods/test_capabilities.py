@@ -87,7 +87,7 @@ def test_no_method_name_lists_outside_the_registry():
     names = set(REGISTRY)
     allowed = {  # choices, not capabilities: a default set, table columns, a first view, a function's kinds
         ("lens.py", "DEFAULT_METHODS"),
-        ("commands/analyze.py", "NORM_FAMILY"),
+        ("viz/terminal/analysis.py", "NORM_FAMILY"),
         ("viz/html.py", "START_METHODS"),
         ("methods/saliency.py", "KINDS"),
     }

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -24,7 +24,7 @@ from mixlens.commands.options import (
     precheck_model,
     runtime_options,
 )
-from mixlens.commands.output import check_writable, method_progress, write_stdout
+from mixlens.commands.output import check_writable, layer_progress, method_progress, write_stdout
 from mixlens.errors import MixlensError
 
 
@@ -37,10 +37,6 @@ class Format(str, Enum):
 def register(app: typer.Typer) -> None:
     app.command("analyze")(runtime_options(analyze))
     app.command("methods")(list_methods)
-
-
-NORM_FAMILY = ("attention", "norm", "norm_res", "norm_resln")  # the methods the mixing-ratio table describes
-TOP_SOURCES = 3  # sources listed per token for map methods
 
 
 def analyze(
@@ -82,6 +78,7 @@ def analyze(
     """Decompose TEXT with each method and print what it found (mixing ratios, top sources, token scores)."""
     from mixlens.lens import load
     from mixlens.result import atomic_write
+    from mixlens.viz.terminal import describe, print_results
 
     methods = check_methods(method)
     opts = parse_options(option)
@@ -99,7 +96,9 @@ def analyze(
         rows = "last" if lens.adapter.family.causal and long > LONG_CAUSAL else "all"
         if fmt is Format.html and rows != "all":
             raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
-    with method_progress(methods, len(text)) as step:
+    long_one = len(text) == 1 and rows != "all" and lens.adapter.family.causal  # one long input: a bar of layers
+    per_input = nullcontext(lambda n: None) if long_one else method_progress(methods, len(text))
+    with per_input as step, layer_progress(long_one) as on_layer:
         res = lens.analyze(
             text,
             methods,
@@ -109,6 +108,7 @@ def analyze(
             options=opts,
             on_batch=step,
             targets=rows,
+            on_layer=on_layer,
         )
     if fmt is Format.html:
         from mixlens.viz.html import render_report
@@ -127,103 +127,6 @@ def analyze(
     typer.echo(f"wrote {written} for {len(text)} input(s) to {dest}", err=True)
 
 
-def describe(attr: Any) -> str:
-    """What an `Attribution` holds, in words (for the 'wrote …' line)."""
-    dims = attr.dims
-    if dims[-2:] == ("target", "source"):
-        per = [f"per {d}" for d in dims[:-2]]
-        return " ".join(["token × token maps", *per])
-    if dims[-1] == "source":
-        return "a score per " + " and ".join([*dims[:-1], "token"])
-    return "values over " + ", ".join(dims)
-
-
-def print_results(res: Any, methods: list[str]) -> None:
-    """Per requested method what a reader can use: the mixing-ratio table for the norm family, each token's top
-    sources at the last layer for token × token maps, the tokens with their scores for per-token methods."""
-    from rich.console import Console
-
-    console = Console()
-    if any(m in NORM_FAMILY for m in methods):
-        print_ratios(res)
-    for m in methods:
-        attr = res[m]
-        if attr.dims[-2:] == ("target", "source"):
-            print_top_sources(attr)
-        elif attr.dims[-1] == "source":
-            print_scores(attr, console)
-        else:
-            console.print(f"{m}: {describe(attr)} (see the JSON)")
-
-
-def _last_layer_map(attr: Any, b: int) -> tuple[Any, str]:
-    """Input b's [target, source] map: last layer, mean over heads, index 0 of any other leading axis."""
-    v = attr.input(b)
-    where: list[str] = []
-    for d in attr.dims[:-2]:
-        if d == "layer":
-            where.append(f"layer {v.shape[0] - 1}")
-            v = v[-1]
-        elif d == "head":
-            where.append("mean over heads")
-            v = v.mean(0)
-        else:
-            v = v[0]
-    return v, ", ".join(where)
-
-
-def print_top_sources(attr: Any) -> None:
-    """For each token of each input (or each computed target row, with --targets), its strongest sources (by
-    |value|) in the method's last-layer map."""
-    import numpy as np
-
-    from mixlens.commands.output import print_table
-    from mixlens.methods.rollout import DISPLAY_NOTE, display_rows
-
-    for b, toks in enumerate(attr.tokens):
-        m, where = _last_layer_map(attr, b)
-        m, scaled = display_rows(attr.method, m)
-        targets = list(range(len(toks))) if attr.targets is None else attr.targets[b]
-        rows = []
-        for i, pos in enumerate(targets):  # row i of the map is token `pos`
-            order = np.argsort(-np.abs(m[i]), kind="stable")[:TOP_SOURCES]
-            label = toks[pos] if attr.targets is None else f"{pos}: {toks[pos]}"
-            rows.append([label, "  ".join(f"{toks[j]} {m[i, j]:.2f}" for j in order)])
-        what = f"{attr.method}: top {TOP_SOURCES} sources of " + (
-            "each token"
-            if attr.targets is None
-            else f"target row{'s' if len(targets) > 1 else ''} {_positions(targets)}"
-        )
-        what += f" ({where})" if where else ""
-        print_table(what + (f" — input {b + 1}" if len(attr.tokens) > 1 else ""), ["token", "sources"], rows, left=(1,))
-        if scaled and b == len(attr.tokens) - 1:
-            print(f"note: {attr.method}: {DISPLAY_NOTE}")
-
-
-def _positions(targets: list[int]) -> str:
-    return ", ".join(map(str, targets)) if len(targets) <= 8 else f"{', '.join(map(str, targets[:8]))}, …"
-
-
-def print_scores(attr: Any, console: Any) -> None:
-    """The tokens of each input with their scores; the strongest |score| tokens highlighted (red +, blue −)."""
-    import numpy as np
-    from rich.text import Text
-
-    for b, toks in enumerate(attr.tokens):
-        v = attr.input(b)  # [*lead, n]
-        rows = v.reshape(-1, v.shape[-1])
-        labels = [""] if v.ndim == 1 else [f"{attr.dims[0]} {k}: " for k in range(rows.shape[0])]
-        console.print(f"{attr.method}" + (f" — input {b + 1}" if len(attr.tokens) > 1 else "") + ":")
-        for label, r in zip(labels, rows, strict=True):
-            top = set(np.argsort(-np.abs(r), kind="stable")[:TOP_SOURCES].tolist())
-            line = Text("  " + label)
-            for j, t in enumerate(toks):
-                style = ("bold white on red" if r[j] >= 0 else "bold white on blue") if j in top else ""
-                line.append(f"{t}", style=style)
-                line.append(f" {r[j]:.3g}  ", style="dim")
-            console.print(line)
-
-
 LONG_CAUSAL = 512  # tokens above which a causal LM's default --targets is `last`
 
 
@@ -237,19 +140,6 @@ def parse_targets(given: str | None) -> str | list[int] | None:
         return [int(p) for p in given.split(",")]
     except ValueError:
         raise MixlensError(f"--targets must be last, all or comma-separated integer positions, got {given!r}") from None
-
-
-def print_ratios(res: Any) -> None:
-    """The mean mixing ratio per layer of each variant of an `Analysis`, as a table that fits the terminal."""
-    from mixlens.commands.output import print_table
-
-    if not res.ratios:  # no requested method used the norm engine
-        return
-    means = {v: res.mixing_ratio(v).mean(0) for v in res.ratios}
-    rows = [[str(layer), *(f"{100 * means[v][layer]:.1f}" for v in means)] for layer in range(len(means["W"]))]
-    rows.append(["mean", *(f"{100 * means[v].mean():.1f}" for v in means)])
-    print_table(f"Context-mixing ratio (%), mean over tokens and inputs — {res.model}", ["layer", *means], rows)
-    print(f"reconstruction error (max abs): {res.reconstruction_error.max():.2e}")
 
 
 def list_methods() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -132,7 +131,9 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(130) from None
         c = res.manifest["counts"]
         if not quiet:
-            print_summary(res)
+            from mixlens.viz.terminal import print_corpus_summary
+
+            print_corpus_summary(res)
         skipped = ", ".join(f"{c[k]} {k}" for k in ("undecodable", "malformed", "empty") if c.get(k))
         typer.echo(
             f"{c['examples']} examples in {len(res.manifest['shards'])} shards → {out}"
@@ -141,17 +142,3 @@ def register(app: typer.Typer) -> None:
             + (f"; {c['truncated']} truncated to the token limit" if c["truncated"] else ""),
             err=True,
         )
-
-
-def print_summary(res: Any) -> None:
-    """The mean mixing ratio per layer and method of a corpus run, as a table on stderr that fits the terminal."""
-    from mixlens.commands.output import print_table
-    from mixlens.methods.engine import RATIO_VARIANTS  # W, N, Res-W, Res-N, ResLN-N
-
-    agg = res.aggregate()
-    r = agg[agg["stat"] == "mixing_ratio"].pivot(index="layer", columns="method", values="mean")
-    known = [v for v in RATIO_VARIANTS if v in r.columns]
-    r = r[known + sorted(c for c in r.columns if c not in known)]  # the paper's order, not the alphabet
-    rows = [[str(layer), *(f"{100 * x:.1f}" for x in row)] for layer, row in r.iterrows()]
-    title = f"Mean context-mixing ratio (%) over all tokens — {res.manifest['model']}"
-    print_table(title, ["layer", *map(str, r.columns)], rows, stderr=True)

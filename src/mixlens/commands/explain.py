@@ -7,7 +7,6 @@ import json
 import shlex
 import shutil
 import sys
-import textwrap
 from pathlib import Path
 
 import typer
@@ -237,13 +236,13 @@ def _evaluate_and_write(
     if fmt == "json":
         write_stdout(payload + "\n")
     elif task != "faithfulness":
-        from mixlens.explain.evidence import table
+        from mixlens.viz.terminal import print_evidence
 
-        print(table(ev))
-        for note in json.loads(ev.dumps())["notes"]:  # wrapped: the output fits 100 columns
-            print(textwrap.fill(f"note: {note}", 100, subsequent_indent="  ", break_on_hyphens=False))
+        print_evidence(ev)
     else:
-        _print(ev)
+        from mixlens.viz.terminal import print_evaluation
+
+        print_evaluation(ev)
     typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)
 
 
@@ -282,7 +281,6 @@ def _interrupted_run(dest: Path, model: str):
 def _write(dest: Path, ev, skipped: list[str], interrupted: int | None = None) -> str:
     """evaluation.json (with the skipped records and, for an interrupted run, how far it got) and evaluation.png
     into `dest`; a folder this call created is removed again when writing fails (a full disk leaves nothing)."""
-    import json
 
     from mixlens.result import atomic_write
     from mixlens.viz.evaluation import plot
@@ -312,36 +310,3 @@ def _write(dest: Path, ev, skipped: list[str], interrupted: int | None = None) -
             shutil.rmtree(dest, ignore_errors=True)
         raise
     return payload
-
-
-def _print(ev) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    met = ev.metrics()
-    table = Table(title=f"Faithfulness ({ev.removal}), {len(ev.examples)} examples — {ev.model}; ranked by AOPC")
-    for col in ("method", "AOPC", "compreh.", "suffic. ↓", "ρ G×I", "s"):
-        table.add_column(col, justify="left" if col == "method" else "right")
-    for m in ev.ranking():
-        r = met[m]
-
-        def cell(k: str, r=r) -> str:
-            lo, hi = r["ci95"][k]
-            return f"{r[k]:.3f}\n[{lo:.2f}, {hi:.2f}]"  # two lines: the table fits 100 columns
-
-        table.add_row(
-            m,
-            cell("aopc"),
-            cell("comprehensiveness"),
-            cell("sufficiency"),
-            cell("spearman_gxi"),
-            f"{ev.timings.get(m, 0.0):.1f}",
-        )
-    Console(width=min(120, max(80, shutil.get_terminal_size((100, 24)).columns))).print(table)
-    t = ev.timings
-    print(
-        f"time: total {t['total']:.1f} s, attributions {t['attributions']:.1f} s, perturbed forward passes "
-        f"{t['forward']:.1f} s, evaluation's own {t['own']:.1f} s ({100 * t['own'] / t['total']:.1f} %)"
-    )
-    for note in json.loads(ev.dumps())["notes"]:  # as in evaluation.json, with undefined (null) metrics named
-        print(f"note: {note}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -22,7 +21,7 @@ from mixlens.commands.options import (
     runtime_options,
     text_column_option,
 )
-from mixlens.commands.output import print_table, progress
+from mixlens.commands.output import progress
 from mixlens.errors import MixlensError
 
 
@@ -79,6 +78,8 @@ def register(app: typer.Typer) -> None:
         atomic_write(out, res.dumps().encode())
         if figure:
             local_global_figure(res, figure)
+        from mixlens.viz.terminal import print_agreement
+
         print_agreement(res)
         typer.echo(f"wrote {out}" + (f" and {figure}" if figure else ""), err=True)
 
@@ -123,31 +124,6 @@ def register(app: typer.Typer) -> None:
                 steps=steps,
                 baseline=baseline,
             )
-        for b, toks in enumerate(enc.tokens):
-            line = f"input {b + 1}: f(x) = {res.target_value[b]:.4f}"
-            if res.delta is not None and res.baseline_value is not None:
-                line += f", f(baseline) = {res.baseline_value[b]:.4f}, convergence delta = {res.delta[b]:.2e}"
-            print(line)
-            print("  " + "  ".join(f"{t}:{v:.3g}" for t, v in zip(toks, res.values[b].tolist(), strict=False)))
+        from mixlens.viz.terminal import print_output_attribution
 
-
-def print_agreement(res: Any) -> None:
-    """Per-layer agreement of attention and head attribution (a `LocalGlobal`) as a rich table, then the
-    persistent token-type patterns."""
-    from mixlens.stats.tokens import TOKEN_TYPES
-
-    columns = ["layer", "JS", "Pearson", "Spearman", *[f"{t} loc/glob" for t in TOKEN_TYPES]]
-    rows = []
-    for layer in range(res.scores["js"].shape[0]):
-        masses = [f"{res.local[t][layer].mean():.2f}/{res.global_[t][layer].mean():.2f}" for t in TOKEN_TYPES]
-        rows.append(
-            [str(layer), *(f"{res.scores[k][layer].mean():.3f}" for k in ("js", "pearson", "spearman")), *masses]
-        )
-    print_table(
-        f"Attention (local) vs head attribution (global), {res.n_inputs} inputs, mean over heads", columns, rows
-    )
-    pers = res.persistent_patterns()
-    print(
-        f"patterns dominating a head in at least half the layers - attention: {', '.join(pers['local']) or 'none'};"
-        f" head attribution: {', '.join(pers['global']) or 'none'}; both: {', '.join(pers['both']) or 'none'}"
-    )
+        print_output_attribution(enc.tokens, res)

@@ -16,7 +16,7 @@ from mixlens.commands.options import (
     runtime_options,
     table_format_option,
 )
-from mixlens.commands.output import TableFormat, print_frame, progress, write_table
+from mixlens.commands.output import TableFormat, progress, write_table
 
 
 def register(app: typer.Typer) -> None:
@@ -41,6 +41,7 @@ def heads(
     from mixlens.stats.clustering import BEHAVIOURS, classical_mds, dominant_behaviour, js_distance
     from mixlens.stats.heads import STATISTICS, VIEWS, head_statistics
     from mixlens.viz.heads import VIEW_WORDS, head_mds_figure, layer_head_heatmap, statistic_words
+    from mixlens.viz.terminal import print_frame
 
     views = [check_view(v) for v in view] if view else list(VIEWS)
     texts = ds.texts()
@@ -105,6 +106,7 @@ def head_diff(
     from mixlens.lens import load
     from mixlens.stats.heads import attention_similarity
     from mixlens.viz.heads import layer_head_heatmap
+    from mixlens.viz.terminal import print_frame
 
     texts = ds.texts()
     a, b = ds.load(), load(other)

@@ -1,4 +1,5 @@
-"""Table output and progress shared by the dataset commands (rich and pandas load only when used)."""
+"""Output shared by the commands: progress bars, stdout, writable-path checks and dataset tables as files (rich
+and pandas load only when used); terminal tables are `mixlens.viz.terminal`."""
 
 from __future__ import annotations
 
@@ -55,6 +56,44 @@ def progress(total: int | None, what: str) -> Iterator[Callable[[float], None]]:
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+@contextmanager
+def layer_progress(enabled: bool = True) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A rich bar of layers on stderr for one long input (`Lens.analyze(on_layer=...)`): the phase (the forward
+    pass, then each rollout's row propagation), layers done of the total, elapsed time and an estimate of the time
+    left. Yields None (no bar) when not `enabled` or stderr is not a terminal."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("layers"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("forward pass", total=None)
+
+        def update(phase: str, done: int, total: int) -> None:
+            if bar.tasks[0].description != phase:
+                bar.reset(task, description=phase, total=total)
+            bar.update(task, completed=done, total=total)
+
+        yield update
 
 
 def method_progress(methods: list[str], n_inputs: int) -> AbstractContextManager[Callable[[float], None]]:
@@ -122,37 +161,3 @@ def write_table(df: Any, fmt: TableFormat, out_dir: Path, stem: str) -> None:
         atomic_write(out_dir / f"{stem}.parquet", buf.getvalue())
         atomic_write(out_dir / f"{stem}.csv", df.to_csv(index=False).encode())
         typer.echo(f"wrote {out_dir / stem}.parquet and .csv", err=True)
-
-
-def print_frame(df: Any, title: str) -> None:
-    """A pandas DataFrame as rich tables on stderr (floats to 3 decimals), split by columns to fit the terminal."""
-    rows = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in df.itertuples(index=False)]
-    print_table(title, [str(c) for c in df.columns], rows, stderr=True)
-
-
-def print_table(
-    title: str, columns: list[str], rows: list[list[str]], *, stderr: bool = False, left: tuple[int, ...] = ()
-) -> None:
-    """Right-aligned rich tables that fit the terminal width: when the columns do not fit, they are split over
-    several tables, each repeating the first (key) column; headers are never cut. Columns in `left` align left."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(stderr=stderr)
-    widths = [max([len(c), *(len(r[k]) for r in rows)]) + 3 for k, c in enumerate(columns)]  # + padding, border
-    groups: list[list[int]] = [[]]
-    used = widths[0] + 1
-    for k in range(1, len(columns)):
-        if groups[-1] and used + widths[k] > console.width:
-            groups.append([])
-            used = widths[0] + 1
-        groups[-1].append(k)
-        used += widths[k]
-    for g, group in enumerate(groups):
-        part = f" ({g + 1}/{len(groups)})" if len(groups) > 1 else ""
-        table = Table(title=title + part)
-        for k in [0, *group]:
-            table.add_column(columns[k], justify="left" if k in left else "right", no_wrap=k not in left)
-        for r in rows:
-            table.add_row(*(r[k] for k in [0, *group]))
-        console.print(table)

@@ -16,7 +16,7 @@ from mixlens.commands.options import (
     table_format_option,
     view_option,
 )
-from mixlens.commands.output import TableFormat, print_frame, progress, write_table
+from mixlens.commands.output import TableFormat, progress, write_table
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +36,7 @@ def patterns(
 
     from mixlens.stats.patterns import PATTERNS, classify_inputs, pattern_shares
     from mixlens.viz.heads import VIEW_WORDS, pattern_shares_figure
+    from mixlens.viz.terminal import print_frame
 
     check_view(view)
     texts = ds.texts()

@@ -91,6 +91,7 @@ def prune_command(
     from mixlens.interventions import disabled, parse_heads
     from mixlens.lens import resolve_source
     from mixlens.result import atomic_write
+    from mixlens.viz.terminal import print_prune
 
     if save is not None:  # before any work: never onto the source checkpoint, a file or someone else's folder
         src, local = resolve_source(opts.model, opts.gguf_file)
@@ -115,17 +116,7 @@ def prune_command(
             on_step=step,
         )
     lo, hi = res.ci
-    print(
-        f"selection split ({res.n_selection} examples): {res.metric} {res.selection_baseline:.4f} → "
-        f"{res.selection_score:.4f}"
-    )
-    print(
-        f"held-out split ({res.n_heldout} examples): {res.metric} {res.heldout_baseline:.4f} → "
-        f"{res.heldout_score:.4f} (Δ {res.heldout_delta:+.4f}, 95% bootstrap interval [{lo:+.4f}, {hi:+.4f}], "
-        f"{resamples} resamples)"
-    )
-    print(f"{len(res.heads)} heads removed; {'confirmed' if res.confirmed else 'not confirmed'} on held-out data")
-    print(f"--disable {res.spec}" if res.heads else "no head helps")
+    print_prune(res, resamples)
     steps = pd.DataFrame(res.steps, columns=["head", f"selection_{res.metric}", "kept"])
     summary = {
         "metric": res.metric,
@@ -220,6 +211,7 @@ def ablate_patterns_command(
     from mixlens.result import atomic_write
     from mixlens.stats.patterns import classify_inputs
     from mixlens.viz.heads import pattern_ablation_figure
+    from mixlens.viz.terminal import print_pattern_ablation
 
     check_view(view)
     if mode not in MODES:
@@ -233,11 +225,10 @@ def ablate_patterns_command(
             types = head_types(classify_inputs(lens, texts, view=view, batch_size=opts.batch_size, on_batch=step))
         with progress(pattern_ablation_steps(types, draws), f"ablate ({metric}, {mode})") as step:
             res = ablate_patterns(lens, task, types, mode, draws, seed, on_step=step)
-    print(f"baseline {res.metric} (no ablation, {task.n_examples} examples): {res.baseline:.4f}")
     df = pd.DataFrame(
         res.rows(), columns=["type", "heads", res.metric, "delta", "random_delta_mean", "random_delta_sd"]
     )
-    print(df.to_string(index=False, float_format=lambda v: f"{v:+.4f}"))
+    print_pattern_ablation(res, task.n_examples, df)
     atomic_write(out / "ablate_patterns.csv", df.to_csv(index=False).encode())
     kinds = pd.DataFrame(
         [(la, h, res.types[la, h]) for la in range(res.types.shape[0]) for h in range(res.types.shape[1])],

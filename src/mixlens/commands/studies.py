@@ -39,8 +39,8 @@ def _write(
 ) -> str:
     """Write the tables (name → DataFrame, as CSV) and the figure into `out`, print `frame` under `title`; → the
     files written, for the closing line."""
-    from mixlens.commands.output import print_frame
     from mixlens.result import atomic_write
+    from mixlens.viz.terminal import print_frame
 
     for name, df in tables.items():
         atomic_write(out / name, df.to_csv(index=False).encode())

@@ -61,6 +61,7 @@ def sweep_command(
     from mixlens.lens import load
     from mixlens.result import atomic_write
     from mixlens.viz.heads import sweep_figure
+    from mixlens.viz.terminal import print_sweep
 
     if mode not in MODES:
         raise MixlensError(f"unknown ablation mode '{mode}'; valid: {', '.join(MODES)}")
@@ -74,17 +75,14 @@ def sweep_command(
     with disabled(lens, off), progress(sweep_steps(lens, task, mode), f"sweep ({metric}, {mode})") as step:
         res = sweep(lens, task, mode, on_step=step)
     what = f"heads {disable} disabled" if off else "no ablation"
-    print(f"baseline {res.metric} ({what}, {res.n_examples} examples): {res.baseline:.4f}")
     n_layers, n_heads = res.heads.shape
     rows: list[tuple[int, int | str, float, float]] = [
         (la, h, res.heads[la, h], res.delta_heads[la, h]) for la in range(n_layers) for h in range(n_heads)
     ]
     rows += [(la, "all", res.layers[la], res.delta_layers[la]) for la in range(n_layers)]
     df = pd.DataFrame(rows, columns=["layer", "head", res.metric, "delta"])
+    print_sweep(res, what)
     atomic_write(out / "sweep.csv", df.to_csv(index=False).encode())
-    print("largest harms (ablated − baseline):")
-    for name, d in res.top_changes(10):
-        print(f"  {name:8s} {d:+.4f}")
     sweep_figure(res, out / "sweep.png")
     typer.echo(f"wrote {out}/sweep.csv and sweep.png", err=True)
 

@@ -19,7 +19,7 @@ from mixlens.commands.options import (
     table_format_option,
     view_option,
 )
-from mixlens.commands.output import TableFormat, print_frame, progress, write_table
+from mixlens.commands.output import TableFormat, progress, write_table
 
 
 def register(app: typer.Typer) -> None:
@@ -41,6 +41,7 @@ def syntax(
     from mixlens.lens import load
     from mixlens.result import atomic_write
     from mixlens.stats.syntax import read_conllu, syntax_heads
+    from mixlens.viz.terminal import print_frame
 
     check_view(view)
     sents = list(read_conllu(data, check_limit(limit)))

@@ -22,12 +22,10 @@ unacceptable one (`one_prefix_word_bad`: the foil), and the evidence (`target_ph
 from __future__ import annotations
 
 import csv
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -224,68 +222,3 @@ def task_json(ev: Evaluation) -> dict[str, object]:
             "accuracy": "share of prompts with logit difference > 0",
         },
     }
-
-
-SHORT = {  # paradigm → table column (≤ 6 characters)
-    "anaphor_gender_agreement": "anaGen",
-    "anaphor_number_agreement": "anaNum",
-    "animate_subject_passive": "animSP",
-    "determiner_noun_agreement_1": "dna",
-    "determiner_noun_agreement_irregular_1": "dnaIrr",
-    "determiner_noun_agreement_with_adjective_1": "dnaAdj",
-    "determiner_noun_agreement_with_adj_irregular_1": "dnaAI",
-    "distractor_agreement_relational_noun": "distr",
-    "ioi_dataset": "ioi",
-    "irregular_plural_subject_verb_agreement_1": "svaIrr",
-    "npi_present_1": "npi",
-    "regular_plural_subject_verb_agreement_1": "svaReg",
-}
-
-
-def _short(group: str) -> str:
-    return SHORT.get(group, group[:6])
-
-
-def _num(v: object) -> str:
-    x = float(v)  # type: ignore[arg-type]
-    return "  -  " if not math.isfinite(x) else f"{x:.2f}"
-
-
-def table(ev: Evaluation, width: int = 100) -> str:
-    """Plain-text tables (≤ `width` columns): per paradigm n, skipped and accuracy; per method the pooled MRR with
-    its interval, MRR on correct / wrong predictions and the logit-difference AOPC / comprehensiveness /
-    sufficiency; then MRR per method and paradigm (paradigms in columns, as many as fit, the rest below)."""
-    met: dict[str, Any] = task_metrics(ev)
-    groups = [g for g in met if g != ALL]
-    model = ev.model if len(ev.model) <= 50 else "…" + ev.model[-49:]
-    lines = [f"Evidence alignment ({ev.task}, {ev.removal}) — {model}; {met[ALL]['n']} prompts", ""]
-    lines.append(f"{'paradigm':<47} {'code':<6} {'n':>5} {'skip':>5} {'accuracy':>18}")
-    for g in [*groups, ALL]:
-        r = met[g]
-        lo, hi = r["accuracy_ci95"]
-        skip = sum(r["skipped"].values())
-        lines.append(
-            f"{g[:47]:<47} {(_short(g) if g != ALL else ''):<6} {r['n']:>5} {skip:>5} "
-            f"{_num(r['accuracy'])} [{_num(lo)}, {_num(hi)}]"
-        )
-    lines += ["", "All paradigms pooled; MRR (higher: aligned); ΔAOPC etc. on the logit difference:"]
-    lines.append(
-        f"{'method':<22} {'MRR':>5} {'95% interval':^13} {'MRR✓':>6} {'MRR✗':>6} {'AOPC':>7} {'compr':>7} {'suff↓':>7}"
-    )
-    pooled = met[ALL]
-    order = sorted(ev.methods, key=lambda m: -np.nan_to_num(pooled["all"][m]["mrr"], nan=-np.inf))
-    for m in order:
-        a = pooled["all"][m]
-        lo, hi = a["ci95"]["mrr"]
-        right, wrong = pooled["correct"][m]["mrr"], pooled["wrong"][m]["mrr"]
-        lines.append(
-            f"{m[:22]:<22} {_num(a['mrr']):>5} [{_num(lo)}, {_num(hi)}] {_num(right):>6} {_num(wrong):>6} "
-            f"{a['aopc']:>7.2f} {a['comprehensiveness']:>7.2f} {a['sufficiency']:>7.2f}"
-        )
-    per_row = max(1, (width - 23) // 7)
-    for start in range(0, len(groups), per_row):
-        cols = groups[start : start + per_row]
-        lines += ["", f"{'MRR per paradigm':<22} " + " ".join(f"{_short(g):>6}" for g in cols)]
-        for m in order:
-            lines.append(f"{m[:22]:<22} " + " ".join(f"{_num(met[g]['all'][m]['mrr']):>6}" for g in cols))
-    return "\n".join(lines)

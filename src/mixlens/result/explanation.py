@@ -90,6 +90,6 @@ class Explanation(Analysis):
         return render_fragment(self)
 
     def show(self, console: Any = None) -> None:
-        from mixlens.viz.highlight import print_terminal
+        from mixlens.viz.terminal import show_explanation
 
-        print_terminal(self, console)
+        show_explanation(self, console)

@@ -1,5 +1,5 @@
 """Every view of results: self-contained HTML report (`html`), local viewer (`server`), static figures of the
-report views (`static`) and figures of per-head results (`heads`)."""
+report views (`static`), figures of per-head results (`heads`) and every terminal view (`terminal`)."""
 
 from mixlens import submodule_getattr
 

@@ -1,4 +1,5 @@
-"""Text-highlight views of `mixlens.explain.Explanation`: terminal (rich) and self-contained HTML.
+"""Text-highlight views of `mixlens.explain.Explanation`: self-contained HTML here, the terminal view in
+`mixlens.viz.terminal.explanation` (it shares this scale).
 
 Scores are signed, so both views use a diverging scale per method and input: red = toward the target, blue =
 against it, white = 0, full colour at that method's max |score| on the input.
@@ -7,7 +8,6 @@ against it, white = 0, full colour at that method's max |score| on the input.
 from __future__ import annotations
 
 import html
-import shutil
 
 import numpy as np
 
@@ -86,47 +86,3 @@ def render_page(expl) -> str:
         f"<title>mixlens explain — {html.escape(expl.model)}</title></head>\n<body>\n"
         f"{render_fragment(expl)}\n</body></html>\n"
     )
-
-
-def print_terminal(expl, console=None) -> None:
-    """Each input: the target, then the tokens in aligned columns with one coloured score row per method,
-    wrapped to the terminal width."""
-    from rich.console import Console
-    from rich.text import Text
-
-    from mixlens.methods.rollout import DISPLAY_NOTE, display_rows
-
-    console = console or Console(width=shutil.get_terminal_size((120, 24)).columns)
-    width = console.width
-    for k, e in enumerate(expl.inputs):
-        console.print(Text(f"{k + 1}. {e.text}", style="bold"))
-        console.print(f"   {_header(e)}")
-        label = max(len(m) for m in e.scores) + 2
-        noted = False
-        cols = [max(9, min(16, len(t)) + 1) for t in e.tokens]
-        start = 0
-        while start < len(e.tokens):
-            stop, used = start, label
-            while stop < len(e.tokens) and (stop == start or used + cols[stop] <= width):
-                used += cols[stop]
-                stop += 1
-            head = Text(" " * label)
-            for t, c in zip(e.tokens[start:stop], cols[start:stop], strict=True):
-                head.append(t[: c - 1].rjust(c - 1) + " ", style="bold")
-            console.print(head)
-            for m, s in e.scores.items():
-                s, norm = display_rows(m, np.asarray(s, dtype=float))
-                noted |= norm
-                row = Text((m + ("*" if norm else "")).ljust(label))
-                scaled = _scaled(s)
-                for j in range(start, stop):
-                    r, g, b = _rgb(float(scaled[j]))
-                    fg = "white" if abs(scaled[j]) > 0.6 else "black"
-                    cell = f"{float(s[j]):+.2g}"[: cols[j] - 1].rjust(cols[j] - 1)
-                    row.append(cell, style=f"{fg} on rgb({r},{g},{b})")
-                    row.append(" ")
-                console.print(row)
-            start = stop
-        if noted:
-            console.print(f"   * {DISPLAY_NOTE}", style="dim")
-        console.print()

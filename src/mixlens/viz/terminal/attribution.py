@@ -1,4 +1,5 @@
-"""Terminal views (rich) of an `Attribution`: shaded token × token tables and per-token score bars."""
+"""The terminal view (rich) of an `Attribution` (`Attribution.show`): shaded token × token tables and per-token
+score bars."""
 
 from __future__ import annotations
 
