@@ -14,8 +14,6 @@ from mixlens.result.explanation import Explained, Explanation
 from mixlens.result.files import ANALYSIS_FORMAT, ATTRIBUTION_FORMAT, MAX_HEADER, SAVE_ID, WRITTEN, atomic_write
 from mixlens.result.rows import TOKEN_AXES, InputBiasRows, InputRows
 
-Blocks, BiasBlocks = InputRows, InputBiasRows  # the former names, still imported by lens.py (to be updated there)
-
 __all__ = [
     "ANALYSIS_FORMAT",
     "ATTRIBUTION_FORMAT",
@@ -25,8 +23,6 @@ __all__ = [
     "WRITTEN",
     "Analysis",
     "Attribution",
-    "BiasBlocks",
-    "Blocks",
     "InputBiasRows",
     "InputRows",
     "Explained",
