@@ -20,16 +20,18 @@ from mixlens import methods as method_registry
 from mixlens.adapters import Adapter, family_for, resolve
 from mixlens.errors import MixlensError
 from mixlens.pipeline import (
+    LayerProgress,
     Targets,
     needs_capture,
     plan_batches,
+    qk_trace,
     resolve_targets,
     run_methods,
     stream_trace,
     streams,
     trace_flags,
 )
-from mixlens.result import Analysis, Attribution, BiasBlocks, Blocks
+from mixlens.result import Analysis, Attribution, InputBiasRows, InputRows
 from mixlens.trace import Edit, Trace, run_traced
 
 DEFAULT_METHODS = ("attention", "norm", "norm_res", "norm_resln")
@@ -493,6 +495,7 @@ class Lens:
         trace: bool | Sequence[str] = False,
         targets: Targets = None,
         output: bool = False,
+        on_layer: LayerProgress | None = None,
     ) -> Iterator[Batch]:
         """Batches of `texts`, each tokenized once: `order='input'` cuts the inputs in order into batches of
         `batch_size`; `order='length'` tokenizes all inputs first and packs them longest first into batches of
@@ -502,7 +505,8 @@ class Lens:
         activations / whole forward pass those methods need; none, only the inputs, when no method reads it).
         `targets` with method names (all declaring `target_rows`): target-row streaming (`pipeline.stream_trace`).
         `output`: a captured forward pass runs to the model's output (`Trace.logits` / `Trace.hidden`), which is
-        what explaining a prediction reads."""
+        what explaining a prediction reads. `on_layer(phase, done, total)`: progress in layers of a streamed trace (long
+        inputs; `pipeline.LayerProgress`)."""
         texts = _check_texts(texts)
         if order not in ("input", "length"):
             raise MixlensError(f"unknown batch order '{order}'; valid: input, length")
@@ -523,10 +527,16 @@ class Lens:
             if tok is None or local is None:  # input order: tokenize each batch when it is reached (streams)
                 tok, local = _Tokenized(self, [texts[b] for b in rows], limit, truncate), range(len(rows))
             enc = tok.batch(self, local)
-            yield Batch(list(rows), enc, None if trace is False else self.trace_for(enc, trace, targets, output))
+            traced = None if trace is False else self.trace_for(enc, trace, targets, output, on_layer)
+            yield Batch(list(rows), enc, traced)
 
     def trace_for(
-        self, enc: Encoded, trace: bool | Sequence[str] = True, targets: Targets = None, output: bool = False
+        self,
+        enc: Encoded,
+        trace: bool | Sequence[str] = True,
+        targets: Targets = None,
+        output: bool = False,
+        on_layer: LayerProgress | None = None,
     ) -> Trace:
         """The trace a batch needs (see `batches`): True a full one; for method names, one with what they read
         (FFN activations, the whole forward pass, or `output`), target-row streaming for `targets`, or the inputs
@@ -535,8 +545,9 @@ class Lens:
         if trace is not True and (isinstance(trace, bool) or not needs_capture(trace)):
             return Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
         if not isinstance(trace, bool) and streams(trace, targets):
-            return stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer)
-        return self.trace(enc, ffn=ffn, to_output=to_output or output)
+            return stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer, on_layer)
+        qk_rows = not isinstance(trace, bool) and qk_trace(trace, self.adapter)
+        return self.trace(enc, ffn=ffn, to_output=to_output or output, qk_rows=qk_rows)
 
     @torch.no_grad()
     def trace(
@@ -545,13 +556,21 @@ class Lens:
         edits: dict[str, Edit] | None = None,
         ffn: bool = False,
         to_output: bool = True,
+        qk_rows: bool = False,
     ) -> Trace:
         """One forward pass with capture hooks (and optional attention edits); `to_output=False` stops after the last
-        attention block (see `run_traced`)."""
+        attention block; `qk_rows`: each layer keeps q and K instead of α (see `run_traced`)."""
         if not isinstance(enc, Encoded):
             enc = self.encode(enc)
         return run_traced(
-            self.adapter, self.model, enc.inputs, edits=edits, ffn=ffn, tokenizer=self.tokenizer, to_output=to_output
+            self.adapter,
+            self.model,
+            enc.inputs,
+            edits=edits,
+            ffn=ffn,
+            tokenizer=self.tokenizer,
+            to_output=to_output,
+            qk_rows=qk_rows,
         )
 
     def analyze(
@@ -566,6 +585,7 @@ class Lens:
         options: dict[str, dict[str, object]] | None = None,
         on_batch: Callable[[int], None] | None = None,
         targets: Targets = None,
+        on_layer: LayerProgress | None = None,
     ) -> Analysis:
         """Run `methods` (registry names) on `texts`; returns an `Analysis` with values
         `[batch, layer, (head), target, source]` (in input order), and the mixing ratios and reconstruction
@@ -573,7 +593,9 @@ class Lens:
         stored per batch, padded only to its batch's longest input (batches hold at most `batch_size` · 64² token
         pairs, so long inputs run in small batches). `targets` ("last", positions, negative from each input's end;
         None/"all": every row): only those target rows, `[batch, layer, (head), K, source]`, their positions in
-        each `Attribution.targets` (memory per input: layers · n · K instead of layers · n²)."""
+        each `Attribution.targets` (memory per input: layers · n · K instead of layers · n²). `on_batch(k)`: k inputs
+        done; `on_layer(phase, done, total)`: layers done of a target-row batch's forward pass
+        and row propagation (progress within one long input)."""
         texts = _check_texts([texts] if isinstance(texts, (str, tuple)) else list(texts))
         names = list(dict.fromkeys(methods))
         specs = [method_registry.get(m) for m in names]
@@ -598,6 +620,7 @@ class Lens:
             max_cells=batch_size * CELLS_PER_INPUT,
             trace=names,
             targets=targets,
+            on_layer=on_layer,
         ):
             enc, idx = batch.enc, np.asarray(batch.index)
             for k, n in enumerate(enc.truncated):
@@ -629,14 +652,14 @@ class Lens:
         lengths = [len(t) for t in tokens]
         attributions = {
             s.name: Attribution(
-                Blocks(parts[s.name], s.dims_for(heads), lengths),
+                InputRows(parts[s.name], s.dims_for(heads), lengths),
                 s.dims_for(heads),
                 tokens,
                 s.name,
                 self.name,
                 {"heads": heads, **options.get(s.name, {})},
                 words,
-                {k: Blocks(p, s.extras[k], lengths) for k, p in extras[s.name].items()},
+                {k: InputRows(p, s.extras[k], lengths) for k, p in extras[s.name].items()},
                 None if targets is None or targets == "all" else rows,
             )
             for s in specs
@@ -649,9 +672,11 @@ class Lens:
             texts=[_text_of(t) for t in texts],
             tokens=tokens,
             attributions=attributions,
-            ratios={v: Blocks(p, ("layer", "target"), lengths) for v, p in ratios.items()},
+            ratios={v: InputRows(p, ("layer", "target"), lengths) for v, p in ratios.items()},
             reconstruction_error=errors,
-            bias=None if bias_terms is None else BiasBlocks(Blocks(scales, ("layer", "target"), lengths), bias_terms),
+            bias=None
+            if bias_terms is None
+            else InputBiasRows(InputRows(scales, ("layer", "target"), lengths), bias_terms),
         )
 
     def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: Any):

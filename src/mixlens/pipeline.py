@@ -6,21 +6,23 @@ Loops (`Lens.analyze`, the corpus runner, the head statistics) iterate `Lens.bat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from mixlens.adapters import Adapter
 from mixlens.errors import MixlensError
-from mixlens.methods import alti, attention, globenc, rollout
+from mixlens.memory import release
+from mixlens.methods import alti, globenc, rollout
 from mixlens.methods import get as get_method
 from mixlens.methods.engine import BlockNorms, NormRun, block_norms, stream_layer
-from mixlens.methods.memo import Memo, memo_of
+from mixlens.methods.memo import LayerRowsFactory, Memo, RowsFn, gathered, memo_of
 from mixlens.methods.registry import check_options, check_target_rows
 from mixlens.trace import LayerTrace, Trace, run_traced
 
 Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
+LayerProgress = Callable[[str, int, int], None]  # (phase, layers done, layers in the phase): long inputs' progress
 
 
 def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | None:
@@ -131,55 +133,101 @@ def streams(methods: Sequence[str], targets: Targets) -> bool:
 
 
 class LayerStream:
-    """The layer sink of target-row streaming (`run_traced(sink=)`): at each layer, while its α [B, H, n, n] is
-    alive, computes and keeps only what `methods` read afterwards (on `memo`, the streamed trace's Memo):
+    """The layer sink of target-row streaming (`run_traced(sink=)`): at each layer, while its tensors are alive,
+    computes and keeps only what `methods` read afterwards (on `memo`, the streamed trace's Memo):
 
     - `layer_rows["alpha"]`: the target rows of α [B, H, K, n] (attention, per-head norm maps);
     - the norm engine's token and attention passes (`norms.stream_layer`): the target rows of the pair maps, the
       per-token quantities and what the per-run check needs, when a norm-engine method (or GlobEnc of a pre-LN
       model, which is N-Res there) is requested;
-    - for a rollout, the layer's head-summed matrix [B, n, n] that the backward row propagation multiplies by
-      (`layer_mats`: Â for attention_rollout, ALTI, N-Enc / N-Res); for alti and globenc alone, their target rows
+    - for a rollout, the rows of the layer's head-summed matrix that the backward row propagation multiplies by
+      (`layer_fns`: Â for attention_rollout, ALTI, N-Enc / N-Res); for alti and globenc alone, their target rows
       (`layer_rows`).
-    Memory: layers · (H + maps) · K · n, plus layers · n² per requested rollout."""
 
-    def __init__(self, adapter: Adapter, mask: torch.Tensor, methods: Sequence[str], rows: torch.Tensor):
-        self.adapter, self.mask, self.rows = adapter, mask, rows
+    Causal LMs trace in row mode (`run_traced(qk_rows=True)`, `mixlens.rowattn`): no layer ever holds α [B, H, n, n];
+    a rollout's layer rows are computed when the propagation reaches the layer, from what the stream keeps of it (q,
+    K and the softmax normaliser; ALTI also x, the residual sum and v). Memory: layers · (H + maps) · K · n, plus per
+    requested rollout layers · n² (other families) or layers · n · (H + H_kv) · d_h (+ 2 d + H_kv · d_h for ALTI) in
+    row mode."""
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        mask: torch.Tensor,
+        methods: Sequence[str],
+        rows: torch.Tensor,
+        on_layer: LayerProgress | None = None,
+    ):
+        self.adapter, self.mask, self.rows, self.on_layer = adapter, mask, rows, on_layer
         self.names = frozenset(methods)
         pre_ln = adapter.family.pre_ln
         globenc = bool(self.names & {"globenc", "globenc_rollout"})
-        self.memo = Memo(targets=rows, streamed=self.names)
+        self.memo = Memo(targets=rows, streamed=self.names, progress=on_layer)
         if any(get_method(m).engine for m in self.names) or (pre_ln and globenc):
             self.memo.norm_run = NormRun.start(adapter, mask, rows)
         self.every_row = pre_ln and "globenc_rollout" in self.names  # N-Res matrices for the GlobEnc rollout
 
-    def keep(self, kind: str, name: str, index: int, t: torch.Tensor) -> None:
-        store = self.memo.layer_mats if kind == "mats" else self.memo.layer_rows
-        got = store.setdefault(name, [])
+    def keep(self, name: str, index: int, t: torch.Tensor) -> None:
+        got = self.memo.layer_rows.setdefault(name, [])
         assert len(got) == index, f"layer {index} streamed out of order"
         got.append(t)
 
+    def keep_fn(self, name: str, index: int, factory: LayerRowsFactory) -> None:
+        got = self.memo.layer_fns.setdefault(name, [])
+        assert len(got) == index, f"layer {index} streamed out of order"
+        got.append(factory)
+
     def __call__(self, index: int, lt: LayerTrace) -> None:
         lay, mask, rows, names = self.adapter.layers[index], self.mask, self.rows, self.names
-        self.keep("rows", "alpha", index, attention.alpha_rows(lt.alpha.float(), rows))
+        row_mode = lt.qk is not None
+        self.keep("alpha", index, lt.alpha_rows(rows))
         if self.memo.norm_run is not None:
             n_res = stream_layer(self.memo.norm_run, lt, index, self.every_row)
             if n_res is not None:
-                self.keep("mats", "globenc", index, n_res * rollout.pair_mask(mask)[:, 0])
+                self.keep_fn("globenc", index, _masked(n_res, mask))
         if "attention_rollout" in names:
-            self.keep("mats", "attention_rollout", index, rollout.residual_rows(lt.alpha, mask, None))
-        if names & {"alti", "alti_rollout"}:
-            fn = alti.layer_fn(lt, lay, self.adapter.family.pre_ln, mask, self.adapter.family.causal)
-            if "alti_rollout" in names:
-                self.keep("mats", "alti", index, fn(None))
+            if row_mode:
+                small = _kept(lt)
+                self.keep_fn(
+                    "attention_rollout",
+                    index,
+                    lambda: lambda r: rollout.residual_of_rows(small.alpha_rows(r), mask, r),
+                )
             else:
-                self.keep("rows", "alti", index, fn(rows))
+                self.keep_fn("attention_rollout", index, gathered(rollout.residual_rows(lt.alpha, mask, None)))
+        if names & {"alti", "alti_rollout"}:
+            pre_ln, causal = self.adapter.family.pre_ln, self.adapter.family.causal
+            if "alti_rollout" in names and row_mode:
+                small = _kept(lt, alti=True)
+                self.keep_fn("alti", index, lambda: alti.layer_fn(small, lay, pre_ln, mask, causal))
+            else:
+                fn = alti.layer_fn(lt, lay, pre_ln, mask, causal)
+                if "alti_rollout" in names:
+                    self.keep_fn("alti", index, gathered(fn(None)))
+                else:
+                    self.keep("alti", index, fn(rows))
         if names & {"globenc", "globenc_rollout"} and not self.adapter.family.pre_ln:
             fn = globenc.layer_fn(lt, lay, mask, index)
             if "globenc_rollout" in names:
-                self.keep("mats", "globenc", index, fn(None) * rollout.pair_mask(mask)[:, 0])
+                self.keep_fn("globenc", index, gathered(fn(None) * rollout.pair_mask(mask)[:, 0]))
             else:
-                self.keep("rows", "globenc", index, fn(rows) * rollout.row_pair_mask(mask, rows))
+                self.keep("globenc", index, fn(rows) * rollout.row_pair_mask(mask, rows))
+        release(mask.shape[1])
+        if self.on_layer is not None:
+            self.on_layer("forward pass", index + 1, self.adapter.n_layers)
+
+
+def _masked(rows_of: RowsFn, mask: torch.Tensor) -> LayerRowsFactory:
+    """The factory of `rows_of`'s rows with padding pairs zeroed."""
+    return lambda: lambda r: rows_of(r) * rollout.row_pair_mask(mask, r)
+
+
+def _kept(lt: LayerTrace, alti: bool = False) -> LayerTrace:
+    """What a row-mode rollout keeps of a layer until the propagation reaches it: q, K, the normaliser (`qk`) and
+    the sandwich scale; for ALTI also x, the residual sum and v (the other tensors empty)."""
+    empty = lt.x.new_empty(0)
+    keep = (lt.x, lt.value, lt.mix_in) if alti else (empty, empty, empty)
+    return LayerTrace(keep[0], empty, keep[1], empty, keep[2], empty, None, post_scale=lt.post_scale, qk=lt.qk)
 
 
 @torch.no_grad()
@@ -190,6 +238,7 @@ def stream_trace(
     methods: Sequence[str],
     targets: Targets,
     tokenizer: object | None = None,
+    on_layer: LayerProgress | None = None,
 ) -> Trace:
     """One forward pass in target-row streaming mode for `methods` (all declaring `target_rows`) and `targets` (not
     all rows): each layer is consumed by a `LayerStream` as soon as it is complete and its α dropped, so the trace
@@ -200,11 +249,18 @@ def stream_trace(
     if rows is None:
         raise MixlensError("streaming computes target rows: give targets other than 'all'")
     check_target_rows(methods)
-    stream = LayerStream(adapter, mask, methods, rows.to(mask.device))
+    stream = LayerStream(adapter, mask, methods, rows.to(mask.device), on_layer)
     post_ln_globenc = not adapter.family.pre_ln and any(m in ("globenc", "globenc_rollout") for m in methods)
     # the sink is the only reader: FFN activations and layer outputs only for GlobEnc's LN2 (post-LN)
     trace = run_traced(
-        adapter, model, inputs, ffn=post_ln_globenc, tokenizer=tokenizer, to_output=post_ln_globenc, sink=stream
+        adapter,
+        model,
+        inputs,
+        ffn=post_ln_globenc,
+        tokenizer=tokenizer,
+        to_output=post_ln_globenc,
+        sink=stream,
+        qk_rows=adapter.family.causal,
     )
     trace.memo = stream.memo
     return trace
@@ -214,6 +270,12 @@ def trace_flags(methods: Sequence[str]) -> tuple[bool, bool]:
     """(ffn, to_output) of the trace that `methods` need: FFN activations, and the whole forward pass."""
     specs = [get_method(m) for m in methods]
     return any(s.needs_ffn for s in specs), any(s.needs_output for s in specs)
+
+
+def qk_trace(methods: Sequence[str], adapter: Adapter) -> bool:
+    """Whether a trace for `methods` keeps q and K instead of α (`run_traced(qk_rows=True)`): a causal LM, and
+    every method reads α only by rows (`Method.qk_rows`)."""
+    return adapter.family.causal and bool(methods) and all(get_method(m).qk_rows for m in methods)
 
 
 def needs_capture(methods: Sequence[str]) -> bool:

@@ -41,6 +41,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from mixlens import inplace
 from mixlens.adapters import Adapter, get_path
 from mixlens.errors import MixlensError
+from mixlens.rowattn import QKRows, attend
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 LayerSink = Callable[[int, "LayerTrace"], None]  # (layer index, that layer's complete record) → None
@@ -66,12 +67,43 @@ class LayerTrace:
     ln_out_in: torch.Tensor | None = None  # [B, n, d] post-LN: input of LN2
     ffn_gate: torch.Tensor | None = None  # [B, n, d_ff] gated FFN: gate projection output
     post_scale: torch.Tensor | None = None  # [B, n] sandwich norm (Gemma): s^post_i of the output projection's output
+    qk: QKRows | None = None  # row mode (`hooked(qk_rows=True)`): α is empty [0]; its rows come from q and K
 
     @property
     def alpha_mix(self) -> torch.Tensor:
         """α as the norm decomposition mixes it: α^h_ij / s^post_i with a sandwich norm (γ_post is in W_O), else α.
         [B, H, n(target), n(source)]."""
         return self.alpha if self.post_scale is None else self.alpha / self.post_scale[:, None, :, None]
+
+    def alpha_rows(self, rows: torch.Tensor, mix: bool = False, b: int | None = None) -> torch.Tensor:
+        """α at target positions rows [B, K]: [B, H, K, n] float32, from α or (row mode) from q and K; `mix`: divided
+        by s^post_i as `alpha_mix`. `b`: of input b alone, rows [K] → [H, K, n]."""
+        if b is not None:
+            one = LayerTrace(
+                self.x[b : b + 1],
+                self.alpha[b : b + 1],
+                self.value,
+                self.attn_out,
+                self.mix_in,
+                self.mix_out,
+                None,
+                post_scale=None if self.post_scale is None else self.post_scale[b : b + 1],
+                qk=None if self.qk is None else self.qk.of_input(b),
+            )
+            return one.alpha_rows(rows[None], mix)[0]
+        if self.qk is not None:
+            a = self.qk.rows(rows)
+        else:
+            bsz, h, _, n = self.alpha.shape
+            a = self.alpha.float().gather(2, rows[:, None, :, None].expand(bsz, h, rows.shape[1], n))
+        if mix and self.post_scale is not None:
+            a = a / self.post_scale.gather(1, rows)[:, None, :, None]
+        return a
+
+    def alpha_diagonal(self, mix: bool = False) -> torch.Tensor:
+        """α^h_ii: [B, H, n] float32 (`mix`: divided by s^post_i)."""
+        a = self.qk.diagonal() if self.qk is not None else self.alpha.float().diagonal(dim1=2, dim2=3)
+        return a / self.post_scale[:, None, :] if mix and self.post_scale is not None else a
 
 
 @dataclass
@@ -107,9 +139,11 @@ class _Stop(Exception):
 class _Session:
     """One hooked forward pass: the edits, the layers run (start..stop), the layer running now, the record."""
 
-    def __init__(self, adapter: Adapter, edits: dict[str, Edit], start: int, stop: int):
+    def __init__(self, adapter: Adapter, edits: dict[str, Edit], start: int, stop: int, qk_rows: bool = False):
         self.edits = edits
+        self.qk_rows = qk_rows  # attention rows from q and K (`mixlens.rowattn`): no [B, H, n, n] α
         self.inplace = adapter.family.inplace_attention
+        self.causal = adapter.family.causal
         self.start, self.stop = start, stop
         self.layer = -1  # real index of the layer running now (-1: embeddings)
         self.embedded = False
@@ -195,10 +229,17 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
         return eager(module, query, key, value, attention_mask, **kwargs)
     layer = s.layer
     value = s.edit(f"blocks.{layer}.attn.v", value)
+    p_name, z_name = f"blocks.{layer}.attn.pattern", f"blocks.{layer}.attn.z"
+    if s.qk_rows and p_name not in s.edits and z_name not in s.edits and not module.training:
+        scaling = kwargs.get("scaling")
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out, qk = attend(query, key, value, attention_mask, scaling, kwargs.get("softcap"), s.causal)
+        s.rec["alpha"].append(qk)  # type: ignore[arg-type]  # `_layer_trace` makes it the LayerTrace's `qk`
+        s.rec["value"].append(value)
+        return out, None
     if s.inplace:
         eager = inplace.eager_for(eager, module, query, key, attention_mask, kwargs)
     out, alpha = eager(module, query, key, value, attention_mask, **kwargs)
-    p_name, z_name = f"blocks.{layer}.attn.pattern", f"blocks.{layer}.attn.z"
     if p_name in s.edits or z_name in s.edits:
         alpha = s.edit(p_name, alpha)
         z = torch.matmul(alpha, repeat_kv(value, alpha.shape[1]))  # [B, H, n, d_h]
@@ -329,6 +370,7 @@ def hooked(
     stop_after: int | None = None,
     stop_at_mix: bool = False,
     on_layer: Callable[[int], None] | None = None,
+    qk_rows: bool = False,
 ) -> Iterator[dict[str, list[torch.Tensor]]]:
     """Capture hooks and `edits` (edit point name → fn, see the module docstring) for ONE model call.
 
@@ -343,11 +385,13 @@ def hooked(
       model call returns nothing): read the layer outputs from the record.
     - `on_layer(k)`: called as soon as item k of the record is complete: at the layer's output, or at its ln_mix
       for a pass stopped there (the record may be thinned in it, e.g. α dropped).
+    - `qk_rows`: attention through `ALL_ATTENTION_FUNCTIONS` records a `rowattn.QKRows` in `alpha` instead of α
+      (no [B, H, n, n] tensor; not with attention edits of that layer). The family's own route (MPNet) records α.
     """
     edits = dict(edits or {})
     stop = _check(adapter, edits, start, stop_after, resid_pre)
     edits = _with_defaults(adapter, edits, start, stop)
-    s = _Session(adapter, edits, start, stop)
+    s = _Session(adapter, edits, start, stop, qk_rows)
     rec = s.rec
     halt_out = stop_after is not None and not stop_at_mix
     modules = list({id(lay.module): lay.module for lay in adapter.layers}.values())  # ALBERT shares them
@@ -471,9 +515,13 @@ def _layer_trace(adapter: Adapter, rec: dict[str, list[torch.Tensor]], k: int) -
         return f32(rec[name][k]) if len(rec.get(name, ())) > k else None
 
     ln_post, post_raw = adapter.layers[k].ln_post, opt("post_raw")
+    alpha, qk = rec["alpha"][k], None
+    if isinstance(alpha, QKRows):
+        qk, alpha = alpha, rec["x"][k].new_empty(0)
     return LayerTrace(
+        qk=qk,
         x=f32(rec["x"][k]),
-        alpha=f32(rec["alpha"][k]),
+        alpha=f32(alpha),
         value=f32(rec["value"][k]),
         attn_out=f32(rec["attn_out"][k]),
         mix_in=f32(rec["mix_in"][k]),
@@ -496,6 +544,7 @@ def run_traced(
     tokenizer: object | None = None,
     to_output: bool = True,
     sink: LayerSink | None = None,
+    qk_rows: bool = False,
 ) -> Trace:
     """One forward pass with capture hooks → Trace (call under torch.no_grad() for analysis). `to_output=False`
     stops after the last layer's ln_mix: everything the attention-block methods use, without the last FFN and
@@ -505,7 +554,8 @@ def run_traced(
     ln_mix for the last layer when `to_output=False`), with everything a trace holds of it; then that layer's
     tensors are dropped (the trace keeps empty ones, and `post_scale`), so at most one layer's α [B, H, n, n] is
     alive at a time and the trace holds O(layers · n) floats: the sink keeps what it needs. Every captured tensor,
-    the logits and the hidden states are float32, whatever the dtype the model ran in (`f32`)."""
+    the logits and the hidden states are float32, whatever the dtype the model ran in (`f32`). `qk_rows`: see
+    `hooked` (each LayerTrace then has `qk` and an empty `alpha`)."""
     output = None
     thin: list[LayerTrace] = []  # the consumed layers, as the trace keeps them
 
@@ -520,8 +570,11 @@ def run_traced(
         thin.append(LayerTrace(empty, empty, empty, empty, empty, empty, empty, post_scale=lt.post_scale))
 
     on_layer = None if sink is None else consume
-    with hooked(adapter, edits, ffn and to_output, stop_at_mix=not to_output, on_layer=on_layer) as rec:
-        output = model(**inputs)
+    call = {**inputs, "use_cache": False} if adapter.family.causal else inputs  # one pass: no key / value cache
+    with hooked(
+        adapter, edits, ffn and to_output, stop_at_mix=not to_output, on_layer=on_layer, qk_rows=qk_rows
+    ) as rec:
+        output = model(**call)
     n = adapter.n_layers
     counts = {k: len(rec[k]) for k in ("x", "attn_out", "mix_in", "mix_out", "alpha", "value")}
     counts["out"] = len(rec["out"]) + (0 if to_output else 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,34 @@ def test_analyze_long_decoder_default_targets(tmp_path, tokenizer, fx, capsys):
     assert "top 3 sources of target row 601" in out
     saved = json.loads((Path(fx["dir"]) / "mixlens-analysis.json").read_text())
     assert saved["inputs"][0]["methods"]["norm"]["targets"] == [601]
+
+
+def test_one_long_decoder_input_shows_a_bar_of_layers(tmp_path, tokenizer, fx, capsys, monkeypatch):
+    """#33.5: one long input of a causal LM shows its progress in layers on a terminal (forward pass, then the
+    rollout's row propagation), and nothing on a pipe."""
+    from tests.conftest import random_model
+
+    model = tmp_path / "gpt"
+    random_model("gpt2", tokenizer).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    argv = ["analyze", "the cat sat on the mat", "--model", str(model), "--method", "globenc_rollout"]
+    argv += ["--targets", "last", "-f", "json", "-o", fx["out"] + ".json"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0 and "layers" not in err, err
+    import rich.progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    seen: list[str] = []
+
+    update = rich.progress.Progress.update
+    monkeypatch.setattr(
+        rich.progress.Progress,
+        "update",
+        lambda self, task, **kw: (seen.append(self.tasks[0].description), update(self, task, **kw))[1],
+    )
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert seen.count("forward pass") == 2 and seen.count("propagating the target rows") == 2  # 2 layers each
 
 
 def test_analyze_targets_json_round_trips(fx, capsys):

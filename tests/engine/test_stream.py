@@ -3,6 +3,8 @@ the results equal the rows of full mode, and the trace holds layers · n · K (p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ import mixlens.methods.norms as norms
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.registry import refused_by, with_target_rows
 from mixlens.pipeline import LayerStream, resolve_targets, run_methods, stream_trace
+from mixlens.rowattn import QKRows
+from mixlens.trace import LayerTrace
 from tests.conftest import SENTENCES, random_lens
 from tests.real_models.test_real_models import CHECKPOINTS, model_dir
 
@@ -56,13 +60,35 @@ def test_streamed_rows_equal_the_rows_of_full_mode(family, compiled, tokenizer, 
             torch.testing.assert_close(v, _rows(heads_full[m], rows), rtol=1e-5, atol=1e-6, msg=m)
 
 
+def _held(obj: object, seen: dict[int, torch.Tensor], depth: int = 0) -> None:
+    """Every tensor reachable from `obj` through closures, LayerTraces, QKRows and lists (by storage)."""
+    if depth > 8 or obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        if obj.numel():
+            seen[obj.untyped_storage().data_ptr()] = obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _held(o, seen, depth + 1)
+    elif isinstance(obj, (LayerTrace, QKRows)):
+        for f in dataclasses.fields(obj):
+            _held(getattr(obj, f.name), seen, depth + 1)
+    elif callable(obj) and getattr(obj, "__closure__", None):
+        for cell in obj.__closure__:
+            _held(cell.cell_contents, seen, depth + 1)
+
+
 @pytest.mark.parametrize("family", ["llama", "bert"])
 def test_the_trace_holds_target_rows_and_one_n_squared_matrix_per_rollout(family, tokenizer):
-    """Bytes held after the forward pass: α rows (layers · H · K · n), no α; a rollout adds its layers · n² matrices.
-    While the forward pass runs, only the running layer's α is alive."""
+    """Bytes held after the forward pass: α rows (layers · H · K · n), no α; a rollout adds its layers · n² matrices,
+    or in row mode (causal LMs) per layer q, K and the softmax normaliser (+ x, v and the residual sum for ALTI) and
+    the one additive mask the layers share. While the forward pass runs, only the running layer's α is alive."""
     lens = random_lens(family, tokenizer)
     enc = lens.encode(["a b c d e f g h i j k l"])
     layers, heads, n = lens.adapter.n_layers, lens.adapter.layers[0].n_heads, enc.inputs["input_ids"].shape[1]
+    lay, d = lens.adapter.layers[0], lens.model.config.hidden_size
+    kv = lens.model.config.num_key_value_heads if family == "llama" else heads
+    qk = (heads + kv) * n * lay.d_head * 4 + heads * n * 4  # per layer, row mode
     alive: list[int] = []
     call = LayerStream.__call__
 
@@ -84,7 +110,16 @@ def test_the_trace_holds_target_rows_and_one_n_squared_matrix_per_rollout(family
             assert sum(getattr(lt, f).numel() for lt in tr.layers for f in fields) == 0  # every layer consumed
             held = {k: sum(t.nbytes for t in v) for k, v in tr.memo.layer_rows.items()}
             assert held == {"alpha": layers * heads * 1 * n * 4}
-            assert sum(t.nbytes for v in tr.memo.layer_mats.values() for t in v) == mats * layers * n * n * 4
+            seen: dict[int, torch.Tensor] = {}
+            _held(list(tr.memo.layer_fns.values()), seen)  # the factories: what waits for the propagation
+            held_bytes = sum(t.untyped_storage().nbytes() for t in seen.values())
+            if lens.adapter.family.causal:
+                assert all(t.shape[-2:] != (n, n) or t.shape[:2] == (1, 1) for t in seen.values())  # only the mask
+                alti = (2 * n * d + kv * n * lay.d_head) * 4 if "alti_rollout" in methods else 0
+                want = mats and layers * (qk + alti) + n * n * 4 + n  # + the additive and the bool input mask
+                assert held_bytes == want, (methods, held_bytes, want)
+            else:
+                assert held_bytes == mats * layers * n * n * 4
             run_methods(tr, methods, targets="last")
 
 
@@ -144,3 +179,13 @@ def test_streamed_rows_on_real_checkpoints(name):
     for m in methods:
         want = _rows(full[m], rows)
         torch.testing.assert_close(got.values[m], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=m)
+
+
+def test_long_inputs_report_progress_per_layer(tokenizer):
+    """`on_layer` sees every layer of the forward pass, then every layer of each rollout's row propagation."""
+    lens = random_lens("llama", tokenizer)
+    seen: list[tuple[str, int, int]] = []
+    lens.analyze(["a b c d e f"], ["norm", "globenc_rollout"], targets="last", on_layer=lambda *a: seen.append(a))
+    layers = lens.adapter.n_layers
+    forward = [("forward pass", k, layers) for k in range(1, layers + 1)]
+    assert seen == forward + [("propagating the target rows", k, layers) for k in range(1, layers + 1)]

@@ -44,7 +44,9 @@ class Layout(NamedTuple):
 class LayerInputs(NamedTuple):
     """What the trace gives for one layer."""
 
-    alpha: Array  # [B, H, n, n]  α^h_ij
+    alpha: Array  # [B, H, R, n]  rows of α^h_ij: row alpha_at[b, i] holds target position i (full maps: R = n)
+    alpha_at: Array  # [B, n]  int64: the row of `alpha` holding position i (read only at target positions)
+    alpha_diag: Array  # [B, H, n]  α^h_ii
     v: Array  # [T, H, d_h]  value vectors v^h_j of the real tokens, token-major (pre-LN: of LN(x_j))
     x: Array  # [B·n, d]  layer input (the residual)
     attn_out: Array  # [B·n, d]  real attention output, b_O included
@@ -139,7 +141,7 @@ def token_pass(
         TokenResults(*results),
         Maps(*maps),
     )
-    alpha, v, x, attn_out, mix_in, mix_out = inp.alpha, inp.v, inp.x, inp.attn_out, inp.mix_in, inp.mix_out
+    alpha_diag, v, x, attn_out, mix_in, mix_out = inp.alpha_diag, inp.v, inp.x, inp.attn_out, inp.mix_in, inp.mix_out
     mean_w, gamma, gamma2, beta, b_o = wt.mean_w, wt.gamma, wt.gamma2, wt.beta, wt.b_o
     probes, w_probe, rms = wt.probes, wt.w_probe, wt.rms
     grams, probe_f, diag = res.grams[layer], res.probe_f[layer], res.diag[layer]
@@ -166,14 +168,14 @@ def token_pass(
                 for a in range(v.shape[2]):
                     acc += v[tt, h, a] * mean_w[h, a]
                 mu[h] = acc
-                shift += alpha[b, h, i, i] * acc
+                shift += alpha_diag[b, h, i] * acc
         for k in range(d):
             u[k] = shift
         p = 0
         w_mix = zero
         for h in range(heads):
             fh = cf[h, t]
-            ah = alpha[b, h, i, i]
+            ah = alpha_diag[b, h, i]
             w_mix += ah
             s0 = s1 = zero
             for k in range(d):
@@ -279,7 +281,8 @@ def attention_pass(
     alpha, grams, probe_f, diag = inp.alpha, res.grams[layer], res.probe_f[layer], res.diag[layer]
     total_r, probe_err = res.total_r[layer], res.probe_err[layer]
     offsets, lengths, targets = where.offsets, where.lengths, where.targets
-    heads, n, n_rows = alpha.shape[1], alpha.shape[2], targets.shape[1]
+    alpha_at = inp.alpha_at
+    heads, n, n_rows = alpha.shape[1], alpha.shape[3], targets.shape[1]
     n_probes = probe_f.shape[1]
     zero = np.float32(0.0)
     plain_buf = np.empty(n, np.float32)
@@ -295,6 +298,7 @@ def attention_pass(
         if i >= m:
             continue
         o = offsets[b]
+        ai = alpha_at[b, i]
         end = i + 1 if causal else m
         plain = plain_buf[:end]
         proj = proj_buf[:end]
@@ -306,8 +310,8 @@ def attention_pass(
         for a0 in range(0, heads, 2):  # heads in pairs (a0, a1); an odd count's last a1 reads zeros
             two = a0 + 1 < heads
             a1 = a0 + 1 if two else a0
-            x = alpha[b, a0, i, :end]
-            y = alpha[b, a1, i, :end] if two else zero_buf[:end]
+            x = alpha[b, a0, ai, :end]
+            y = alpha[b, a1, ai, :end] if two else zero_buf[:end]
             p00, p01, p11 = _pair(a0, a0, heads), _pair(a0, a1, heads), _pair(a1, a1, heads)
             d0, d1, d2 = grams[0, p00, o : o + end], grams[0, p01, o : o + end], grams[0, p11, o : o + end]
             e0, e1, e2 = grams[1, p00, o : o + end], grams[1, p01, o : o + end], grams[1, p11, o : o + end]
@@ -320,8 +324,8 @@ def attention_pass(
                 mean[j] += x[j] + y[j]
             for c0 in range(a0 + 2, heads, 2):  # the 2 × 2 block (a0, a1) × (c0, c1) of head pairs
                 c1 = c0 + 1 if c0 + 1 < heads else c0
-                z = alpha[b, c0, i, :end]
-                w = alpha[b, c1, i, :end] if c0 + 1 < heads else zero_buf[:end]
+                z = alpha[b, c0, ai, :end]
+                w = alpha[b, c1, ai, :end] if c0 + 1 < heads else zero_buf[:end]
                 q0, q1, q2, q3 = _pair(a0, c0, heads), _pair(a0, c1, heads), _pair(a1, c0, heads), _pair(a1, c1, heads)
                 g0, g1, g2, g3 = (
                     grams[0, q0, o : o + end],
@@ -343,7 +347,7 @@ def attention_pass(
                     plain[j] += (g0[j] * xz + g1[j] * xw) + (g2[j] * yz + g3[j] * yw)
                     proj[j] += (k0[j] * xz + k1[j] * xw) + (k2[j] * yz + k3[j] * yw)
         for h in range(heads):
-            ah = alpha[b, h, i, :end]
+            ah = alpha[b, h, ai, :end]
             for k in range(n_probes):
                 fp = probe_f[h, k, o : o + end]
                 acc = zero

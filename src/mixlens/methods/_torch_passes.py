@@ -50,7 +50,7 @@ def _token_pass(st: LayerState, tok: RealTokens, results: TokenResults, maps: Ma
     term), so P f·P f' = (γ² ⊙ C f)·C f'."""
     inp, wt, cst, index = st.inputs, st.weights, st.weights.consts, st.index
     vh = inp.v.transpose(0, 1)  # [H, T, d_h]
-    a_ii = tok.gather(inp.alpha.diagonal(dim1=2, dim2=3).transpose(0, 1).flatten(1), dim=1)  # [H, T]  α^h_ii
+    a_ii = tok.gather(inp.alpha_diag.transpose(0, 1).flatten(1), dim=1)  # [H, T]  α^h_ii
     norm, (h, t_len, _), d = st.layer.ln_mix, vh.shape, wt.w_c.shape[-1]
     raw = vh.new_empty(t_len, h, 2 * h)  # [T, H, 2H] = [C f · C f | C f · γ² C f]
     u_ii = vh.new_empty(t_len, d)
@@ -108,9 +108,10 @@ def attention_passes(
     for st in layers:
         alpha, at = st.inputs.alpha, st.index if slot is None else slot
         res = TokenResults(*(r[st.index] for r in results))
-        b, h, n, _ = alpha.shape
+        b, h, _, n = alpha.shape
         if rows is not None:
-            alpha = alpha.gather(2, rows[:, None, :, None].expand(b, h, rows.shape[1], n))  # [B, H, K, n]
+            held = st.inputs.alpha_at.gather(1, rows).clamp_min(0)  # rows of α holding the targets (padding: any)
+            alpha = alpha.gather(2, held[:, None, :, None].expand(b, h, rows.shape[1], n))  # [B, H, K, n]
         full = res.grams.new_zeros(2, b, h, h, n)
         for k in range(b):  # back to the padded layout of the batch
             o, m = int(offsets[k]), int(lengths[k])

@@ -17,7 +17,7 @@ import torch
 
 from mixlens.adapters import Layer
 from mixlens.methods import norms
-from mixlens.methods.attention import alpha_rows, targets_of
+from mixlens.methods.attention import targets_of
 from mixlens.methods.engine import head_vectors, njit, parallel
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import register, vector_block
@@ -156,7 +156,7 @@ def layer_fn(
                     alpha[k, :, :m, :m], pf[k, :, :m], px[k, :m], y[k, :m], torch.arange(m), causal
                 )
             return row_normalize(out * pair_mask(mask)[:, 0])
-        alpha = alpha_rows(lt.alpha.float(), rows) * inv.gather(1, rows)[:, None, :, None]
+        alpha = lt.alpha_rows(rows) * inv.gather(1, rows)[:, None, :, None]
         out = torch.zeros(b, rows.shape[1], n)
         for k, m in enumerate(lengths):
             real = rows[k] < m

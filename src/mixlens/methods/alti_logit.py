@@ -34,12 +34,13 @@ from types import SimpleNamespace
 
 import torch
 
-from mixlens.adapters import Family, Norm
+from mixlens.adapters import Family, Layer, Norm
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.alti import layer_fn
 from mixlens.methods.engine import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, MethodOutput, register
+from mixlens.methods.rollout import ROW_CHUNK
 from mixlens.targets import Spec, readout
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
@@ -94,7 +95,26 @@ def _softcap(trace: Trace) -> float | None:
 
 def _mixing(lt: LayerTrace) -> LayerTrace:
     """The layer as its attention output mixes the values: α / s^post with a sandwich norm (γ_post is in W_O)."""
-    return lt if lt.post_scale is None else dataclasses.replace(lt, alpha=lt.alpha_mix, post_scale=None)
+    if lt.post_scale is None:
+        return lt
+    if lt.qk is not None:
+        return dataclasses.replace(lt, qk=dataclasses.replace(lt.qk, row_scale=lt.post_scale), post_scale=None)
+    return dataclasses.replace(lt, alpha=lt.alpha_mix, post_scale=None)
+
+
+def row_chunks(mask: torch.Tensor) -> list[torch.Tensor]:
+    """Every position of a [B, n] batch as chunks of `ROW_CHUNK` target rows [B, c]."""
+    b, n = mask.shape
+    at = torch.arange(n, device=mask.device)
+    return [at[s : s + ROW_CHUNK].expand(b, -1) for s in range(0, n, ROW_CHUNK)]
+
+
+def rebuilt_attention(lt: LayerTrace, lay: Layer, rows: torch.Tensor) -> torch.Tensor:
+    """Σ_j Σ_h α^h_ij f^h(x_j) + b_O at positions rows [B, K] (α as the layer mixes, `_mixing`): [B, K, d]."""
+    a = lt.alpha_rows(rows)  # [B, H, K, n]
+    z = torch.matmul(a, repeat_kv(lt.value, lay.n_heads).float())  # [B, H, K, d_h]
+    out = z.transpose(1, 2).flatten(2) @ lay.w_o.float()
+    return out + lay.b_o.float() if lay.b_o is not None else out
 
 
 @torch.no_grad()
@@ -132,9 +152,7 @@ def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, positi
             other = other + b_u[ids].float().to(dev)
         mlp_c = torch.zeros(len(ids), n_layers, device=dev)
         for m, (lt, lay) in enumerate(zip(layers, adapter.layers, strict=True)):
-            alpha = lt.alpha[b, :, p, : p + 1].float()  # [H, j]
-            if lt.post_scale is not None:
-                alpha = alpha / lt.post_scale[b, p].float()
+            alpha = lt.alpha_rows(torch.tensor([p], device=dev), mix=True, b=b)[:, 0, : p + 1]  # [H, j]
             v = repeat_kv(lt.value[b : b + 1, :, : p + 1], n_heads)[0].float()  # [H, j, d_h]
             g = torch.einsum("hkd,cd->chk", lay.w_o.float().reshape(n_heads, lay.d_head, -1), u)  # W_O^h u
             parts[:, m] = alpha * torch.einsum("hjk,chk->chj", v, g)
@@ -172,17 +190,26 @@ def _alti_layers(trace: Trace) -> Callable[[int], torch.Tensor]:
     def layer(k: int) -> torch.Tensor:
         lt, lay = _mixing(trace.layers[k]), trace.adapter.layers[k]
         real = lt.attn_out.float()
-        rebuilt = attn_sum(lt, lay) + (lay.b_o.float() if lay.b_o is not None else 0)
         m = mask[..., None]
-        err = ((rebuilt - real) * m).abs().max().item() / max(1.0, (real * m).abs().max().item())
-        if not err <= limit:
-            raise ReconstructionError(
-                f"layer {k}: the attention output rebuilt from α and the values differs by {err:.3g} "
-                f"(relative; tolerance {limit})"
+        top = max(1.0, (real * m).abs().max().item())
+        chunks = row_chunks(mask) if lt.qk is not None else [None]  # row mode: α's rows a chunk at a time
+        for rows in chunks:
+            rebuilt = (
+                attn_sum(lt, lay) + (lay.b_o.float() if lay.b_o is not None else 0)
+                if rows is None
+                else rebuilt_attention(lt, lay, rows)
             )
+            at = slice(None) if rows is None else slice(int(rows[0, 0]), int(rows[0, -1]) + 1)
+            err = ((rebuilt - real[:, at]) * m[:, at]).abs().max().item() / top
+            if not err <= limit:
+                raise ReconstructionError(
+                    f"layer {k}: the attention output rebuilt from α and the values differs by {err:.3g} "
+                    f"(relative; tolerance {limit})"
+                )
         if cached is not None and lt is trace.layers[k]:
             return cached[:, k]
-        return layer_fn(lt, lay, fam.pre_ln, mask, fam.causal)(None)
+        fn = layer_fn(lt, lay, fam.pre_ln, mask, fam.causal)
+        return fn(None) if lt.qk is None else torch.cat([fn(rows) for rows in chunks], dim=1)
 
     return layer
 
@@ -220,6 +247,7 @@ def _check_sum(name: str, values: torch.Tensor, direct: torch.Tensor, trace: Tra
     supports=decoder_only,
     head="causal",
     explains=True,
+    qk_rows=True,
 )
 def logit_attn(
     trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None
@@ -243,6 +271,7 @@ def logit_attn(
     supports=decoder_only,
     head="causal",
     explains=True,
+    qk_rows=True,
 )
 def alti_logit(
     trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None

@@ -140,7 +140,6 @@ def _attention_rows(
     f = torch.einsum("hjk,hkd->hjd", v, w)  # [H, m, d]  f^h(x_j) (γ_post folded in with a sandwich norm)
     hn, _, d = f.shape
     bias = lay.b_o.float() if lay.b_o is not None else f.new_zeros(d)
-    alpha = lt.alpha_mix[b, :, :, :m].float()  # [H, n, m]
     k = len(rows)
     edges = f.new_zeros((hn, k, m) if heads else (k, m))
     residual = f.new_zeros(k)
@@ -149,7 +148,7 @@ def _attention_rows(
     step = max(1, CHUNK_ELEMENTS // per_row)
     for s in range(0, k, step):
         r = rows[s : s + step]
-        a = alpha[:, r]  # [H, k', m]
+        a = lt.alpha_rows(r, mix=True, b=b)[:, :, :m]  # [H, k', m]: α / s^post (from q and K in row mode)
         y = lt.mix_in[b, r].float()  # [k', d]
         x = lt.x[b, r].float()
         if heads:
@@ -239,6 +238,7 @@ def routes(trace: Trace, *, heads: bool, tau: float, position: int | None, metho
     options=(TAU_OPTION, POSITION_OPTION),
     extras=EXTRAS,
     supports=pre_ln_stream,
+    qk_rows=True,
 )
 def flow_routes(trace: Trace, *, heads: bool = False, tau: float = TAU, position: int | None = None) -> MethodOutput:
     """Information-flow routes (Ferrando & Voita 2024): importance of the kept edges to one prediction, per layer
@@ -272,6 +272,7 @@ def flow_routes(trace: Trace, *, heads: bool = False, tau: float = TAU, position
     ),
     supports=pre_ln_stream,
     explains=True,
+    qk_rows=True,
 )
 def flow_routes_tokens(
     trace: Trace, *, tau: float = TAU, position: int | None = None, per_head: bool = False

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,14 @@ if TYPE_CHECKING:
     from mixlens.methods.norms import BlockNorms, LayerState, NormRun
 
     NormStates = tuple[list[LayerState], NormRun]
+
+RowsFn = Callable[[torch.Tensor], torch.Tensor]  # positions [B, K'] → rows [B, K', n] of one layer's matrix
+LayerRowsFactory = Callable[[], RowsFn]  # builds a layer's RowsFn when a rollout reaches it (its work arrays then)
+
+
+def gathered(mat: torch.Tensor) -> LayerRowsFactory:
+    """The factory of the rows of a whole matrix [B, n, n] held in memory."""
+    return lambda: lambda rows: mat.gather(1, rows[:, :, None].expand(-1, -1, mat.shape[-1]))
 
 
 @dataclass
@@ -38,8 +47,9 @@ class Memo:
     streamed: frozenset[str] = frozenset()  # streamed trace: the methods its layer sink served (α is gone)
     layer_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # streamed: quantity → per layer
     # [B, K, n] target rows (`alpha`: [B, H, K, n])
-    layer_mats: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # streamed: quantity → per layer the
-    # [B, n, n] matrix a rollout propagates the target rows through
+    progress: Callable[[str, int, int], None] | None = None  # streamed: (phase, layers done, total), as they finish
+    layer_fns: dict[str, list[LayerRowsFactory]] = field(default_factory=dict)  # streamed: quantity → per layer
+    # a factory of the function positions [B, K'] → rows [B, K', n] of the matrix a rollout propagates through
 
 
 def memo_of(trace: Trace) -> Memo:

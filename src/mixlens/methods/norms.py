@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -232,7 +233,7 @@ class LayerState:
 
     @classmethod
     def of(cls, lt: LayerTrace, lay: Layer, tok: RealTokens, index: int) -> LayerState:
-        alpha = lt.alpha_mix.float().contiguous()  # α / s^post_i with a sandwich norm
+        alpha, alpha_at = _alpha_rows(lt, tok)
         v = lt.value.float().transpose(1, 2).flatten(0, 1)  # [B·n, H_kv, d_h] (a view: v is a transposed projection)
         v = repeat_kv(tok.gather(v), lay.n_heads)  # [T, H, d_h], token-major as projected: no copy without padding
         x, attn_out, mix_in, mix_out = (
@@ -240,6 +241,8 @@ class LayerState:
         )
         inputs = LayerInputs(
             alpha=alpha,
+            alpha_at=alpha_at,
+            alpha_diag=lt.alpha_diagonal(mix=True).contiguous(),
             v=v.contiguous(),
             x=x,
             attn_out=attn_out,
@@ -247,6 +250,28 @@ class LayerState:
             mix_out=mix_out,
         )
         return cls(index, lay, _weights(lay, index), inputs)
+
+    @classmethod
+    def for_rows(cls, lt: LayerTrace, lay: Layer, tok: RealTokens, index: int) -> LayerState:
+        """What the attention pass of `tok`'s target rows reads (α's rows; the token pass of this layer ran): a
+        row-mode layer (`lt.qk`) with no per-token tensors, for a rollout's rows long after the forward pass."""
+        alpha, alpha_at = _alpha_rows(lt, tok)
+        none = alpha.new_empty(0)
+        inputs = LayerInputs(alpha, alpha_at, none.view(0, 0, 0), none.view(0, 0, 0), *(none.view(0, 0),) * 4)
+        return cls(index, lay, _weights(lay, index), inputs)
+
+
+def _alpha_rows(lt: LayerTrace, tok: RealTokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """(α / s^post_i [B, H, R, n], alpha_at [B, n]) for the attention pass of `tok`'s target rows: α as traced
+    (R = n), or in row mode only the target rows (R = K; alpha_at −1 elsewhere)."""
+    b, n = tok.mask.shape
+    if lt.qk is None:
+        at = torch.arange(n, device=tok.mask.device).expand(b, n).contiguous()
+        return lt.alpha_mix.float().contiguous(), at
+    targets = tok.layout.targets
+    at = torch.full((b, n), -1, dtype=torch.long, device=tok.mask.device)
+    at.scatter_(1, targets, torch.arange(targets.shape[1], device=at.device).expand(b, -1).contiguous())
+    return lt.alpha_rows(targets, mix=True).contiguous(), at
 
 
 def _maps(
@@ -386,7 +411,7 @@ class NormRun:
     def weight_ratios(self, lt: LayerTrace, index: int) -> None:
         """A sandwich layer's passes saw α / s^post: its weight-based ratios come from α itself."""
         if lt.post_scale is not None:
-            w = (1 - lt.alpha.float().diagonal(dim1=2, dim2=3).mean(1)) * self.tok.mask
+            w = (1 - lt.alpha_diagonal().mean(1)) * self.tok.mask
             self.maps.ratio[0, :, index], self.maps.ratio[2, :, index] = w, w / 2
             self.sandwich = True
 
@@ -410,17 +435,29 @@ class NormRun:
 
 
 @torch.no_grad()
-def stream_layer(run: NormRun, lt: LayerTrace, index: int, every_row: bool = False) -> torch.Tensor | None:
+def stream_layer(
+    run: NormRun, lt: LayerTrace, index: int, every_row: bool = False
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """Both passes of one layer, inside the forward pass (target-row streaming): writes layer `index` of the maps
-    (its target rows) and keeps only the pass results the check needs, not α. `every_row`: the attention pass runs
-    over every row and the layer's N-Res matrix [B, n(target), n(source)] (padding 0) is returned (what a rollout
-    propagates through); the target rows are taken from it."""
+    (its target rows) and keeps only the pass results the check needs, not α. `every_row`: also returns the rows of
+    the layer's N-Res matrix, positions [B, K'] → [B, K', n] (padding 0; what a rollout propagates through): from the
+    whole matrix, computed here, or in row mode (`lt.qk`) computed when asked from q and K, with no n × n held."""
     tok, maps = run.tok, run.maps
-    st = LayerState.of(lt, run.adapter.layers[index], tok, index)
-    if not every_row:
+    lay = run.adapter.layers[index]
+    st = LayerState.of(lt, lay, tok, index)
+    if not every_row or lt.qk is not None:
         run.passes([st])
         run.weight_ratios(lt, index)
-        return None
+        if not every_row:
+            return None
+        empty = lt.x.new_empty(0)
+        small = LayerTrace(empty, empty, empty, empty, empty, empty, None, post_scale=lt.post_scale, qk=lt.qk)
+
+        def rows_of(rows: torch.Tensor) -> torch.Tensor:
+            asked = tok.with_targets(rows)
+            return run.rows(LayerState.for_rows(small, lay, asked, index), asked).n_res[:, 0]
+
+        return rows_of
     run.token_passes([st])
     run.weight_ratios(lt, index)
     b, n = tok.mask.shape
@@ -430,7 +467,8 @@ def stream_layer(run: NormRun, lt: LayerTrace, index: int, every_row: bool = Fal
     rows = tok.layout.targets
     for out, full in zip(maps[3:], view[3:], strict=True):  # n, n_res, n_resln, alpha_mean
         out[:, index] = full[:, 0].gather(1, rows[:, :, None].expand(-1, -1, n))
-    return view.n_res[:, 0]
+    mat = view.n_res[:, 0]
+    return lambda rows: mat.gather(1, rows[:, :, None].expand(-1, -1, n))
 
 
 @torch.no_grad()

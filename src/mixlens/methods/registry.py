@@ -249,6 +249,8 @@ class Method:
     unnormalised: bool = False  # rows are plain products of unnormalised maps (their scale drifts with depth):
     # tables show them scaled to sum to 1
     precheck: Callable[[Planned], None] | None = None  # errors that need only the config and tokenizer
+    qk_rows: bool = False  # reads α only by rows (`LayerTrace.alpha_rows` / `alpha_diagonal`): a causal LM's trace
+    # for it keeps q, K and the softmax normaliser instead of α [B, H, n, n] (`mixlens.rowattn`)
 
     def refusal(self, family: Family) -> str | None:
         """Why this method refuses the family (one line), or None."""
@@ -330,6 +332,7 @@ def register(
     slow: bool = False,
     unnormalised: bool = False,
     precheck: Callable[[Planned], None] | None = None,
+    qk_rows: bool = False,
 ) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
     `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
@@ -375,6 +378,7 @@ def register(
             slow,
             unnormalised,
             precheck,
+            qk_rows,
         )
         return fn
 

@@ -15,6 +15,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
 from mixlens.errors import MixlensError
+from mixlens.memory import release
 from mixlens.methods.attention import alpha_rows, stacked_alpha, targets_of
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import Planned, register
@@ -111,6 +112,7 @@ def rollout_rows(
     out = torch.zeros(b, n_layers, k, n, device=dev)
     start = torch.zeros(b, k, n, device=dev).scatter_(2, targets[:, :, None], 1.0)  # e_t
     positions = torch.arange(n, device=dev)
+    tick = memo_of(trace).progress
     for m in reversed(range(n_layers)):
         out[:, m] = start
         state = out[:, m:].reshape(b, (n_layers - m) * k, n)
@@ -123,6 +125,9 @@ def rollout_rows(
             mat = rows_of(positions[c0 : c0 + ROW_CHUNK].expand(b, -1))  # [B, c, n]
             new.baddbmm_(part, row_normalize(mat) if normalize else mat)
         out[:, m:] = in_range(new, (2,)).view(b, n_layers - m, k, n)  # one positive factor per row at most
+        release(n)
+        if tick is not None:
+            tick("propagating the target rows", n_layers - m, n_layers)
     return out
 
 
@@ -141,8 +146,13 @@ def residual_rows(alpha: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | 
     every = rows is None
     if rows is None:
         rows = torch.arange(mask.shape[1], device=mask.device).repeat(len(mask), 1)
+    return residual_of_rows(alpha.float() if every else alpha_rows(alpha.float(), rows), mask, rows)
+
+
+def residual_of_rows(alpha: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`residual_rows` from α's rows at positions rows [B, K] ([B, H, K, n]): [B, K, n]."""
     pm = row_pair_mask(mask, rows)
-    a = (alpha.float() if every else alpha_rows(alpha.float(), rows)).mean(1) * pm  # every row: no gather copy
+    a = alpha.mean(1) * pm
     eye = (rows[:, :, None] == torch.arange(pm.shape[-1], device=rows.device)) * pm
     return row_normalize(0.5 * a + 0.5 * eye)
 
@@ -150,10 +160,10 @@ def residual_rows(alpha: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | 
 def kept_matrices(trace: Trace, name: str) -> LayerRows | None:
     """Streamed trace: the per-layer matrices `name` [B, n, n] its layer sink kept, as `LayerRows` for
     `rollout_rows`; None when it kept none."""
-    mats = memo_of(trace).layer_mats.get(name)
-    if mats is None:
+    fns = memo_of(trace).layer_fns.get(name)
+    if fns is None:
         return None
-    return lambda m: lambda rows: mats[m].gather(1, rows[:, :, None].expand(-1, -1, mats[m].shape[-1]))
+    return lambda m: fns[m]()
 
 
 @register("attention_rollout", target_rows=True, explains=True)

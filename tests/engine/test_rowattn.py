@@ -1,0 +1,67 @@
+"""Attention rows from q and K (`mixlens.rowattn`): the output and every row of α equal the eager formula, on both
+kernels (flash on the CPU, blocked rows elsewhere or with a softcap), with GQA, padding and sliding windows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixlens import rowattn
+from mixlens.rowattn import attend
+from mixlens.trace import repeat_kv
+
+
+def _eager(q, k, v, mask, scaling, softcap):
+    s = torch.matmul(q, repeat_kv(k, q.shape[1]).transpose(2, 3)) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    a = torch.softmax(s + mask, -1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(a, repeat_kv(v, q.shape[1])).transpose(1, 2), a
+
+
+def _mask(b: int, n: int, window: int | None = None, lengths=None) -> torch.Tensor:
+    i = torch.arange(n)
+    ok = i[None, :] <= i[:, None]
+    if window is not None:
+        ok &= i[:, None] - i[None, :] < window
+    ok = ok.expand(b, 1, n, n).clone()
+    for k, m in enumerate(lengths or []):
+        ok[k, :, :, m:] = False
+        ok[k, :, m:, :] = i[None, :] <= i[m:, None]  # padding rows see real tokens, as transformers builds them
+    return torch.zeros(b, 1, n, n).masked_fill(~ok, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("softcap", [None, 7.0])
+@pytest.mark.parametrize("blocked", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+def test_rows_and_output_equal_eager_attention(softcap, blocked, window, monkeypatch):
+    torch.manual_seed(0)
+    b, h, kv, n, dh = 2, 6, 2, 11, 8
+    q, k, v = torch.randn(b, h, n, dh), torch.randn(b, kv, n, dh), torch.randn(b, kv, n, dh)
+    mask = _mask(b, n, window, lengths=[11, 7])
+    if blocked:
+        monkeypatch.setattr(rowattn, "ROW_BLOCK_ELEMENTS", 3 * b * h * n)  # several blocks of 3 rows
+        monkeypatch.setattr(rowattn, "_use_flash", lambda query, softcap: False)
+    out, qk = attend(q, k, v, mask, 0.3, softcap, causal=True)
+    want_out, want_a = _eager(q, k, v, mask, 0.3, softcap)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    rows = torch.tensor([[10, 0, 4], [6, 2, 3]])
+    got = qk.rows(rows)
+    want = want_a.gather(2, rows[:, None, :, None].expand(b, h, 3, n))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(qk.diagonal(), want_a.diagonal(dim1=2, dim2=3), rtol=1e-5, atol=1e-6)
+    early = torch.tensor([[1, 4], [0, 2]])  # a causal layer computes the sources up to the last row asked
+    torch.testing.assert_close(qk.rows(early), want_a.gather(2, early[:, None, :, None].expand(b, h, 2, n)))
+
+
+def test_bfloat16_rows_are_rounded_as_eager_rounds_them():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 9, 8).bfloat16() for _ in range(3))
+    mask = _mask(1, 9)
+    out, qk = attend(q, k, v, mask, 0.35)
+    want_out, want_a = _eager(q, k, v, mask.bfloat16(), 0.35, None)
+    rows = torch.tensor([[8, 3]])
+    got = qk.rows(rows)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want_a.float()[:, :, [8, 3]], rtol=2e-2, atol=4e-3)
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=3e-2, atol=3e-2)
