@@ -4,12 +4,14 @@
 
 Per case (`--case`: the cases whose id contains it): `mixlens.load` once, then `lens.analyze(text, methods,
 targets=...)` end to end (maps + mixing ratios + the per-run check; with targets, target-row streaming) against a
-plain forward pass of the same model and input (`model(**inputs, output_attentions=True)`, the eager attention that
-`mixlens.load` selects), for the compiled passes and the torch passes (`mixlens.methods.norms.COMPILED = False`, what
-runs on a GPU); the peak RSS of a fresh process that loads the model and runs one analysis; the load average
-(`os.getloadavg`) when the case finished. Times are medians of `--repeats` calls after one untimed call, the
-forward and the analyses interleaved (each repeat calls each once, in alternating order); a ratio is the median over
-repeats of that repeat's analysis / forward, with the ratio of the medians and of the fastest calls in brackets.
+plain forward pass of the same model and input, with the eager attention that `mixlens.load` selects and no key /
+value cache (`model(**inputs, output_attentions=True, use_cache=False)`; from `LONG` tokens on without attention
+outputs, and transformers' SDPA forward timed too), for the compiled passes and the torch passes
+(`mixlens.methods.norms.COMPILED = False`, what runs on a GPU); the peak RSS of a fresh process that loads the model
+and runs one analysis (long cases: and one of a plain forward); the load average (`os.getloadavg`) when the case
+finished. Times are medians of `--repeats` calls after one untimed call, the forward and the analyses interleaved
+(each repeat calls each once, in alternating order); a ratio is the median over repeats of that repeat's analysis /
+forward, with the ratio of the medians and of the fastest calls in brackets.
 """
 
 from __future__ import annotations
@@ -41,7 +43,14 @@ CASES = (  # id, model, tokens, methods, targets, model head
     ("smollm2-routes-128", "smollm2-135m-instruct", 128, ["flow_routes"], None, "causal-lm"),
     ("smollm2-altilogit-2048", "smollm2-135m-instruct", 2048, ["alti_logit"], None, "causal-lm"),
     ("smollm2-routes-2048", "smollm2-135m-instruct", 2048, ["flow_routes"], None, "causal-lm"),
+    # long inputs (#33): against a plain eager forward without attention outputs, and transformers' default SDPA one
+    ("smollm2-8k", "smollm2-135m-instruct", 8192, [*METHODS, "globenc_rollout"], "last", "base"),
+    ("smollm2-8k-alti", "smollm2-135m-instruct", 8192, ["alti_rollout"], "last", "base"),
+    ("qwen2.5-8k", "qwen2.5-coder-0.5b-instruct", 8192, [*METHODS, "globenc_rollout"], "last", "base"),
+    ("qwen2.5-8k-alti", "qwen2.5-coder-0.5b-instruct", 8192, ["alti_rollout"], "last", "base"),
+    ("gemma3-32k", "gemma-3-270m", 32768, METHODS, "last", "base"),
 )
+LONG = 4096  # from this length the forward of a case is plain eager (no attention outputs) and SDPA is timed too
 FILLER = ("the film is a charming and often affecting journey through memory , loss and the small mercies of "
           "ordinary life , told with wit and without sentimentality . ")
 
@@ -83,6 +92,18 @@ def peak_rss(name: str, n_tokens: int, methods: list[str], targets: str | None, 
     return float(out.split()[-1])
 
 
+def forward_rss(name: str, n_tokens: int, head: str = "base") -> float:
+    """Peak RSS (GiB) of a fresh process: load + one plain eager forward (no attention outputs, no cache)."""
+    here = str(Path(__file__).parent)
+    code = (f"import sys, torch; sys.path.insert(0, {here!r}); import bench_models as b, mixlens; "
+            "from rss import peak_gib; "
+            f"lens = mixlens.load(b.ROOT / {name!r}, head={head!r}); "
+            f"enc = lens.encode([b.text_of(lens, {n_tokens})], max_length={n_tokens}); "
+            "torch.set_grad_enabled(False); lens.model(**enc.inputs, use_cache=False); print(peak_gib())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
 def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str | None, repeats: int,
              modes: tuple[bool, ...]) -> dict[str, list[float]]:
     """Seconds per call, interleaved: "forward" (plain forward) and, per mode, "compiled" / "torch" (analyze), for
@@ -91,9 +112,20 @@ def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str
     enc = lens.encode([text], max_length=n_tokens)
     assert len(enc.tokens[0]) == n_tokens, len(enc.tokens[0])
 
+    long = n_tokens >= LONG
+
     def forward() -> None:
         with torch.no_grad():
-            lens.model(**enc.inputs, output_attentions=True)
+            lens.model(**enc.inputs, output_attentions=not long, use_cache=False)
+
+    def sdpa() -> None:
+        config = lens.model.config
+        config._attn_implementation = "sdpa"
+        try:
+            with torch.no_grad():
+                lens.model(**enc.inputs, use_cache=False)
+        finally:
+            config._attn_implementation = "eager"
 
     def analyze(compiled: bool) -> Callable[[], None]:
         def run() -> None:
@@ -105,16 +137,17 @@ def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str
 
         return run
 
-    fns = {"forward": forward} | {("compiled" if c else "torch"): analyze(c) for c in modes}
+    fns = {"forward": forward} | ({"sdpa": sdpa} if long else {})
+    fns |= {("compiled" if c else "torch"): analyze(c) for c in modes}
     return timed(fns, repeats)
 
 
-def ratio(runs: dict[str, list[float]], k: str) -> str:
-    """The median over repeats of each repeat's `k` / forward (calls back to back), and in brackets the ratio of the
+def ratio(runs: dict[str, list[float]], k: str, base: str = "forward") -> str:
+    """The median over repeats of each repeat's `k` / `base` (calls back to back), and in brackets the ratio of the
     medians and of the fastest calls."""
-    paired = statistics.median(a / f for a, f in zip(runs[k], runs["forward"], strict=True))
-    med = statistics.median(runs[k]) / statistics.median(runs["forward"])
-    return f"{paired:.2f}x ({med:.2f}x, {min(runs[k]) / min(runs['forward']):.2f}x)"
+    paired = statistics.median(a / f for a, f in zip(runs[k], runs[base], strict=True))
+    med = statistics.median(runs[k]) / statistics.median(runs[base])
+    return f"{paired:.2f}x ({med:.2f}x, {min(runs[k]) / min(runs[base]):.2f}x)"
 
 
 def main() -> None:
@@ -138,13 +171,21 @@ def main() -> None:
         if not (ROOT / name / "config.json").is_file():
             print(f"{name}: not fetched, skipped")
             continue
-        runs = run_case(mixlens.load(ROOT / name, head=head), n_tokens, methods, targets, args.repeats, modes)
+        lens = mixlens.load(ROOT / name, head=head)
+        runs = run_case(lens, n_tokens, methods, targets, args.repeats, modes)
         med = {k: statistics.median(v) for k, v in runs.items()}
         rss = "-" if args.no_rss else f"{peak_rss(name, n_tokens, methods, targets, head):.2f}"
         torch_cols = f"{med['torch']:.3f} | {ratio(runs, 'torch')}" if "torch" in med else "- | -"
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"{case} | {name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | {med['forward']:.3f} | "
               f"{med['compiled']:.3f} | {ratio(runs, 'compiled')} | {torch_cols} | {rss} | {load}", flush=True)
+        if "sdpa" in runs:
+            cfg = lens.model.config
+            attn_gb = cfg.num_hidden_layers * cfg.num_attention_heads * n_tokens**2 * 4 / 2**30
+            fwd_rss = "-" if args.no_rss else f"{forward_rss(name, n_tokens, head):.2f}"
+            print(f"  {case}: plain eager forward {med['forward']:.1f} s (peak RSS {fwd_rss} GiB), SDPA forward "
+                  f"{med['sdpa']:.1f} s; analyze / SDPA forward {ratio(runs, 'compiled', 'sdpa')}; "
+                  f"output_attentions=True would hold {attn_gb:.1f} GiB of α (layers · heads · n² · 4 B)", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,46 +27,75 @@ def _trace(lens, texts=SENTENCES):
         return lens.trace(enc, ffn=True)
 
 
-def _reference(trace, b: int, layer: int, i: int) -> tuple[np.ndarray, float, float, float]:
-    """The paper's importances of the edges into m^l_i and x^l_i, the direct way (float64): (attention edges [m],
-    attention residual, FFN edge, FFN residual), each normalised over the edges into its node."""
+def _reference(trace, b: int, layer: int, i: int, per_head: bool = True) -> tuple[np.ndarray, float, float, float]:
+    """The importances of the edges into m^l_i and x^l_i the direct way (float64), as the authors' tool defines them
+    (facebookresearch/llm-transparency-tool, `routes/contributions.py`, read, not copied): the proximity
+    max(ε, ‖y‖₁ − ‖y − e‖₁) of every part — per (head, source) over all m sources, a causal mask's zero vectors
+    included — and of the residual, normalised over them: (attention edges [m] summed over heads, attention residual,
+    FFN edge, FFN residual)."""
     lt, lay = trace.layers[layer], trace.adapter.layers[layer]
     m = int(trace.mask[b].sum())
     v = repeat_kv(lt.value, lay.n_heads)[b, :, :m].double()  # [H, m, d_h]
     w = lay.w_o.detach().double().reshape(lay.n_heads, lay.d_head, -1)
     a = lt.alpha_mix[b, :, i, :m].double()  # [H, m]
-    z = torch.einsum("hj,hjk,hkd->jd", a, v, w)  # [m, d]  Σ_h α^h_ij f^h(x_j)
+    z = torch.einsum("hj,hjk,hkd->hjd", a, v, w)  # [H, m, d]  α^h_ij f^h(x_j)
+    z = z if per_head else z.sum(0, keepdim=True)
     y, x = lt.mix_in[b, i].double(), lt.x[b, i].double()
 
     def prox(e):
-        return (y.abs().sum() - (y - e).abs().sum(-1)).clamp_min(0)
+        return (y.abs().sum() - (y - e).abs().sum(-1)).clamp_min(fr.EPS)
 
     p, pr = prox(z), prox(x)
-    p = torch.where(a.abs().sum(0) > 0, p, 0)
     att, res = p / (p.sum() + pr), pr / (p.sum() + pr)
     out, mid = lt.out[b, i].double(), lt.mix_in[b, i].double()
     f = out - mid
-    qf = (out.abs().sum() - (out - f).abs().sum()).clamp_min(0)
-    qr = (out.abs().sum() - (out - mid).abs().sum()).clamp_min(0)
-    return att.detach().numpy(), float(res), float(qf / (qf + qr)), float(qr / (qf + qr))
+    qf = (out.abs().sum() - (out - f).abs().sum()).clamp_min(fr.EPS)
+    qr = (out.abs().sum() - (out - mid).abs().sum()).clamp_min(fr.EPS)
+    return att.sum(0).detach().numpy(), float(res), float(qf / (qf + qr)), float(qr / (qf + qr))
 
 
-def test_edge_vectors_are_exact_and_importances_are_the_papers(lens):
+def _threshold(heads: np.ndarray, res: float, tau: float) -> tuple[np.ndarray, float]:
+    """The tool's threshold and renormalisation (`apply_threshold_and_renormalize`) of one node's per-head `heads`
+    [H, m] and residual importances, then the token edge = the sum over heads (`build_full_graph`)."""
+    kept, r = heads * (heads > tau), res * (res > tau)
+    total = kept.sum() + r
+    return kept.sum(0) / total, r / total
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_edge_vectors_are_exact_and_importances_are_the_papers(lens, per_head):
     """Every kept node's edge vectors sum to the real residual stream (checked on every run, error reported), and
-    the importances equal the paper's formula computed the direct way in float64."""
+    the importances equal the tool's definition computed the direct way in float64."""
     tr = _trace(lens)
     for b in range(len(SENTENCES)):
         pos = int(tr.mask[b].sum()) - 1
-        r = fr.input_routes(tr, b, pos, 1e-9, heads=False)
+        r = fr.input_routes(tr, b, pos, 1e-9, heads=False, per_head=per_head, renormalize=False)
         assert r.error < 1e-5
         n_layers = len(tr.layers)
         for layer in (n_layers - 1, 0):
-            att, res, ffn, ffn_res = _reference(tr, b, layer, pos)
+            att, res, ffn, ffn_res = _reference(tr, b, layer, pos, per_head)
             if layer == n_layers - 1:  # the target's own node is always in the graph
                 np.testing.assert_allclose(r.edges[layer, pos].numpy(), att, atol=2e-5)
                 assert r.residual[layer, pos].item() == pytest.approx(res, abs=2e-5)
             assert r.ffn[layer, pos].item() == pytest.approx(ffn, abs=2e-5)
             assert r.ffn_residual[layer, pos].item() == pytest.approx(ffn_res, abs=2e-5)
+
+
+def test_the_default_thresholds_per_head_and_renormalises_as_the_tool(lens):
+    """Defaults (per-head parts, τ = 0.04, renormalised): the prediction's node gets the tool's thresholded,
+    renormalised importances, token edges summed over heads; the kept edges into a node then sum to 1."""
+    tr = _trace(lens, SENTENCES[:1])
+    pos = int(tr.mask[0].sum()) - 1
+    r = fr.input_routes(tr, 0, pos, fr.TAU, heads=False)
+    h = fr.input_routes(tr, 0, pos, 1e-12, heads=True, renormalize=False)  # raw per-head importances
+    top = len(tr.layers) - 1
+    heads = h.edges[top, :, pos].double().numpy()
+    want_edges, want_res = _threshold(heads, float(h.residual[top, pos]), fr.TAU)
+    np.testing.assert_allclose(r.edges[top, pos].numpy(), want_edges, atol=1e-6)
+    assert r.residual[top, pos].item() == pytest.approx(want_res, abs=1e-6)
+    kept = (r.edges.sum(-1) + r.residual)[r.nodes > 0]
+    np.testing.assert_allclose(kept.numpy(), 1.0, atol=1e-5)
+    assert r.tokens.sum().item() == pytest.approx(1.0, abs=1e-5)  # renormalised: the routes share the prediction
 
 
 def test_a_broken_decomposition_raises(tokenizer):
@@ -82,7 +111,7 @@ def test_tau_keeps_fewer_edges_as_it_grows_and_the_graph_is_connected(lens):
     pos = int(tr.mask[0].sum()) - 1
     previous = None
     for tau in (1e-9, 0.01, 0.04, 0.1, 0.3):
-        r = fr.input_routes(tr, 0, pos, tau, heads=False)
+        r = fr.input_routes(tr, 0, pos, tau, heads=False, renormalize=False)
         kept = (r.edges > 0, r.residual > 0, r.ffn > 0, r.ffn_residual > 0, r.nodes > 0)
         if previous is not None:  # monotone: every edge and node kept at a larger τ is kept at a smaller one
             for now, before in zip(kept, previous, strict=True):
@@ -105,9 +134,9 @@ def test_tau_keeps_fewer_edges_as_it_grows_and_the_graph_is_connected(lens):
         assert not (rows & (r.ffn == 0) & (r.ffn_residual == 0)).any()
         assert ((r.edges == 0) | (r.edges > tau)).all()
     # τ → 0: every route is kept and the route scores share the whole prediction
-    r = fr.input_routes(tr, 0, pos, 1e-9, heads=False)
+    r = fr.input_routes(tr, 0, pos, 1e-9, heads=False, renormalize=False)
     assert r.tokens.sum().item() == pytest.approx(1.0, abs=1e-5)
-    assert fr.input_routes(tr, 0, pos, 0.04, heads=False).tokens.sum().item() <= 1.0 + 1e-6
+    assert fr.input_routes(tr, 0, pos, 0.04, heads=False, renormalize=False).tokens.sum().item() <= 1.0 + 1e-6
 
 
 def test_per_head_edges_split_the_token_edges(tokenizer):
@@ -116,7 +145,7 @@ def test_per_head_edges_split_the_token_edges(tokenizer):
     lens = random_lens("llama", tokenizer, head=CAUSAL, initializer_range=0.2)
     tr = _trace(lens, SENTENCES[:1])
     pos = int(tr.mask[0].sum()) - 1
-    r = fr.input_routes(tr, 0, pos, 1e-9, heads=True)
+    r = fr.input_routes(tr, 0, pos, 1e-9, heads=True, renormalize=False)
     assert r.edges.shape == (2, 4, pos + 1, pos + 1) and r.error < 1e-5
     total = r.edges[-1, :, pos].sum() + r.residual[-1, pos]
     assert total.item() == pytest.approx(1.0, abs=1e-5)
@@ -131,7 +160,7 @@ def test_routes_relate_to_alti_by_one_factor_per_row(tokenizer):
     lens = random_lens("gpt2", tokenizer, head=CAUSAL, initializer_range=0.2)
     tr = _trace(lens, SENTENCES[:1])
     pos = int(tr.mask[0].sum()) - 1
-    r = fr.input_routes(tr, 0, pos, 1e-9, heads=False)
+    r = fr.input_routes(tr, 0, pos, 1e-9, heads=False, per_head=False, renormalize=False)
     t, y = alti_vectors(tr, len(tr.layers) - 1)
     yi = y[0, pos]
     alti_prox = (yi.abs().sum() - (yi - t[0, pos, : pos + 1]).abs().sum(-1)).clamp_min(0)

@@ -1,5 +1,5 @@
 """ALTI-Logit and its direct variant (Ferrando et al., ACL 2023, "Explaining How Transformers Use Context to Build
-Predictions"; docs/decoders.md): a causal LM's next-token logit — or, with a foil, the logit difference — split
+Predictions"; docs/global.md "Decoders"): a causal LM's next-token logit — or, with a foil, the logit difference — split
 into one score per context token, per layer and summed.
 
 Scalar. At the target position p the final norm is linear once its scale s_f (of the real final state h_L[p]) is

@@ -14,9 +14,12 @@ node of (l, i). Each node is a sum of edge vectors, checked against the trace's 
               edges: the FFN node m^l_i → F → x^l_i and the residual m^l_i → x^l_i.
 
 Importance of an edge e into a node y whose edge vectors are {e_k} (the paper's proximity, as ALTI's):
-proximity(e, y) = max(0, ‖y‖₁ − ‖y − e‖₁), importance = proximity / Σ_k proximity(e_k, y). The bias b_O is part of
-y but no edge. Top-down from x^{L-1}_p (p: the prediction's position), an edge is kept when its importance exceeds
-τ, and a node is kept when a kept edge leaves it; only the kept nodes' edges are computed.
+proximity(e, y) = max(ε, ‖y‖₁ − ‖y − e‖₁), importance = proximity / Σ_k proximity(e_k, y); the attention edges are
+per head and source (`per_head`, default, as the paper and the authors' tool), ε = 1e-5 as the tool clips it. The
+bias b_O is part of y but no edge. Top-down from x^{L-1}_p (p: the prediction's position), an edge is kept when its
+importance exceeds τ, the kept edges into a node are renormalised to sum to 1 (`renormalize`, the tool's default),
+a token edge is the sum of its heads' edges, and a node is kept when a kept edge leaves it; only the kept nodes'
+edges are computed. Reference: facebookresearch/llm-transparency-tool (docs/global.md).
 
 Shapes at the boundary (B batch, L layers, H heads, n tokens; padding and edges outside the graph are 0):
 
@@ -44,7 +47,8 @@ from mixlens.methods.registry import LHTS, MethodOutput, Option, register
 from mixlens.targets import positions
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
-TAU = 0.04  # the paper's threshold for its Llama 2 graphs
+TAU = 0.04  # the contribution threshold of the authors' tool (its default) and of the paper's Llama 2 graphs
+EPS = 1e-5  # the smallest proximity, as the authors' tool clips it before normalising
 CHUNK_ELEMENTS = 1 << 22  # floats of edge vectors held at once (16 MB)
 EXTRAS = {
     "residual": ("layer", "target"),
@@ -78,6 +82,20 @@ TAU_OPTION = Option(
 )
 POSITION_OPTION = Option(
     "position", int, None, min=0, optional=True, help="position of the explained prediction (default: the last token)"
+)
+
+
+PER_HEAD_OPTION = Option(
+    "per_head",
+    bool,
+    True,
+    help="an attention edge's importance per head and source, as the paper and its tool (false: per source)",
+)
+RENORMALIZE_OPTION = Option(
+    "renormalize",
+    bool,
+    True,
+    help="scale the kept edges into each node to sum to 1 after the threshold, as the authors' tool by default",
 )
 
 
@@ -115,8 +133,22 @@ def _check(err: torch.Tensor, real: torch.Tensor, what: str, layer: int, limit: 
 
 
 def _proximity(y: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """max(0, ‖y‖₁ − ‖y − e‖₁) over the last axis; y broadcasts against e."""
-    return (y.abs().sum(-1) - (y - e).abs().sum(-1)).clamp_min(0)
+    """max(ε, ‖y‖₁ − ‖y − e‖₁) over the last axis (ε = `EPS`, as the authors' tool); y broadcasts against e."""
+    return (y.abs().sum(-1) - (y - e).abs().sum(-1)).clamp_min(EPS)
+
+
+def _renormalised(parts: torch.Tensor, rest: torch.Tensor, tau: float, renormalize: bool, dims: tuple[int, ...]):
+    """Importances of the edges into a set of nodes, `parts` (the blocks' edges, summed over `dims` per node) and
+    `rest` (the residual edge) after the threshold: those ≤ τ set to 0, and with `renormalize` the kept ones of a node
+    scaled to sum to 1 (the authors' tool's default)."""
+    parts, rest = parts * (parts > tau), rest * (rest > tau)
+    if renormalize:
+        total = ((parts.sum(dims) if dims else parts) + rest).clamp_min(torch.finfo(rest.dtype).tiny)
+        shape = list(parts.shape)
+        for d in dims:
+            shape[d] = 1
+        parts, rest = parts / total.reshape(shape), rest / total
+    return parts, rest
 
 
 def _ffn_update(lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, family: Family) -> torch.Tensor:
@@ -154,12 +186,12 @@ def _attention_rows(
         if heads:
             z = a[..., None] * f[:, None]  # [H, k', m, d]
             total = z.sum((0, 2))
-            prox = _proximity(y[None, :, None], z) * (a > 0)  # a zero weight: no edge (causal mask, window)
+            prox = _proximity(y[None, :, None], z)  # a zero weight (causal mask, window): the floor ε, as the tool
             denom_edges = prox.sum((0, 2))
         else:
             z = torch.einsum("hkj,hjd->kjd", a, f)  # [k', m, d]
             total = z.sum(1)
-            prox = _proximity(y[:, None], z) * (a > 0).any(0)
+            prox = _proximity(y[:, None], z)
             denom_edges = prox.sum(1)
         worst = max(worst, _check(x + total + bias - y, y, "attention", layer, limit))
         prox_res = _proximity(y, x)
@@ -173,8 +205,14 @@ def _attention_rows(
 
 
 @torch.no_grad()
-def input_routes(trace: Trace, b: int, position: int, tau: float, heads: bool) -> Routes:
-    """The routes of input b to its prediction at `position`, top-down (see the module docstring)."""
+def input_routes(
+    trace: Trace, b: int, position: int, tau: float, heads: bool, per_head: bool = True, renormalize: bool = True
+) -> Routes:
+    """The routes of input b to its prediction at `position`, top-down (see the module docstring). `per_head`: an
+    attention edge's importance per head and source (the paper's and the tool's), else per source (the head-summed
+    vector); `heads`: edges returned per head (implies `per_head`); `renormalize`: the kept edges into a node scaled
+    to sum to 1 after the threshold (the tool's default)."""
+    per_head = per_head or heads
     m = int(trace.mask[b].sum())
     fam = trace.adapter.family
     limit = tolerance(trace.model)
@@ -196,21 +234,20 @@ def input_routes(trace: Trace, b: int, position: int, tau: float, heads: bool) -
         mid, upd, real = lt.mix_in[b, rows].float(), _ffn_update(lt, lay, b, rows, fam), lt.out[b, rows].float()
         worst = max(worst, _check(mid + upd - real, real, "FFN", layer, limit))
         p_ffn, p_res = _proximity(real, upd), _proximity(real, mid)
-        denom = (p_ffn + p_res).clamp_min(torch.finfo(real.dtype).tiny)
-        i_ffn, i_res = p_ffn / denom * (p_ffn / denom > tau), p_res / denom * (p_res / denom > tau)
+        denom = p_ffn + p_res
+        i_ffn, i_res = _renormalised(p_ffn / denom, p_res / denom, tau, renormalize, ())
         ffn[layer, rows], ffn_res[layer, rows] = i_ffn, i_res
         weight[rows] = weight[rows] * (i_ffn + i_res)  # now the weight of m^l_i
         rows = rows[(i_ffn > 0) | (i_res > 0)]  # the kept m^l_i
         # attention block: m^l_i = x^{l-1}_i + Σ_j z_ij + b_O
-        imp, imp_res, err = _attention_rows(lt, lay, b, rows, m, heads, layer, limit)
+        imp, imp_res, err = _attention_rows(lt, lay, b, rows, m, per_head, layer, limit)
         worst = max(worst, err)
-        imp, imp_res = imp * (imp > tau), imp_res * (imp_res > tau)
+        imp, imp_res = _renormalised(imp, imp_res, tau, renormalize, (0, 2) if per_head else (1,))
+        token_edges = imp.sum(0) if per_head else imp  # [K, m]: a token edge is the sum of its heads' edges
         if heads:
             edges[layer, :, rows] = imp
-            token_edges = imp.sum(0)  # [K, m]
         else:
-            edges[layer, rows] = imp
-            token_edges = imp
+            edges[layer, rows] = token_edges
         residual[layer, rows] = imp_res
         w_mid = weight[rows]
         weight = w_mid @ token_edges  # [m]: Σ_i w(m_i) · importance of j → i
@@ -224,26 +261,43 @@ def _positions(trace: Trace, position: int | None) -> torch.Tensor:
     return positions("causal", trace.inputs, trace.tokenizer, position)
 
 
-def routes(trace: Trace, *, heads: bool, tau: float, position: int | None, method: str = "flow_routes") -> list[Routes]:
-    """The routes of every input of the trace ([Routes], one per input)."""
+def routes(
+    trace: Trace,
+    *,
+    heads: bool,
+    tau: float,
+    position: int | None,
+    method: str = "flow_routes",
+    per_head: bool = True,
+    renormalize: bool = True,
+) -> list[Routes]:
+    """The routes of every input of the trace ([Routes], one per input; options as `input_routes`)."""
     _check_tau(method, tau)
     pos = _positions(trace, position)
-    return [input_routes(trace, b, int(pos[b]), tau, heads) for b in range(trace.mask.shape[0])]
+    return [input_routes(trace, b, int(pos[b]), tau, heads, per_head, renormalize) for b in range(trace.mask.shape[0])]
 
 
 @register(
     "flow_routes",
     head_dims=LHTS,
     needs_ffn=True,
-    options=(TAU_OPTION, POSITION_OPTION),
+    options=(TAU_OPTION, POSITION_OPTION, PER_HEAD_OPTION, RENORMALIZE_OPTION),
     extras=EXTRAS,
     supports=pre_ln_stream,
     qk_rows=True,
 )
-def flow_routes(trace: Trace, *, heads: bool = False, tau: float = TAU, position: int | None = None) -> MethodOutput:
+def flow_routes(
+    trace: Trace,
+    *,
+    heads: bool = False,
+    tau: float = TAU,
+    position: int | None = None,
+    per_head: bool = True,
+    renormalize: bool = True,
+) -> MethodOutput:
     """Information-flow routes (Ferrando & Voita 2024): importance of the kept edges to one prediction, per layer
     (attention edges j → i; residual and FFN edges in extras)."""
-    found = routes(trace, heads=heads, tau=tau, position=position)
+    found = routes(trace, heads=heads, tau=tau, position=position, per_head=per_head, renormalize=renormalize)
     (bsz, n), dev = trace.mask.shape, trace.mask.device
     n_layers = len(trace.layers)
     values = torch.zeros((bsz, n_layers, trace.adapter.n_heads, n, n) if heads else (bsz, n_layers, n, n), device=dev)
@@ -265,21 +319,25 @@ def flow_routes(trace: Trace, *, heads: bool = False, tau: float = TAU, position
     "flow_routes_tokens",
     dims=("source",),
     needs_ffn=True,
-    options=(
-        TAU_OPTION,
-        POSITION_OPTION,
-        Option("per_head", bool, False, help="build the graph from per-head attention edges, as the paper does"),
-    ),
+    options=(TAU_OPTION, POSITION_OPTION, PER_HEAD_OPTION, RENORMALIZE_OPTION),
     supports=pre_ln_stream,
     explains=True,
     qk_rows=True,
 )
 def flow_routes_tokens(
-    trace: Trace, *, tau: float = TAU, position: int | None = None, per_head: bool = False
+    trace: Trace, *, tau: float = TAU, position: int | None = None, per_head: bool = True, renormalize: bool = True
 ) -> torch.Tensor:
     """Information-flow routes per input token: the total importance of the kept routes from each token to the
     prediction (Σ over routes of the product of edge importances)."""
-    found = routes(trace, heads=per_head, tau=tau, position=position, method="flow_routes_tokens")
+    found = routes(
+        trace,
+        heads=False,
+        tau=tau,
+        position=position,
+        method="flow_routes_tokens",
+        per_head=per_head,
+        renormalize=renormalize,
+    )
     out = torch.zeros(trace.mask.shape, device=trace.mask.device)
     for b, r in enumerate(found):
         out[b, : len(r.tokens)] = r.tokens
