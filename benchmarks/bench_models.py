@@ -162,7 +162,8 @@ def main() -> None:
     global WARMUP
     WARMUP = not args.no_warmup
     modes = (True,) if args.no_torch else (True, False)
-    print(f"torch threads {torch.get_num_threads()}; forward: model(**inputs, output_attentions=True), eager attention")
+    print(f"torch threads {torch.get_num_threads()}; forward: eager attention, no cache, "
+          f"attention outputs below {LONG} tokens")
     print("case | model | tokens | methods | targets | forward s | analyze s (compiled) | ratio | analyze s (torch) | "
           "ratio | peak RSS GiB | load avg")
     for case, name, n_tokens, methods, targets, head in CASES:

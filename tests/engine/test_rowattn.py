@@ -65,3 +65,16 @@ def test_bfloat16_rows_are_rounded_as_eager_rounds_them():
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want_a.float()[:, :, [8, 3]], rtol=2e-2, atol=4e-3)
     torch.testing.assert_close(out.float(), want_out.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_freed_memory_is_released_only_for_long_inputs(monkeypatch):
+    from mixlens import memory
+
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "_trim", lambda: calls.append)
+    memory.release(memory.LONG_TOKENS - 1)
+    assert calls == []
+    memory.release(memory.LONG_TOKENS)
+    assert calls == [0]
+    monkeypatch.setattr(memory, "_trim", lambda: None)  # no glibc: nothing to call
+    memory.release(10**6)

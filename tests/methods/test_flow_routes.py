@@ -253,3 +253,53 @@ def test_bad_tau_on_the_cli_exits_2(saved_gpt2, tmp_path, capsys):
             capsys,
         )
         assert code == 2 and "flow_routes.tau must be a number" in err and len(err.strip().splitlines()) == 1
+
+
+TOOL_ENV = "MIXLENS_LLM_TT"  # a folder with llm_transparency_tool/routes/contributions.py and deps/ (never committed)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_equals_the_authors_tool(family, tokenizer, monkeypatch):
+    """The authors' tool (facebookresearch/llm-transparency-tool, `routes/contributions.py`, run unchanged as the
+    oracle when MIXLENS_LLM_TT names a folder holding it and its dependencies einops, jaxtyping and typeguard under
+    deps/): its contributions of the prediction's attention and FFN blocks, thresholded and renormalised at τ = 0.04,
+    equal mixlens's default routes."""
+    import importlib.util
+    import os
+    import sys
+
+    root = os.environ.get(TOOL_ENV)
+    if not root:
+        pytest.skip(f"set {TOOL_ENV} to a folder with the authors' routes/contributions.py (and deps/) to compare")
+    monkeypatch.setattr(sys, "path", [*sys.path, os.path.join(root, "deps")])
+    spec = importlib.util.spec_from_file_location(
+        "lltt_contributions", os.path.join(root, "llm_transparency_tool", "routes", "contributions.py")
+    )
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, tool)  # typeguard reads the module's source through sys.modules
+    spec.loader.exec_module(tool)
+    lens = random_lens(family, tokenizer, head=CAUSAL, initializer_range=0.2)
+    tr = _trace(lens, SENTENCES[:1])
+    m = int(tr.mask[0].sum())
+    pos, top = m - 1, len(tr.layers) - 1
+    r = fr.input_routes(tr, 0, pos, fr.TAU, heads=False)
+    for layer in (top,):
+        lt, lay = tr.layers[layer], tr.adapter.layers[layer]
+        v = repeat_kv(lt.value, lay.n_heads)[0, :, :m].float()
+        w = lay.w_o.detach().float().reshape(lay.n_heads, lay.d_head, -1)
+        a = lt.alpha_mix[0, :, pos, :m].float()
+        parts = torch.einsum("hj,hjk,hkd->jhd", a, v, w)  # [key_pos, head, d]
+        c_attn, c_res = tool.get_attention_contributions(
+            resid_pre=lt.x[0:1, pos : pos + 1].float(),
+            resid_mid=lt.mix_in[0:1, pos : pos + 1].float(),
+            decomposed_attn=parts[None, None],
+        )
+        c_attn, c_res = tool.apply_threshold_and_renormalize(fr.TAU, c_attn, c_res)
+        torch.testing.assert_close(r.edges[layer, pos], c_attn[0, 0].sum(-1), atol=1e-5, rtol=1e-4)
+        assert r.residual[layer, pos].item() == pytest.approx(c_res[0, 0].item(), abs=1e-5)
+        mid, out = lt.mix_in[0:1, pos : pos + 1].float(), lt.out[0:1, pos : pos + 1].float()
+        c_ffn, c_ffn_res = tool.get_mlp_contributions(resid_mid=mid, resid_post=out, mlp_out=out - mid)
+        c_ffn, c_ffn_res = tool.apply_threshold_and_renormalize(fr.TAU, c_ffn, c_ffn_res)
+        assert r.ffn[layer, pos].item() == pytest.approx(c_ffn[0, 0].item(), abs=1e-5)
+        assert r.ffn_residual[layer, pos].item() == pytest.approx(c_ffn_res[0, 0].item(), abs=1e-5)
