@@ -93,14 +93,21 @@ def test_carry_back_is_the_alti_rollout(tokenizer):
     np.testing.assert_allclose(res["alti_logit"].extras["layers"][0], want.numpy(), rtol=1e-4, atol=1e-6)
 
 
-def test_the_check_catches_a_wrong_decomposition(tokenizer):
-    """The per-run check is live: a value vector changed after the forward pass breaks the sum."""
+@pytest.mark.parametrize("qk_rows", [False, True])
+def test_the_check_catches_a_wrong_decomposition(tokenizer, qk_rows):
+    """The per-run check is live: a value vector changed after the forward pass breaks the sum (also when α's rows
+    are rebuilt from q and K, where the check runs per block of rows); so does a wrong row normaliser."""
     lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM")
-    tr = lens.trace(lens.encode(SENTENCES[:1]), ffn=True)
+    tr = lens.trace(lens.encode(SENTENCES[:1]), ffn=True, qk_rows=qk_rows)
     tr.layers[1].value.mul_(1.01)
     for m in METHODS:
         with pytest.raises(ReconstructionError, match="differ"):
             get_method(m)(tr)
+    if qk_rows:
+        tr = lens.trace(lens.encode(SENTENCES[:1]), ffn=True, qk_rows=True)
+        tr.layers[0].qk.lse.add_(0.01)  # every α row 1 % off
+        with pytest.raises(ReconstructionError, match="differ"):
+            get_method("alti_logit")(tr)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

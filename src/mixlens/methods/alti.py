@@ -136,18 +136,17 @@ def _example(
     return out
 
 
-def layer_fn(
-    lt: LayerTrace, lay: Layer, pre_ln: bool, mask: torch.Tensor, causal: bool
-) -> Callable[[torch.Tensor | None], torch.Tensor]:
+def layer_fn(lt: LayerTrace, lay: Layer, pre_ln: bool, mask: torch.Tensor, causal: bool) -> Callable[..., torch.Tensor]:
     """ALTI contributions of one layer, rows normalised, as a function of target positions rows [B, K] → [B, K, n]
-    (None: every row, [B, n, n]); padding 0."""
+    (None: every row, [B, n, n]); padding 0. The function's optional second argument is α at those rows
+    [B, H, K, n] when the caller already has them (row mode: they are rebuilt from q and K)."""
     p, inv, y = _maps(lt, lay, pre_ln)
     pf = projected_head_vectors(lt, lay, p)  # [B, H, n, d]
     px = p(lt.x.float()) * inv[..., None]
     b, n, _ = y.shape
     lengths = mask.sum(-1).tolist()
 
-    def rows_of(rows: torch.Tensor | None) -> torch.Tensor:
+    def rows_of(rows: torch.Tensor | None, alpha_rows: torch.Tensor | None = None) -> torch.Tensor:
         if rows is None:
             alpha = lt.alpha.float() * inv[:, None, :, None]
             out = torch.zeros(b, n, n)
@@ -156,7 +155,7 @@ def layer_fn(
                     alpha[k, :, :m, :m], pf[k, :, :m], px[k, :m], y[k, :m], torch.arange(m), causal
                 )
             return row_normalize(out * pair_mask(mask)[:, 0])
-        alpha = lt.alpha_rows(rows) * inv.gather(1, rows)[:, None, :, None]
+        alpha = (lt.alpha_rows(rows) if alpha_rows is None else alpha_rows) * inv.gather(1, rows)[:, None, :, None]
         out = torch.zeros(b, rows.shape[1], n)
         for k, m in enumerate(lengths):
             real = rows[k] < m

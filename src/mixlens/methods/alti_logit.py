@@ -109,10 +109,10 @@ def row_chunks(mask: torch.Tensor) -> list[torch.Tensor]:
     return [at[s : s + ROW_CHUNK].expand(b, -1) for s in range(0, n, ROW_CHUNK)]
 
 
-def rebuilt_attention(lt: LayerTrace, lay: Layer, rows: torch.Tensor) -> torch.Tensor:
-    """Σ_j Σ_h α^h_ij f^h(x_j) + b_O at positions rows [B, K] (α as the layer mixes, `_mixing`): [B, K, d]."""
-    a = lt.alpha_rows(rows)  # [B, H, K, n]
-    z = torch.matmul(a, repeat_kv(lt.value, lay.n_heads).float())  # [B, H, K, d_h]
+def rebuilt_attention(alpha: torch.Tensor, values: torch.Tensor, lay: Layer) -> torch.Tensor:
+    """Σ_j Σ_h α^h_ij f^h(x_j) + b_O from rows of α [B, H, K, n] (as the layer mixes, `_mixing`) and the value
+    vectors [B, H, n, d_h]: [B, K, d]."""
+    z = torch.matmul(alpha, values)  # [B, H, K, d_h]
     out = z.transpose(1, 2).flatten(2) @ lay.w_o.float()
     return out + lay.b_o.float() if lay.b_o is not None else out
 
@@ -131,7 +131,7 @@ def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, positi
     norm, cap = _final_norm(trace), _softcap(trace)
     layers, adapter = trace.layers, trace.adapter
     last = layers[-1].out
-    assert last is not None  # a full trace (needs_ffn)
+    assert last is not None  # a full trace (the method reads the head: `Method.needs_output`)
     bsz, n = trace.mask.shape
     n_layers, n_heads = len(layers), adapter.n_heads
     dev = last.device
@@ -192,24 +192,30 @@ def _alti_layers(trace: Trace) -> Callable[[int], torch.Tensor]:
         real = lt.attn_out.float()
         m = mask[..., None]
         top = max(1.0, (real * m).abs().max().item())
-        chunks = row_chunks(mask) if lt.qk is not None else [None]  # row mode: α's rows a chunk at a time
-        for rows in chunks:
-            rebuilt = (
-                attn_sum(lt, lay) + (lay.b_o.float() if lay.b_o is not None else 0)
-                if rows is None
-                else rebuilt_attention(lt, lay, rows)
-            )
-            at = slice(None) if rows is None else slice(int(rows[0, 0]), int(rows[0, -1]) + 1)
-            err = ((rebuilt - real[:, at]) * m[:, at]).abs().max().item() / top
-            if not err <= limit:
-                raise ReconstructionError(
-                    f"layer {k}: the attention output rebuilt from α and the values differs by {err:.3g} "
-                    f"(relative; tolerance {limit})"
-                )
-        if cached is not None and lt is trace.layers[k]:
-            return cached[:, k]
+        if lt.qk is None:
+            rebuilt = attn_sum(lt, lay) + (lay.b_o.float() if lay.b_o is not None else 0)
+            check(rebuilt - real, m, top, k)
+            if cached is not None and lt is trace.layers[k]:
+                return cached[:, k]
+            return layer_fn(lt, lay, fam.pre_ln, mask, fam.causal)(None)
+        # row mode: α's rows a block at a time, each block checked and then used for the ALTI rows
         fn = layer_fn(lt, lay, fam.pre_ln, mask, fam.causal)
-        return fn(None) if lt.qk is None else torch.cat([fn(rows) for rows in chunks], dim=1)
+        values = repeat_kv(lt.value, lay.n_heads).float()
+        parts = []
+        for rows in row_chunks(mask):
+            a = lt.alpha_rows(rows)
+            at = slice(int(rows[0, 0]), int(rows[0, -1]) + 1)
+            check(rebuilt_attention(a, values, lay) - real[:, at], m[:, at], top, k)
+            parts.append(fn(rows, a))
+        return torch.cat(parts, dim=1)
+
+    def check(diff: torch.Tensor, m: torch.Tensor, top: float, k: int) -> None:
+        err = (diff * m).abs().max().item() / top
+        if not err <= limit:
+            raise ReconstructionError(
+                f"layer {k}: the attention output rebuilt from α and the values differs by {err:.3g} "
+                f"(relative; tolerance {limit})"
+            )
 
     return layer
 
@@ -241,7 +247,6 @@ def _check_sum(name: str, values: torch.Tensor, direct: torch.Tensor, trace: Tra
 @register(
     "logit_attn",
     dims=("source",),
-    needs_ffn=True,
     options=TARGET_OPTIONS,
     extras={**EXTRAS, "heads": ("layer", "head", "source")},
     supports=decoder_only,
@@ -265,7 +270,6 @@ def logit_attn(
 @register(
     "alti_logit",
     dims=("source",),
-    needs_ffn=True,
     options=TARGET_OPTIONS,
     extras=EXTRAS,
     supports=decoder_only,

@@ -266,9 +266,9 @@ class Method:
 
     @property
     def needs_output(self) -> bool:
-        """Needs the whole forward pass (last FFN, logits); otherwise a trace may stop after the last attention
-        block."""
-        return self.needs_ffn or self.extra_passes
+        """Needs the whole forward pass (last FFN, logits): it captures the FFN, runs the model again, or reads the
+        model head's output; otherwise a trace may stop after the last attention block."""
+        return self.needs_ffn or self.extra_passes or (self.head is not None and not self.inputs_only)
 
     def option(self, key: str) -> Option:
         for opt in self.options:
