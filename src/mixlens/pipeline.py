@@ -187,7 +187,7 @@ class LayerStream:
                 self.keep_fn("globenc", index, _masked(n_res, mask))
         if "attention_rollout" in names:
             if row_mode:
-                small = _kept(lt)
+                small = lt.for_rows()
                 self.keep_fn(
                     "attention_rollout",
                     index,
@@ -198,7 +198,7 @@ class LayerStream:
         if names & {"alti", "alti_rollout"}:
             pre_ln, causal = self.adapter.family.pre_ln, self.adapter.family.causal
             if "alti_rollout" in names and row_mode:
-                small = _kept(lt, alti=True)
+                small = lt.for_rows(alti=True)
                 self.keep_fn("alti", index, lambda: alti.layer_fn(small, lay, pre_ln, mask, causal))
             else:
                 fn = alti.layer_fn(lt, lay, pre_ln, mask, causal)
@@ -220,14 +220,6 @@ class LayerStream:
 def _masked(rows_of: RowsFn, mask: torch.Tensor) -> LayerRowsFactory:
     """The factory of `rows_of`'s rows with padding pairs zeroed."""
     return lambda: lambda r: rows_of(r) * rollout.row_pair_mask(mask, r)
-
-
-def _kept(lt: LayerTrace, alti: bool = False) -> LayerTrace:
-    """What a row-mode rollout keeps of a layer until the propagation reaches it: q, K, the normaliser (`qk`) and
-    the sandwich scale; for ALTI also x, the residual sum and v (the other tensors empty)."""
-    empty = lt.x.new_empty(0)
-    keep = (lt.x, lt.value, lt.mix_in) if alti else (empty, empty, empty)
-    return LayerTrace(keep[0], empty, keep[1], empty, keep[2], empty, None, post_scale=lt.post_scale, qk=lt.qk)
 
 
 @torch.no_grad()

@@ -121,17 +121,15 @@ def attend(
     without an [B, H, n, n] tensor. query [B, H, n, d_h], key and value [B, H_kv, n, d_h], mask additive [B, 1, n, n]
     (or None: no mask); `causal`: the mask hides every later source (a causal LM's)."""
     heads = query.shape[1]
-    k, v = _repeat(key, heads), _repeat(value, heads)
-    if not _use_flash(query, softcap):
-        k = key  # the blocked path matches query heads to key heads by a view
-    m = None if mask is None else mask.to(query.dtype)
+    v = _repeat(value, heads)
     if _use_flash(query, softcap):
+        m = None if mask is None else mask.to(query.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, k, v, 0.0, False, attn_mask=m, scale=scaling
+            query, _repeat(key, heads), v, 0.0, False, attn_mask=m, scale=scaling
         )
         out = out.transpose(1, 2).contiguous()
     else:
-        out, lse = _blocked(query, k, v, mask, scaling, softcap)
+        out, lse = _blocked(query, key, v, mask, scaling, softcap)  # query heads matched to key heads by a view
     return out, QKRows(query, key, mask, scaling, softcap, lse.float(), causal)
 
 

@@ -79,18 +79,12 @@ class LayerTrace:
         """α at target positions rows [B, K]: [B, H, K, n] float32, from α or (row mode) from q and K; `mix`: divided
         by s^post_i as `alpha_mix`. `b`: of input b alone, rows [K] → [H, K, n]."""
         if b is not None:
-            one = LayerTrace(
-                self.x[b : b + 1],
-                self.alpha[b : b + 1],
-                self.value,
-                self.attn_out,
-                self.mix_in,
-                self.mix_out,
-                None,
-                post_scale=None if self.post_scale is None else self.post_scale[b : b + 1],
-                qk=None if self.qk is None else self.qk.of_input(b),
-            )
-            return one.alpha_rows(rows[None], mix)[0]
+            one = slice(b, b + 1)
+            post = None if self.post_scale is None else self.post_scale[one]
+            qk = None if self.qk is None else self.qk.of_input(b)
+            e = self._empty(4)
+            alone = LayerTrace(e[0], self.alpha[one], e[1], e[2], e[3], e[0], None, post_scale=post, qk=qk)
+            return alone.alpha_rows(rows[None], mix)[0]
         if self.qk is not None:
             a = self.qk.rows(rows)
         else:
@@ -99,6 +93,17 @@ class LayerTrace:
         if mix and self.post_scale is not None:
             a = a / self.post_scale.gather(1, rows)[:, None, :, None]
         return a
+
+    def _empty(self, k: int) -> list[torch.Tensor]:
+        return [self.x.new_empty(0) for _ in range(k)]
+
+    def for_rows(self, alti: bool = False) -> LayerTrace:
+        """What rebuilding α's rows needs of this row-mode layer, kept after the forward pass: q, K and the
+        normaliser (`qk`) and the sandwich scale; with `alti` also x, v and the residual sum (ALTI's row function).
+        Every other tensor is empty."""
+        x, v, mix_in = (self.x, self.value, self.mix_in) if alti else self._empty(3)
+        e = self._empty(3)
+        return LayerTrace(x, e[0], v, e[1], mix_in, e[2], None, post_scale=self.post_scale, qk=self.qk)
 
     def alpha_diagonal(self, mix: bool = False) -> torch.Tensor:
         """α^h_ii: [B, H, n] float32 (`mix`: divided by s^post_i)."""

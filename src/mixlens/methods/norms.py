@@ -450,8 +450,7 @@ def stream_layer(
         run.weight_ratios(lt, index)
         if not every_row:
             return None
-        empty = lt.x.new_empty(0)
-        small = LayerTrace(empty, empty, empty, empty, empty, empty, None, post_scale=lt.post_scale, qk=lt.qk)
+        small = lt.for_rows()
 
         def rows_of(rows: torch.Tensor) -> torch.Tensor:
             asked = tok.with_targets(rows)
