@@ -102,6 +102,36 @@ def test_evaluation_recomputes_from_its_json(causal, tokenizer, tmp_path):
     assert max(len(line) for line in evidence_table(ev).splitlines()) <= 100
 
 
+def test_removal_none_runs_no_perturbed_pass_and_keeps_the_alignment(causal, tokenizer, tmp_path, monkeypatch):
+    from mixlens.explain import evaluate as evaluate_module
+    from mixlens.viz.evaluation import plot
+
+    texts, cs, skipped = evidence.prepare(tokenizer, evidence.read_rows(_write(tmp_path / "toy.csv")))
+    full = evaluate(causal, texts, ["logit_attn"], contrasts=cs, task="blimp", skipped=skipped, batch_size=2)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("removal none ran a perturbed forward pass")
+
+    monkeypatch.setattr(evaluate_module, "_forward_f", no_forward)
+    ev = evaluate(
+        causal, texts, ["logit_attn"], contrasts=cs, task="blimp", skipped=skipped, batch_size=2, removal="none"
+    )
+    doc, ref = json.loads(ev.dumps()), json.loads(full.dumps())
+    for m in ("logit_attn", "random"):  # the same scores, so the same alignment; no removal metric
+        assert doc["task_metrics"]["toy"]["all"][m]["mrr"] == ref["task_metrics"]["toy"]["all"][m]["mrr"]
+        assert doc["metrics"][m]["aopc"] is None and doc["metrics"][m]["spearman_gxi"] is not None
+        assert doc["metrics"][m]["spearman_gxi"] == pytest.approx(ref["metrics"][m]["spearman_gxi"])
+    assert all(e["f_removed"] == {} and e["f_kept"] == {} for e in doc["examples"])
+    assert [n for n in doc["notes"] if n.startswith("removal none")] and not any(
+        "not finite" in n for n in doc["notes"]
+    )
+    again = Evaluation.from_json(doc)
+    assert json.loads(again.dumps())["task_metrics"] == doc["task_metrics"]
+    assert "  -  " in evidence_table(ev)  # the removal metrics shown as not computed
+    plot(ev, tmp_path / "none.png")
+    assert (tmp_path / "none.png").stat().st_size > 1000
+
+
 def test_cli_task_blimp(causal, tmp_path, capsys):
     model_dir = tmp_path / "model"
     causal.model.save_pretrained(model_dir)
@@ -135,6 +165,13 @@ def test_cli_task_blimp(causal, tmp_path, capsys):
     doc = json.loads((out / "evaluation.json").read_text())
     assert {e["contrast"]["group"] for e in doc["examples"]} == {"a_toy", "b_toy"}
     assert len(doc["examples"]) == 2 + 2  # --limit 5 per file: rows 0, 1 kept; 2, 3, 4 skipped in a_toy
+    rc, stdout, err = run_cli(
+        ["evaluate", "--task", "blimp", "--model", str(model_dir), "--data", str(folder), "--method", "logit_attn"]
+        + ["--limit", "5", "--removal", "none", "--out", str(tmp_path / "none")],
+        capsys,
+    )
+    assert rc == 0, err
+    assert "(blimp, none)" in stdout and "removal none" in stdout and (tmp_path / "none" / "evaluation.png").exists()
     rc, _, err = run_cli(["evaluate", "--task", "nope", "--model", str(model_dir), "--data", str(folder)], capsys)
     assert rc == 2 and "unknown task" in err
     bad = tmp_path / "bad.csv"

@@ -117,7 +117,12 @@ def register(app: typer.Typer) -> None:
         limit: int = typer.Option(
             0, "--limit", min=0, help="Evaluate at most N records (0 = all); blimp: per paradigm."
         ),
-        removal: str = typer.Option("delete", "--removal", help="delete (drop the tokens) or mask (mask token)."),
+        removal: str = typer.Option(
+            "delete",
+            "--removal",
+            help="delete (drop the tokens), mask (mask token) or none (no perturbed passes: only the agreement "
+            "and, --task blimp, the alignment with the evidence; several times faster).",
+        ),
         fmt: str = typer.Option("table", "--format", "-f", help="table or json (json: evaluation.json on stdout)."),
         out: Path | None = typer.Option(
             None, "--out", "-o", help="Directory for evaluation.json and evaluation.png (default: mixlens-evaluation)."

@@ -6,7 +6,9 @@ never removed; top-k % = the ⌈k/100 · m⌉ highest-scoring of the m non-speci
 
 - comprehensiveness = mean_{k ∈ KS} f(x) − f(x without top-k); sufficiency = mean_{k ∈ KS} f(x) − f(only top-k
   and the special tokens); AOPC = mean_{K ∈ AOPC_KS} f(x) − f(x without top-K) (ERASER; DecompX paper);
-- removal 'delete' drops the tokens from the input ids, 'mask' replaces them with the mask token;
+- removal 'delete' drops the tokens from the input ids, 'mask' replaces them with the mask token; 'none' runs no
+  perturbed forward pass at all (comprehensiveness, sufficiency and AOPC are then not computed: null in the JSON),
+  for runs that need only the agreement or a contrastive task's alignment with the evidence;
 - agreement: per-example Spearman ρ with ‖∂g/∂e_j ⊙ e_j‖₂ over the non-special tokens (GlobEnc paper), averaged;
 - 95 % bootstrap intervals of every mean over examples (`RESAMPLES` resamples, seeded).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,8 +44,10 @@ from mixlens.targets import KIND_NAMES, score
 KS = (1, 5, 10, 20, 50)
 AOPC_KS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
 LEVELS = tuple(sorted(set(KS) | set(AOPC_KS)))
-REMOVALS = ("delete", "mask")
-METRICS = ("comprehensiveness", "sufficiency", "aopc", "spearman_gxi")
+REMOVALS = ("delete", "mask", "none")
+NO_REMOVAL = "none"  # no perturbed forward passes: the removal metrics are not computed
+REMOVAL_METRICS = ("comprehensiveness", "sufficiency", "aopc")
+METRICS = (*REMOVAL_METRICS, "spearman_gxi")
 RESAMPLES = 1000
 RANDOM = "random"
 FORWARD_TOKENS = 8192  # tokens per forward pass of perturbed inputs
@@ -166,8 +171,11 @@ class Evaluation:
     _metrics: tuple[int, dict[str, dict[str, object]]] | None = field(default=None, repr=False)
 
     def per_example(self, method: str) -> dict[str, np.ndarray]:
-        """Each metric per example [E]."""
+        """Each metric per example [E] (removal 'none': the removal metrics are all nan)."""
         ex = self.examples
+        agreement = np.array([spearman(e.scores[method][~e.special], e.reference[~e.special]) for e in ex])
+        if self.removal == NO_REMOVAL:
+            return {**{k: np.full(len(ex), np.nan) for k in REMOVAL_METRICS}, "spearman_gxi": agreement}
         f0 = np.array([e.f for e in ex])
         rem = np.stack([e.removed[method] for e in ex])  # [E, LEVELS]
         kept = np.stack([e.kept[method] for e in ex])  # [E, KS]
@@ -176,7 +184,7 @@ class Evaluation:
             "comprehensiveness": (f0[:, None] - rem[:, [col[k] for k in KS]]).mean(1),
             "sufficiency": (f0[:, None] - kept).mean(1),
             "aopc": (f0[:, None] - rem[:, [col[k] for k in AOPC_KS]]).mean(1),
-            "spearman_gxi": np.array([spearman(e.scores[method][~e.special], e.reference[~e.special]) for e in ex]),
+            "spearman_gxi": agreement,
         }
 
     def metrics(self) -> dict[str, dict[str, object]]:
@@ -195,7 +203,10 @@ class Evaluation:
         return out
 
     def curves(self) -> dict[str, dict[str, list[float]]]:
-        """Deletion curves: mean f(x without top-K) over examples with 95 % intervals, K = 0 and LEVELS."""
+        """Deletion curves: mean f(x without top-K) over examples with 95 % intervals, K = 0 and LEVELS (none
+        without removal)."""
+        if self.removal == NO_REMOVAL:
+            return {}
         f0 = np.array([e.f for e in self.examples])
         out = {}
         for m in self.methods:
@@ -209,7 +220,9 @@ class Evaluation:
             }
         return out
 
-    def ranking(self, by: str = "aopc") -> list[str]:
+    def ranking(self, by: str | None = None) -> list[str]:
+        """Methods by a metric, best first (default: AOPC; without removal the agreement)."""
+        by = by or ("spearman_gxi" if self.removal == NO_REMOVAL else "aopc")
         met = self.metrics()
         return sorted(self.methods, key=lambda m: -np.nan_to_num(cast(float, met[m][by]), nan=-np.inf))
 
@@ -217,8 +230,16 @@ class Evaluation:
         """A note per method and metric whose mean is not a number (e.g. the agreement when every text has fewer
         than two non-special tokens): JSON has no NaN, so they are written as null."""
         out = []
+        if self.removal == NO_REMOVAL:
+            out.append(
+                f"removal none: {', '.join(REMOVAL_METRICS)} not computed (no perturbed forward passes){NULL_NOTE}"
+            )
         for m, row in self.metrics().items():
-            bad = [k for k in METRICS if not math.isfinite(cast(float, row[k]))]
+            bad = [
+                k
+                for k in METRICS
+                if not math.isfinite(cast(float, row[k])) and (self.removal != NO_REMOVAL or k not in REMOVAL_METRICS)
+            ]
             if bad:
                 out.append(
                     f"{m}: {', '.join(bad)} undefined (no example gives a value, e.g. texts of one or only special "
@@ -252,8 +273,8 @@ class Evaluation:
                     "grad_x_input_l2": [float(v) for v in e.reference],
                     "ids": e.ids,
                     "special": [bool(v) for v in e.special],
-                    "f_removed": {m: [float(v) for v in e.removed[m]] for m in self.methods},
-                    "f_kept": {m: [float(v) for v in e.kept[m]] for m in self.methods},
+                    "f_removed": {m: [float(v) for v in e.removed[m]] for m in self.methods if m in e.removed},
+                    "f_kept": {m: [float(v) for v in e.kept[m]] for m in self.methods if m in e.kept},
                     **({} if e.contrast is None else {"contrast": e.contrast.to_json()}),
                 }
                 for e in self.examples
@@ -279,8 +300,8 @@ class Evaluation:
                 float("nan") if e["f"] is None else e["f"],
                 {m: np.array(e["scores"][m], dtype=float) for m in methods},  # null (NaN in the run) → nan
                 np.array(e["grad_x_input_l2"], dtype=float),
-                {m: np.array(e["f_removed"][m], dtype=float) for m in methods},
-                {m: np.array(e["f_kept"][m], dtype=float) for m in methods},
+                {m: np.array(v, dtype=float) for m, v in e["f_removed"].items()},  # {} without removal
+                {m: np.array(v, dtype=float) for m, v in e["f_kept"].items()},
                 Contrast.from_json(e["contrast"]) if "contrast" in e else None,
             )
             for e in doc["examples"]
@@ -304,6 +325,8 @@ class Evaluation:
         from mixlens.jsonio import finite, summarize_paths
 
         doc, where = finite(self.to_json())
+        if self.removal == NO_REMOVAL:  # the removal metrics' nulls are named once (undefined_notes)
+            where = [w for w in where if not re.search(rf"\.({'|'.join(REMOVAL_METRICS)})(\[\d+\])?$", w)]
         if where:
             doc["notes"].append(f"{len(where)} numbers are not finite ({summarize_paths(where)}){NULL_NOTE}")
         return json.dumps(doc, allow_nan=False)
@@ -642,7 +665,9 @@ def _perturbed_f(
     timings: dict[str, float],
 ) -> None:
     """Fill each example's `removed` and `kept` f values: every perturbed input of the batch de-duplicated and run
-    together, sorted by length."""
+    together, sorted by length (removal 'none': nothing to run, they stay empty)."""
+    if removal == NO_REMOVAL:
+        return
     seqs: dict[tuple[tuple[int, ...], int], int] = {}  # (sequence, example) → row
     plan = []
     for b, e in enumerate(batch):

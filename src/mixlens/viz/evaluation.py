@@ -14,11 +14,16 @@ def model_label(model: str) -> str:
 
 
 def plot(ev, path: str | Path, dpi: int = 200) -> None:
-    """Left: mean f(x without top-K %) vs K per method (bands: bootstrap 95 %). Right: AOPC per method, ranked."""
+    """Left: mean f(x without top-K %) vs K per method (bands: bootstrap 95 %). Right: AOPC per method, ranked.
+    Without removal (`--removal none`) one panel: the metric that was computed, ranked (`plot_ranking`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if ev.removal == "none":
+        plot_ranking(ev, path, dpi)
+        return
 
     curves, met, ranked = ev.curves(), ev.metrics(), ev.ranking()
     colours = plt.get_cmap("tab20")(np.linspace(0, 1, max(2, len(ranked))))
@@ -49,6 +54,46 @@ def plot(ev, path: str | Path, dpi: int = 200) -> None:
     bx.set_title("Ranking")
     bx.grid(axis="x", alpha=0.3)
     fig.suptitle(model_label(ev.model), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=dpi)
+    plt.close(fig)
+
+
+def plot_ranking(ev, path: str | Path, dpi: int = 200) -> None:
+    """One panel of horizontal bars with 95 % intervals, best first: a contrastive task's MRR with the evidence
+    (all groups pooled), else the agreement ρ with G×I."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if ev.task != "faithfulness":
+        from mixlens.explain.evidence import ALL, task_metrics
+
+        pooled = task_metrics(ev)[ALL]["all"]
+        value = {m: (pooled[m]["mrr"], pooled[m]["ci95"]["mrr"]) for m in ev.methods}
+        label = f"MRR with the evidence, {len(ev.examples)} prompts (higher: aligned)"
+    else:
+        met = ev.metrics()
+        value = {m: (met[m]["spearman_gxi"], met[m]["ci95"]["spearman_gxi"]) for m in ev.methods}
+        label = f"Spearman ρ with G×I, {len(ev.examples)} examples"
+    ranked = sorted(ev.methods, key=lambda m: -np.nan_to_num(value[m][0], nan=-np.inf))
+    mean = np.array([value[m][0] for m in ranked], dtype=float)
+    ci = np.array([value[m][1] for m in ranked], dtype=float)
+    colours = plt.get_cmap("tab20")(np.linspace(0, 1, max(2, len(ranked))))
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.32 * len(ranked)))
+    y = np.arange(len(ranked))[::-1]
+    ax.barh(
+        y,
+        mean,
+        xerr=np.abs(ci.T - mean),
+        color=[("0.6" if m == "random" else colours[k]) for k, m in enumerate(ranked)],
+        capsize=2,
+    )
+    ax.set_yticks(y, ranked, fontsize=8)
+    ax.set_xlabel(label)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(f"{model_label(ev.model)} — no removal", fontsize=10)
     fig.tight_layout()
     fig.savefig(str(path), dpi=dpi)
     plt.close(fig)

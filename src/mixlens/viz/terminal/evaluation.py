@@ -22,7 +22,8 @@ def print_evaluation(ev: Any) -> None:
     from rich.table import Table
 
     met = ev.metrics()
-    table = Table(title=f"Faithfulness ({ev.removal}), {len(ev.examples)} examples — {ev.model}; ranked by AOPC")
+    by = "AOPC" if ev.removal != "none" else "ρ G×I"
+    table = Table(title=f"Faithfulness ({ev.removal}), {len(ev.examples)} examples — {ev.model}; ranked by {by}")
     for col in ("method", "AOPC", "compreh.", "suffic. ↓", "ρ G×I", "s"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for m in ev.ranking():
@@ -30,6 +31,8 @@ def print_evaluation(ev: Any) -> None:
 
         def cell(k: str, r=r) -> str:
             lo, hi = r["ci95"][k]
+            if not math.isfinite(r[k]):  # not computed (removal none) or undefined
+                return "-"
             return f"{r[k]:.3f}\n[{lo:.2f}, {hi:.2f}]"  # two lines: the table fits 100 columns
 
         table.add_row(
@@ -106,7 +109,7 @@ def evidence_table(ev: Evaluation, width: int = 100) -> str:
         right, wrong = pooled["correct"][m]["mrr"], pooled["wrong"][m]["mrr"]
         lines.append(
             f"{m[:22]:<22} {_num(a['mrr']):>5} [{_num(lo)}, {_num(hi)}] {_num(right):>6} {_num(wrong):>6} "
-            f"{a['aopc']:>7.2f} {a['comprehensiveness']:>7.2f} {a['sufficiency']:>7.2f}"
+            f"{_num(a['aopc']):>7} {_num(a['comprehensiveness']):>7} {_num(a['sufficiency']):>7}"
         )
     per_row = max(1, (width - 23) // 7)
     for start in range(0, len(groups), per_row):
