@@ -32,7 +32,7 @@ from mixlens.pipeline import (
     trace_flags,
 )
 from mixlens.result import Analysis, Attribution, InputBiasRows, InputRows
-from mixlens.trace import Edit, Trace, run_traced
+from mixlens.trace import Edit, FfnCapture, Trace, run_traced
 
 DEFAULT_METHODS = ("attention", "norm", "norm_res", "norm_resln")
 CELLS_PER_INPUT = 64 * 64  # analyze's batches hold ≤ batch_size · 64² token pairs: a 512-token input runs alone
@@ -547,19 +547,22 @@ class Lens:
         if not isinstance(trace, bool) and streams(trace, targets):
             return stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer, on_layer)
         qk_rows = not isinstance(trace, bool) and qk_trace(trace, self.adapter)
-        return self.trace(enc, ffn=ffn, to_output=to_output or output, qk_rows=qk_rows)
+        head = output or isinstance(trace, bool) or any(method_registry.get(m).reads_head for m in trace)
+        return self.trace(enc, ffn=ffn, to_output=to_output or output, qk_rows=qk_rows, head=head)
 
     @torch.no_grad()
     def trace(
         self,
         enc: Encoded | Sequence[Text],
         edits: dict[str, Edit] | None = None,
-        ffn: bool = False,
+        ffn: FfnCapture = False,
         to_output: bool = True,
         qk_rows: bool = False,
+        head: bool = True,
     ) -> Trace:
         """One forward pass with capture hooks (and optional attention edits); `to_output=False` stops after the last
-        attention block; `qk_rows`: each layer keeps q and K instead of α (see `run_traced`)."""
+        attention block; `qk_rows`: each layer keeps q and K instead of α; `head=False`: the pass runs the base model
+        only, without the model head (no logits: a causal LM's [B, n, V] are not computed; see `run_traced`)."""
         if not isinstance(enc, Encoded):
             enc = self.encode(enc)
         return run_traced(
@@ -571,6 +574,7 @@ class Lens:
             tokenizer=self.tokenizer,
             to_output=to_output,
             qk_rows=qk_rows,
+            head=head,
         )
 
     def analyze(

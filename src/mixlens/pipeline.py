@@ -19,7 +19,7 @@ from mixlens.methods import get as get_method
 from mixlens.methods.engine import BlockNorms, NormRun, block_norms, stream_layer
 from mixlens.methods.memo import LayerRowsFactory, Memo, RowsFn, gathered, memo_of
 from mixlens.methods.registry import check_options, check_target_rows
-from mixlens.trace import LayerTrace, Trace, run_traced
+from mixlens.trace import FfnCapture, LayerTrace, Trace, run_traced
 
 Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
 LayerProgress = Callable[[str, int, int], None]  # (phase, layers done, layers in the phase): long inputs' progress
@@ -258,10 +258,13 @@ def stream_trace(
     return trace
 
 
-def trace_flags(methods: Sequence[str]) -> tuple[bool, bool]:
-    """(ffn, to_output) of the trace that `methods` need: FFN activations, and the whole forward pass."""
+def trace_flags(methods: Sequence[str]) -> tuple[FfnCapture, bool]:
+    """(ffn, to_output) of the trace that `methods` need: what of the FFN (`trace.FfnCapture`: its activations if
+    any method needs them, else its output if one needs that), and the whole forward pass."""
     specs = [get_method(m) for m in methods]
-    return any(s.needs_ffn for s in specs), any(s.needs_output for s in specs)
+    wanted = {s.needs_ffn for s in specs}
+    ffn: FfnCapture = True if True in wanted else "update" if "update" in wanted else False
+    return ffn, any(s.needs_output for s in specs)
 
 
 def qk_trace(methods: Sequence[str], adapter: Adapter) -> bool:

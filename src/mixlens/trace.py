@@ -32,22 +32,29 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mixlens import inplace
 from mixlens.adapters import Adapter, get_path
 from mixlens.errors import MixlensError
-from mixlens.rowattn import QKRows, attend
+from mixlens.memory import LONG_TOKENS, release
+from mixlens.rowattn import QKRows, attend, dense_mask, mask_interface
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 LayerSink = Callable[[int, "LayerTrace"], None]  # (layer index, that layer's complete record) → None
 BLOCK_POINTS = ("resid_pre", "attn.v", "attn.pattern", "attn.z")
 
 _POINT = re.compile(r"blocks\.(\d+)\.(" + "|".join(re.escape(p) for p in BLOCK_POINTS) + ")")
+
+
+FfnCapture = bool | Literal["update"]
+"""What a trace captures of the FFN: True its activations (`ffn_pre`, `ffn_act`, `ln_out_in`, `ffn_gate`: [n, d_ff]
+per layer), "update" only its last projection's output (`ffn_update`, [n, d] per layer), False nothing."""
 
 
 @dataclass
@@ -66,6 +73,7 @@ class LayerTrace:
     ffn_act: torch.Tensor | None = None  # [B, n, d_ff] FFN activation (ffn_out input)
     ln_out_in: torch.Tensor | None = None  # [B, n, d] post-LN: input of LN2
     ffn_gate: torch.Tensor | None = None  # [B, n, d_ff] gated FFN: gate projection output
+    ffn_update: torch.Tensor | None = None  # [B, n, d] the FFN's last projection's output (`ffn="update"`)
     post_scale: torch.Tensor | None = None  # [B, n] sandwich norm (Gemma): s^post_i of the output projection's output
     qk: QKRows | None = None  # row mode (`hooked(qk_rows=True)`): α is empty [0]; its rows come from q and K
 
@@ -231,7 +239,7 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     eager = sys.modules[type(module).__module__].eager_attention_forward
     s = _SESSION.get()
     if s is None:
-        return eager(module, query, key, value, attention_mask, **kwargs)
+        return eager(module, query, key, value, dense_mask(attention_mask), **kwargs)
     layer = s.layer
     value = s.edit(f"blocks.{layer}.attn.v", value)
     p_name, z_name = f"blocks.{layer}.attn.pattern", f"blocks.{layer}.attn.z"
@@ -242,6 +250,7 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
         s.rec["alpha"].append(qk)  # type: ignore[arg-type]  # `_layer_trace` makes it the LayerTrace's `qk`
         s.rec["value"].append(value)
         return out, None
+    attention_mask = dense_mask(attention_mask)  # a row-mode pass's lazy mask, filled for this layer's eager code
     if s.inplace:
         eager = inplace.eager_for(eager, module, query, key, attention_mask, kwargs)
     out, alpha = eager(module, query, key, value, attention_mask, **kwargs)
@@ -254,18 +263,29 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     return out, alpha
 
 
+def _mask(*args: Any, **kwargs: Any) -> Any:
+    """transformers' eager mask, or in a row-mode session a `rowattn.LazyMask` (no [B, 1, n, n] floats)."""
+    s = _SESSION.get()
+    if s is not None and s.qk_rows:
+        return mask_interface(*args, **kwargs)
+    return eager_mask(*args, **kwargs)
+
+
 _WRAP_LOCK = threading.Lock()
-_WRAPPED: list[Any] = [0, None]  # hooked() calls inside `_eager_wrapped` now (all threads), the entry it replaced
+_WRAPPED: list[Any] = [0, None, None]  # hooked() calls inside `_eager_wrapped` now (all threads), the entries replaced
 
 
 @contextmanager
 def _eager_wrapped() -> Iterator[None]:
-    """`_attention` as transformers' "eager" attention while any thread traces (counted: a thread that ends its
-    trace must not unwrap another's; `_attention` passes calls of threads without a session straight through)."""
+    """`_attention` as transformers' "eager" attention and `_mask` as its eager mask while any thread traces
+    (counted: a thread that ends its trace must not unwrap another's; both pass calls of threads without a session
+    straight through)."""
     with _WRAP_LOCK:
         if _WRAPPED[0] == 0:
             _WRAPPED[1] = ALL_ATTENTION_FUNCTIONS._local_mapping.get("eager")
+            _WRAPPED[2] = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping.get("eager")
             ALL_ATTENTION_FUNCTIONS["eager"] = _attention
+            ALL_MASK_ATTENTION_FUNCTIONS["eager"] = _mask
         _WRAPPED[0] += 1
     try:
         yield
@@ -273,10 +293,14 @@ def _eager_wrapped() -> Iterator[None]:
         with _WRAP_LOCK:
             _WRAPPED[0] -= 1
             if _WRAPPED[0] == 0:
-                if _WRAPPED[1] is None:
-                    del ALL_ATTENTION_FUNCTIONS["eager"]
-                else:
-                    ALL_ATTENTION_FUNCTIONS["eager"] = _WRAPPED[1]
+                for registry, own in (
+                    (ALL_ATTENTION_FUNCTIONS, _WRAPPED[1]),
+                    (ALL_MASK_ATTENTION_FUNCTIONS, _WRAPPED[2]),
+                ):
+                    if own is None:
+                        del registry["eager"]
+                    else:
+                        registry["eager"] = own
 
 
 _MODEL_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
@@ -368,7 +392,7 @@ def _check(
 def hooked(
     adapter: Adapter,
     edits: Mapping[str, Edit] | None = None,
-    ffn: bool = False,
+    ffn: FfnCapture = False,
     *,
     start: int = 0,
     resid_pre: torch.Tensor | None = None,
@@ -380,8 +404,8 @@ def hooked(
     """Capture hooks and `edits` (edit point name → fn, see the module docstring) for ONE model call.
 
     Yields the record, filled during the call: name → one tensor per layer run, in layer order (item k is layer
-    start + k): `x`, `out`, `attn_out`, `mix_in`, `mix_out`, `alpha`, `value`, with `ffn` also `ffn_pre`,
-    `ffn_act`, `ln_out_in`, `ffn_gate` (shapes as in `LayerTrace`).
+    start + k): `x`, `out`, `attn_out`, `mix_in`, `mix_out`, `alpha`, `value`, with `ffn=True` also `ffn_pre`,
+    `ffn_act`, `ln_out_in`, `ffn_gate`, with `ffn="update"` only `ffn_update` (shapes as in `LayerTrace`).
 
     - `start`, `resid_pre` [B, n, d]: feed resid_pre into layer `start` and run only the layers from it on
       (resid_pre is needed when start > 0; at start 0 it replaces the embedding output).
@@ -482,7 +506,9 @@ def hooked(
             if (id(lay.ln_mix.module), "mix") not in seen:
                 seen.add((id(lay.ln_mix.module), "mix"))
                 handles.append(lay.ln_mix.module.register_forward_hook(mix))
-            if ffn:
+            if ffn == "update":
+                capture(lay.ffn_out, "ffn_update", lambda a, o: _first(o))
+            elif ffn:
                 capture(lay.ffn_in, "ffn_pre", lambda a, o: _first(o))
                 capture(lay.ffn_out, "ffn_act", lambda a, o: a[0])
                 capture(lay.ln_out.module if lay.ln_out else None, "ln_out_in", lambda a, o: a[0])
@@ -536,6 +562,7 @@ def _layer_trace(adapter: Adapter, rec: dict[str, list[torch.Tensor]], k: int) -
         ffn_act=opt("ffn_act"),
         ln_out_in=opt("ln_out_in"),
         ffn_gate=opt("ffn_gate"),
+        ffn_update=opt("ffn_update"),
         post_scale=None if post_raw is None or ln_post is None else ln_post.scale(post_raw.float()),
     )
 
@@ -545,11 +572,12 @@ def run_traced(
     model: nn.Module,
     inputs: dict[str, torch.Tensor],
     edits: Mapping[str, Edit] | None = None,
-    ffn: bool = False,
+    ffn: FfnCapture = False,
     tokenizer: object | None = None,
     to_output: bool = True,
     sink: LayerSink | None = None,
     qk_rows: bool = False,
+    head: bool = True,
 ) -> Trace:
     """One forward pass with capture hooks → Trace (call under torch.no_grad() for analysis). `to_output=False`
     stops after the last layer's ln_mix: everything the attention-block methods use, without the last FFN and
@@ -560,7 +588,9 @@ def run_traced(
     tensors are dropped (the trace keeps empty ones, and `post_scale`), so at most one layer's α [B, H, n, n] is
     alive at a time and the trace holds O(layers · n) floats: the sink keeps what it needs. Every captured tensor,
     the logits and the hidden states are float32, whatever the dtype the model ran in (`f32`). `qk_rows`: see
-    `hooked` (each LayerTrace then has `qk` and an empty `alpha`)."""
+    `hooked` (each LayerTrace then has `qk` and an empty `alpha`). `head=False`: run the adapter's base model only
+    (the layers and the final norm, not the model head): `Trace.logits` is None and `Trace.hidden` the base model's
+    output, for methods that do not read the head (a causal LM's logits are [B, n, vocabulary] floats)."""
     output = None
     thin: list[LayerTrace] = []  # the consumed layers, as the trace keeps them
 
@@ -574,12 +604,20 @@ def run_traced(
                 items[k] = empty
         thin.append(LayerTrace(empty, empty, empty, empty, empty, empty, empty, post_scale=lt.post_scale))
 
-    on_layer = None if sink is None else consume
+    n_tokens = int(inputs["input_ids"].shape[-1]) if "input_ids" in inputs else 0
+
+    def layer_done(k: int) -> None:
+        if sink is not None:
+            consume(k)  # a sink releases memory itself
+        else:
+            release(n_tokens)  # a long input: the layer's freed transients back to the system (`mixlens.memory`)
+
+    on_layer = layer_done if sink is not None or n_tokens >= LONG_TOKENS else None
     call = {**inputs, "use_cache": False} if adapter.family.causal else inputs  # one pass: no key / value cache
     with hooked(
-        adapter, edits, ffn and to_output, stop_at_mix=not to_output, on_layer=on_layer, qk_rows=qk_rows
+        adapter, edits, ffn if to_output else False, stop_at_mix=not to_output, on_layer=on_layer, qk_rows=qk_rows
     ) as rec:
-        output = model(**call)
+        output = (model if head else adapter.base)(**call)
     n = adapter.n_layers
     counts = {k: len(rec[k]) for k in ("x", "attn_out", "mix_in", "mix_out", "alpha", "value")}
     counts["out"] = len(rec["out"]) + (0 if to_output else 1)

@@ -78,3 +78,52 @@ def test_freed_memory_is_released_only_for_long_inputs(monkeypatch):
     assert calls == [0]
     monkeypatch.setattr(memory, "_trim", lambda: None)  # no glibc: nothing to call
     memory.release(10**6)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("padding", [None, "right", "left"])
+@pytest.mark.parametrize("blocked", [False, True])
+def test_the_lazy_mask_is_transformers_eager_mask_and_gives_the_same_attention(window, padding, blocked, monkeypatch):
+    """A row-mode pass gets `LazyMask` where transformers builds [B, 1, n, n] floats: filled, it equals
+    `eager_mask`; attention through it (flash with is_causal, or row blocks over each block's window) equals
+    attention through the dense mask, rows and diagonal included."""
+    from transformers.masking_utils import causal_mask_function, eager_mask, sliding_window_causal_mask_function
+
+    torch.manual_seed(2)
+    b, h, kv, n, dh = 2, 4, 2, 12, 8
+    pad = torch.ones(b, n, dtype=torch.long)
+    if padding == "right":
+        pad[1, 8:] = 0
+    elif padding == "left":
+        pad[1, :5] = 0
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    kwargs = dict(mask_function=fn, attention_mask=None if padding is None else pad.bool(), allow_is_causal_skip=True)
+    if window is not None:
+        kwargs["local_size"] = window
+    lazy = rowattn.mask_interface(b, n, n, **kwargs)
+    dense = eager_mask(b, n, n, **kwargs)
+    assert isinstance(lazy, rowattn.LazyMask) and lazy.shape == tuple(dense.shape)
+    torch.testing.assert_close(lazy.dense(), dense, rtol=0, atol=0)
+    assert lazy.causal_only == (window is None and padding is None)
+    if blocked:
+        monkeypatch.setattr(rowattn, "ROW_BLOCK_ELEMENTS", 4 * b * h * n)  # blocks of 4 rows
+        monkeypatch.setattr(rowattn, "_use_flash", lambda query, softcap: False)
+    q, k, v = torch.randn(b, h, n, dh), torch.randn(b, kv, n, dh), torch.randn(b, kv, n, dh)
+    out, qk = attend(q, k, v, lazy, 0.3, None, causal=True)
+    want_out, want_a = _eager(q, k, v, dense, 0.3, None)
+    real = pad.bool()[:, :, None].transpose(1, 2).squeeze(1)  # rows of padding positions are not compared
+    torch.testing.assert_close(out[real], want_out[real], rtol=1e-5, atol=1e-5)
+    rows = torch.tensor([[11, 0, 6], [7, 5, 6]])  # real tokens (padding rows are not explained)
+    want = want_a.gather(2, rows[:, None, :, None].expand(b, h, 3, n))
+    torch.testing.assert_close(qk.rows(rows), want, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(qk.lse).all() and torch.isfinite(qk.diagonal()).all()
+    torch.testing.assert_close(
+        qk.diagonal()[real[:, None].expand(-1, h, -1)],
+        want_a.diagonal(dim1=2, dim2=3)[real[:, None].expand(-1, h, -1)],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    one = qk.of_input(1)
+    torch.testing.assert_close(one.rows(rows[1:]), want[1:], rtol=1e-5, atol=1e-6)
+    if window is not None:  # a block of late rows starts at its window, not at 0
+        assert lazy.first_column(torch.tensor([[9, 10, 11]] * b), 12) == 9 - window + 1

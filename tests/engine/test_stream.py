@@ -13,7 +13,7 @@ import mixlens.methods.norms as norms
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.registry import refused_by, with_target_rows
 from mixlens.pipeline import LayerStream, resolve_targets, run_methods, stream_trace
-from mixlens.rowattn import QKRows
+from mixlens.rowattn import LazyMask, QKRows
 from mixlens.trace import LayerTrace
 from tests.conftest import SENTENCES, random_lens
 from tests.real_models.test_real_models import CHECKPOINTS, model_dir
@@ -70,7 +70,7 @@ def _held(obj: object, seen: dict[int, torch.Tensor], depth: int = 0) -> None:
     elif isinstance(obj, (list, tuple)):
         for o in obj:
             _held(o, seen, depth + 1)
-    elif isinstance(obj, (LayerTrace, QKRows)):
+    elif isinstance(obj, (LayerTrace, QKRows, LazyMask)):
         for f in dataclasses.fields(obj):
             _held(getattr(obj, f.name), seen, depth + 1)
     elif callable(obj) and getattr(obj, "__closure__", None):
@@ -114,9 +114,9 @@ def test_the_trace_holds_target_rows_and_one_n_squared_matrix_per_rollout(family
             _held(list(tr.memo.layer_fns.values()), seen)  # the factories: what waits for the propagation
             held_bytes = sum(t.untyped_storage().nbytes() for t in seen.values())
             if lens.adapter.family.causal:
-                assert all(t.shape[-2:] != (n, n) or t.shape[:2] == (1, 1) for t in seen.values())  # only the mask
+                assert all(t.shape[-2:] != (n, n) for t in seen.values())  # no n × n: the mask is lazy
                 alti = (2 * n * d + kv * n * lay.d_head) * 4 if "alti_rollout" in methods else 0
-                want = mats and layers * (qk + alti) + n * n * 4 + n  # + the additive and the bool input mask
+                want = mats and layers * (qk + alti) + n + 8  # + the lazy mask's bool padding and batch index
                 assert held_bytes == want, (methods, held_bytes, want)
             else:
                 assert held_bytes == mats * layers * n * n * 4

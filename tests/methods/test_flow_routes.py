@@ -183,6 +183,30 @@ def test_registered_methods_and_position(lens):
     assert (at.extras["tokens"][:, 3:] == 0).all()  # a causal prediction at 2 reads tokens 0..2 only
 
 
+def test_the_trace_keeps_only_the_ffn_output_and_equals_the_activation_path(lens):
+    """The routes' trace captures F^l (`ffn="update"`, [n, d] per layer), not the FFN activations ([n, d_ff] ×3);
+    routes from either capture are the same, and the decomposition (with flow_routes_tokens: no edge tensor) agrees."""
+    from mixlens.pipeline import trace_flags
+
+    assert trace_flags(["flow_routes"]) == ("update", True)
+    assert trace_flags(["flow_routes", "decompx_logit"])[0] is True  # activations when another method needs them
+    enc = lens.encode(SENTENCES)
+    with torch.no_grad():
+        small, full = lens.trace(enc, ffn="update"), lens.trace(enc, ffn=True)
+    lt = small.layers[0]
+    assert lt.ffn_act is None and lt.ffn_pre is None and lt.ffn_update is not None
+    assert lt.ffn_update.shape == lt.x.shape
+    for b in range(len(SENTENCES)):
+        pos = int(small.mask[b].sum()) - 1
+        a = fr.input_routes(small, b, pos, fr.TAU, heads=False)
+        c = fr.input_routes(full, b, pos, fr.TAU, heads=False)
+        walk = fr.input_routes(small, b, pos, fr.TAU, heads=False, edges=False)
+        assert a.edges is not None and c.edges is not None and walk.edges is None
+        torch.testing.assert_close(a.edges, c.edges, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a.tokens, walk.tokens)
+        torch.testing.assert_close(a.ffn, c.ffn, atol=1e-6, rtol=1e-5)
+
+
 def test_bad_tau_is_one_line(tokenizer):
     lens = random_lens("gpt2", tokenizer, head=CAUSAL)
     for tau in (0.0, 1.0):

@@ -103,7 +103,7 @@ RENORMALIZE_OPTION = Option(
 class Routes:
     """The graph of one input with m real tokens (see the module docstring for the meaning of each field)."""
 
-    edges: torch.Tensor  # [L, m, m] or [L, H, m, m]
+    edges: torch.Tensor | None  # [L, m, m] or [L, H, m, m]; None when not asked for (the token scores alone)
     residual: torch.Tensor  # [L, m]
     ffn: torch.Tensor  # [L, m]
     ffn_residual: torch.Tensor  # [L, m]
@@ -152,11 +152,15 @@ def _renormalised(parts: torch.Tensor, rest: torch.Tensor, tau: float, renormali
 
 
 def _ffn_update(lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, family: Family) -> torch.Tensor:
-    """F^l_i of the rows [K] of input b: the FFN's last projection on its captured activation (Gemma: then its
-    post-FFN norm), as the model computes it → [K, d]."""
-    assert lt.ffn_act is not None, "flow routes need the FFN activations (needs_ffn)"
-    act = lt.ffn_act[b, rows]
-    out = lay.ffn_out(act.to(next(lay.ffn_out.parameters()).dtype))  # the model's own dtype (captures are float32)
+    """F^l_i of the rows [K] of input b: the FFN's last projection's captured output (`ffn="update"`; a trace with
+    the FFN activations: that projection applied to them), then Gemma's post-FFN norm, as the model computes it →
+    [K, d]. The block's check x^l = m^l + F^l then tests the adapter's reading of the block."""
+    dtype = next(lay.ffn_out.parameters()).dtype  # the model's own dtype (captures are float32)
+    if lt.ffn_update is not None and lt.ffn_update.numel():
+        out = lt.ffn_update[b, rows].to(dtype)
+    else:
+        assert lt.ffn_act is not None, "flow routes need the FFN's output (needs_ffn='update')"
+        out = lay.ffn_out(lt.ffn_act[b, rows].to(dtype))
     if family.ln_post is not None:
         out = getattr(lay.module, "post_feedforward_layernorm")(out)  # noqa: B009  (Gemma 2/3's name)
     return out.float()
@@ -206,18 +210,29 @@ def _attention_rows(
 
 @torch.no_grad()
 def input_routes(
-    trace: Trace, b: int, position: int, tau: float, heads: bool, per_head: bool = True, renormalize: bool = True
+    trace: Trace,
+    b: int,
+    position: int,
+    tau: float,
+    heads: bool,
+    per_head: bool = True,
+    renormalize: bool = True,
+    edges: torch.Tensor | bool = True,
 ) -> Routes:
     """The routes of input b to its prediction at `position`, top-down (see the module docstring). `per_head`: an
     attention edge's importance per head and source (the paper's and the tool's), else per source (the head-summed
     vector); `heads`: edges returned per head (implies `per_head`); `renormalize`: the kept edges into a node scaled
-    to sum to 1 after the threshold (the tool's default)."""
+    to sum to 1 after the threshold (the tool's default). `edges`: True to return the kept edges [L, m, m] (`heads`:
+    [L, H, m, m]), zeros of that shape to write them into (e.g. a view of the method's output), False not to keep
+    them (`Routes.edges` None: the token scores need only the walk)."""
     per_head = per_head or heads
     m = int(trace.mask[b].sum())
     fam = trace.adapter.family
     limit = tolerance(trace.model)
     n_layers, hn, dev = len(trace.layers), trace.adapter.n_heads, trace.mask.device
-    edges = torch.zeros((n_layers, hn, m, m) if heads else (n_layers, m, m), device=dev)
+    if edges is True:
+        edges = torch.zeros((n_layers, hn, m, m) if heads else (n_layers, m, m), device=dev)
+    kept_edges = edges if isinstance(edges, torch.Tensor) else None
     residual, ffn, ffn_res, nodes = (torch.zeros(n_layers, m, device=dev) for _ in range(4))
     kept = torch.zeros(m, dtype=torch.bool, device=dev)  # output nodes x^l_i of the layer being walked
     kept[position] = True
@@ -244,17 +259,17 @@ def input_routes(
         worst = max(worst, err)
         imp, imp_res = _renormalised(imp, imp_res, tau, renormalize, (0, 2) if per_head else (1,))
         token_edges = imp.sum(0) if per_head else imp  # [K, m]: a token edge is the sum of its heads' edges
-        if heads:
-            edges[layer, :, rows] = imp
-        else:
-            edges[layer, rows] = token_edges
+        if kept_edges is not None and heads:
+            kept_edges[layer, :, rows] = imp
+        elif kept_edges is not None:
+            kept_edges[layer, rows] = token_edges
         residual[layer, rows] = imp_res
         w_mid = weight[rows]
         weight = w_mid @ token_edges  # [m]: Σ_i w(m_i) · importance of j → i
         weight[rows] += w_mid * imp_res
         kept = (token_edges > 0).any(0)
         kept[rows[imp_res > 0]] = True
-    return Routes(edges, residual, ffn, ffn_res, nodes, kept.float(), weight, worst)
+    return Routes(kept_edges, residual, ffn, ffn_res, nodes, kept.float(), weight, worst)
 
 
 def _positions(trace: Trace, position: int | None) -> torch.Tensor:
@@ -270,17 +285,31 @@ def routes(
     method: str = "flow_routes",
     per_head: bool = True,
     renormalize: bool = True,
+    edges: torch.Tensor | bool = True,
 ) -> list[Routes]:
-    """The routes of every input of the trace ([Routes], one per input; options as `input_routes`)."""
+    """The routes of every input of the trace ([Routes], one per input; options as `input_routes`); `edges`: True
+    (each Routes keeps its own), zeros [B, L, n, n] (`heads`: [B, L, H, n, n]) to receive them, or False."""
     _check_tau(method, tau)
     pos = _positions(trace, position)
-    return [input_routes(trace, b, int(pos[b]), tau, heads, per_head, renormalize) for b in range(trace.mask.shape[0])]
+    return [
+        input_routes(
+            trace,
+            b,
+            int(pos[b]),
+            tau,
+            heads,
+            per_head,
+            renormalize,
+            edges[b, ..., :m, :m] if torch.is_tensor(edges) else edges,
+        )
+        for b, m in enumerate(trace.mask.sum(1).tolist())
+    ]
 
 
 @register(
     "flow_routes",
     head_dims=LHTS,
-    needs_ffn=True,
+    needs_ffn="update",
     options=(TAU_OPTION, POSITION_OPTION, PER_HEAD_OPTION, RENORMALIZE_OPTION),
     extras=EXTRAS,
     supports=pre_ln_stream,
@@ -297,16 +326,17 @@ def flow_routes(
 ) -> MethodOutput:
     """Information-flow routes (Ferrando & Voita 2024): importance of the kept edges to one prediction, per layer
     (attention edges j → i; residual and FFN edges in extras)."""
-    found = routes(trace, heads=heads, tau=tau, position=position, per_head=per_head, renormalize=renormalize)
     (bsz, n), dev = trace.mask.shape, trace.mask.device
     n_layers = len(trace.layers)
     values = torch.zeros((bsz, n_layers, trace.adapter.n_heads, n, n) if heads else (bsz, n_layers, n, n), device=dev)
+    found = routes(
+        trace, heads=heads, tau=tau, position=position, per_head=per_head, renormalize=renormalize, edges=values
+    )  # the edges written into `values` in place
     extras = {
         k: torch.zeros(bsz, *(n_layers if a == "layer" else n for a in axes), device=dev) for k, axes in EXTRAS.items()
     }
     for b, r in enumerate(found):
         m = len(r.tokens)
-        values[b, ..., :m, :m] = r.edges
         for key, t in (("residual", r.residual), ("ffn", r.ffn), ("ffn_residual", r.ffn_residual), ("nodes", r.nodes)):
             extras[key][b, :, :m] = t
         extras["inputs"][b, :m], extras["tokens"][b, :m] = r.inputs, r.tokens
@@ -318,7 +348,7 @@ def flow_routes(
 @register(
     "flow_routes_tokens",
     dims=("source",),
-    needs_ffn=True,
+    needs_ffn="update",
     options=(TAU_OPTION, POSITION_OPTION, PER_HEAD_OPTION, RENORMALIZE_OPTION),
     supports=pre_ln_stream,
     explains=True,
@@ -337,6 +367,7 @@ def flow_routes_tokens(
         method="flow_routes_tokens",
         per_head=per_head,
         renormalize=renormalize,
+        edges=False,  # the walk alone: no [L, n, n] of edges
     )
     out = torch.zeros(trace.mask.shape, device=trace.mask.device)
     for b, r in enumerate(found):

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -231,7 +231,7 @@ class Method:
     fn: MethodFn
     dims: tuple[str, ...]  # axes after batch
     head_dims: tuple[str, ...] | None  # axes with heads=True (None: no per-head variant)
-    needs_ffn: bool  # needs FFN activations in the trace
+    needs_ffn: bool | Literal["update"]  # FFN activations in the trace, or "update": only the FFN's output
     extra_passes: bool  # runs the model again (value zeroing, gradients, ablations)
     summary: str
     options: tuple[Option, ...] = ()
@@ -268,7 +268,12 @@ class Method:
     def needs_output(self) -> bool:
         """Needs the whole forward pass (last FFN, logits): it captures the FFN, runs the model again, or reads the
         model head's output; otherwise a trace may stop after the last attention block."""
-        return self.needs_ffn or self.extra_passes or (self.head is not None and not self.inputs_only)
+        return bool(self.needs_ffn) or self.extra_passes or self.reads_head
+
+    @property
+    def reads_head(self) -> bool:
+        """Reads the model head's output from the trace (`Trace.logits`); otherwise a trace need not compute it."""
+        return self.head is not None and not self.inputs_only
 
     def option(self, key: str) -> Option:
         for opt in self.options:
@@ -319,7 +324,7 @@ def register(
     *,
     dims: tuple[str, ...] = LTS,
     head_dims: tuple[str, ...] | None = None,
-    needs_ffn: bool = False,
+    needs_ffn: bool | Literal["update"] = False,
     extra_passes: bool = False,
     options: tuple[Option, ...] = (),
     extras: Mapping[str, tuple[str, ...]] | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def plot_ranking(ev, path: str | Path, dpi: int = 200) -> None:
     if ev.task != "faithfulness":
         from mixlens.explain.evidence import ALL, task_metrics
 
-        pooled = task_metrics(ev)[ALL]["all"]
+        pooled: Any = task_metrics(ev)[ALL]["all"]
         value = {m: (pooled[m]["mrr"], pooled[m]["ci95"]["mrr"]) for m in ev.methods}
         label = f"MRR with the evidence, {len(ev.examples)} prompts (higher: aligned)"
     else:
