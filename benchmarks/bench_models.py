@@ -104,8 +104,21 @@ def forward_rss(name: str, n_tokens: int, head: str = "base") -> float:
     return float(out.split()[-1])
 
 
+def eager_gib(lens: mixlens.Lens, n_tokens: int) -> float:
+    """What a plain eager forward holds at its peak beyond the model (GiB): transformers' additive masks (one per
+    mask kind: two with sliding-window layers) and one layer's scores and probabilities, float32."""
+    cfg = getattr(lens.model.config, "text_config", lens.model.config)
+    kinds = len(set(getattr(cfg, "layer_types", None) or ["full_attention"]))
+    return (kinds + 2 * cfg.num_attention_heads) * n_tokens**2 * 4 / 2**30
+
+
+def fits(gib: float) -> bool:
+    """Whether `gib` fits in 60 % of this machine's memory."""
+    return gib < 0.6 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
 def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str | None, repeats: int,
-             modes: tuple[bool, ...]) -> dict[str, list[float]]:
+             modes: tuple[bool, ...], sdpa_too: bool = True) -> dict[str, list[float]]:
     """Seconds per call, interleaved: "forward" (plain forward) and, per mode, "compiled" / "torch" (analyze), for
     one input of `n_tokens` tokens."""
     text = text_of(lens, n_tokens)
@@ -137,7 +150,8 @@ def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str
 
         return run
 
-    fns = {"forward": forward} | ({"sdpa": sdpa} if long else {})
+    eager = not long or fits(eager_gib(lens, n_tokens))  # gemma-3 at 32,768 tokens: 40 GiB, it does not fit
+    fns = ({"forward": forward} if eager else {}) | ({"sdpa": sdpa} if long and sdpa_too else {})
     fns |= {("compiled" if c else "torch"): analyze(c) for c in modes}
     return timed(fns, repeats)
 
@@ -158,6 +172,8 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true", help="skip the torch passes")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS processes")
     ap.add_argument("--no-warmup", action="store_true", help="no untimed first call (numba's cache already warm)")
+    ap.add_argument("--no-sdpa", action="store_true", help="long cases: no SDPA forward (at 32,768 tokens with "
+                    "sliding windows it computes every n² score)")
     args = ap.parse_args()
     global WARMUP
     WARMUP = not args.no_warmup
@@ -173,18 +189,25 @@ def main() -> None:
             print(f"{name}: not fetched, skipped")
             continue
         lens = mixlens.load(ROOT / name, head=head)
-        runs = run_case(lens, n_tokens, methods, targets, args.repeats, modes)
+        runs = run_case(lens, n_tokens, methods, targets, args.repeats, modes, not args.no_sdpa)
         med = {k: statistics.median(v) for k, v in runs.items()}
         rss = "-" if args.no_rss else f"{peak_rss(name, n_tokens, methods, targets, head):.2f}"
         torch_cols = f"{med['torch']:.3f} | {ratio(runs, 'torch')}" if "torch" in med else "- | -"
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        print(f"{case} | {name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | {med['forward']:.3f} | "
-              f"{med['compiled']:.3f} | {ratio(runs, 'compiled')} | {torch_cols} | {rss} | {load}", flush=True)
+        base = "forward" if "forward" in runs else "sdpa" if "sdpa" in runs else None
+        print(f"{case} | {name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | "
+              f"{f'{med[base]:.3f}' if base else '-'} | {med['compiled']:.3f} | "
+              f"{ratio(runs, 'compiled', base) if base else '-'} | {torch_cols} | {rss} | {load}", flush=True)
         if "sdpa" in runs:
-            cfg = lens.model.config
+            cfg = getattr(lens.model.config, "text_config", lens.model.config)
             attn_gb = cfg.num_hidden_layers * cfg.num_attention_heads * n_tokens**2 * 4 / 2**30
-            fwd_rss = "-" if args.no_rss else f"{forward_rss(name, n_tokens, head):.2f}"
-            print(f"  {case}: plain eager forward {med['forward']:.1f} s (peak RSS {fwd_rss} GiB), SDPA forward "
+            if "forward" in runs:
+                fwd_rss = "-" if args.no_rss else f"{forward_rss(name, n_tokens, head):.2f}"
+                eager = f"plain eager forward {med['forward']:.1f} s (peak RSS {fwd_rss} GiB)"
+            else:
+                eager = (f"plain eager forward not run: it would hold {eager_gib(lens, n_tokens):.1f} GiB beyond "
+                         "the model (masks, one layer's scores and probabilities); ratios to the SDPA forward")
+            print(f"  {case}: {eager}, SDPA forward "
                   f"{med['sdpa']:.1f} s; analyze / SDPA forward {ratio(runs, 'compiled', 'sdpa')}; "
                   f"output_attentions=True would hold {attn_gb:.1f} GiB of α (layers · heads · n² · 4 B)", flush=True)
 

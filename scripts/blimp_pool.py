@@ -1,12 +1,15 @@
 """Developer script: pooled evidence alignment (MRR) per method from `mixlens evaluate --task blimp` runs.
 
     python scripts/blimp_pool.py out/blimp-a/evaluation.json [out/blimp-b/evaluation.json ...] [--seed 0]
+        [--paradigms]
 
 Reads every example of the given evaluation.json files (e.g. runs over other `--skip` ranges of the same
 paradigms), recomputes each method's reciprocal rank of the evidence from the stored scores (the definition of
 `mixlens.explain.evidence.reciprocal_rank`), and prints per method the MRR over all prompts and over the prompts
 whose evidence is not the first token (where an attention sink at position 0 ranks it first for free), each with a
-95 % bootstrap interval (1,000 resamples).
+95 % bootstrap interval (1,000 resamples); `--paradigms` adds the MRR of each method per paradigm with its interval
+(a markdown table, paradigms in rows). A method missing from some runs is pooled over the runs that have it (n says
+how many prompts).
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="+")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--paradigms", action="store_true", help="also the MRR per paradigm and method")
     args = ap.parse_args()
     ranks: dict[str, list[tuple[bool, float]]] = {}
+    by_group: dict[str, dict[str, list[float]]] = {}
     for path in args.files:
         with open(path, encoding="utf-8") as fh:
             run = json.load(fh)
@@ -40,11 +45,26 @@ def main() -> None:
             for method, scores in ex["scores"].items():
                 rr = reciprocal_rank(np.asarray(scores, float), special, evidence)
                 ranks.setdefault(method, []).append((0 in evidence, rr))
+                by_group.setdefault(ex["contrast"]["group"], {}).setdefault(method, []).append(rr)
     rng = np.random.default_rng(args.seed)
     print("method | MRR, all prompts | MRR, evidence not the first token")
     for method, rows in sorted(ranks.items(), key=lambda kv: -np.mean([r for _, r in kv[1]])):
         later = [r for first, r in rows if not first]
         print(f"{method} | {interval([r for _, r in rows], rng)} | {interval(later, rng) if later else '-'}")
+    if args.paradigms:
+        order = sorted(ranks, key=lambda m: -np.mean([r for _, r in ranks[m]]))
+        print("\nparadigm | n | " + " | ".join(order))
+        print("--- | --: | " + " | ".join("---" for _ in order))
+        for group, per in sorted(by_group.items()):
+            cells = []
+            for m in order:
+                v = np.asarray(per.get(m, []), float)
+                if not len(v):
+                    cells.append("-")
+                    continue
+                boots = rng.choice(v, (1000, len(v))).mean(1)
+                cells.append(f"{v.mean():.2f} [{np.percentile(boots, 2.5):.2f}, {np.percentile(boots, 97.5):.2f}]")
+            print(f"{group} | {max(len(x) for x in per.values())} | " + " | ".join(cells))
 
 
 if __name__ == "__main__":

@@ -96,7 +96,9 @@ def _mpnet(out: Path, tmp: Path) -> None:
 
 
 BUILDERS: dict[str, Callable[[Path, Path], None]] = {
-    "all-mpnet-base-v2": _mpnet, "smollm2-135m-instruct": _smollm2, "qwen2.5-coder-0.5b-instruct": _qwen,
+    "all-mpnet-base-v2": _mpnet,
+    "smollm2-135m-instruct": _smollm2,
+    "qwen2.5-coder-0.5b-instruct": _qwen,
     "gemma-3-270m": _gemma,
 }
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import typer
@@ -46,7 +49,7 @@ for _module in COMMAND_MODULES:
 
 def quieted(callback: Callable[..., Any]) -> Callable[..., Any]:
     """`callback` that first silences library chatter — only when a command runs, not for `--help` — and answers
-    Ctrl-C with one line saying what was kept."""
+    Ctrl-C (or SIGTERM, `terminate_as_interrupt`) with one line saying what was kept."""
 
     @functools.wraps(callback)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -54,12 +57,32 @@ def quieted(callback: Callable[..., Any]) -> Callable[..., Any]:
 
         quiet_libraries()
         try:
-            return callback(*args, **kwargs)
+            with terminate_as_interrupt():
+                return callback(*args, **kwargs)
         except KeyboardInterrupt:  # typer would turn it into a silent exit 130: say what was kept
             print(f"mixlens: interrupted; {interrupted_note()}", file=sys.stderr)
             raise typer.Exit(130) from None
 
     return run
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (`kill`, a job scheduler stopping the job) handled as Ctrl-C while a command runs: the command stops
+    the same way and keeps what it finished (a resumable run resumes from it). Also the way to stop a job started in
+    the background by a script, whose Ctrl-C (SIGINT) is ignored. Main thread only; the previous handler returns."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def interrupted_note() -> str:

@@ -265,6 +265,27 @@ def test_corpus_ctrl_c_says_how_to_resume(tmp_path, monkeypatch, capsys):
     assert f"mixlens corpus -d 'my data.tsv' -o {tmp_path / 'run'} --method norm" in err and "Resume" in err
 
 
+def test_sigterm_stops_a_command_as_ctrl_c_does(tmp_path, monkeypatch, capsys):
+    """`kill` (SIGTERM: a scheduler stopping the job, or a job whose Ctrl-C a script's background ignores) takes the
+    Ctrl-C path: the same message and exit code 130, resumable; the previous handler is back afterwards."""
+    import os
+    import signal
+    import time
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler interrupts this
+        raise AssertionError("SIGTERM did not stop the command")
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr("mixlens.corpus.runner.run_corpus", terminated)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.tsv").write_text("sentence\nhello there\n")
+    code, _, err = run_cli(["corpus", "-d", "data.tsv", "-o", str(tmp_path / "run"), "--method", "norm"], capsys)
+    assert code == 130 and "Resume" in err
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 # ------------------------------------------------------------------------------------------ 4. progress
 
 
