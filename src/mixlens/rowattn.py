@@ -141,7 +141,7 @@ def mask_interface(
         and q_offset == kv_offset == 0
         and q_length == kv_length
     )
-    if padding is not None:
+    if padding is not None and not bool(padding.all()):  # no padding: the mask is the function alone
         fn = and_masks(fn, padding_mask_function(padding.bool()))
     batch = torch.arange(batch_size, device=device)
     return LazyMask(fn, batch, q_length, kv_length, q_offset, kv_offset, dtype, causal_only)
@@ -193,19 +193,20 @@ class QKRows:
         key = self.key[:, :, start:end]
         b, h, k, dh = q.shape
         kv = key.shape[1]
-        s = torch.matmul(q.reshape(b, kv, (h // kv) * k, dh), key.transpose(2, 3)).view(b, h, k, -1) * self.scaling
+        s = torch.matmul(q.reshape(b, kv, (h // kv) * k, dh), key.transpose(2, 3)).view(b, h, k, -1)
+        s.mul_(self.scaling)  # in place: the block of scores is the largest tensor here
         if self.softcap is not None:
-            s = torch.tanh(s / self.softcap) * self.softcap
+            s = torch.tanh(s.div_(self.softcap)).mul_(self.softcap)
         if isinstance(self.mask, LazyMask):
-            s = s + self.mask.block(rows, start, end)
+            s.add_(self.mask.block(rows, start, end))
         elif self.mask is not None:
-            s = s + _take_rows(self.mask[..., start:end].expand(b, -1, -1, -1), rows)
+            s.add_(_take_rows(self.mask[..., start:end].expand(b, -1, -1, -1), rows))
         return s
 
     def _start(self, rows: torch.Tensor, end: int) -> int:
         """The first source any of rows [B, K] sees (a lazy mask's window; else 0). Rows that see nothing (padding
         rows past a window) keep one column, so that their normaliser stays finite."""
-        if not isinstance(self.mask, LazyMask):
+        if not isinstance(self.mask, LazyMask) or self.mask.causal_only:
             return 0
         return max(0, min(self.mask.first_column(rows, end), end - 1))
 
