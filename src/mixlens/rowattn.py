@@ -133,11 +133,10 @@ def mask_interface(
         )
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     local = kwargs.get("local_size")
-    causal_only = (
+    causal_only = (  # transformers' own test for SDPA's is_causal, on a pass without a cache
         bool(kwargs.get("allow_is_causal_skip"))
-        and fn is causal_mask_function
         and (padding is None or bool(padding.all()))
-        and (local is None or kv_length <= local)
+        and (local is None or kv_length < local)  # a window (or chunk) larger than the input: causal
         and q_offset == kv_offset == 0
         and q_length == kv_length
     )

@@ -105,6 +105,12 @@ def test_the_lazy_mask_is_transformers_eager_mask_and_gives_the_same_attention(w
     assert isinstance(lazy, rowattn.LazyMask) and lazy.shape == tuple(dense.shape)
     torch.testing.assert_close(lazy.dense(), dense, rtol=0, atol=0)
     assert lazy.causal_only == (window is None and padding is None)
+    wide = rowattn.mask_interface(b, n, n, mask_function=sliding_window_causal_mask_function(n + 1), local_size=n + 1)
+    assert not wide.causal_only  # transformers did not allow the skip
+    wide = rowattn.mask_interface(
+        b, n, n, mask_function=sliding_window_causal_mask_function(n + 1), local_size=n + 1, allow_is_causal_skip=True
+    )
+    assert wide.causal_only  # a window wider than the input is the causal mask
     if blocked:
         monkeypatch.setattr(rowattn, "ROW_BLOCK_ELEMENTS", 4 * b * h * n)  # blocks of 4 rows
         monkeypatch.setattr(rowattn, "_use_flash", lambda query, softcap: False)
