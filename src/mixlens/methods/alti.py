@@ -155,15 +155,18 @@ def layer_fn(lt: LayerTrace, lay: Layer, pre_ln: bool, mask: torch.Tensor, causa
                     alpha[k, :, :m, :m], pf[k, :, :m], px[k, :m], y[k, :m], torch.arange(m), causal
                 )
             return row_normalize(out * pair_mask(mask)[:, 0])
-        alpha = (lt.alpha_rows(rows) if alpha_rows is None else alpha_rows) * inv.gather(1, rows)[:, None, :, None]
+        alpha = lt.alpha_rows(rows) if alpha_rows is None else alpha_rows.clone()  # [B, H, K, n], scaled in place
+        alpha.mul_(inv.gather(1, rows)[:, None, :, None])
         out = torch.zeros(b, rows.shape[1], n)
         for k, m in enumerate(lengths):
             real = rows[k] < m
-            if real.any():
+            if bool(real.all()):  # every row a real token (one input, or its longest): views, no copies
+                out[k, :, :m] = _example(alpha[k, :, :, :m], pf[k, :, :m], px[k, :m], y[k, :m], rows[k], causal)
+            elif real.any():
                 out[k, real, :m] = _example(
                     alpha[k, :, real, :m], pf[k, :, :m], px[k, :m], y[k, :m], rows[k, real], causal
                 )
-        return row_normalize(out * row_pair_mask(mask, rows))
+        return row_normalize(out.mul_(row_pair_mask(mask, rows)))
 
     return rows_of
 
