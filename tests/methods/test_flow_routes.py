@@ -191,6 +191,9 @@ def test_the_trace_keeps_only_the_ffn_output_and_equals_the_activation_path(lens
     assert trace_flags(["flow_routes"]) == ("update", True)
     assert trace_flags(["flow_routes", "decompx_logit"])[0] is True  # activations when another method needs them
     enc = lens.encode(SENTENCES)
+    routes_only, with_head = lens.trace_for(enc, ["flow_routes"]), lens.trace_for(enc, ["flow_routes", "alti_logit"])
+    assert routes_only.logits is None and routes_only.hidden is not None  # the head is not run: no [B, n, V] logits
+    assert with_head.logits is not None and with_head.logits.shape[:2] == enc.inputs["input_ids"].shape
     with torch.no_grad():
         small, full = lens.trace(enc, ffn="update"), lens.trace(enc, ffn=True)
     lt = small.layers[0]
