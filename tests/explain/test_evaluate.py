@@ -121,6 +121,23 @@ def test_causal_lm_evaluation(tokenizer):
     assert set(ev.metrics()) == {"decompx_logit", "saliency", "attention", "random"}
 
 
+def test_removal_none_keeps_only_the_agreement(classifier, tmp_path):
+    from mixlens.viz.evaluation import plot
+    from mixlens.viz.terminal import print_evaluation
+
+    full = evaluate(classifier, TEXTS[:3], ["attention", "grad_x_input"])
+    ev = evaluate(classifier, TEXTS[:3], ["attention", "grad_x_input"], removal="none")
+    met = ev.metrics()
+    for m in ("attention", "grad_x_input", "random"):
+        assert np.isnan(met[m]["aopc"]) and np.isnan(met[m]["sufficiency"])
+        assert met[m]["spearman_gxi"] == pytest.approx(full.metrics()[m]["spearman_gxi"])
+    assert ev.ranking()[0] == max(met, key=lambda m: met[m]["spearman_gxi"])  # ranked by the agreement
+    assert ev.curves() == {}
+    plot(ev, tmp_path / "none.png")
+    assert (tmp_path / "none.png").stat().st_size > 1000
+    print_evaluation(ev)  # '-' for the removal metrics, no error
+
+
 def test_mask_removal_needs_a_mask_token(classifier):
     from copy import deepcopy
 
