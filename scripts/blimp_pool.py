@@ -6,10 +6,11 @@
 Reads every example of the given evaluation.json files (e.g. runs over other `--skip` ranges of the same
 paradigms), recomputes each method's reciprocal rank of the evidence from the stored scores (the definition of
 `mixlens.explain.evidence.reciprocal_rank`), and prints per method the MRR over all prompts and over the prompts
-whose evidence is not the first token (where an attention sink at position 0 ranks it first for free), each with a
-95 % bootstrap interval (1,000 resamples); `--paradigms` adds the MRR of each method per paradigm with its interval
-(a markdown table, paradigms in rows). A method missing from some runs is pooled over the runs that have it (n says
-how many prompts).
+whose evidence is not the first token (where an attention sink at position 0 ranks it first for free) and over
+those whose evidence is neither the first nor the last token (the predicting position itself, which a method that
+keeps a token's own stream ranks first for free), each with a 95 % bootstrap interval (1,000 resamples);
+`--paradigms` adds the MRR of each method per paradigm with its interval (a markdown table, paradigms in rows).
+A method missing from some runs is pooled over the runs that have it (n says how many prompts).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--paradigms", action="store_true", help="also the MRR per paradigm and method")
     args = ap.parse_args()
-    ranks: dict[str, list[tuple[bool, float]]] = {}
+    ranks: dict[str, list[tuple[bool, bool, float]]] = {}
     by_group: dict[str, dict[str, list[float]]] = {}
     for path in args.files:
         with open(path, encoding="utf-8") as fh:
@@ -44,15 +45,18 @@ def main() -> None:
             special = np.asarray(ex["special"], bool)
             for method, scores in ex["scores"].items():
                 rr = reciprocal_rank(np.asarray(scores, float), special, evidence)
-                ranks.setdefault(method, []).append((0 in evidence, rr))
+                last = len(ex["tokens"]) - 1
+                ranks.setdefault(method, []).append((0 in evidence, last in evidence, rr))
                 by_group.setdefault(ex["contrast"]["group"], {}).setdefault(method, []).append(rr)
     rng = np.random.default_rng(args.seed)
-    print("method | MRR, all prompts | MRR, evidence not the first token")
-    for method, rows in sorted(ranks.items(), key=lambda kv: -np.mean([r for _, r in kv[1]])):
-        later = [r for first, r in rows if not first]
-        print(f"{method} | {interval([r for _, r in rows], rng)} | {interval(later, rng) if later else '-'}")
+    print("method | MRR, all prompts | MRR, evidence not the first token | MRR, neither the first nor the last")
+    for method, rows in sorted(ranks.items(), key=lambda kv: -np.mean([r for *_, r in kv[1]])):
+        later = [r for first, _, r in rows if not first]
+        inner = [r for first, last, r in rows if not first and not last]
+        cells = [interval(v, rng) if v else "-" for v in ([r for *_, r in rows], later, inner)]
+        print(f"{method} | " + " | ".join(cells))
     if args.paradigms:
-        order = sorted(ranks, key=lambda m: -np.mean([r for _, r in ranks[m]]))
+        order = sorted(ranks, key=lambda m: -np.mean([r for *_, r in ranks[m]]))
         print("\nparadigm | n | " + " | ".join(order))
         print("--- | --: | " + " | ".join("---" for _ in order))
         for group, per in sorted(by_group.items()):
