@@ -41,19 +41,9 @@ def plot(ev, path: str | Path, dpi: int = 200) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=3, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below the data
     aopc = np.array([met[m]["aopc"] for m in ranked])
-    ci = np.array([met[m]["ci95"]["aopc"] for m in ranked])
-    y = np.arange(len(ranked))[::-1]
-    bx.barh(
-        y,
-        aopc,
-        xerr=np.abs(ci.T - aopc),
-        color=[("0.6" if m == "random" else colours[k]) for k, m in enumerate(ranked)],
-        capsize=2,
-    )
-    bx.set_yticks(y, ranked, fontsize=8)
+    _ranked_bars(bx, ranked, aopc, np.array([met[m]["ci95"]["aopc"] for m in ranked]), colours)
     bx.set_xlabel("AOPC (higher = more faithful)")
     bx.set_title("Ranking")
-    bx.grid(axis="x", alpha=0.3)
     fig.suptitle(model_label(ev.model), fontsize=10)
     fig.tight_layout()
     fig.savefig(str(path), dpi=dpi)
@@ -83,18 +73,18 @@ def plot_ranking(ev, path: str | Path, dpi: int = 200) -> None:
     ci = np.array([value[m][1] for m in ranked], dtype=float)
     colours = plt.get_cmap("tab20")(np.linspace(0, 1, max(2, len(ranked))))
     fig, ax = plt.subplots(figsize=(7, 1.2 + 0.32 * len(ranked)))
-    y = np.arange(len(ranked))[::-1]
-    ax.barh(
-        y,
-        mean,
-        xerr=np.abs(ci.T - mean),
-        color=[("0.6" if m == "random" else colours[k]) for k, m in enumerate(ranked)],
-        capsize=2,
-    )
-    ax.set_yticks(y, ranked, fontsize=8)
+    _ranked_bars(ax, ranked, mean, ci, colours)
     ax.set_xlabel(label)
-    ax.grid(axis="x", alpha=0.3)
     ax.set_title(f"{model_label(ev.model)} — no removal", fontsize=10)
     fig.tight_layout()
     fig.savefig(str(path), dpi=dpi)
     plt.close(fig)
+
+
+def _ranked_bars(ax, ranked: list[str], mean: np.ndarray, ci: np.ndarray, colours) -> None:
+    """Horizontal bars of `mean` [M] with 95 % intervals `ci` [M, 2], best on top; random in grey."""
+    y = np.arange(len(ranked))[::-1]
+    colour = [("0.6" if m == "random" else colours[k]) for k, m in enumerate(ranked)]
+    ax.barh(y, mean, xerr=np.abs(ci.T - mean), color=colour, capsize=2)
+    ax.set_yticks(y, ranked, fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
