@@ -146,9 +146,9 @@ class LayerStream:
 
     Causal LMs trace in row mode (`run_traced(qk_rows=True)`, `mixlens.rowattn`): no layer ever holds α [B, H, n, n];
     a rollout's layer rows are computed when the propagation reaches the layer, from what the stream keeps of it (q,
-    K and the softmax normaliser; ALTI also x, the residual sum and v). Memory: layers · (H + maps) · K · n, plus per
-    requested rollout layers · n² (other families) or layers · n · (H + H_kv) · d_h (+ 2 d + H_kv · d_h for ALTI) in
-    row mode."""
+    K and the softmax normaliser; ALTI also the residual sum, v and its self pairs). Memory: layers · (H + maps) · K ·
+    n, plus per requested rollout layers · n² (other families) or layers · n · (H + H_kv) · d_h (+ d + H_kv · d_h + 1
+    for ALTI) in row mode."""
 
     def __init__(
         self,
@@ -198,8 +198,9 @@ class LayerStream:
         if names & {"alti", "alti_rollout"}:
             pre_ln, causal = self.adapter.family.pre_ln, self.adapter.family.causal
             if "alti_rollout" in names and row_mode:
-                small = lt.for_rows(alti=True)
-                self.keep_fn("alti", index, lambda: alti.layer_fn(small, lay, pre_ln, mask, causal))
+                small = lt.for_rows(alti=True)  # no x: its one use, the self pairs, is computed now
+                diag = alti.self_contributions(lt, lay, pre_ln)
+                self.keep_fn("alti", index, lambda: alti.layer_fn(small, lay, pre_ln, mask, causal, diag))
             else:
                 fn = alti.layer_fn(lt, lay, pre_ln, mask, causal)
                 if "alti_rollout" in names:

@@ -217,10 +217,15 @@ class QKRows:
         start = self._start(rows, end)
         s = self._scores(_take_rows(self.query, rows), rows, end, start).float()
         lse = self.lse.gather(2, rows[:, None, :].expand(-1, self.heads, -1))
-        a = torch.exp(s.sub_(lse[..., None])).to(self.query.dtype).float()
+        a = s.new_empty(*s.shape[:3], n)  # written in place: the columns outside start..end-1 are 0, not copied
+        a[..., :start] = 0
+        a[..., end:] = 0
+        inner = torch.exp(s.sub_(lse[..., None]), out=a[..., start:end] if (start, end) != (0, n) else a)
+        if self.query.dtype != torch.float32:  # rounded to the model's dtype, as eager's softmax output is
+            inner.copy_(inner.to(self.query.dtype))
         if self.row_scale is not None:
-            a = a / self.row_scale.gather(1, rows)[:, None, :, None]
-        return a if (start, end) == (0, n) else torch.nn.functional.pad(a, (start, n - end))
+            inner.div_(self.row_scale.gather(1, rows)[:, None, :, None])
+        return a
 
     def diagonal(self) -> torch.Tensor:
         """α^h_ii for every position: [B, H, n] float32."""

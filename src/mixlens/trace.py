@@ -107,11 +107,11 @@ class LayerTrace:
 
     def for_rows(self, alti: bool = False) -> LayerTrace:
         """What rebuilding α's rows needs of this row-mode layer, kept after the forward pass: q, K and the
-        normaliser (`qk`) and the sandwich scale; with `alti` also x, v and the residual sum (ALTI's row function).
-        Every other tensor is empty."""
-        x, v, mix_in = (self.x, self.value, self.mix_in) if alti else self._empty(3)
-        e = self._empty(3)
-        return LayerTrace(x, e[0], v, e[1], mix_in, e[2], None, post_scale=self.post_scale, qk=self.qk)
+        normaliser (`qk`) and the sandwich scale; with `alti` also v and the residual sum (ALTI's row function, which
+        gets its self pairs, the only place x enters, computed while the layer ran). Every other tensor is empty."""
+        v, mix_in = (self.value, self.mix_in) if alti else self._empty(2)
+        e = self._empty(4)
+        return LayerTrace(e[3], e[0], v, e[1], mix_in, e[2], None, post_scale=self.post_scale, qk=self.qk)
 
     def alpha_diagonal(self, mix: bool = False) -> torch.Tensor:
         """α^h_ii: [B, H, n] float32 (`mix`: divided by s^post_i)."""

@@ -81,8 +81,9 @@ def _held(obj: object, seen: dict[int, torch.Tensor], depth: int = 0) -> None:
 @pytest.mark.parametrize("family", ["llama", "bert"])
 def test_the_trace_holds_target_rows_and_one_n_squared_matrix_per_rollout(family, tokenizer):
     """Bytes held after the forward pass: α rows (layers · H · K · n), no α; a rollout adds its layers · n² matrices,
-    or in row mode (causal LMs) per layer q, K and the softmax normaliser (+ x, v and the residual sum for ALTI) and
-    the one additive mask the layers share. While the forward pass runs, only the running layer's α is alive."""
+    or in row mode (causal LMs) per layer q, K and the softmax normaliser (+ v, the residual sum and the self pairs
+    for ALTI) and the one additive mask the layers share. While the forward pass runs, only the running layer's α is
+    alive."""
     lens = random_lens(family, tokenizer)
     enc = lens.encode(["a b c d e f g h i j k l"])
     layers, heads, n = lens.adapter.n_layers, lens.adapter.layers[0].n_heads, enc.inputs["input_ids"].shape[1]
@@ -115,7 +116,7 @@ def test_the_trace_holds_target_rows_and_one_n_squared_matrix_per_rollout(family
             held_bytes = sum(t.untyped_storage().nbytes() for t in seen.values())
             if lens.adapter.family.causal:
                 assert all(t.shape[-2:] != (n, n) for t in seen.values())  # no n × n: the mask is lazy
-                alti = (2 * n * d + kv * n * lay.d_head) * 4 if "alti_rollout" in methods else 0
+                alti = (n * d + kv * n * lay.d_head + n) * 4 if "alti_rollout" in methods else 0  # y, v, self pairs
                 want = mats and layers * (qk + alti) + n + 8  # + the lazy mask's bool padding and batch index
                 assert held_bytes == want, (methods, held_bytes, want)
             else:

@@ -104,13 +104,18 @@ def test_alti_and_globenc_vectors_rebuild_the_real_outputs(family_lens):
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])  # a causal model's rows skip the sources after the target
 def test_alti_blocking_and_the_torch_path_match(family, tokenizer, monkeypatch):
-    """The compiled L1 kernel in blocks of 1 row, and the torch path in chunks of 1 row and of many, equal the
-    compiled default (itself checked against the explicit vectors above)."""
+    """The compiled sign split in blocks of 1 row and in matmul chunks of 1 row, and the torch path in chunks of 1 row
+    and of many, equal the compiled default (itself checked against the explicit vectors above)."""
     import mixlens.methods.norms as norms
 
     tr = random_lens(family, tokenizer).trace(SENTENCES)
     whole = alti_mod.alti(tr)
-    for compiled, attr in ((True, "ROW_BLOCK"), (False, "ROW_CHUNK_ELEMENTS"), (False, None)):
+    for compiled, attr in (
+        (True, "ROW_BLOCK"),
+        (True, "SPLIT_CHUNK_ELEMENTS"),
+        (False, "ROW_CHUNK_ELEMENTS"),
+        (False, None),
+    ):
         with monkeypatch.context() as mp:
             mp.setattr(norms, "COMPILED", compiled)
             if attr:
