@@ -220,7 +220,7 @@ class QKRows:
         a = s.new_empty(*s.shape[:3], n)  # written in place: the columns outside start..end-1 are 0, not copied
         a[..., :start] = 0
         a[..., end:] = 0
-        inner = torch.exp(s.sub_(lse[..., None]), out=a[..., start:end] if (start, end) != (0, n) else a)
+        inner = torch.exp(s.sub_(lse[..., None]), out=a[..., start:end])
         if self.query.dtype != torch.float32:  # rounded to the model's dtype, as eager's softmax output is
             inner.copy_(inner.to(self.query.dtype))
         if self.row_scale is not None:

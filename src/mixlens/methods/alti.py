@@ -122,11 +122,11 @@ def _l1_split(
             b = bound[r, j]
             if j >= ends[k] or (b < least[r] and j != rows[k]):  # no risky coordinate: the linear part is exact
                 continue
-            for h in range(heads):
-                av[h] = alpha[h, k, j]
             if j == rows[k]:  # the self pair, T with the residual: given
                 out[k, j] = max(diag[k], np.float32(0.0))
                 continue
+            for h in range(heads):
+                av[h] = alpha[h, k, j]
             if b >= wide[r]:  # many risky coordinates: build T whole
                 dist = np.float32(0.0)
                 for e in range(d):
@@ -243,7 +243,13 @@ def self_contributions(lt: LayerTrace, lay: Layer, pre_ln: bool) -> torch.Tensor
     Σ_h α^h_ii P f^h_i / s_i + P x_i / s_i (the residual): [B, n]. Needs x (a row-mode stream computes them while the
     layer runs and keeps them instead of x)."""
     p, inv, y = _maps(lt, lay, pre_ln)
-    v, w = (t.detach() for t in head_factors(lt, lay, p))
+    return _self_pairs(lt, p, inv, y, *(t.detach() for t in head_factors(lt, lay, p)))
+
+
+def _self_pairs(
+    lt: LayerTrace, p, inv: torch.Tensor, y: torch.Tensor, v: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """`self_contributions` from the layer's maps (`_maps`) and head factors (`head_factors`), already at hand."""
     a = lt.alpha_diagonal() * inv[:, None, :]  # [B, H, n]
     t = torch.einsum("bhnc,hcd->bnd", v * a[..., None], w).add_(p(lt.x.float()) * inv[..., None])
     return (y.abs().sum(-1) - (y - t).abs().sum(-1)).clamp_min_(0)
@@ -276,7 +282,7 @@ def layer_fn(
     else:
         pf = torch.einsum("bhjk,hkd->bhjd", v, w)  # [B, H, n, d]
     if diag is None:
-        diag = self_contributions(lt, lay, pre_ln)
+        diag = _self_pairs(lt, p, inv, y, v, w)
     b, n, _ = y.shape
     lengths = mask.sum(-1).tolist()
 
