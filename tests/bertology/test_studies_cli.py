@@ -17,6 +17,21 @@ def test_cli_frequency(tmp_path, capsys):
         assert (tmp_path / name).is_file()
 
 
+def test_figure_titles_name_a_local_model_by_its_folder(tmp_path, capsys, monkeypatch):
+    """A figure is often published: its title names the model's folder, never the whole path of this machine."""
+    import mixlens.bertology.frequency as freq
+    from mixlens.lens import default_model_path
+
+    titles: list[str] = []
+    monkeypatch.setattr(freq, "frequency_figure", lambda rep, path, title: titles.append(title))
+    model = default_model_path()
+    f = data_file("sst2", "dev.tsv")
+    args = ["frequency", "-d", str(f), "--limit", "2", "--model", str(model), "-o", str(tmp_path)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert len(titles) == 1 and titles[0].startswith(f"{model.name}: ") and str(model.parent) not in titles[0]
+
+
 def test_cli_identify(tmp_path, capsys):
     f = data_file("sst2", "dev.tsv")
     args = ["identify", "-d", str(f), "--limit", "6", "--probe", "nn_cos", "--probe", "linear", "-o", str(tmp_path)]

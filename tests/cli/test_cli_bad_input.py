@@ -682,6 +682,41 @@ def test_evaluate_ctrl_c_keeps_finished_examples_and_resumes(fx, capsys, monkeyp
     assert done["metrics"] == whole["metrics"]
 
 
+def test_evaluate_killed_without_warning_resumes_from_its_checkpoint(fx, capsys, monkeypatch):
+    """A run killed with no chance to save (SIGKILL, a lost machine; here: an error in the third batch that is not
+    Ctrl-C) keeps the batches saved by its periodic checkpoint; the same command resumes after them and ends as
+    one uninterrupted run."""
+    import mixlens.explain.evaluate as ev_mod
+
+    d = Path(fx["dir"])
+    (d / "six.txt").write_text("a fine film\na dull movie\nso so\nwhat a ride\nnot good\ngreat fun\n")
+    argv = ["evaluate", "--data", str(d / "six.txt"), "-o", fx["out"], "--method", "saliency", "--batch-size", "2"]
+    code, _, err = run_cli([*argv[:4], str(d / "whole"), *argv[5:]], capsys)
+    assert code == 0, err
+    whole = json.loads((d / "whole" / "evaluation.json").read_text())
+    real, calls = ev_mod._perturbed_f, []
+
+    def killed_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise SystemError("killed")  # nothing of the run's own Ctrl-C handling runs after this
+        return real(*a, **k)
+
+    monkeypatch.setattr(ev_mod, "_perturbed_f", killed_third)
+    monkeypatch.setattr(ev_mod, "CHECKPOINT_EVERY", 0.0)  # a save after every batch
+    with pytest.raises(SystemError):
+        run_cli(argv, capsys)
+    part = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
+    assert part["interrupted"] == {"examples": 4, "of": 6} and len(part["examples"]) == 4
+    assert part["examples"] == whole["examples"][:4]
+    monkeypatch.setattr(ev_mod, "_perturbed_f", real)
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0 and "(4 examples done)" in err, err
+    done = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
+    assert "interrupted" not in done and done["examples"] == whole["examples"]
+    assert done["metrics"] == whole["metrics"]
+
+
 def test_ctrl_c_says_what_was_kept(fx, capsys, monkeypatch):
     """#32 D: every command but corpus ended with a bare exit 130."""
     import mixlens.lens

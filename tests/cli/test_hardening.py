@@ -299,6 +299,32 @@ def test_progress_only_on_a_terminal(monkeypatch, capsys):
     assert "value_zeroing" in err
 
 
+def test_plain_progress_lines_for_a_log_file(capsys):
+    """stderr not a terminal (nohup, a scheduler's log): no bar, but a line per `every` seconds with the count,
+    the elapsed time and the time left; nothing at all for a job shorter than `every`."""
+    from mixlens.commands.output import plain_progress
+
+    now = [100.0]
+    step = plain_progress(40, "evaluate", every=60.0, clock=lambda: now[0])
+    now[0] += 30
+    step(5)
+    assert capsys.readouterr().err == ""
+    now[0] += 50  # 80 s in, 10 of 40 done: 240 s left
+    step(5)
+    assert capsys.readouterr().err == "evaluate: 10/40 (25.0 %), 0:01:20 elapsed, about 0:04:00 left\n"
+    now[0] += 10
+    step(0.5)
+    assert capsys.readouterr().err == ""  # not again before another minute
+    resumed = plain_progress(100, "evaluate", every=60.0, clock=lambda: now[0], done=80)
+    now[0] += 60  # 5 more in its first minute: the 15 left take 3 minutes at its own pace (not 11 s at 85 a minute)
+    resumed(5)
+    assert capsys.readouterr().err == "evaluate: 85/100 (85.0 %), 0:01:00 elapsed, about 0:03:00 left\n"
+    spin = plain_progress(None, "hidden states", every=1.0, clock=lambda: now[0])
+    now[0] += 3725
+    spin(2)
+    assert capsys.readouterr().err == "hidden states: 2 done, 1:02:05 elapsed\n"
+
+
 # ------------------------------------------------------------------------------------------ 5. input handling
 
 

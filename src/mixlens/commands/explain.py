@@ -131,7 +131,8 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed of the random baseline, samplers and bootstrap."),
     ) -> None:
         """Measure how faithful each explanation method is (comprehensiveness, sufficiency, AOPC, agreement).
-        Ctrl-C keeps the finished examples in DIR/evaluation.json; the same command then resumes after them."""
+        Ctrl-C keeps the finished examples in DIR/evaluation.json (saved there every minute too, so a killed run
+        loses at most the last minute); the same command then resumes after them."""
         from mixlens.commands.output import check_writable
         from mixlens.corpus.readers import iter_examples
         from mixlens.explain import evidence
@@ -204,12 +205,13 @@ def _evaluate_and_write(
     if resume is not None:
         typer.echo(f"resuming the interrupted evaluation in {dest} ({len(resume.examples)} examples done)", err=True)
     try:
-        with progress(len(texts), "evaluate") as step:
-            last = [0.0]
+        resumed = float(len(resume.examples)) if resume is not None else 0.0
+        with progress(len(texts), "evaluate", done=resumed) as step:
+            last = [resumed]
 
             def advance(done: float, total: int) -> None:
-                step(done - last[0])
-                last[0] = done
+                step(max(0.0, done - last[0]))
+                last[0] = max(last[0], done)
 
             ev = evaluate(
                 lens,
@@ -223,6 +225,7 @@ def _evaluate_and_write(
                 contrasts=contrasts,
                 task=task,
                 skipped=left_out,
+                checkpoint=lambda part: _write(dest, part, skipped, interrupted=len(texts)),
             )
     except Interrupted as stop:
         part = stop.partial.get(removal)

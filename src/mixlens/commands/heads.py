@@ -123,9 +123,16 @@ def head_diff(
     if figures:
         layer_head_heatmap(
             sim,
-            f"Cosine similarity of attention maps: {a.name} vs {b.name}",
+            f"Cosine similarity of attention maps: {_label(a.name)} vs {_label(b.name)}",
             out / "head_diff.png",
             cmap="magma",
             label="cosine similarity",
         )
         typer.echo(f"wrote {out / 'head_diff.png'}", err=True)
+
+
+def _label(model: str) -> str:
+    """A model for a figure title: a local folder by its name (`mixlens.viz.evaluation.model_label`)."""
+    from mixlens.viz.evaluation import model_label
+
+    return model_label(model)

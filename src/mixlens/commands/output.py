@@ -4,6 +4,7 @@ and pandas load only when used); terminal tables are `mixlens.viz.terminal`."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
@@ -20,14 +21,56 @@ class TableFormat(str, Enum):
     parquet = "parquet"
 
 
+PLAIN_EVERY = 60.0  # seconds between the plain progress lines of a job whose stderr is not a terminal
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def plain_progress(
+    total: int | None,
+    what: str,
+    every: float = PLAIN_EVERY,
+    clock: Callable[[], float] = time.monotonic,
+    done: float = 0.0,
+) -> Callable[[float], None]:
+    """`advance(n)` for a log file: one line on stderr at most every `every` seconds (none for a job shorter than
+    that), e.g. `evaluate: 120/1131 (10.6 %), 0:10:02 elapsed, about 1:24:31 left`. `done`: items finished before
+    this run (a resumed one); the time left is estimated from this run's own pace."""
+    start = last = clock()
+    before = done
+
+    def advance(n: float) -> None:
+        nonlocal done, last
+        done += n
+        now = clock()
+        if now - last < every:
+            return
+        last = now
+        spent = now - start
+        if total:
+            left = spent * (total - done) / (done - before) if done > before else float("nan")
+            rest = f", about {_clock(left)} left" if left == left else ""
+            line = f"{what}: {int(done)}/{total} ({100 * done / total:.1f} %), {_clock(spent)} elapsed{rest}"
+        else:
+            line = f"{what}: {int(done)} done, {_clock(spent)} elapsed"
+        print(line, file=sys.stderr, flush=True)
+
+    return advance
+
+
 @contextmanager
-def progress(total: int | None, what: str) -> Iterator[Callable[[float], None]]:
+def progress(total: int | None, what: str, done: float = 0.0) -> Iterator[Callable[[float], None]]:
     """A rich progress bar on stderr, only when stderr is a terminal (never into piped or JSON output); yields
     `advance(n)` (n may be a fraction of an item: long items advance as their parts finish). The bar shows a
     spinner, items done of the total, the elapsed time and an estimate of the time left. `total=None`: a spinner
-    with the elapsed time, for work whose size is not known in advance."""
+    with the elapsed time, for work whose size is not known in advance. When stderr is a file or pipe (a job under
+    nohup or a scheduler) a plain line (`plain_progress`) every `PLAIN_EVERY` seconds instead. `done`: items
+    finished by an earlier run that this one resumes (shown as done, not counted in the pace)."""
     if not sys.stderr.isatty():
-        yield lambda n: None
+        yield plain_progress(total, what, done=done)
         return
     from rich.console import Console
     from rich.progress import (
@@ -54,7 +97,7 @@ def progress(total: int | None, what: str) -> Iterator[Callable[[float], None]]:
         ]
     )
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(what, total=total)
+        task = bar.add_task(what, total=total, completed=int(done))
         yield lambda n: bar.advance(task, n)
 
 

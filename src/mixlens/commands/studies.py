@@ -123,7 +123,10 @@ def register(app: typer.Typer) -> None:
             rep = relation_heads(
                 lens, records, n_permutations=permutations, seed=seed, batch_size=batch_size, on_batch=step
             )
-        title = f"Best head per relation and view — {lens.name}, {rep.n_records} records, {permutations} permutations"
+        title = (
+            f"Best head per relation and view — {_label(lens.name)}, {rep.n_records} records, "
+            f"{permutations} permutations"
+        )
         files = _write(
             out, {"relations.csv": rep.table}, lambda p: relation_figure(rep, p), "relations.png", rep.best(), title
         )
@@ -149,9 +152,9 @@ def register(app: typer.Typer) -> None:
         with progress(len(texts), "frequency") as step:
             rep = frequency_study(lens, texts, lang=lang, batch_size=inputs.batch_size, on_batch=step)
         tables = {"frequency_rho.csv": rep.rho, "frequency_tokens.csv": rep.tokens}
-        caption = f"{lens.name}: {len(rep.tokens)} tokens of {len(texts)} inputs"
+        caption = f"{_label(lens.name)}: {len(rep.tokens)} tokens of {len(texts)} inputs"
         title = (
-            f"Spearman ρ with word frequency — {lens.name}, {len(rep.tokens)} tokens "
+            f"Spearman ρ with word frequency — {_label(lens.name)}, {len(rep.tokens)} tokens "
             f"({rep.left_out} special or unknown left out)"
         )
         files = _write(out, tables, lambda p: frequency_figure(rep, p, caption), "frequency.png", rep.rho, title)
@@ -185,10 +188,10 @@ def register(app: typer.Typer) -> None:
                 on_step=step,
             )
         title = (
-            f"Share of identified held-out tokens — {lens.name}, {rep.n_test_tokens} tokens in "
+            f"Share of identified held-out tokens — {_label(lens.name)}, {rep.n_test_tokens} tokens in "
             f"{rep.n_test_sentences} sentences (probes trained on {rep.n_train_sentences})"
         )
-        caption = f"Token identifiability — {lens.name}"
+        caption = f"Token identifiability — {_label(lens.name)}"
         files = _write(
             out,
             {"identify.csv": rep.table},
@@ -198,3 +201,10 @@ def register(app: typer.Typer) -> None:
             title,
         )
         typer.echo(f"wrote {files}", err=True)
+
+
+def _label(model: str) -> str:
+    """A model for a figure title: a local folder by its name (`mixlens.viz.evaluation.model_label`)."""
+    from mixlens.viz.evaluation import model_label
+
+    return model_label(model)

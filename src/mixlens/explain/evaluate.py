@@ -51,6 +51,7 @@ METRICS = (*REMOVAL_METRICS, "spearman_gxi")
 RESAMPLES = 1000
 RANDOM = "random"
 FORWARD_TOKENS = 8192  # tokens per forward pass of perturbed inputs
+CHECKPOINT_EVERY = 60.0  # seconds between saves of the finished examples (a run killed without warning resumes)
 NULL_NOTE = "; written as null (JSON has no NaN)"
 
 
@@ -400,13 +401,18 @@ def evaluate(
     contrasts: Sequence[Contrast] | None = None,
     task: str = "faithfulness",
     skipped: dict[str, dict[str, int]] | None = None,
+    checkpoint: Callable[[Evaluation], object] | None = None,
+    checkpoint_every: float | None = None,
 ) -> Evaluation:
     """Evaluate `methods` (default: every applicable one but exact HTA) plus a seeded random baseline.
     `progress(done, total)`: inputs done (fractions as each method and the perturbed passes of a batch finish).
     `resume`: the `Interrupted.partial` Evaluation (or its JSON, `Evaluation.from_json`) of an interrupted run of
     the same texts, methods, removal and seed: its examples are kept and the run continues after them.
     `contrasts` (a contrastive task named `task`, `mixlens.explain.evidence`): each text's own target, foil and
-    evidence; f is then the logit difference; `skipped` counts the task's rows left out, per group and reason."""
+    evidence; f is then the logit difference; `skipped` counts the task's rows left out, per group and reason.
+    `checkpoint(partial)`: called with the Evaluation of the examples finished so far at most every
+    `checkpoint_every` seconds (default `CHECKPOINT_EVERY`; after a batch), so that a run killed without warning
+    (SIGKILL, a lost machine) can resume from the last one; the CLI writes it as an interrupted evaluation.json."""
     return evaluate_removals(
         lens,
         texts,
@@ -419,6 +425,8 @@ def evaluate(
         contrasts=contrasts,
         task=task,
         skipped=skipped,
+        checkpoint=None if checkpoint is None else (lambda parts: checkpoint(parts[removal])),
+        checkpoint_every=checkpoint_every,
     )[removal]
 
 
@@ -435,10 +443,13 @@ def evaluate_removals(
     contrasts: Sequence[Contrast] | None = None,
     task: str = "faithfulness",
     skipped: dict[str, dict[str, int]] | None = None,
+    checkpoint: Callable[[dict[str, Evaluation]], object] | None = None,
+    checkpoint_every: float | None = None,
 ) -> dict[str, Evaluation]:
     """`evaluate` for several removal rules at once: the attributions are computed once and shared. Each
     Evaluation's timings are what a run of its removal alone would have spent (the shared part plus its own
-    perturbed forwards and bookkeeping). Ctrl-C raises `Interrupted` with the examples finished so far."""
+    perturbed forwards and bookkeeping). Ctrl-C raises `Interrupted` with the examples finished so far;
+    `checkpoint(partial)` receives them, per removal, at most every `checkpoint_every` seconds (see `evaluate`)."""
     from mixlens import __version__
 
     t_start = time.perf_counter()
@@ -517,6 +528,14 @@ def evaluate_removals(
             )
         return out
 
+    saved = [time.perf_counter()]
+    every = CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
+
+    def batch_done() -> None:
+        if checkpoint is not None and time.perf_counter() - saved[0] >= every:
+            checkpoint(build())
+            saved[0] = time.perf_counter()
+
     try:
         _run_batches(
             lens,
@@ -537,6 +556,7 @@ def evaluate_removals(
             finished,
             len(texts),
             progress,
+            batch_done,
         )
     except KeyboardInterrupt:
         raise Interrupted(build() if examples[removals[0]] else {}, len(texts)) from None
@@ -589,8 +609,10 @@ def _run_batches(
     finished: float,
     total: int,
     progress: Callable[[float, int], None] | None,
+    batch_done: Callable[[], None],
 ) -> None:
-    """The work of `evaluate_removals` over `texts` (input numbers from `offset`): examples appended per batch."""
+    """The work of `evaluate_removals` over `texts` (input numbers from `offset`): examples appended per batch,
+    `batch_done()` after each."""
     steps = len(real) + 1 + len(removals)  # progress parts of a batch: each method, the reference, each removal
     for bt in lens.batches(texts, batch_size, trace=real, output=True):
         for k, n in enumerate(bt.enc.truncated):
@@ -652,6 +674,7 @@ def _run_batches(
             advance()
         for removal in removals:  # a batch counts only once every removal has it (an interrupt keeps whole batches)
             examples[removal] += batches[removal]
+        batch_done()
 
 
 def _perturbed_f(

@@ -22,6 +22,7 @@ from matplotlib.lines import Line2D
 
 from mixlens.errors import MixlensError
 from mixlens.result import Analysis, Attribution
+from mixlens.viz.evaluation import model_label
 from mixlens.viz.static import STYLE
 
 ATTENTION, RESIDUAL, FFN, TARGET = "#1f77b4", "#7f7f7f", "#ff7f0e", "#d62728"
@@ -158,7 +159,7 @@ def routes_figure(attr: Attribution, inputs: list[int]) -> Figure:
             ncols=4,
             frameon=False,
         )
-        fig.suptitle(f"{attr.method} — {attr.model}: line width and opacity = edge importance", fontsize=9)
+        fig.suptitle(f"{attr.method} — {model_label(attr.model)}: line width and opacity = edge importance", fontsize=9)
     return fig
 
 

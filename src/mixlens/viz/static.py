@@ -16,6 +16,7 @@ from matplotlib.figure import Figure  # used without pyplot: renders with Agg, n
 
 from mixlens.errors import MixlensError
 from mixlens.result import Analysis, Attribution, atomic_write
+from mixlens.viz.evaluation import model_label
 
 FORMATS = ("png", "svg", "pdf")
 STYLE: dict[Any, Any] = {
@@ -149,7 +150,7 @@ def ratio_figure(analysis: Analysis, inputs: list[int] | None = None) -> Figure:
         ax.set_xticks(np.arange(r.shape[1]))
         ax.grid(alpha=0.3)
         fig.legend(loc="outside right center", frameon=False)
-        ax.set_title(f"{analysis.model} — {counts.sum():.0f} tokens")
+        ax.set_title(f"{model_label(analysis.model)} — {counts.sum():.0f} tokens")
     return fig
 
 
