@@ -220,5 +220,7 @@ def task_json(ev: Evaluation) -> dict[str, object]:
             "alignment": "reciprocal rank of the best-ranked evidence token among the non-special tokens "
             "(scores descending, ties: earlier first); MRR = mean per paradigm",
             "accuracy": "share of prompts with logit difference > 0",
+            "splits": "all, correct (logit difference > 0) and wrong predictions; a split without prompts (n = 0, "
+            "e.g. a paradigm the model never gets wrong) has null metrics",
         },
     }
