@@ -17,6 +17,7 @@ from mixlens.commands.options import (
     table_format_option,
 )
 from mixlens.commands.output import TableFormat, progress, write_table
+from mixlens.viz.labels import model_label
 
 
 def register(app: typer.Typer) -> None:
@@ -123,16 +124,9 @@ def head_diff(
     if figures:
         layer_head_heatmap(
             sim,
-            f"Cosine similarity of attention maps: {_label(a.name)} vs {_label(b.name)}",
+            f"Cosine similarity of attention maps: {model_label(a.name)} vs {model_label(b.name)}",
             out / "head_diff.png",
             cmap="magma",
             label="cosine similarity",
         )
         typer.echo(f"wrote {out / 'head_diff.png'}", err=True)
-
-
-def _label(model: str) -> str:
-    """A model for a figure title: a local folder by its name (`mixlens.viz.evaluation.model_label`)."""
-    from mixlens.viz.evaluation import model_label
-
-    return model_label(model)

@@ -21,6 +21,7 @@ from mixlens.commands.options import (
     text_column_option,
 )
 from mixlens.errors import MixlensError
+from mixlens.viz.labels import model_label
 
 
 def _texts_and_lens(inputs: SimpleNamespace) -> tuple[list[str], Any]:
@@ -124,7 +125,7 @@ def register(app: typer.Typer) -> None:
                 lens, records, n_permutations=permutations, seed=seed, batch_size=batch_size, on_batch=step
             )
         title = (
-            f"Best head per relation and view — {_label(lens.name)}, {rep.n_records} records, "
+            f"Best head per relation and view — {model_label(lens.name)}, {rep.n_records} records, "
             f"{permutations} permutations"
         )
         files = _write(
@@ -152,9 +153,9 @@ def register(app: typer.Typer) -> None:
         with progress(len(texts), "frequency") as step:
             rep = frequency_study(lens, texts, lang=lang, batch_size=inputs.batch_size, on_batch=step)
         tables = {"frequency_rho.csv": rep.rho, "frequency_tokens.csv": rep.tokens}
-        caption = f"{_label(lens.name)}: {len(rep.tokens)} tokens of {len(texts)} inputs"
+        caption = f"{model_label(lens.name)}: {len(rep.tokens)} tokens of {len(texts)} inputs"
         title = (
-            f"Spearman ρ with word frequency — {_label(lens.name)}, {len(rep.tokens)} tokens "
+            f"Spearman ρ with word frequency — {model_label(lens.name)}, {len(rep.tokens)} tokens "
             f"({rep.left_out} special or unknown left out)"
         )
         files = _write(out, tables, lambda p: frequency_figure(rep, p, caption), "frequency.png", rep.rho, title)
@@ -188,10 +189,10 @@ def register(app: typer.Typer) -> None:
                 on_step=step,
             )
         title = (
-            f"Share of identified held-out tokens — {_label(lens.name)}, {rep.n_test_tokens} tokens in "
+            f"Share of identified held-out tokens — {model_label(lens.name)}, {rep.n_test_tokens} tokens in "
             f"{rep.n_test_sentences} sentences (probes trained on {rep.n_train_sentences})"
         )
-        caption = f"Token identifiability — {_label(lens.name)}"
+        caption = f"Token identifiability — {model_label(lens.name)}"
         files = _write(
             out,
             {"identify.csv": rep.table},
@@ -201,10 +202,3 @@ def register(app: typer.Typer) -> None:
             title,
         )
         typer.echo(f"wrote {files}", err=True)
-
-
-def _label(model: str) -> str:
-    """A model for a figure title: a local folder by its name (`mixlens.viz.evaluation.model_label`)."""
-    from mixlens.viz.evaluation import model_label
-
-    return model_label(model)

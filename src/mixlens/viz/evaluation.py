@@ -8,10 +8,7 @@ from typing import Any
 
 import numpy as np
 
-
-def model_label(model: str) -> str:
-    """A model for a figure title: a local path or hub id by its last part (the folder, not the whole path)."""
-    return Path(str(model).rstrip("/")).name or str(model)
+from mixlens.viz.labels import model_label
 
 
 def plot(ev, path: str | Path, dpi: int = 200) -> None:

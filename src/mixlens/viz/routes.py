@@ -22,7 +22,7 @@ from matplotlib.lines import Line2D
 
 from mixlens.errors import MixlensError
 from mixlens.result import Analysis, Attribution
-from mixlens.viz.evaluation import model_label
+from mixlens.viz.labels import model_label
 from mixlens.viz.static import STYLE
 
 ATTENTION, RESIDUAL, FFN, TARGET = "#1f77b4", "#7f7f7f", "#ff7f0e", "#d62728"

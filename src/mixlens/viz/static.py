@@ -16,7 +16,7 @@ from matplotlib.figure import Figure  # used without pyplot: renders with Agg, n
 
 from mixlens.errors import MixlensError
 from mixlens.result import Analysis, Attribution, atomic_write
-from mixlens.viz.evaluation import model_label
+from mixlens.viz.labels import model_label
 
 FORMATS = ("png", "svg", "pdf")
 STYLE: dict[Any, Any] = {
