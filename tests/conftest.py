@@ -41,9 +41,36 @@ CONFIGS = {
         attn_logit_softcapping=5.0,
         **_SMALL,
     ),
+    # decoders of issue 42 (one block: other branches add theirs beside it)
+    "qwen3": lambda: T.Qwen3Config(num_key_value_heads=2, head_dim=16, **_SMALL),
+    "starcoder2": lambda: T.Starcoder2Config(num_key_value_heads=2, **_SMALL),
+    "llama3-rope": lambda: T.LlamaConfig(
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+        **_SMALL,
+    ),
 }
 _ZERO_NORMS = ("gemma3_text", "gemma2")  # (1 + w) norms initialised at w = 0: randomised so that w matters
+_RANDOM_NORMS = ("qwen3", "starcoder2")  # norms (and LayerNorm biases) randomised so that a misread norm shows
 FAMILIES = list(CONFIGS)
+
+
+def family_of(key: str):
+    """The mixlens family a CONFIGS key's model type belongs to."""
+    from mixlens.adapters import family_for
+
+    return family_for(CONFIGS[key]().model_type)
+
+
+DECODERS = [f for f in FAMILIES if family_of(f).causal]
 
 
 def data_file(*parts: str) -> Path:
@@ -68,7 +95,7 @@ def random_model(family: str, tokenizer, head: str = "AutoModel", seed: int = 0,
     for k, v in overrides.items():
         setattr(cfg, k, v)
     model = getattr(T, head).from_config(cfg, attn_implementation="eager")
-    if family in _ZERO_NORMS:
+    if family in _ZERO_NORMS + _RANDOM_NORMS:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -15,7 +15,7 @@ from mixlens.explain.attributions import default_methods
 from mixlens.methods import REGISTRY
 from mixlens.methods import get as get_method
 from mixlens.targets import model_kind
-from tests.conftest import FAMILIES, random_lens
+from tests.conftest import DECODERS, FAMILIES, random_lens
 
 TEXTS = ["The cat sat.", "A dog ran away!"]
 CHEAP = {  # options that keep the slow methods small on a tiny model (their exactness is tested in their own files)
@@ -25,7 +25,6 @@ CHEAP = {  # options that keep the slow methods small on a tiny model (their exa
     "hta": {"mode": "estimate", "probes": 2},
     "head_attribution": {"mode": "estimate", "probes": 2},
 }
-DECODERS = {"gpt2", "llama", "gemma2", "gemma3_text"}
 HEADS = {"base": "AutoModel", "classifier": "AutoModelForSequenceClassification", "causal": "AutoModelForCausalLM"}
 CASES = [(f, h) for f in FAMILIES for h in HEADS if h != "causal" or f in DECODERS]  # encoders have no causal LM
 

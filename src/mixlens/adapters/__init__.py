@@ -40,6 +40,8 @@ class Family:
     # gives the floats of the family's own code (checked on first use)
     probs: str | None = None  # attention not routed through ALL_ATTENTION_FUNCTIONS: the module whose output is α
     # (MPNet's attention dropout); α, v and z are then captured and edited by hooks on probs, v_proj and o_proj
+    final_norm: str | None = None  # pre-LN: path from the base model to the norm before the head (default: the
+    # first of `ln_f`, `norm` that exists)
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -146,6 +148,14 @@ FAMILIES: tuple[Family, ...] = (
         norm_offset=True,
         **_LLAMA_LIKE,
     ),
+    # Decoders of the last years (issue 42): q/k norms and rope scaling change α only; the other layouts are traits.
+    Family("qwen3", ("qwen3",), ln_mix="post_attention_layernorm", **_LLAMA_LIKE),
+    Family(
+        "starcoder2",
+        ("starcoder2",),
+        ln_mix="post_attention_layernorm",
+        **{**_LLAMA_LIKE, "rms": False, "ffn_in": "mlp.c_fc", "ffn_out": "mlp.c_proj", "ffn_gate": None},
+    ),
 )
 
 
@@ -160,6 +170,17 @@ def family_for(model_type: str) -> Family:
     raise MixlensError(
         f"unsupported architecture '{model_type}'; supported model types: {', '.join(supported_model_types())}"
     )
+
+
+def final_norm(adapter: Adapter) -> Norm:
+    """The norm between a pre-LN decoder's last layer and its head (GPT-2's ln_f, Llama's norm)."""
+    fam, base = adapter.family, adapter.base
+    paths = (fam.final_norm,) if fam.final_norm else ("ln_f", "norm")
+    for path in paths:
+        module = getattr(base, path, None)
+        if module is not None:
+            return Norm(module, fam.rms, fam.norm_offset)
+    raise MixlensError(f"cannot find the final norm of {type(base).__name__}")
 
 
 def linear_xw(mod: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mixlens.adapters import Family, Layer, Norm
+from mixlens.adapters import Family, Layer, Norm, final_norm
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.alti import layer_fn
 from mixlens.methods.engine import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
@@ -80,12 +80,7 @@ def _check_head(trace: Trace, name: str) -> tuple[torch.Tensor, torch.Tensor | N
 
 def _final_norm(trace: Trace) -> Norm:
     """The norm between the last layer and the unembedding (GPT-2's ln_f, Llama's and Gemma's norm)."""
-    base, fam = trace.adapter.base, trace.adapter.family
-    module = getattr(base, "ln_f", None)
-    module = getattr(base, "norm", None) if module is None else module
-    if module is None:
-        raise MixlensError(f"cannot find the final norm of {type(base).__name__}")
-    return Norm(module, fam.rms, fam.norm_offset)
+    return final_norm(trace.adapter)
 
 
 def _softcap(trace: Trace) -> float | None:
