@@ -44,6 +44,7 @@ CONFIGS = {
     # decoders of issue 42 (one block: other branches add theirs beside it)
     "qwen3": lambda: T.Qwen3Config(num_key_value_heads=2, head_dim=16, **_SMALL),
     "starcoder2": lambda: T.Starcoder2Config(num_key_value_heads=2, **_SMALL),
+    "phi3": lambda: T.Phi3Config(num_key_value_heads=2, **_SMALL),
     "llama3-rope": lambda: T.LlamaConfig(
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -59,7 +60,7 @@ CONFIGS = {
     ),
 }
 _ZERO_NORMS = ("gemma3_text", "gemma2")  # (1 + w) norms initialised at w = 0: randomised so that w matters
-_RANDOM_NORMS = ("qwen3", "starcoder2")  # norms (and LayerNorm biases) randomised so that a misread norm shows
+_RANDOM_NORMS = ("qwen3", "starcoder2", "phi3")  # norms (and LayerNorm biases) randomised so that a misread norm shows
 FAMILIES = list(CONFIGS)
 
 

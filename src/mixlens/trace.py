@@ -509,10 +509,15 @@ def hooked(
             if ffn == "update":
                 capture(lay.ffn_out, "ffn_update", lambda a, o: _first(o))
             elif ffn:
-                capture(lay.ffn_in, "ffn_pre", lambda a, o: _first(o))
+                half = 1 if lay.fused_gate_up else None  # a fused [gate | up] projection: its halves
+                capture(
+                    lay.ffn_in, "ffn_pre", lambda a, o, k=half: _first(o) if k is None else _first(o).chunk(2, -1)[k]
+                )
                 capture(lay.ffn_out, "ffn_act", lambda a, o: a[0])
                 capture(lay.ln_out.module if lay.ln_out else None, "ln_out_in", lambda a, o: a[0])
-                capture(lay.ffn_gate, "ffn_gate", lambda a, o: _first(o))
+                capture(
+                    lay.ffn_gate, "ffn_gate", lambda a, o, k=half: _first(o) if k is None else _first(o).chunk(2, -1)[0]
+                )
         token = _SESSION.set(s)
         try:
             with _eager_wrapped():

@@ -42,6 +42,7 @@ class Family:
     # (MPNet's attention dropout); α, v and z are then captured and edited by hooks on probs, v_proj and o_proj
     final_norm: str | None = None  # pre-LN: path from the base model to the norm before the head (default: the
     # first of `ln_f`, `norm` that exists)
+    fused_gate_up: bool = False  # ffn_in = ffn_gate = one projection whose output is [gate | up] (Phi-3)
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -156,6 +157,19 @@ FAMILIES: tuple[Family, ...] = (
         ln_mix="post_attention_layernorm",
         **{**_LLAMA_LIKE, "rms": False, "ffn_in": "mlp.c_fc", "ffn_out": "mlp.c_proj", "ffn_gate": None},
     ),
+    Family(
+        "phi3",
+        ("phi3",),
+        ln_mix="post_attention_layernorm",
+        **{
+            **_LLAMA_LIKE,
+            "v_proj": "self_attn.qkv_proj",
+            "fused_qkv": True,
+            "ffn_in": "mlp.gate_up_proj",
+            "ffn_gate": "mlp.gate_up_proj",
+            "fused_gate_up": True,
+        },
+    ),
 )
 
 
@@ -181,6 +195,16 @@ def final_norm(adapter: Adapter) -> Norm:
         if module is not None:
             return Norm(module, fam.rms, fam.norm_offset)
     raise MixlensError(f"cannot find the final norm of {type(base).__name__}")
+
+
+def ffn_in_xw(lay: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W [d, d_ff], b) of the FFN's linear input projection (the up projection of a gated FFN; of a fused
+    [gate | up] projection its second half)."""
+    w, b = linear_xw(lay.ffn_in)
+    if not lay.fused_gate_up:
+        return w, b
+    half = w.shape[1] // 2
+    return w[:, half:], None if b is None else b[half:]
 
 
 def linear_xw(mod: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,6 +295,7 @@ class Layer:
     ffn_gate: nn.Module | None
     ln_post: Norm | None = None  # sandwich norm: attention output = g^post(o_proj output) (its s_i is traced)
     proj: nn.Module | None = None  # the output projection itself when `o_proj` is the sandwich norm after it
+    fused_gate_up: bool = False  # ffn_in's output is [gate | up] (Phi-3): `ffn_in_xw` and the trace take the up half
     _float32: dict = field(default_factory=dict, repr=False, compare=False)  # float32 copies of raw_* weights
 
     # The weights in float32 (themselves for a float32 model; else upcast once per weight version).
@@ -339,9 +364,9 @@ def resolve(model: Any) -> Adapter:
         proj = get_path(mod, fam.o_proj)
         w_o, b_o = linear_xw(proj)
         w_v, b_v = linear_xw(get_path(mod, fam.v_proj))
-        d = w_o.shape[1]
-        if fam.fused_qkv:  # GPT-2 c_attn: [q | k | v]
-            w_v, b_v = w_v[:, 2 * d :], (b_v[2 * d :] if b_v is not None else None)
+        if fam.fused_qkv:  # GPT-2 c_attn, Phi-3 qkv_proj: [q | k | v], v the last H_kv · d_head columns
+            start = w_v.shape[1] - n_kv * (w_o.shape[0] // n_heads)
+            w_v, b_v = w_v[:, start:], (b_v[start:] if b_v is not None else None)
         ln_post = norm(mod, fam.ln_post)
         if ln_post is not None:  # g^post_i(Σ α f) = Σ (α / s_i) (γ_post ⊙ f): γ_post goes into W_O, 1/s_i into α
             if b_o is not None:
@@ -369,6 +394,7 @@ def resolve(model: Any) -> Adapter:
                 ffn_gate=get_path(mod, fam.ffn_gate) if fam.ffn_gate else None,
                 ln_post=ln_post,
                 proj=None if ln_post is None else proj,
+                fused_gate_up=fam.fused_gate_up,
             )
         )
     return Adapter(family=fam, base=base, layers=layers)

@@ -29,7 +29,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from mixlens.adapters import Adapter, Layer, Norm, final_norm, linear_xw
+from mixlens.adapters import Adapter, Layer, Norm, ffn_in_xw, final_norm, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import Option, Planned, register, vector_block
@@ -112,7 +112,7 @@ def _rows(n: int, width: int) -> list[slice]:
 
 def _ffn(parts: torch.Tensor, lt: LayerTrace, lay: Layer, b: int, n: int, rows: slice) -> torch.Tensor:
     """FFN output parts [r, k, d] for the target rows `rows` (parts = the FFN input parts of those rows)."""
-    w_in, b_in = linear_xw(lay.ffn_in)
+    w_in, b_in = ffn_in_xw(lay)
     assert lt.ffn_pre is not None and lt.ffn_act is not None  # decompx traces with ffn=True
     pre, act = lt.ffn_pre[b, :n][rows].float(), lt.ffn_act[b, :n][rows].float()
     theta = torch.where(pre != 0, act / torch.where(pre != 0, pre, torch.ones_like(pre)), torch.zeros_like(pre))
