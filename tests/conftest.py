@@ -45,6 +45,14 @@ CONFIGS = {
     "qwen3": lambda: T.Qwen3Config(num_key_value_heads=2, head_dim=16, **_SMALL),
     "starcoder2": lambda: T.Starcoder2Config(num_key_value_heads=2, **_SMALL),
     "phi3": lambda: T.Phi3Config(num_key_value_heads=2, **_SMALL),
+    "granite": lambda: T.GraniteConfig(
+        num_key_value_heads=2,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.2,
+        residual_multiplier=0.4,
+        logits_scaling=2.5,
+        **_SMALL,
+    ),
     "llama3-rope": lambda: T.LlamaConfig(
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -60,7 +68,12 @@ CONFIGS = {
     ),
 }
 _ZERO_NORMS = ("gemma3_text", "gemma2")  # (1 + w) norms initialised at w = 0: randomised so that w matters
-_RANDOM_NORMS = ("qwen3", "starcoder2", "phi3")  # norms (and LayerNorm biases) randomised so that a misread norm shows
+_RANDOM_NORMS = (
+    "qwen3",
+    "starcoder2",
+    "phi3",
+    "granite",
+)  # norms (and LayerNorm biases) randomised so that a misread norm shows
 FAMILIES = list(CONFIGS)
 
 
@@ -72,6 +85,12 @@ def family_of(key: str):
 
 
 DECODERS = [f for f in FAMILIES if family_of(f).causal]
+
+
+def has_head(key: str, auto_class: str) -> bool:
+    """Whether transformers has a model class of this kind (e.g. "AutoModelForSequenceClassification") for the
+    CONFIGS key's config (Granite has no sequence classifier)."""
+    return type(CONFIGS[key]()) in getattr(T, auto_class)._model_mapping
 
 
 def data_file(*parts: str) -> Path:

@@ -15,7 +15,7 @@ from mixlens.explain.attributions import default_methods
 from mixlens.methods import REGISTRY
 from mixlens.methods import get as get_method
 from mixlens.targets import model_kind
-from tests.conftest import DECODERS, FAMILIES, random_lens
+from tests.conftest import DECODERS, FAMILIES, has_head, random_lens
 
 TEXTS = ["The cat sat.", "A dog ran away!"]
 CHEAP = {  # options that keep the slow methods small on a tiny model (their exactness is tested in their own files)
@@ -26,7 +26,7 @@ CHEAP = {  # options that keep the slow methods small on a tiny model (their exa
     "head_attribution": {"mode": "estimate", "probes": 2},
 }
 HEADS = {"base": "AutoModel", "classifier": "AutoModelForSequenceClassification", "causal": "AutoModelForCausalLM"}
-CASES = [(f, h) for f in FAMILIES for h in HEADS if h != "causal" or f in DECODERS]  # encoders have no causal LM
+CASES = [(f, h) for f in FAMILIES for h in HEADS if has_head(f, HEADS[h])]  # encoders have no causal LM
 
 
 def expected_refusal(name: str, lens) -> str | None:

@@ -43,6 +43,9 @@ class Family:
     final_norm: str | None = None  # pre-LN: path from the base model to the norm before the head (default: the
     # first of `ln_f`, `norm` that exists)
     fused_gate_up: bool = False  # ffn_in = ffn_gate = one projection whose output is [gate | up] (Phi-3)
+    multipliers: bool = False  # Granite: each branch enters the residual stream times config.residual_multiplier and
+    # the logits are divided by config.logits_scaling (its embedding and attention multipliers need nothing: they
+    # act before the first layer and inside α)
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -170,6 +173,7 @@ FAMILIES: tuple[Family, ...] = (
             "fused_gate_up": True,
         },
     ),
+    Family("granite", ("granite",), ln_mix="post_attention_layernorm", multipliers=True, **_LLAMA_LIKE),
 )
 
 
@@ -195,6 +199,20 @@ def final_norm(adapter: Adapter) -> Norm:
         if module is not None:
             return Norm(module, fam.rms, fam.norm_offset)
     raise MixlensError(f"cannot find the final norm of {type(base).__name__}")
+
+
+def logit_scale(adapter: Adapter) -> float:
+    """The factor between the head's linear map and the model's logits (Granite: 1 / logits_scaling)."""
+    return 1.0 / float(adapter.base.config.logits_scaling) if adapter.family.multipliers else 1.0
+
+
+def ffn_out_xw(lay: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W [d_ff, d], b) of the FFN's last projection as its output enters the residual stream (times the branch
+    scale, Granite)."""
+    w, b = linear_xw(lay.ffn_out)
+    if lay.branch_scale == 1.0:
+        return w, b
+    return w * lay.branch_scale, None if b is None else b * lay.branch_scale
 
 
 def ffn_in_xw(lay: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -296,6 +314,8 @@ class Layer:
     ln_post: Norm | None = None  # sandwich norm: attention output = g^post(o_proj output) (its s_i is traced)
     proj: nn.Module | None = None  # the output projection itself when `o_proj` is the sandwich norm after it
     fused_gate_up: bool = False  # ffn_in's output is [gate | up] (Phi-3): `ffn_in_xw` and the trace take the up half
+    branch_scale: float = 1.0  # the attention and FFN outputs enter the residual stream times this (Granite); it is
+    # folded into raw_w_o / raw_b_o, and the trace's attention and FFN outputs are captured after it
     _float32: dict = field(default_factory=dict, repr=False, compare=False)  # float32 copies of raw_* weights
 
     # The weights in float32 (themselves for a float32 model; else upcast once per weight version).
@@ -367,6 +387,9 @@ def resolve(model: Any) -> Adapter:
         if fam.fused_qkv:  # GPT-2 c_attn, Phi-3 qkv_proj: [q | k | v], v the last H_kv · d_head columns
             start = w_v.shape[1] - n_kv * (w_o.shape[0] // n_heads)
             w_v, b_v = w_v[:, start:], (b_v[start:] if b_v is not None else None)
+        scale = float(cfg.residual_multiplier) if fam.multipliers else 1.0
+        if scale != 1.0:  # Granite: x + m · o_proj(...): m folded into W_O and b_O
+            w_o, b_o = w_o * scale, None if b_o is None else b_o * scale
         ln_post = norm(mod, fam.ln_post)
         if ln_post is not None:  # g^post_i(Σ α f) = Σ (α / s_i) (γ_post ⊙ f): γ_post goes into W_O, 1/s_i into α
             if b_o is not None:
@@ -395,6 +418,7 @@ def resolve(model: Any) -> Adapter:
                 ln_post=ln_post,
                 proj=None if ln_post is None else proj,
                 fused_gate_up=fam.fused_gate_up,
+                branch_scale=scale,
             )
         )
     return Adapter(family=fam, base=base, layers=layers)

@@ -29,7 +29,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from mixlens.adapters import Adapter, Layer, Norm, ffn_in_xw, final_norm, linear_xw
+from mixlens.adapters import Adapter, Layer, Norm, ffn_in_xw, ffn_out_xw, final_norm, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import Option, Planned, register, vector_block
@@ -117,7 +117,7 @@ def _ffn(parts: torch.Tensor, lt: LayerTrace, lay: Layer, b: int, n: int, rows: 
     pre, act = lt.ffn_pre[b, :n][rows].float(), lt.ffn_act[b, :n][rows].float()
     theta = torch.where(pre != 0, act / torch.where(pre != 0, pre, torch.ones_like(pre)), torch.zeros_like(pre))
     h = share(parts @ w_in.float(), b_in) * theta[:, None, :]
-    w_out, b_out = linear_xw(lay.ffn_out)
+    w_out, b_out = ffn_out_xw(lay)
     return share(h @ w_out.float(), b_out)
 
 

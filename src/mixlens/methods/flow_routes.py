@@ -160,7 +160,7 @@ def _ffn_update(lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, family: 
         out = lt.ffn_update[b, rows].to(dtype)
     else:
         assert lt.ffn_act is not None, "flow routes need the FFN's output (needs_ffn='update')"
-        out = lay.ffn_out(lt.ffn_act[b, rows].to(dtype))
+        out = lay.ffn_out(lt.ffn_act[b, rows].to(dtype)) * lay.branch_scale
     if family.ln_post is not None:
         out = getattr(lay.module, "post_feedforward_layernorm")(out)  # noqa: B009  (Gemma 2/3's name)
     return out.float()
