@@ -53,6 +53,15 @@ CONFIGS = {
         logits_scaling=2.5,
         **_SMALL,
     ),
+    "mixtral": lambda: T.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **_SMALL),
+    "qwen3_moe": lambda: T.Qwen3MoeConfig(
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],  # a dense FFN beside the sparse one
+        **_SMALL,
+    ),
     "llama3-rope": lambda: T.LlamaConfig(
         num_key_value_heads=2,
         max_position_embeddings=64,

@@ -68,7 +68,7 @@ def test_explain_defaults_run_on_every_causal_lm(family, tokenizer):
     lens = random_lens(family, tokenizer, head="AutoModelForCausalLM")
     methods = default_methods("causal", lens.adapter.family)
     assert all(get_method(m).refusal(lens.adapter.family) is None for m in methods)
-    assert ("decompx_logit" in methods) == (lens.adapter.family.ln_post is None)
+    assert ("decompx_logit" in methods) == (get_method("decompx_logit").refusal(lens.adapter.family) is None)
     res = lens.explain(TEXTS[:1], methods)
     assert set(res.inputs[0].scores) == set(methods)
     assert all(np.isfinite(v).all() for v in res.inputs[0].scores.values())

@@ -46,6 +46,8 @@ class Family:
     multipliers: bool = False  # Granite: each branch enters the residual stream times config.residual_multiplier and
     # the logits are divided by config.logits_scaling (its embedding and attention multipliers need nothing: they
     # act before the first layer and inside α)
+    moe: bool = False  # the FFN routes each token through experts (Mixtral, Qwen3-MoE): ffn_in = ffn_out = the whole
+    # sparse block, whose output is the FFN update; its inside (router, experts) is no adapter piece
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -174,6 +176,13 @@ FAMILIES: tuple[Family, ...] = (
         },
     ),
     Family("granite", ("granite",), ln_mix="post_attention_layernorm", multipliers=True, **_LLAMA_LIKE),
+    Family(
+        "moe",
+        ("mixtral", "qwen3_moe"),
+        ln_mix="post_attention_layernorm",
+        moe=True,
+        **{**_LLAMA_LIKE, "ffn_in": "mlp", "ffn_out": "mlp", "ffn_gate": None},
+    ),
 )
 
 

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixlens.adapters import Adapter, Norm, get_path, linear_xw
 from mixlens.errors import MixlensError
-from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, dense_ffn, register
 from mixlens.methods.saliency import Target, scalar_fn
 from mixlens.trace import Trace, _model_lock
 
@@ -183,6 +183,7 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
         ),
     ),
     extras={"conservation": ()},
+    supports=dense_ffn,
     **TARGET_SCORES,
 )
 def attnlrp(

@@ -32,7 +32,7 @@ from torch import nn
 from mixlens.adapters import Adapter, Layer, Norm, ffn_in_xw, ffn_out_xw, final_norm, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import Option, Planned, register, vector_block
+from mixlens.methods.registry import Option, Planned, register, vector_dense
 from mixlens.trace import LayerTrace, Trace
 
 TOLERANCE = 1e-3  # max |Σ_k score − logit| / max |logit|
@@ -270,7 +270,7 @@ def needs_classifier(plan: Planned) -> None:
     "decompx",
     needs_ffn=True,
     options=(VALUE_BIAS_OPTION,),
-    supports=vector_block,
+    supports=vector_dense,
     head="classifier",
     precheck=needs_classifier,
 )
@@ -290,7 +290,7 @@ def decompx(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     dims=("class", "source"),
     needs_ffn=True,
     options=(VALUE_BIAS_OPTION,),
-    supports=vector_block,
+    supports=vector_dense,
     head="classifier",
     explains=True,
     precheck=needs_classifier,

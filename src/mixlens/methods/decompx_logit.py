@@ -16,7 +16,7 @@ from mixlens.adapters import logit_scale
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.decompx import TOLERANCE, final_parts, share
 from mixlens.methods.engine import tolerance
-from mixlens.methods.registry import TARGET_OPTIONS, register, vector_block
+from mixlens.methods.registry import TARGET_OPTIONS, register, vector_dense
 from mixlens.targets import Spec, readout
 from mixlens.trace import Trace
 
@@ -70,7 +70,7 @@ def logit_scores(
     dims=("source",),
     needs_ffn=True,
     options=TARGET_OPTIONS,
-    supports=vector_block,
+    supports=vector_dense,
     head="causal",
     explains=True,
 )
