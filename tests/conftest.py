@@ -41,9 +41,65 @@ CONFIGS = {
         attn_logit_softcapping=5.0,
         **_SMALL,
     ),
+    # decoders of issue 42 (one block: other branches add theirs beside it)
+    "qwen3": lambda: T.Qwen3Config(num_key_value_heads=2, head_dim=16, **_SMALL),
+    "starcoder2": lambda: T.Starcoder2Config(num_key_value_heads=2, **_SMALL),
+    "phi3": lambda: T.Phi3Config(num_key_value_heads=2, **_SMALL),
+    "granite": lambda: T.GraniteConfig(
+        num_key_value_heads=2,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.2,
+        residual_multiplier=0.4,
+        logits_scaling=2.5,
+        **_SMALL,
+    ),
+    "mixtral": lambda: T.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **_SMALL),
+    "qwen3_moe": lambda: T.Qwen3MoeConfig(
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],  # a dense FFN beside the sparse one
+        **_SMALL,
+    ),
+    "llama3-rope": lambda: T.LlamaConfig(
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+        **_SMALL,
+    ),
 }
 _ZERO_NORMS = ("gemma3_text", "gemma2")  # (1 + w) norms initialised at w = 0: randomised so that w matters
+_RANDOM_NORMS = (
+    "qwen3",
+    "starcoder2",
+    "phi3",
+    "granite",
+)  # norms (and LayerNorm biases) randomised so that a misread norm shows
 FAMILIES = list(CONFIGS)
+
+
+def family_of(key: str):
+    """The mixlens family a CONFIGS key's model type belongs to."""
+    from mixlens.adapters import family_for
+
+    return family_for(CONFIGS[key]().model_type)
+
+
+DECODERS = [f for f in FAMILIES if family_of(f).causal]
+
+
+def has_head(key: str, auto_class: str) -> bool:
+    """Whether transformers has a model class of this kind (e.g. "AutoModelForSequenceClassification") for the
+    CONFIGS key's config (Granite has no sequence classifier)."""
+    return type(CONFIGS[key]()) in getattr(T, auto_class)._model_mapping
 
 
 def data_file(*parts: str) -> Path:
@@ -68,7 +124,7 @@ def random_model(family: str, tokenizer, head: str = "AutoModel", seed: int = 0,
     for k, v in overrides.items():
         setattr(cfg, k, v)
     model = getattr(T, head).from_config(cfg, attn_implementation="eager")
-    if family in _ZERO_NORMS:
+    if family in _ZERO_NORMS + _RANDOM_NORMS:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -422,6 +422,8 @@ class Lens:
                 model = model.to(want)
         if getattr(model.config, "_attn_implementation", "eager") != "eager":
             model.set_attn_implementation("eager")
+        if getattr(model.config, "_experts_implementation", "eager") != "eager":  # a mixture of experts: the expert
+            model.set_experts_implementation("eager")  # loop, which forward-mode AD (`hta`) can differentiate
         self.model: Any = model.eval()  # a transformers model: its attributes (config, heads) are dynamic
         self.tokenizer = tokenizer
         self.adapter: Adapter = resolve(model)

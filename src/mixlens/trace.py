@@ -501,18 +501,24 @@ def hooked(
                         lay.attn.forward = fast
             handles += _module_route(adapter, s)
         for lay in adapter.layers:
-            capture(lay.o_proj, "attn_out", lambda a, o: _first(o))
+            m = lay.branch_scale  # Granite's residual multiplier: the outputs as they enter the residual stream
+            capture(lay.o_proj, "attn_out", lambda a, o, m=m: _first(o) if m == 1.0 else _first(o) * m)
             capture(lay.proj, "post_raw", lambda a, o: _first(o))
             if (id(lay.ln_mix.module), "mix") not in seen:
                 seen.add((id(lay.ln_mix.module), "mix"))
                 handles.append(lay.ln_mix.module.register_forward_hook(mix))
             if ffn == "update":
-                capture(lay.ffn_out, "ffn_update", lambda a, o: _first(o))
+                capture(lay.ffn_out, "ffn_update", lambda a, o, m=m: _first(o) if m == 1.0 else _first(o) * m)
             elif ffn:
-                capture(lay.ffn_in, "ffn_pre", lambda a, o: _first(o))
+                half = 1 if lay.fused_gate_up else None  # a fused [gate | up] projection: its halves
+                capture(
+                    lay.ffn_in, "ffn_pre", lambda a, o, k=half: _first(o) if k is None else _first(o).chunk(2, -1)[k]
+                )
                 capture(lay.ffn_out, "ffn_act", lambda a, o: a[0])
                 capture(lay.ln_out.module if lay.ln_out else None, "ln_out_in", lambda a, o: a[0])
-                capture(lay.ffn_gate, "ffn_gate", lambda a, o: _first(o))
+                capture(
+                    lay.ffn_gate, "ffn_gate", lambda a, o, k=half: _first(o) if k is None else _first(o).chunk(2, -1)[0]
+                )
         token = _SESSION.set(s)
         try:
             with _eager_wrapped():

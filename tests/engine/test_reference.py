@@ -41,7 +41,8 @@ def module_io(lens: mixlens.Lens, *module_of) -> tuple[mixlens.trace.Trace, list
 
 def test_reference_rebuilds_the_models_own_outputs(family_lens):
     """Σ_j t_ij + b_O is the norm's real input, Σ_j g_i(t_ij) + g_i(b_O) + β its real output, Σ_j u_ij + b_O the
-    output projection's real output; f from W_V equals f from the captured value vectors."""
+    output projection's real output (times Granite's residual multiplier); f from W_V equals f from the captured
+    value vectors."""
     tr, (norm_io, proj_io) = module_io(family_lens, lambda lay: lay.ln_mix.module, lambda lay: lay.o_proj)
     ref = decompose(tr)
     m = tr.mask
@@ -51,7 +52,8 @@ def test_reference_rebuilds_the_models_own_outputs(family_lens):
         torch.testing.assert_close(ref.y[:, layer][m], norm_in[m], **close)
         torch.testing.assert_close(ref.norm_out[:, layer][m], norm_out[m], **close)
         b_o = lay.b_o if lay.b_o is not None else 0
-        torch.testing.assert_close(ref.u[:, layer].sum(2)[m] + b_o, attn_out[m], **close)
+        want = attn_out[m] * lay.branch_scale  # as it enters the residual stream (Granite's residual multiplier)
+        torch.testing.assert_close(ref.u[:, layer].sum(2)[m] + b_o, want, **close)
         f = head_vectors(tr.layers[layer], lay) * m[:, None, :, None]
         torch.testing.assert_close(ref.f[:, layer], f, **close)
     assert ref.error.max() <= 1e-4

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mixlens import inplace
-from mixlens.adapters import family_for, resolve
-from tests.conftest import FAMILIES, assert_trace_is_the_models_own, random_model
+from mixlens.adapters import resolve
+from tests.conftest import FAMILIES, assert_trace_is_the_models_own, family_of, random_model
 
-EAGER = [f for f in FAMILIES if family_for(f).inplace_attention and family_for(f).probs is None]
+EAGER = [f for f in FAMILIES if family_of(f).inplace_attention and family_of(f).probs is None]
 
 
 def _inputs(model: torch.nn.Module, masked: bool, b: int = 2, n: int = 9):

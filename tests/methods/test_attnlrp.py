@@ -48,6 +48,9 @@ def _without_biases(model: torch.nn.Module) -> None:
         ("bert", CLASSIFIER),
         ("llama", CLASSIFIER),
         ("roberta", CLASSIFIER),
+        ("qwen3", CAUSAL),  # q/k norms
+        ("starcoder2", CAUSAL),  # LayerNorm, ungated FFN
+        ("phi3", CAUSAL),  # fused qkv and [gate | up] projections
     ],
 )
 def test_conservation_is_exact_where_every_rule_conserves(family, head, tokenizer):

@@ -15,7 +15,7 @@ from mixlens.explain.attributions import default_methods
 from mixlens.methods import REGISTRY
 from mixlens.methods import get as get_method
 from mixlens.targets import model_kind
-from tests.conftest import FAMILIES, random_lens
+from tests.conftest import DECODERS, FAMILIES, has_head, random_lens
 
 TEXTS = ["The cat sat.", "A dog ran away!"]
 CHEAP = {  # options that keep the slow methods small on a tiny model (their exactness is tested in their own files)
@@ -25,9 +25,8 @@ CHEAP = {  # options that keep the slow methods small on a tiny model (their exa
     "hta": {"mode": "estimate", "probes": 2},
     "head_attribution": {"mode": "estimate", "probes": 2},
 }
-DECODERS = {"gpt2", "llama", "gemma2", "gemma3_text"}
 HEADS = {"base": "AutoModel", "classifier": "AutoModelForSequenceClassification", "causal": "AutoModelForCausalLM"}
-CASES = [(f, h) for f in FAMILIES for h in HEADS if h != "causal" or f in DECODERS]  # encoders have no causal LM
+CASES = [(f, h) for f in FAMILIES for h in HEADS if has_head(f, HEADS[h])]  # encoders have no causal LM
 
 
 def expected_refusal(name: str, lens) -> str | None:
@@ -69,7 +68,7 @@ def test_explain_defaults_run_on_every_causal_lm(family, tokenizer):
     lens = random_lens(family, tokenizer, head="AutoModelForCausalLM")
     methods = default_methods("causal", lens.adapter.family)
     assert all(get_method(m).refusal(lens.adapter.family) is None for m in methods)
-    assert ("decompx_logit" in methods) == (lens.adapter.family.ln_post is None)
+    assert ("decompx_logit" in methods) == (get_method("decompx_logit").refusal(lens.adapter.family) is None)
     res = lens.explain(TEXTS[:1], methods)
     assert set(res.inputs[0].scores) == set(methods)
     assert all(np.isfinite(v).all() for v in res.inputs[0].scores.values())

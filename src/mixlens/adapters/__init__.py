@@ -40,6 +40,14 @@ class Family:
     # gives the floats of the family's own code (checked on first use)
     probs: str | None = None  # attention not routed through ALL_ATTENTION_FUNCTIONS: the module whose output is α
     # (MPNet's attention dropout); α, v and z are then captured and edited by hooks on probs, v_proj and o_proj
+    final_norm: str | None = None  # pre-LN: path from the base model to the norm before the head (default: the
+    # first of `ln_f`, `norm` that exists)
+    fused_gate_up: bool = False  # ffn_in = ffn_gate = one projection whose output is [gate | up] (Phi-3)
+    multipliers: bool = False  # Granite: each branch enters the residual stream times config.residual_multiplier and
+    # the logits are divided by config.logits_scaling (its embedding and attention multipliers need nothing: they
+    # act before the first layer and inside α)
+    moe: bool = False  # the FFN routes each token through experts (Mixtral, Qwen3-MoE): ffn_in = ffn_out = the whole
+    # sparse block, whose output is the FFN update; its inside (router, experts) is no adapter piece
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -146,6 +154,35 @@ FAMILIES: tuple[Family, ...] = (
         norm_offset=True,
         **_LLAMA_LIKE,
     ),
+    # Decoders of the last years (issue 42): q/k norms and rope scaling change α only; the other layouts are traits.
+    Family("qwen3", ("qwen3",), ln_mix="post_attention_layernorm", **_LLAMA_LIKE),
+    Family(
+        "starcoder2",
+        ("starcoder2",),
+        ln_mix="post_attention_layernorm",
+        **{**_LLAMA_LIKE, "rms": False, "ffn_in": "mlp.c_fc", "ffn_out": "mlp.c_proj", "ffn_gate": None},
+    ),
+    Family(
+        "phi3",
+        ("phi3",),
+        ln_mix="post_attention_layernorm",
+        **{
+            **_LLAMA_LIKE,
+            "v_proj": "self_attn.qkv_proj",
+            "fused_qkv": True,
+            "ffn_in": "mlp.gate_up_proj",
+            "ffn_gate": "mlp.gate_up_proj",
+            "fused_gate_up": True,
+        },
+    ),
+    Family("granite", ("granite",), ln_mix="post_attention_layernorm", multipliers=True, **_LLAMA_LIKE),
+    Family(
+        "moe",
+        ("mixtral", "qwen3_moe"),
+        ln_mix="post_attention_layernorm",
+        moe=True,
+        **{**_LLAMA_LIKE, "ffn_in": "mlp", "ffn_out": "mlp", "ffn_gate": None},
+    ),
 )
 
 
@@ -160,6 +197,41 @@ def family_for(model_type: str) -> Family:
     raise MixlensError(
         f"unsupported architecture '{model_type}'; supported model types: {', '.join(supported_model_types())}"
     )
+
+
+def final_norm(adapter: Adapter) -> Norm:
+    """The norm between a pre-LN decoder's last layer and its head (GPT-2's ln_f, Llama's norm)."""
+    fam, base = adapter.family, adapter.base
+    paths = (fam.final_norm,) if fam.final_norm else ("ln_f", "norm")
+    for path in paths:
+        module = getattr(base, path, None)
+        if module is not None:
+            return Norm(module, fam.rms, fam.norm_offset)
+    raise MixlensError(f"cannot find the final norm of {type(base).__name__}")
+
+
+def logit_scale(adapter: Adapter) -> float:
+    """The factor between the head's linear map and the model's logits (Granite: 1 / logits_scaling)."""
+    return 1.0 / float(adapter.base.config.logits_scaling) if adapter.family.multipliers else 1.0
+
+
+def ffn_out_xw(lay: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W [d_ff, d], b) of the FFN's last projection as its output enters the residual stream (times the branch
+    scale, Granite)."""
+    w, b = linear_xw(lay.ffn_out)
+    if lay.branch_scale == 1.0:
+        return w, b
+    return w * lay.branch_scale, None if b is None else b * lay.branch_scale
+
+
+def ffn_in_xw(lay: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W [d, d_ff], b) of the FFN's linear input projection (the up projection of a gated FFN; of a fused
+    [gate | up] projection its second half)."""
+    w, b = linear_xw(lay.ffn_in)
+    if not lay.fused_gate_up:
+        return w, b
+    half = w.shape[1] // 2
+    return w[:, half:], None if b is None else b[half:]
 
 
 def linear_xw(mod: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -250,6 +322,9 @@ class Layer:
     ffn_gate: nn.Module | None
     ln_post: Norm | None = None  # sandwich norm: attention output = g^post(o_proj output) (its s_i is traced)
     proj: nn.Module | None = None  # the output projection itself when `o_proj` is the sandwich norm after it
+    fused_gate_up: bool = False  # ffn_in's output is [gate | up] (Phi-3): `ffn_in_xw` and the trace take the up half
+    branch_scale: float = 1.0  # the attention and FFN outputs enter the residual stream times this (Granite); it is
+    # folded into raw_w_o / raw_b_o, and the trace's attention and FFN outputs are captured after it
     _float32: dict = field(default_factory=dict, repr=False, compare=False)  # float32 copies of raw_* weights
 
     # The weights in float32 (themselves for a float32 model; else upcast once per weight version).
@@ -318,9 +393,12 @@ def resolve(model: Any) -> Adapter:
         proj = get_path(mod, fam.o_proj)
         w_o, b_o = linear_xw(proj)
         w_v, b_v = linear_xw(get_path(mod, fam.v_proj))
-        d = w_o.shape[1]
-        if fam.fused_qkv:  # GPT-2 c_attn: [q | k | v]
-            w_v, b_v = w_v[:, 2 * d :], (b_v[2 * d :] if b_v is not None else None)
+        if fam.fused_qkv:  # GPT-2 c_attn, Phi-3 qkv_proj: [q | k | v], v the last H_kv · d_head columns
+            start = w_v.shape[1] - n_kv * (w_o.shape[0] // n_heads)
+            w_v, b_v = w_v[:, start:], (b_v[start:] if b_v is not None else None)
+        scale = float(cfg.residual_multiplier) if fam.multipliers else 1.0
+        if scale != 1.0:  # Granite: x + m · o_proj(...): m folded into W_O and b_O
+            w_o, b_o = w_o * scale, None if b_o is None else b_o * scale
         ln_post = norm(mod, fam.ln_post)
         if ln_post is not None:  # g^post_i(Σ α f) = Σ (α / s_i) (γ_post ⊙ f): γ_post goes into W_O, 1/s_i into α
             if b_o is not None:
@@ -348,6 +426,8 @@ def resolve(model: Any) -> Adapter:
                 ffn_gate=get_path(mod, fam.ffn_gate) if fam.ffn_gate else None,
                 ln_post=ln_post,
                 proj=None if ln_post is None else proj,
+                fused_gate_up=fam.fused_gate_up,
+                branch_scale=scale,
             )
         )
     return Adapter(family=fam, base=base, layers=layers)

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mixlens.adapters import Family, Layer, Norm
+from mixlens.adapters import Family, Layer, Norm, final_norm, logit_scale
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.alti import layer_fn
 from mixlens.methods.engine import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
@@ -80,12 +80,7 @@ def _check_head(trace: Trace, name: str) -> tuple[torch.Tensor, torch.Tensor | N
 
 def _final_norm(trace: Trace) -> Norm:
     """The norm between the last layer and the unembedding (GPT-2's ln_f, Llama's and Gemma's norm)."""
-    base, fam = trace.adapter.base, trace.adapter.family
-    module = getattr(base, "ln_f", None)
-    module = getattr(base, "norm", None) if module is None else module
-    if module is None:
-        raise MixlensError(f"cannot find the final norm of {type(base).__name__}")
-    return Norm(module, fam.rms, fam.norm_offset)
+    return final_norm(trace.adapter)
 
 
 def _softcap(trace: Trace) -> float | None:
@@ -128,7 +123,7 @@ def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, positi
     _, ro = readout(
         trace.model, trace.tokenizer, SimpleNamespace(logits=trace.logits), trace.inputs, target, foil, position
     )
-    norm, cap = _final_norm(trace), _softcap(trace)
+    norm, cap, head_scale = _final_norm(trace), _softcap(trace), logit_scale(trace.adapter)
     layers, adapter = trace.layers, trace.adapter
     last = layers[-1].out
     assert last is not None  # a full trace (the method reads the head: `Method.needs_output`)
@@ -143,13 +138,13 @@ def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, positi
     for b in range(bsz):
         p = int(ro.position[b])
         ids = [int(ro.index[b])] + ([int(ro.foil[b])] if int(ro.foil[b]) >= 0 else [])
-        w = w_u[ids].float().to(dev)  # [c, d]: the target's row (and the foil's)
+        w = w_u[ids].float().to(dev) * head_scale  # [c, d]: the target's row (and the foil's), times the logit scale
         h = last[b, p].float()
         u = norm.center(gamma * w) / norm.scale(h)  # [c, d]: h · u = (γ ⊙ C(h) / s_f) · w
         parts = torch.zeros(len(ids), n_layers, n_heads, p + 1, device=dev)  # per direction
         other = layers[0].x[b, p].float() @ u.T + beta @ w.T  # [c]: embedding path + final-norm bias
         if b_u is not None:
-            other = other + b_u[ids].float().to(dev)
+            other = other + b_u[ids].float().to(dev) * head_scale
         mlp_c = torch.zeros(len(ids), n_layers, device=dev)
         for m, (lt, lay) in enumerate(zip(layers, adapter.layers, strict=True)):
             alpha = lt.alpha_rows(torch.tensor([p], device=dev), mix=True, b=b)[:, 0, : p + 1]  # [H, j]

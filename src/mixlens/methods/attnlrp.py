@@ -34,9 +34,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mixlens.adapters import Adapter, Norm, get_path
+from mixlens.adapters import Adapter, Norm, get_path, linear_xw
 from mixlens.errors import MixlensError
-from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, dense_ffn, register
 from mixlens.methods.saliency import Target, scalar_fn
 from mixlens.trace import Trace, _model_lock
 
@@ -104,9 +104,10 @@ def _qkv(adapter: Adapter, layer: nn.Module, cp: bool) -> list[tuple[nn.Module, 
     parent_path, _, v_name = fam.v_proj.rpartition(".")
     parent = get_path(layer, parent_path) if parent_path else layer
     v = getattr(parent, v_name)
-    if fam.fused_qkv:  # GPT-2's c_attn: [q | k | v]
-        d = v.weight.shape[-1] // 3
-        return [(v, torch.tensor([fq] * (2 * d) + [fv] * d))]
+    if fam.fused_qkv:  # GPT-2's c_attn, Phi-3's qkv_proj: [q | k | v]
+        width, lay = linear_xw(v)[0].shape[1], adapter.layers[0]
+        d_v = lay.n_kv_heads * lay.d_head
+        return [(v, torch.tensor([fq] * (width - d_v) + [fv] * d_v))]
     if "value" in v_name:
         q_name, k_name = v_name.replace("value", "query"), v_name.replace("value", "key")
     else:
@@ -144,7 +145,12 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
                 if len(acts) != 1:
                     raise MixlensError(f"attnlrp: cannot find the gate activation of the {fam.name} family's FFN")
                 gated.add(id(acts[0]))
-                handles.append(lay.ffn_in.register_forward_hook(lambda m, a, o: scale_grad(o, up)))
+                if lay.fused_gate_up:  # [gate | up]: the up half only (the gate's rule is its activation's)
+                    d_ff = linear_xw(lay.ffn_in)[0].shape[1] // 2
+                    fused = torch.tensor([1.0] * d_ff + [up] * d_ff)
+                    handles.append(lay.ffn_in.register_forward_hook(lambda m, a, o, f=fused: scale_grad(o, f)))
+                else:
+                    handles.append(lay.ffn_in.register_forward_hook(lambda m, a, o: scale_grad(o, up)))
         for path, m in model.named_modules():
             if _is_norm(m):
                 layer_norm = isinstance(m, nn.LayerNorm)
@@ -177,6 +183,7 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
         ),
     ),
     extras={"conservation": ()},
+    supports=dense_ffn,
     **TARGET_SCORES,
 )
 def attnlrp(

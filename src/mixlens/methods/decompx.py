@@ -29,10 +29,10 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from mixlens.adapters import Layer, Norm, linear_xw
+from mixlens.adapters import Adapter, Layer, Norm, ffn_in_xw, ffn_out_xw, final_norm, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import Option, Planned, register, vector_block
+from mixlens.methods.registry import Option, Planned, register, vector_dense
 from mixlens.trace import LayerTrace, Trace
 
 TOLERANCE = 1e-3  # max |Σ_k score − logit| / max |logit|
@@ -112,12 +112,12 @@ def _rows(n: int, width: int) -> list[slice]:
 
 def _ffn(parts: torch.Tensor, lt: LayerTrace, lay: Layer, b: int, n: int, rows: slice) -> torch.Tensor:
     """FFN output parts [r, k, d] for the target rows `rows` (parts = the FFN input parts of those rows)."""
-    w_in, b_in = linear_xw(lay.ffn_in)
+    w_in, b_in = ffn_in_xw(lay)
     assert lt.ffn_pre is not None and lt.ffn_act is not None  # decompx traces with ffn=True
     pre, act = lt.ffn_pre[b, :n][rows].float(), lt.ffn_act[b, :n][rows].float()
     theta = torch.where(pre != 0, act / torch.where(pre != 0, pre, torch.ones_like(pre)), torch.zeros_like(pre))
     h = share(parts @ w_in.float(), b_in) * theta[:, None, :]
-    w_out, b_out = linear_xw(lay.ffn_out)
+    w_out, b_out = ffn_out_xw(lay)
     return share(h @ w_out.float(), b_out)
 
 
@@ -151,8 +151,9 @@ def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int, ow
     return out
 
 
-def _head(model: Any, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | None, bool]:
+def _head(model: Any, adapter: Adapter) -> tuple[list[tuple[nn.Module, Act]], Norm | None, bool]:
     """(linear steps with their activations, the final norm before the head, whether the last token is read)."""
+    family = adapter.family.name
     name = type(model).__name__
     if not name.endswith("ForSequenceClassification"):
         raise MixlensError(
@@ -171,16 +172,14 @@ def _head(model: Any, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | 
         return [(head.dense, head.activation), (head.out_proj, None)], None, False
     if family == "distilbert":
         return [(model.pre_classifier, torch.relu), (model.classifier, None)], None, False
-    base = model.base_model
-    final = base.ln_f if family == "gpt2" else base.norm
-    return [(model.score, None)], Norm(final, family == "llama"), True
+    return [(model.score, None)], final_norm(adapter), True
 
 
 @torch.no_grad()
 def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> DecompXInput:
     """DecompX of input b of a traced sequence-classification model (trace captured with ffn=True)."""
     adapter = trace.adapter
-    steps, final, last = _head(trace.model, adapter.family.name)
+    steps, final, last = _head(trace.model, adapter)
     n = int(trace.mask[b].sum())
     norms, sums = [], []
     for x in _propagated(trace, b, value_bias):
@@ -225,8 +224,7 @@ def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values"
     *_, x = _propagated(trace, b, value_bias)
     h = x[pos : pos + 1]  # [1, k, d]
     if adapter.family.pre_ln:
-        base = adapter.base
-        final = Norm(base.ln_f if adapter.family.name == "gpt2" else base.norm, adapter.family.rms)
+        final = final_norm(adapter)
         out = trace.layers[-1].out  # [B, n, d]
         assert out is not None  # a full trace (ffn=True) keeps the last layer's output
         h = _apply_norm(h, final, out[b, pos : pos + 1])
@@ -272,7 +270,7 @@ def needs_classifier(plan: Planned) -> None:
     "decompx",
     needs_ffn=True,
     options=(VALUE_BIAS_OPTION,),
-    supports=vector_block,
+    supports=vector_dense,
     head="classifier",
     precheck=needs_classifier,
 )
@@ -292,7 +290,7 @@ def decompx(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     dims=("class", "source"),
     needs_ffn=True,
     options=(VALUE_BIAS_OPTION,),
-    supports=vector_block,
+    supports=vector_dense,
     head="classifier",
     explains=True,
     precheck=needs_classifier,

@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import torch
 
+from mixlens.adapters import logit_scale
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.decompx import TOLERANCE, final_parts, share
 from mixlens.methods.engine import tolerance
-from mixlens.methods.registry import TARGET_OPTIONS, register, vector_block
+from mixlens.methods.registry import TARGET_OPTIONS, register, vector_dense
 from mixlens.targets import Spec, readout
 from mixlens.trace import Trace
 
@@ -43,16 +44,17 @@ def logit_scores(
     bsz, n = trace.mask.shape
     out = torch.zeros(bsz, n, device=trace.mask.device)
     limit = tolerance(trace.model, TOLERANCE)
+    head_scale = logit_scale(trace.adapter)  # Granite divides its logits by logits_scaling
     for b in range(bsz):
         pos = int(at[b]) if at is not None else int(trace.mask[b].sum()) - 1
         t, f = int(tokens[b]), int(foils[b]) if foils is not None else -1
-        direction = w_u[t].float() - (w_u[f].float() if f >= 0 else 0)
+        direction = (w_u[t].float() - (w_u[f].float() if f >= 0 else 0)) * head_scale
         parts = final_parts(trace, b, pos)  # [k, d]
         scores = parts @ direction
         real = trace.logits[b, pos].float()
         want = real[t] - (real[f] if f >= 0 else 0)
         if bias is not None:  # the head bias, shared among the sources by AbsDot like every other bias
-            const = bias[t].float() - (bias[f].float() if f >= 0 else 0)
+            const = (bias[t].float() - (bias[f].float() if f >= 0 else 0)) * head_scale
             scores = share(scores[:, None], const.reshape(1))[:, 0]
         err = (scores.sum() - want).abs().item() / max(real.abs().max().item(), torch.finfo(real.dtype).tiny)
         if not err <= limit:
@@ -68,7 +70,7 @@ def logit_scores(
     dims=("source",),
     needs_ffn=True,
     options=TARGET_OPTIONS,
-    supports=vector_block,
+    supports=vector_dense,
     head="causal",
     explains=True,
 )

@@ -160,7 +160,8 @@ def _ffn_update(lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, family: 
         out = lt.ffn_update[b, rows].to(dtype)
     else:
         assert lt.ffn_act is not None, "flow routes need the FFN's output (needs_ffn='update')"
-        out = lay.ffn_out(lt.ffn_act[b, rows].to(dtype))
+        act = lt.ffn_act[b : b + 1, rows].to(dtype)  # [1, K, d_ff]: a mixture-of-experts block reads [B, n, d]
+        out = lay.ffn_out(act)[0] * lay.branch_scale
     if family.ln_post is not None:
         out = getattr(lay.module, "post_feedforward_layernorm")(out)  # noqa: B009  (Gemma 2/3's name)
     return out.float()

@@ -210,6 +210,23 @@ def vector_block(family: Family) -> str | None:
     return None
 
 
+def dense_ffn(family: Family) -> str | None:
+    """Methods that need the FFN as one set of linear maps and an activation per token (DecompX's linearisation,
+    AttnLRP's rules): a routed mixture of experts (router softmax, top-k choice, a weighted sum of experts) is outside
+    them."""
+    if family.moe:
+        return (
+            f"it needs one dense FFN per token, and the {family.name} family routes each token through a mixture of "
+            "experts (router weights times expert outputs)"
+        )
+    return None
+
+
+def vector_dense(family: Family) -> str | None:
+    """`vector_block` and `dense_ffn` together (DecompX carries vectors through both blocks)."""
+    return vector_block(family) or dense_ffn(family)
+
+
 @dataclass(frozen=True)
 class Planned:
     """What a method's `precheck` sees before any weights load: the model config, the head that will load
