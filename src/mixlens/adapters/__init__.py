@@ -7,6 +7,7 @@ block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm, Gemma's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,11 @@ class Family:
     # gives the floats of the family's own code (checked on first use)
     probs: str | None = None  # attention not routed through ALL_ATTENTION_FUNCTIONS: the module whose output is α
     # (MPNet's attention dropout); α, v and z are then captured and edited by hooks on probs, v_proj and o_proj
+    gate_up: bool = False  # ffn_in computes act's input and the linear half at once, [gate | up] (ModernBERT's Wi,
+    # act(gate) ⊙ up): the trace splits its output into `ffn_gate` and `ffn_pre`; ffn_gate names the same module
+    layer_tuple: bool = False  # the layer module returns (hidden states, attention) (DeBERTa): so does a skipped one
+    check: Callable[[Any], str | None] | None = None  # config → why this family's layout is outside the adapter's
+    # math (one line; e.g. mixing outside attention), or None
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -146,7 +152,57 @@ FAMILIES: tuple[Family, ...] = (
         norm_offset=True,
         **_LLAMA_LIKE,
     ),
+    # Encoders of today (DESIGN.md §3.6): ModernBERT (pre-LN, rotary, local/global attention, fused Wqkv and GLU Wi;
+    # its first layer has no attention norm) and DeBERTa v2/v3 (post-LN; disentangled attention in its own code).
+    Family(
+        "modernbert",
+        ("modernbert",),
+        layers="layers",
+        pre_ln=True,
+        rms=False,
+        attn="attn",
+        v_proj="attn.Wqkv",
+        o_proj="attn.Wo",
+        ln_mix="mlp_norm",
+        ffn_in="mlp.Wi",
+        ffn_out="mlp.Wo",
+        ln_in="attn_norm",
+        ffn_gate="mlp.Wi",
+        fused_qkv=True,
+        inplace_attention=True,
+        gate_up=True,
+    ),
+    Family(
+        "deberta-v2",
+        ("deberta-v2",),
+        layers="encoder.layer",
+        pre_ln=False,
+        rms=False,
+        attn="attention.self",
+        v_proj="attention.self.value_proj",
+        o_proj="attention.output.dense",
+        ln_mix="attention.output.LayerNorm",
+        ffn_in="intermediate.dense",
+        ffn_out="output.dense",
+        ln_out="output.LayerNorm",
+        probs="attention.self.dropout",
+        layer_tuple=True,
+        check=lambda cfg: _deberta_check(cfg),
+    ),
 )
+
+
+def _deberta_check(cfg: Any) -> str | None:
+    """DeBERTa v2's optional convolution after the first layer mixes neighbouring tokens outside attention."""
+    if getattr(cfg, "conv_kernel_size", 0) > 0:
+        return (
+            f"this deberta-v2 model adds a convolution (conv_kernel_size={cfg.conv_kernel_size}) after its first "
+            "layer, which mixes tokens outside attention; mixlens decomposes mixing by attention only (DeBERTa-v3 has "
+            "no convolution)"
+        )
+    if getattr(cfg, "z_steps", 0) > 1:
+        return "a deberta-v2 model with z_steps > 1 reruns its last layer outside the layer stack"
+    return None
 
 
 def supported_model_types() -> list[str]:
@@ -251,6 +307,7 @@ class Layer:
     ln_post: Norm | None = None  # sandwich norm: attention output = g^post(o_proj output) (its s_i is traced)
     proj: nn.Module | None = None  # the output projection itself when `o_proj` is the sandwich norm after it
     _float32: dict = field(default_factory=dict, repr=False, compare=False)  # float32 copies of raw_* weights
+    gate_up: bool = False  # ffn_in's output is [gate | up] (`Family.gate_up`)
 
     # The weights in float32 (themselves for a float32 model; else upcast once per weight version).
     @property
@@ -311,8 +368,14 @@ def resolve(model: Any) -> Adapter:
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     layers = []
 
+    why = fam.check(cfg) if fam.check is not None else None
+    if why is not None:
+        raise MixlensError(why)
+
     def norm(mod: nn.Module, path: str | None) -> Norm | None:
-        return Norm(get_path(mod, path), fam.rms, fam.norm_offset) if path else None
+        if not path or isinstance(get_path(mod, path), nn.Identity):  # ModernBERT's first layer: no attention norm
+            return None
+        return Norm(get_path(mod, path), fam.rms, fam.norm_offset)
 
     for mod in _layer_modules(fam, base):
         proj = get_path(mod, fam.o_proj)
@@ -348,6 +411,17 @@ def resolve(model: Any) -> Adapter:
                 ffn_gate=get_path(mod, fam.ffn_gate) if fam.ffn_gate else None,
                 ln_post=ln_post,
                 proj=None if ln_post is None else proj,
+                gate_up=fam.gate_up,
             )
         )
     return Adapter(family=fam, base=base, layers=layers)
+
+
+def ffn_up_xw(lay: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W [d, d_ff], b [d_ff] | None) of the FFN's linear input, whose output is the trace's `ffn_pre`: ffn_in, or its
+    up half when ffn_in computes [gate | up] in one projection (`Family.gate_up`)."""
+    w, b = linear_xw(lay.ffn_in)
+    if not lay.gate_up:
+        return w, b
+    half = w.shape[1] // 2
+    return w[:, half:], (b[half:] if b is not None else None)

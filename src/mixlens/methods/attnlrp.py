@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mixlens.adapters import Adapter, Norm, get_path
+from mixlens.adapters import Adapter, Norm, get_path, linear_xw
 from mixlens.errors import MixlensError
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, register
 from mixlens.methods.saliency import Target, scalar_fn
@@ -104,8 +104,8 @@ def _qkv(adapter: Adapter, layer: nn.Module, cp: bool) -> list[tuple[nn.Module, 
     parent_path, _, v_name = fam.v_proj.rpartition(".")
     parent = get_path(layer, parent_path) if parent_path else layer
     v = getattr(parent, v_name)
-    if fam.fused_qkv:  # GPT-2's c_attn: [q | k | v]
-        d = v.weight.shape[-1] // 3
+    if fam.fused_qkv:  # GPT-2's c_attn, ModernBERT's Wqkv: [q | k | v]
+        d = linear_xw(v)[0].shape[-1] // 3
         return [(v, torch.tensor([fq] * (2 * d) + [fv] * d))]
     if "value" in v_name:
         q_name, k_name = v_name.replace("value", "query"), v_name.replace("value", "key")
@@ -144,7 +144,11 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
                 if len(acts) != 1:
                     raise MixlensError(f"attnlrp: cannot find the gate activation of the {fam.name} family's FFN")
                 gated.add(id(acts[0]))
-                handles.append(lay.ffn_in.register_forward_hook(lambda m, a, o: scale_grad(o, up)))
+                f_up: float | torch.Tensor = up
+                if fam.gate_up:  # one projection [gate | up]: the gate half's factor is its activation's
+                    half = linear_xw(lay.ffn_in)[0].shape[-1] // 2
+                    f_up = torch.tensor([1.0] * half + [up] * half)
+                handles.append(lay.ffn_in.register_forward_hook(lambda m, a, o, f=f_up: scale_grad(o, f)))
         for path, m in model.named_modules():
             if _is_norm(m):
                 layer_norm = isinstance(m, nn.LayerNorm)
