@@ -75,6 +75,26 @@ CONFIGS = {
         },
         **_SMALL,
     ),
+    # Encoders of today: every bias on, three layers (ModernBERT: global, local window of ±2, global; its first layer
+    # has no attention norm), DeBERTa-v3's disentangled attention with few log buckets so that short inputs reach them.
+    "modernbert": lambda: T.ModernBertConfig(
+        local_attention=4,
+        global_attn_every_n_layers=2,
+        attention_bias=True,
+        mlp_bias=True,
+        norm_bias=True,
+        classifier_bias=True,
+        **{**_SMALL, "num_hidden_layers": 3, "intermediate_size": 96},
+    ),
+    "deberta-v2": lambda: T.DebertaV2Config(
+        relative_attention=True,
+        pos_att_type=["p2c", "c2p"],
+        position_biased_input=False,
+        position_buckets=4,
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        **_SMALL,
+    ),
 }
 _ZERO_NORMS = ("gemma3_text", "gemma2")  # (1 + w) norms initialised at w = 0: randomised so that w matters
 _RANDOM_NORMS = (
@@ -83,6 +103,7 @@ _RANDOM_NORMS = (
     "phi3",
     "granite",
 )  # norms (and LayerNorm biases) randomised so that a misread norm shows
+_RANDOM_AFFINE = ("modernbert", "deberta-v2")  # biases (initialised at 0) and norm scales (at 1) randomised
 FAMILIES = list(CONFIGS)
 
 
@@ -129,6 +150,13 @@ def random_model(family: str, tokenizer, head: str = "AutoModel", seed: int = 0,
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0, 0.3)
+    if family in _RANDOM_AFFINE:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.2)
+                elif "norm" in name.lower():
+                    p.uniform_(0.3, 1.3)
     return model
 
 

@@ -353,6 +353,11 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _part(k: int, of: int) -> Callable[[tuple, Any], torch.Tensor]:
+    """Capture of the k-th of `of` equal parts of a module's output along its last axis."""
+    return lambda a, o: _first(o).chunk(of, -1)[k]
+
+
 def _hidden(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
     """The hidden states a layer module is called with (first positional argument or `hidden_states=`)."""
     return args[0] if args else kwargs["hidden_states"]
@@ -465,7 +470,10 @@ def hooked(
 
     def skipping(inner: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return _hidden(args, kwargs) if _SESSION.get() is s and s.layer < start else inner(*args, **kwargs)
+            if _SESSION.get() is s and s.layer < start:
+                h = _hidden(args, kwargs)
+                return (h, None) if adapter.family.layer_tuple else h
+            return inner(*args, **kwargs)
 
         return forward
 
@@ -510,15 +518,11 @@ def hooked(
             if ffn == "update":
                 capture(lay.ffn_out, "ffn_update", lambda a, o, m=m: _first(o) if m == 1.0 else _first(o) * m)
             elif ffn:
-                half = 1 if lay.fused_gate_up else None  # a fused [gate | up] projection: its halves
-                capture(
-                    lay.ffn_in, "ffn_pre", lambda a, o, k=half: _first(o) if k is None else _first(o).chunk(2, -1)[k]
-                )
+                parts = 1 + int(lay.fused_gate_up)  # ffn_in's output [gate | up] (Phi-3, ModernBERT): ffn_pre is up
+                capture(lay.ffn_in, "ffn_pre", _part(parts - 1, parts))
                 capture(lay.ffn_out, "ffn_act", lambda a, o: a[0])
                 capture(lay.ln_out.module if lay.ln_out else None, "ln_out_in", lambda a, o: a[0])
-                capture(
-                    lay.ffn_gate, "ffn_gate", lambda a, o, k=half: _first(o) if k is None else _first(o).chunk(2, -1)[0]
-                )
+                capture(lay.ffn_gate, "ffn_gate", _part(0, parts))
         token = _SESSION.set(s)
         try:
             with _eager_wrapped():

@@ -26,7 +26,12 @@ CHEAP = {  # options that keep the slow methods small on a tiny model (their exa
     "head_attribution": {"mode": "estimate", "probes": 2},
 }
 HEADS = {"base": "AutoModel", "classifier": "AutoModelForSequenceClassification", "causal": "AutoModelForCausalLM"}
-CASES = [(f, h) for f in FAMILIES for h in HEADS if has_head(f, HEADS[h])]  # encoders have no causal LM
+CASES = [  # encoders have no causal LM (BERT's LM head class is not a decoder)
+    (f, h) for f in FAMILIES for h in HEADS if has_head(f, HEADS[h]) and (h != "causal" or f in DECODERS)
+]
+HEADS["masked"] = "AutoModelForMaskedLM"
+CASES += [(f, "masked") for f in ("modernbert", "deberta-v2")]  # the encoders' masked-LM heads with their own layers
+MASKED_TEXTS = ["The [MASK] sat.", "A dog ran [MASK]!"]  # a masked LM's target is its [MASK]
 
 
 def expected_refusal(name: str, lens) -> str | None:
@@ -46,15 +51,16 @@ def expected_refusal(name: str, lens) -> str | None:
 @pytest.mark.parametrize(("family", "head"), CASES)
 def test_every_method_runs_or_refuses_as_declared(family, head, tokenizer):
     lens = random_lens(family, tokenizer, head=HEADS[head], **({"num_labels": 2} if head == "classifier" else {}))
+    texts = MASKED_TEXTS if head == "masked" else TEXTS
     for name, spec in REGISTRY.items():
         want = expected_refusal(name, lens)
         options = {name: CHEAP[name]} if name in CHEAP else None
         if want is not None:
             with pytest.raises(MixlensError) as e:
-                lens.analyze(TEXTS, [name], options=options)
+                lens.analyze(texts, [name], options=options)
             assert want in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
             continue
-        res = lens.analyze(TEXTS, [name], options=options)  # the methods' exactness checks raise on a miss
+        res = lens.analyze(texts, [name], options=options)  # the methods' exactness checks raise on a miss
         values = res[name].values
         assert values.shape[1:][: len(spec.dims)] == values.shape[1:] and np.isfinite(values).all(), name
         if res.reconstruction_error is not None:

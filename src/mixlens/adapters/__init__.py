@@ -7,6 +7,7 @@ block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm, Gemma's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +43,15 @@ class Family:
     # (MPNet's attention dropout); α, v and z are then captured and edited by hooks on probs, v_proj and o_proj
     final_norm: str | None = None  # pre-LN: path from the base model to the norm before the head (default: the
     # first of `ln_f`, `norm` that exists)
-    fused_gate_up: bool = False  # ffn_in = ffn_gate = one projection whose output is [gate | up] (Phi-3)
+    fused_gate_up: bool = False  # ffn_in = ffn_gate = one projection whose output is [gate | up] (Phi-3, ModernBERT)
     multipliers: bool = False  # Granite: each branch enters the residual stream times config.residual_multiplier and
     # the logits are divided by config.logits_scaling (its embedding and attention multipliers need nothing: they
     # act before the first layer and inside α)
     moe: bool = False  # the FFN routes each token through experts (Mixtral, Qwen3-MoE): ffn_in = ffn_out = the whole
     # sparse block, whose output is the FFN update; its inside (router, experts) is no adapter piece
+    layer_tuple: bool = False  # the layer module returns (hidden states, attention) (DeBERTa): so does a skipped one
+    check: Callable[[Any], str | None] | None = None  # config → why this family's layout is outside the adapter's
+    # math (one line; e.g. mixing outside attention), or None
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -183,7 +187,57 @@ FAMILIES: tuple[Family, ...] = (
         moe=True,
         **{**_LLAMA_LIKE, "ffn_in": "mlp", "ffn_out": "mlp", "ffn_gate": None},
     ),
+    # Encoders of today (DESIGN.md §3.6): ModernBERT (pre-LN, rotary, local/global attention, fused Wqkv and GLU Wi;
+    # its first layer has no attention norm) and DeBERTa v2/v3 (post-LN; disentangled attention in its own code).
+    Family(
+        "modernbert",
+        ("modernbert",),
+        layers="layers",
+        pre_ln=True,
+        rms=False,
+        attn="attn",
+        v_proj="attn.Wqkv",
+        o_proj="attn.Wo",
+        ln_mix="mlp_norm",
+        ffn_in="mlp.Wi",
+        ffn_out="mlp.Wo",
+        ln_in="attn_norm",
+        ffn_gate="mlp.Wi",
+        fused_qkv=True,
+        inplace_attention=True,
+        fused_gate_up=True,
+    ),
+    Family(
+        "deberta-v2",
+        ("deberta-v2",),
+        layers="encoder.layer",
+        pre_ln=False,
+        rms=False,
+        attn="attention.self",
+        v_proj="attention.self.value_proj",
+        o_proj="attention.output.dense",
+        ln_mix="attention.output.LayerNorm",
+        ffn_in="intermediate.dense",
+        ffn_out="output.dense",
+        ln_out="output.LayerNorm",
+        probs="attention.self.dropout",
+        layer_tuple=True,
+        check=lambda cfg: _deberta_check(cfg),
+    ),
 )
+
+
+def _deberta_check(cfg: Any) -> str | None:
+    """DeBERTa v2's optional convolution after the first layer mixes neighbouring tokens outside attention."""
+    if getattr(cfg, "conv_kernel_size", 0) > 0:
+        return (
+            f"this deberta-v2 model adds a convolution (conv_kernel_size={cfg.conv_kernel_size}) after its first "
+            "layer, which mixes tokens outside attention; mixlens decomposes mixing by attention only (DeBERTa-v3 has "
+            "no convolution)"
+        )
+    if getattr(cfg, "z_steps", 0) > 1:
+        return "a deberta-v2 model with z_steps > 1 reruns its last layer outside the layer stack"
+    return None
 
 
 def supported_model_types() -> list[str]:
@@ -386,8 +440,14 @@ def resolve(model: Any) -> Adapter:
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
     layers = []
 
+    why = fam.check(cfg) if fam.check is not None else None
+    if why is not None:
+        raise MixlensError(why)
+
     def norm(mod: nn.Module, path: str | None) -> Norm | None:
-        return Norm(get_path(mod, path), fam.rms, fam.norm_offset) if path else None
+        if not path or isinstance(get_path(mod, path), nn.Identity):  # ModernBERT's first layer: no attention norm
+            return None
+        return Norm(get_path(mod, path), fam.rms, fam.norm_offset)
 
     for mod in _layer_modules(fam, base):
         proj = get_path(mod, fam.o_proj)

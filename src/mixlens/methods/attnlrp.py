@@ -104,7 +104,7 @@ def _qkv(adapter: Adapter, layer: nn.Module, cp: bool) -> list[tuple[nn.Module, 
     parent_path, _, v_name = fam.v_proj.rpartition(".")
     parent = get_path(layer, parent_path) if parent_path else layer
     v = getattr(parent, v_name)
-    if fam.fused_qkv:  # GPT-2's c_attn, Phi-3's qkv_proj: [q | k | v]
+    if fam.fused_qkv:  # GPT-2's c_attn, Phi-3's qkv_proj, ModernBERT's Wqkv: [q | k | v]
         width, lay = linear_xw(v)[0].shape[1], adapter.layers[0]
         d_v = lay.n_kv_heads * lay.d_head
         return [(v, torch.tensor([fq] * (width - d_v) + [fv] * d_v))]
@@ -145,12 +145,11 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
                 if len(acts) != 1:
                     raise MixlensError(f"attnlrp: cannot find the gate activation of the {fam.name} family's FFN")
                 gated.add(id(acts[0]))
-                if lay.fused_gate_up:  # [gate | up]: the up half only (the gate's rule is its activation's)
-                    d_ff = linear_xw(lay.ffn_in)[0].shape[1] // 2
-                    fused = torch.tensor([1.0] * d_ff + [up] * d_ff)
-                    handles.append(lay.ffn_in.register_forward_hook(lambda m, a, o, f=fused: scale_grad(o, f)))
-                else:
-                    handles.append(lay.ffn_in.register_forward_hook(lambda m, a, o: scale_grad(o, up)))
+                f_up: float | torch.Tensor = up
+                if lay.fused_gate_up:  # one projection [gate | up]: the gate half's factor is its activation's
+                    half = linear_xw(lay.ffn_in)[0].shape[-1] // 2
+                    f_up = torch.tensor([1.0] * half + [up] * half)
+                handles.append(lay.ffn_in.register_forward_hook(lambda m, a, o, f=f_up: scale_grad(o, f)))
         for path, m in model.named_modules():
             if _is_norm(m):
                 layer_norm = isinstance(m, nn.LayerNorm)

@@ -28,6 +28,7 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
 from mixlens.adapters import Adapter, Layer, Norm, ffn_in_xw, ffn_out_xw, final_norm, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
@@ -128,8 +129,7 @@ def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int, ow
     """
     n, _, d = x.shape
     alpha = lt.alpha[b, :, :n, :n].float()
-    if pre_ln:
-        assert lay.ln_in is not None
+    if pre_ln and lay.ln_in is not None:  # (ModernBERT's first layer has no attention norm)
         ln_x = torch.cat([_apply_norm(x[r], lay.ln_in, lt.x[b, :n][r]) for r in _rows(n, d)])
         y = x + _attention(ln_x, alpha, lay, own_bias)
         del ln_x
@@ -151,8 +151,12 @@ def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int, ow
     return out
 
 
-def _head(model: Any, adapter: Adapter) -> tuple[list[tuple[nn.Module, Act]], Norm | None, bool]:
-    """(linear steps with their activations, the final norm before the head, whether the last token is read)."""
+Step = tuple[nn.Module, Act] | Norm  # a linear layer with its (linearised) activation, or a norm
+Pool = Literal["first", "last", "mean"]  # the position(s) the head reads: [CLS], the last token, the real tokens' mean
+
+
+def _head(model: Any, adapter: Adapter) -> tuple[list[Step], Norm | None, Pool]:
+    """(the head's steps, the final norm before the head, the pooling)."""
     family = adapter.family.name
     name = type(model).__name__
     if not name.endswith("ForSequenceClassification"):
@@ -162,38 +166,46 @@ def _head(model: Any, adapter: Adapter) -> tuple[list[tuple[nn.Module, Act]], No
         )
     if family == "bert":
         pooler = model.bert.pooler
-        return [(pooler.dense, torch.tanh), (model.classifier, None)], None, False
+        return [(pooler.dense, torch.tanh), (model.classifier, None)], None, "first"
     if family == "albert":
-        return [(model.albert.pooler, torch.tanh), (model.classifier, None)], None, False
+        return [(model.albert.pooler, torch.tanh), (model.classifier, None)], None, "first"
     if family in ("roberta", "mpnet"):  # the same classification head
-        return [(model.classifier.dense, torch.tanh), (model.classifier.out_proj, None)], None, False
+        return [(model.classifier.dense, torch.tanh), (model.classifier.out_proj, None)], None, "first"
     if family == "electra":
         head = model.classifier
-        return [(head.dense, head.activation), (head.out_proj, None)], None, False
+        return [(head.dense, head.activation), (head.out_proj, None)], None, "first"
     if family == "distilbert":
-        return [(model.pre_classifier, torch.relu), (model.classifier, None)], None, False
-    return [(model.score, None)], final_norm(adapter), True
+        return [(model.pre_classifier, torch.relu), (model.classifier, None)], None, "first"
+    if family == "deberta-v2":  # ContextPooler: dense, then the configured activation, on [CLS]
+        pooler = model.pooler
+        return [(pooler.dense, ACT2FN[pooler.config.pooler_hidden_act]), (model.classifier, None)], None, "first"
+    if family == "modernbert":  # final norm, [CLS] or mean pooling, then dense → act → LayerNorm → classifier
+        head, pool = model.head, model.config.classifier_pooling
+        steps: list[Step] = [(head.dense, head.act), Norm(head.norm, rms=False), (model.classifier, None)]
+        return steps, Norm(model.base_model.final_norm, rms=False), "mean" if pool == "mean" else "first"
+    return [(model.score, None)], final_norm(adapter), "last"
 
 
 @torch.no_grad()
 def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> DecompXInput:
     """DecompX of input b of a traced sequence-classification model (trace captured with ffn=True)."""
     adapter = trace.adapter
-    steps, final, last = _head(trace.model, adapter)
+    steps, final, pool = _head(trace.model, adapter)
     n = int(trace.mask[b].sum())
     norms, sums = [], []
     for x in _propagated(trace, b, value_bias):
         norms.append(x.norm(dim=-1))
         sums.append(x.sum(1))
-    pos = n - 1 if last else 0
-    h = x[pos : pos + 1]  # [1, k, d]
+    rows = slice(0, n) if pool == "mean" else slice(n - 1, n) if pool == "last" else slice(0, 1)
+    h = x[rows]  # [r, k, d]
     del x
     if final is not None:
         final_in = trace.layers[-1].out
         assert final_in is not None  # a full trace
-        h = _apply_norm(h, final, final_in[b, pos : pos + 1])
-    for lin, act in steps:
-        h = _linearised(h, lin, act)
+        h = _apply_norm(h, final, final_in[b, rows])
+    h = h.mean(0, keepdim=True)  # [1, k, d] (one row unless pooled by the mean)
+    for step in steps:
+        h = _apply_norm(h, step, h.sum(-2)) if isinstance(step, Norm) else _linearised(h, *step)
     scores = h[0].T  # [C, n]
     assert trace.logits is not None  # a full trace of a classifier
     logits = trace.logits[b].float()
