@@ -205,7 +205,7 @@ def vector_block(family: Family) -> str | None:
     if family.ln_post is not None:
         return (
             f"its vector decomposition assumes x + Attn(LN(x)) and x + FFN(LN(x)), without the {family.name} family's "
-            "sandwich norms"
+            "norms on each branch's output"
         )
     return None
 
