@@ -62,6 +62,7 @@ CONFIGS = {
         mlp_only_layers=[1],  # a dense FFN beside the sparse one
         **_SMALL,
     ),
+    "olmo2": lambda: T.Olmo2Config(num_key_value_heads=2, **_SMALL),
     "llama3-rope": lambda: T.LlamaConfig(
         num_key_value_heads=2,
         max_position_embeddings=64,

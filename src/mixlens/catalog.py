@@ -1,10 +1,12 @@
-"""The method catalog: what `mixlens methods` prints, without importing torch.
+"""The method and family catalogs: what `mixlens methods` and `mixlens families` print, without importing torch.
 
 The registry (`mixlens.methods.registry`) is the one place a method is declared; importing it loads torch and every
 method module (seconds). `build()` reads the registry into plain data — names, axes, options, extras and the
 declared capabilities, with the families each method refuses and why — and `data/methods.json`, shipped with the
-package, holds that data so the command answers at once. `python -m mixlens.catalog` rewrites the file; a test
-fails whenever it differs from `build()`, so it cannot drift from the registry.
+package, holds that data so the command answers at once. `data/families.json` (`build_families()`) holds the adapter
+table (`mixlens.adapters.FAMILIES`) the same way: each family's model types, layout and the methods it runs or refuses.
+`python -m mixlens.catalog` rewrites both files; a test fails whenever one differs from its build, so neither can drift
+from the registry or the table.
 """
 
 from __future__ import annotations
@@ -91,7 +93,92 @@ def lines(catalog: list[dict[str, Any]]) -> list[str]:
     return out[:-1]
 
 
+FAMILIES_PATH = PATH.parent / "families.json"
+TRAIT_WORDS = {  # a Family's flags in words (a flag without an entry is shown by its field name)
+    "pre_ln": ("pre-LN blocks", "post-LN blocks"),
+    "rms": ("RMSNorm", "LayerNorm"),
+    "causal": ("causal decoder", "encoder"),
+    "fused_qkv": ("fused q | k | v projection", None),
+    "fused_gate_up": ("fused gate | up projection", None),
+    "norm_offset": ("norms scale by (1 + w)", None),
+    "multipliers": ("residual-branch and logit multipliers", None),
+    "moe": ("mixture-of-experts FFN", None),
+    "ln_mix_unit": ("no norm after the attention residual sum", None),
+    "inplace_attention": (None, None),
+}
+PATH_WORDS = {  # optional module paths whose presence is a layout trait
+    "ffn_gate": "gated FFN",
+    "ln_post": "norm on each branch's output before the residual sum",
+    "probs": "attention probabilities read from a module",
+}
+
+
+def traits(family: Any) -> list[str]:
+    """A family's layout in words, from its declaration (`mixlens.adapters.Family`)."""
+    import dataclasses
+
+    out = []
+    for f in dataclasses.fields(family):
+        value = getattr(family, f.name)
+        if f.name == "pre_ln" and value and family.ln_in is None:
+            word = "no norm before a branch"  # OLMo 2: x + g(Attn(x)), norms after the branches
+        elif isinstance(value, bool):
+            on, off = TRAIT_WORDS.get(f.name, (f.name.replace("_", " "), None))
+            word = on if value else off
+        elif f.name in PATH_WORDS:
+            word = PATH_WORDS[f.name] if value else None
+        else:
+            continue
+        if word:
+            out.append(word)
+    return out
+
+
+def build_families() -> list[dict[str, Any]]:
+    """Every family of the adapter table with its model types, layout and what each method does on it (imports
+    torch and every method)."""
+    from mixlens.adapters import FAMILIES
+    from mixlens.methods import REGISTRY
+
+    return [
+        {
+            "name": fam.name,
+            "model_types": list(fam.model_types),
+            "traits": traits(fam),
+            "runs": [m.name for m in REGISTRY.values() if m.supports(fam) is None],
+            "refuses": {m.name: why for m in REGISTRY.values() if (why := m.supports(fam)) is not None},
+        }
+        for fam in FAMILIES
+    ]
+
+
+def load_families() -> list[dict[str, Any]]:
+    """The shipped family catalog (no torch)."""
+    return json.loads(FAMILIES_PATH.read_text(encoding="utf-8"))
+
+
+def family_lines(catalog: list[dict[str, Any]]) -> list[str]:
+    """The family catalog as text lines of at most `WIDTH` columns; refusals with the same reason are grouped."""
+    out: list[str] = []
+    for fam in catalog:
+        out += _wrap(f"{fam['name']}  model types: {', '.join(fam['model_types'])}", 0)
+        out += _wrap(f"layout: {', '.join(fam['traits'])}", 4)
+        total = len(fam["runs"]) + len(fam["refuses"])
+        if not fam["refuses"]:
+            out += _wrap(f"runs all {total} methods", 4)
+        else:
+            out += _wrap(f"runs {len(fam['runs'])} of {total} methods; refuses:", 4)
+            grouped: dict[str, list[str]] = {}
+            for name, why in fam["refuses"].items():
+                grouped.setdefault(why, []).append(name)
+            for why, names in grouped.items():
+                out += _wrap(f"{', '.join(names)}: {why}", 6)
+        out.append("")
+    return out[:-1]
+
+
 if __name__ == "__main__":
     PATH.parent.mkdir(exist_ok=True)
     PATH.write_text(json.dumps(build(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    print(f"wrote {PATH}")
+    FAMILIES_PATH.write_text(json.dumps(build_families(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {PATH} and {FAMILIES_PATH}")

@@ -41,6 +41,7 @@ COMMAND_MODULES: list[str] = [
     "mixlens.commands.gradients",
     "mixlens.commands.studies",
     "mixlens.commands.explain",
+    "mixlens.commands.families",
 ]
 
 for _module in COMMAND_MODULES:

@@ -353,9 +353,26 @@ def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _part(k: int, of: int) -> Callable[[tuple, Any], torch.Tensor]:
-    """Capture of the k-th of `of` equal parts of a module's output along its last axis."""
-    return lambda a, o: _first(o).chunk(of, -1)[k]
+def _taking(scale: float = 1.0, half: int | None = None) -> Callable[[tuple, Any], torch.Tensor]:
+    """A capture of a module's output: times `scale` (Granite's residual multiplier), or one half of it (a fused
+    [gate | up] projection: 0 the gate, 1 the up projection)."""
+
+    def take(args: tuple, out: Any) -> torch.Tensor:
+        t = _first(out)
+        t = t if half is None else t.chunk(2, -1)[half]
+        return t if scale == 1.0 else t * scale
+
+    return take
+
+
+def _unit_mix(mix: Callable[[nn.Module, tuple, torch.Tensor], None], unit: nn.Module) -> Callable[..., None]:
+    """The `mix` capture at the input of the module that the attention residual sum feeds, where no norm follows the
+    sum (OLMo 2): the norm's output is the adapter's unit norm of it, computed here in float32."""
+
+    def hook(m: nn.Module, args: tuple, out: Any) -> None:
+        mix(m, args, unit(args[0].float()))
+
+    return hook
 
 
 def _hidden(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -509,20 +526,24 @@ def hooked(
                         lay.attn.forward = fast
             handles += _module_route(adapter, s)
         for lay in adapter.layers:
-            m = lay.branch_scale  # Granite's residual multiplier: the outputs as they enter the residual stream
-            capture(lay.o_proj, "attn_out", lambda a, o, m=m: _first(o) if m == 1.0 else _first(o) * m)
-            capture(lay.proj, "post_raw", lambda a, o: _first(o))
-            if (id(lay.ln_mix.module), "mix") not in seen:
-                seen.add((id(lay.ln_mix.module), "mix"))
-                handles.append(lay.ln_mix.module.register_forward_hook(mix))
+            scale = lay.branch_scale  # Granite's residual multiplier: the outputs as they enter the residual stream
+            capture(lay.o_proj, "attn_out", _taking(scale))
+            capture(lay.proj, "post_raw", _taking())
+            fed = lay.mix_at or lay.ln_mix.module  # the module the attention residual sum feeds
+            if (id(fed), "mix") not in seen:
+                seen.add((id(fed), "mix"))
+                if lay.mix_at is None:
+                    handles.append(fed.register_forward_hook(mix))
+                else:  # no norm after the sum (OLMo 2): the unit norm of the sum, applied here
+                    handles.append(fed.register_forward_hook(_unit_mix(mix, lay.ln_mix.module)))
             if ffn == "update":
-                capture(lay.ffn_out, "ffn_update", lambda a, o, m=m: _first(o) if m == 1.0 else _first(o) * m)
+                capture(lay.ffn_out, "ffn_update", _taking(scale))
             elif ffn:
-                parts = 1 + int(lay.fused_gate_up)  # ffn_in's output [gate | up] (Phi-3, ModernBERT): ffn_pre is up
-                capture(lay.ffn_in, "ffn_pre", _part(parts - 1, parts))
+                fused = lay.fused_gate_up  # a fused [gate | up] projection: its halves
+                capture(lay.ffn_in, "ffn_pre", _taking(half=1 if fused else None))
                 capture(lay.ffn_out, "ffn_act", lambda a, o: a[0])
                 capture(lay.ln_out.module if lay.ln_out else None, "ln_out_in", lambda a, o: a[0])
-                capture(lay.ffn_gate, "ffn_gate", _part(0, parts))
+                capture(lay.ffn_gate, "ffn_gate", _taking(half=0 if fused else None))
         token = _SESSION.set(s)
         try:
             with _eager_wrapped():

@@ -69,3 +69,22 @@ def test_phi3_fused_projections_read_as_llamas_separate_ones(phi3_pair):
     for name, opts in GRADIENTS:
         got, want = get_method(name)(ta, **opts), get_method(name)(tb, **opts)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=f"{name} {opts}")
+
+
+def test_olmo2_has_no_norm_after_the_sum(tokenizer):
+    """OLMo 2 (h = x + g^post(Attn(x)), no norm after the sum): the sum is captured at the FFN's input and is the
+    model's own; the ResLN-N ratio is Res-N (unit norm: γ = 1, no centring, the scale cancels); N-ResLN refuses."""
+    lens = random_lens("olmo2", tokenizer)
+    seen = []
+    hooks = [lay.mix_at.register_forward_hook(lambda m, a, o: seen.append(a[0])) for lay in lens.adapter.layers]
+    try:
+        res = lens.analyze(TEXTS, ["norm_res"])
+    finally:
+        for h in hooks:
+            h.remove()
+    tr = lens.trace(TEXTS)
+    for lt, h in zip(tr.layers, seen[-len(tr.layers) :], strict=True):
+        assert torch.equal(lt.mix_in, h)
+    torch.testing.assert_close(res.mixing_ratio("ResLN-N"), res.mixing_ratio("Res-N"), atol=1e-6, rtol=1e-5)
+    with pytest.raises(mixlens.errors.MixlensError, match="no norm after the attention residual sum"):
+        lens.analyze(TEXTS, ["norm_resln"])

@@ -52,6 +52,9 @@ class Family:
     layer_tuple: bool = False  # the layer module returns (hidden states, attention) (DeBERTa): so does a skipped one
     check: Callable[[Any], str | None] | None = None  # config → why this family's layout is outside the adapter's
     # math (one line; e.g. mixing outside attention), or None
+    ln_mix_unit: bool = False  # no norm follows the attention residual sum (OLMo 2: h = x + g^post(Attn(x))):
+    # `ln_mix` names the module the sum feeds (the FFN) and the engine's ln_mix is a unit RMSNorm (γ = 1, the model's
+    # eps) that mixlens applies to the captured sum itself, so N-ResLN = N-Res / s_i (refused) and ResLN-N = Res-N
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -180,6 +183,24 @@ FAMILIES: tuple[Family, ...] = (
         },
     ),
     Family("granite", ("granite",), ln_mix="post_attention_layernorm", multipliers=True, **_LLAMA_LIKE),
+    Family(
+        "olmo2",
+        ("olmo2",),
+        layers="layers",
+        pre_ln=True,
+        rms=True,
+        attn="self_attn",
+        v_proj="self_attn.v_proj",
+        o_proj="self_attn.o_proj",
+        ln_mix="mlp",
+        ffn_in="mlp.up_proj",
+        ffn_out="mlp.down_proj",
+        ffn_gate="mlp.gate_proj",
+        ln_post="post_attention_layernorm",
+        causal=True,
+        inplace_attention=True,
+        ln_mix_unit=True,
+    ),
     Family(
         "moe",
         ("mixtral", "qwen3_moe"),
@@ -377,6 +398,8 @@ class Layer:
     ln_post: Norm | None = None  # sandwich norm: attention output = g^post(o_proj output) (its s_i is traced)
     proj: nn.Module | None = None  # the output projection itself when `o_proj` is the sandwich norm after it
     fused_gate_up: bool = False  # ffn_in's output is [gate | up] (Phi-3): `ffn_in_xw` and the trace take the up half
+    mix_at: nn.Module | None = None  # the module fed by the attention residual sum when ln_mix is no model module
+    # (`Family.ln_mix_unit`): the trace captures the sum at its input and applies ln_mix itself
     branch_scale: float = 1.0  # the attention and FFN outputs enter the residual stream times this (Granite); it is
     # folded into raw_w_o / raw_b_o, and the trace's attention and FFN outputs are captured after it
     _float32: dict = field(default_factory=dict, repr=False, compare=False)  # float32 copies of raw_* weights
@@ -460,6 +483,10 @@ def resolve(model: Any) -> Adapter:
         if scale != 1.0:  # Granite: x + m · o_proj(...): m folded into W_O and b_O
             w_o, b_o = w_o * scale, None if b_o is None else b_o * scale
         ln_post = norm(mod, fam.ln_post)
+        mix_at, ln_mix = None, None
+        if fam.ln_mix_unit:
+            mix_at, unit = get_path(mod, fam.ln_mix), nn.RMSNorm(w_o.shape[1], eps=float(cfg.rms_norm_eps))
+            ln_mix = Norm(unit.requires_grad_(False).to(w_o.device), rms=True)
         if ln_post is not None:  # g^post_i(Σ α f) = Σ (α / s_i) (γ_post ⊙ f): γ_post goes into W_O, 1/s_i into α
             if b_o is not None:
                 raise MixlensError(
@@ -478,7 +505,7 @@ def resolve(model: Any) -> Adapter:
                 raw_b_o=b_o,
                 raw_w_v=w_v,
                 raw_b_v=b_v,
-                ln_mix=Norm(get_path(mod, fam.ln_mix), fam.rms, fam.norm_offset),
+                ln_mix=ln_mix or Norm(get_path(mod, fam.ln_mix), fam.rms, fam.norm_offset),
                 ffn_in=get_path(mod, fam.ffn_in),
                 ffn_out=get_path(mod, fam.ffn_out),
                 ln_in=norm(mod, fam.ln_in),
@@ -488,6 +515,7 @@ def resolve(model: Any) -> Adapter:
                 proj=None if ln_post is None else proj,
                 fused_gate_up=fam.fused_gate_up,
                 branch_scale=scale,
+                mix_at=mix_at,
             )
         )
     return Adapter(family=fam, base=base, layers=layers)

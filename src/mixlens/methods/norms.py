@@ -33,7 +33,7 @@ from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, To
 from mixlens.methods._torch_passes import quad_norm, quad_norms
 from mixlens.methods.attention import target_alpha, targets_of
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import LHTS, register
+from mixlens.methods.registry import LHTS, norm_after_sum, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 __all__ = [
@@ -533,7 +533,7 @@ def norm_res(trace: Trace) -> torch.Tensor:
     return block_norms(trace).n_res
 
 
-@register("norm_resln", engine=True, target_rows=True)
+@register("norm_resln", engine=True, target_rows=True, supports=norm_after_sum)
 def norm_resln(trace: Trace) -> torch.Tensor:
     """‖g_i(t_ij)‖: attention, residual and LayerNorm (Kobayashi 2021, N-ResLN)."""
     return block_norms(trace).n_resln

@@ -51,7 +51,7 @@ class ReferenceNorms:
 def value_head_vectors(lt: LayerTrace, lay: Layer, pre_ln: bool) -> torch.Tensor:
     """f^h(x_j) = (x_j W_V^h + b_V^h) W_O^h from the layer input and the weights: [B, H, n(source), d]."""
     x = lt.x.float()  # [B, n, d]
-    if pre_ln and lay.ln_in is not None:  # (ModernBERT's first layer has no attention norm)
+    if pre_ln and lay.ln_in is not None:  # OLMo 2 and ModernBERT's first layer have no norm before the attention
         x = lay.ln_in.module(x)  # the value projection reads LN(x_j)
     b, n, d = x.shape
     v = x @ lay.w_v.float()  # [B, n, H_kv·d_h]

@@ -205,7 +205,17 @@ def vector_block(family: Family) -> str | None:
     if family.ln_post is not None:
         return (
             f"its vector decomposition assumes x + Attn(LN(x)) and x + FFN(LN(x)), without the {family.name} family's "
-            "sandwich norms"
+            "norms on each branch's output"
+        )
+    return None
+
+
+def norm_after_sum(family: Family) -> str | None:
+    """Methods that pass the attention residual sum through the norm that follows it (N-ResLN)."""
+    if family.ln_mix_unit:
+        return (
+            f"the {family.name} family has no norm after the attention residual sum (its norms follow each branch), so "
+            "N-ResLN would be N-Res rescaled per row; use norm_res"
         )
     return None
 
