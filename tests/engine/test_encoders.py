@@ -13,6 +13,8 @@ import mixlens
 from mixlens.adapters import resolve
 from mixlens.methods.attnlrp import lrp_rules
 from tests.conftest import SENTENCES, assert_trace_is_the_models_own, random_lens, random_model
+from tests.engine.test_stream import test_streamed_rows_equal_the_rows_of_full_mode as streamed_rows_case
+from tests.engine.test_targets import test_target_rows_equal_the_rows_of_the_full_maps as target_rows_case
 from tests.methods.test_decompx import check_exact
 
 LONG = "The old man who lived by the river walked slowly to the market every morning to buy fresh bread."
@@ -37,6 +39,23 @@ def test_modernbert_local_layers_see_their_window_and_padding_changes_nothing(to
         single = lens.analyze([text], METHODS)
         for name in METHODS:
             np.testing.assert_allclose(batched[name].input(b), single[name].input(0), atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("family", ["modernbert", "deberta-v2"])
+def test_target_rows_and_streaming_equal_the_full_maps(family, compiled, tokenizer, monkeypatch):
+    """Target-row mode and its streaming on the first pre-LN encoder (and DeBERTa's own attention route)."""
+    target_rows_case(family, compiled, tokenizer, monkeypatch)
+    streamed_rows_case(family, compiled, tokenizer, monkeypatch)
+
+
+@pytest.mark.parametrize(("head", "want"), [("AutoModel", [0, 0]), ("AutoModelForMaskedLM", [2, 4])])
+def test_modernbert_routes_explain_the_mask_or_the_first_token(tokenizer, head, want):
+    """Information-flow routes on a pre-LN encoder: by default to a masked LM's [MASK], else to [CLS]."""
+    res = random_lens("modernbert", tokenizer, head=head).analyze(
+        ["The [MASK] sat.", "A dog ran [MASK]!"], ["flow_routes"]
+    )
+    assert res["flow_routes"].extras["position"].tolist() == want
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])

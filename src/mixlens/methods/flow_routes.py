@@ -44,7 +44,7 @@ from mixlens.adapters import Family, Layer
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.engine import TOLERANCE, tolerance
 from mixlens.methods.registry import LHTS, MethodOutput, Option, register
-from mixlens.targets import positions
+from mixlens.targets import model_kind, positions
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 TAU = 0.04  # the contribution threshold of the authors' tool (its default) and of the paper's Llama 2 graphs
@@ -81,7 +81,12 @@ TAU_OPTION = Option(
     help="importance threshold τ in (0, 1): an edge is kept when its importance exceeds τ (0.04 as in the paper)",
 )
 POSITION_OPTION = Option(
-    "position", int, None, min=0, optional=True, help="position of the explained prediction (default: the last token)"
+    "position",
+    int,
+    None,
+    min=0,
+    optional=True,
+    help="position of the explained prediction (default: a causal LM's last token; an encoder's [MASK], or [CLS])",
 )
 
 
@@ -274,7 +279,10 @@ def input_routes(
 
 
 def _positions(trace: Trace, position: int | None) -> torch.Tensor:
-    return positions("causal", trace.inputs, trace.tokenizer, position)
+    """The explained position of each input [B]: a causal LM's last token; an encoder's (ModernBERT) first [MASK] of
+    a masked LM, else its first token ([CLS], what its classifier reads)."""
+    kind = "causal" if trace.adapter.family.causal else model_kind(trace.model)
+    return positions(kind, trace.inputs, trace.tokenizer, position)
 
 
 def routes(
