@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mixlens.adapters import family_for
 from mixlens.errors import MixlensError
 from mixlens.explain.attributions import default_methods
 from mixlens.methods import REGISTRY
@@ -25,7 +26,7 @@ CHEAP = {  # options that keep the slow methods small on a tiny model (their exa
     "hta": {"mode": "estimate", "probes": 2},
     "head_attribution": {"mode": "estimate", "probes": 2},
 }
-DECODERS = {"gpt2", "llama", "gemma2", "gemma3_text"}
+DECODERS = {f for f in FAMILIES if family_for(f).causal}
 HEADS = {"base": "AutoModel", "classifier": "AutoModelForSequenceClassification", "causal": "AutoModelForCausalLM"}
 CASES = [(f, h) for f in FAMILIES for h in HEADS if h != "causal" or f in DECODERS]  # encoders have no causal LM
 

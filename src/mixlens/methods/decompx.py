@@ -29,7 +29,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from mixlens.adapters import Layer, Norm, linear_xw
+from mixlens.adapters import Adapter, Layer, Norm, final_norm, final_proj, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import Option, Planned, register, vector_block
@@ -141,7 +141,10 @@ def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int, ow
     out = torch.empty_like(y)
     for r in _rows(n, max(d, d_ff)):
         yr = share(y[r], b_att)  # Σ_k = the real norm input (mix_in)
-        zr = _apply_norm(yr, lay.ln_mix, lt.mix_in[b, :n][r])  # Σ_k = mix_out
+        if lay.ln_ffn is not None:  # a parallel block: the FFN reads ln_ffn(x) of the layer input
+            zr = _apply_norm(x[r], lay.ln_ffn, lt.x[b, :n][r])
+        else:
+            zr = _apply_norm(yr, lay.ln_mix, lt.mix_in[b, :n][r])  # Σ_k = mix_out
         fr = _ffn(zr, lt, lay, b, n, r)
         if pre_ln:
             out[r] = yr + fr
@@ -151,9 +154,9 @@ def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int, ow
     return out
 
 
-def _head(model: Any, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | None, bool]:
+def _head(model: Any, adapter: Adapter) -> tuple[list[tuple[nn.Module, Act]], Norm | None, bool]:
     """(linear steps with their activations, the final norm before the head, whether the last token is read)."""
-    name = type(model).__name__
+    name, family = type(model).__name__, adapter.family.name
     if not name.endswith("ForSequenceClassification"):
         raise MixlensError(
             f"decompx needs a sequence-classification model, got {name}; load it with "
@@ -171,16 +174,15 @@ def _head(model: Any, family: str) -> tuple[list[tuple[nn.Module, Act]], Norm | 
         return [(head.dense, head.activation), (head.out_proj, None)], None, False
     if family == "distilbert":
         return [(model.pre_classifier, torch.relu), (model.classifier, None)], None, False
-    base = model.base_model
-    final = base.ln_f if family == "gpt2" else base.norm
-    return [(model.score, None)], Norm(final, family == "llama"), True
+    proj = final_proj(adapter)  # OPT's project_out, between the final norm and the score head
+    return [*([(proj, None)] if proj is not None else []), (model.score, None)], final_norm(adapter), True
 
 
 @torch.no_grad()
 def decompose(trace: Trace, b: int, value_bias: ValueBias = "values") -> DecompXInput:
     """DecompX of input b of a traced sequence-classification model (trace captured with ffn=True)."""
     adapter = trace.adapter
-    steps, final, last = _head(trace.model, adapter.family.name)
+    steps, final, last = _head(trace.model, adapter)
     n = int(trace.mask[b].sum())
     norms, sums = [], []
     for x in _propagated(trace, b, value_bias):
@@ -224,12 +226,14 @@ def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values"
     adapter = trace.adapter
     *_, x = _propagated(trace, b, value_bias)
     h = x[pos : pos + 1]  # [1, k, d]
-    if adapter.family.pre_ln:
-        base = adapter.base
-        final = Norm(base.ln_f if adapter.family.name == "gpt2" else base.norm, adapter.family.rms)
+    final = final_norm(adapter) if adapter.family.pre_ln else None
+    if final is not None:
         out = trace.layers[-1].out  # [B, n, d]
         assert out is not None  # a full trace (ffn=True) keeps the last layer's output
         h = _apply_norm(h, final, out[b, pos : pos + 1])
+    proj = final_proj(adapter)
+    if proj is not None:  # OPT's project_out (no bias)
+        h = h @ linear_xw(proj)[0].float()
     return h[0]
 
 
