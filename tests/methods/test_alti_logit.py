@@ -110,7 +110,7 @@ def test_the_check_catches_a_wrong_decomposition(tokenizer, qk_rows):
             get_method("alti_logit")(tr)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "bloom", "gpt_neox"])
 def test_bfloat16_checks_within_its_rounding(tokenizer, family):
     """A bfloat16 model runs in bfloat16; the sums are checked to its rounding (`norms.tolerance`), and the scores
     agree with the float32 model's to that rounding."""

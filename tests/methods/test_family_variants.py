@@ -81,6 +81,27 @@ def test_parallel_block_attention_sum_and_identity_norm(tokenizer):
     np.testing.assert_allclose(res["norm_resln"].values, res["norm_res"].values, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("family", ["gpt_neox", "falcon", "bloom"])
+def test_the_check_is_live(tokenizer, family, monkeypatch):
+    """Where the trace forms the attention residual sum itself (parallel blocks) the checks still compare with the
+    model's real outputs: value vectors changed after the forward pass fail the norm engine's and ALTI-Logit's;
+    a wrong W_V (what DecompX propagates through) fails DecompX's."""
+    from mixlens.errors import ReconstructionError
+    from mixlens.methods import get as get_method
+
+    lens = random_lens(family, tokenizer, head="AutoModelForCausalLM")
+    for name in ("norm_res", "alti_logit"):
+        tr = lens.trace(lens.encode(SENTENCES[:1]), ffn=True)
+        tr.layers[1].value.add_(0.1)
+        with pytest.raises(ReconstructionError, match="differ"):
+            get_method(name)(tr)
+    tr = lens.trace(lens.encode(SENTENCES[:1]), ffn=True)
+    lay = lens.adapter.layers[1]
+    monkeypatch.setattr(lay, "raw_w_v", -lay.raw_w_v)
+    with pytest.raises(ReconstructionError, match="differ"):
+        get_method("decompx_logit")(tr)
+
+
 @pytest.mark.parametrize(
     ("family", "overrides", "why"),
     [
