@@ -96,6 +96,15 @@ CONFIGS = {
         norm_rel_ebd="layer_norm",
         **_SMALL,
     ),
+    # parallel blocks, ALiBi, learned positions (docs/DESIGN.md §3.6)
+    "opt": lambda: T.OPTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64
+    ),
+    "bloom": lambda: T.BloomConfig(hidden_size=64, n_layer=2, n_head=4),
+    "gpt_neox": lambda: T.GPTNeoXConfig(rotary_pct=0.5, **_SMALL),  # parallel residual, partial rotary
+    "falcon": lambda: T.FalconConfig(  # parallel attention + MLP, multi-query
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, bias=True
+    ),
 }
 _ZERO_NORMS = ("gemma3_text", "gemma2")  # (1 + w) norms initialised at w = 0: randomised so that w matters
 _RANDOM_NORMS = (
@@ -105,6 +114,8 @@ _RANDOM_NORMS = (
     "granite",
 )  # norms (and LayerNorm biases) randomised so that a misread norm shows
 _RANDOM_AFFINE = ("modernbert", "deberta-v2")  # biases (initialised at 0) and norm scales (at 1) randomised
+# biases initialised at 0 and norms at γ = 1, β = 0: randomised so that every bias and every norm's affine part matters
+_ZERO_BIASES = ("opt", "bloom", "gpt_neox", "falcon")
 FAMILIES = list(CONFIGS)
 
 
@@ -158,6 +169,13 @@ def random_model(family: str, tokenizer, head: str = "AutoModel", seed: int = 0,
                     p.normal_(0, 0.2)
                 elif "norm" in name.lower():
                     p.uniform_(0.3, 1.3)
+    if family in _ZERO_BIASES:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.05)
+                elif p.dim() == 1:  # a norm's γ
+                    p.normal_(1, 0.3)
     return model
 
 

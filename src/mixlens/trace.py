@@ -40,7 +40,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mixlens import inplace
-from mixlens.adapters import Adapter, get_path
+from mixlens.adapters import Adapter, Layer, get_path
 from mixlens.errors import MixlensError
 from mixlens.memory import LONG_TOKENS, release
 from mixlens.rowattn import QKRows, attend, dense_mask, mask_interface
@@ -154,7 +154,8 @@ class _Session:
 
     def __init__(self, adapter: Adapter, edits: dict[str, Edit], start: int, stop: int, qk_rows: bool = False):
         self.edits = edits
-        self.qk_rows = qk_rows  # attention rows from q and K (`mixlens.rowattn`): no [B, H, n, n] α
+        # attention rows from q and K (`mixlens.rowattn`): no [B, H, n, n] α; not where α takes a per-head bias (ALiBi)
+        self.qk_rows = qk_rows and adapter.family.row_mode
         self.inplace = adapter.family.inplace_attention
         self.causal = adapter.family.causal
         self.start, self.stop = start, stop
@@ -327,6 +328,20 @@ def _module_route(adapter: Adapter, s: _Session) -> list[torch.utils.hooks.Remov
         s.rec["value"].append(v)
         return v.transpose(1, 2).flatten(2)
 
+    def fused(o: torch.Tensor, lay: Layer) -> torch.Tensor | None:
+        """A fused qkv output laid out [H_kv, m, d_h] per token (`Family.qkv_groups`, BLOOM): v is the last of m."""
+        if not s.active:
+            return None
+        groups = o.unflatten(-1, (lay.n_kv_heads, -1, lay.d_head))  # [B, n, H_kv, m, d_h]
+        name = f"blocks.{s.layer}.attn.v"
+        v = s.edit(name, groups[..., -1, :].transpose(1, 2))  # [B, H_kv, n, d_h]
+        s.rec["value"].append(v)
+        if name not in s.edits:
+            return None
+        groups = groups.clone()
+        groups[..., -1, :] = v.transpose(1, 2)
+        return groups.flatten(-3)
+
     def pattern(m: nn.Module, a: tuple, o: torch.Tensor) -> torch.Tensor | None:
         if not s.active:
             return None
@@ -342,7 +357,10 @@ def _module_route(adapter: Adapter, s: _Session) -> list[torch.utils.hooks.Remov
 
     for lay in adapter.layers:
         v_proj, probs = get_path(lay.module, fam.v_proj), get_path(lay.module, fam.probs)
-        handles.append(v_proj.register_forward_hook(lambda m, a, o, h=lay.n_heads: value(o, h)))
+        if fam.qkv_groups:
+            handles.append(v_proj.register_forward_hook(lambda m, a, o, lay=lay: fused(o, lay)))
+        else:
+            handles.append(v_proj.register_forward_hook(lambda m, a, o, h=lay.n_heads: value(o, h)))
         handles.append(probs.register_forward_hook(pattern))
         if any(k.endswith(".attn.z") for k in s.edits):
             handles.append(lay.o_proj.register_forward_pre_hook(lambda m, a, d_h=lay.d_head: z(a, d_h)))
@@ -471,10 +489,15 @@ def hooked(
             if halt_out and s.layer == stop:
                 raise _Stop(s)
 
+    def tokens(t: torch.Tensor) -> torch.Tensor:
+        """[B, n, ...] as the layer input: OPT runs its FFN block on [B·n, d]."""
+        x = rec["x"][-1]
+        return t if t.dim() == x.dim() else t.view(*x.shape[:2], -1)
+
     def mix(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
         if s.active:
-            rec["mix_in"].append(args[0])
-            rec["mix_out"].append(out)
+            rec["mix_in"].append(tokens(args[0]))
+            rec["mix_out"].append(tokens(out))
             if stop_at_mix and s.layer == stop:
                 complete()
                 raise _Stop(s)
@@ -494,6 +517,12 @@ def hooked(
 
         return forward
 
+    def parallel_sum(lay: Layer, attn_out: torch.Tensor) -> None:
+        """A parallel block's attention residual sum x + attention output (float32), through its identity ln_mix,
+        whose hooks record it as `mix_in` and `mix_out` (the block itself never forms it)."""
+        if s.active:
+            lay.ln_mix.module(rec["x"][-1].float() + attn_out.float())
+
     def capture(mod: nn.Module | None, name: str, take: Callable[[tuple, Any], torch.Tensor]) -> None:
         if mod is None or (id(mod), name) in seen:  # ALBERT: a shared module fires once per layer
             return
@@ -501,7 +530,7 @@ def hooked(
 
         def hook(m: nn.Module, args: tuple, out: Any) -> None:
             if s.active:
-                rec[name].append(take(args, out))
+                rec[name].append(tokens(take(args, out)))
 
         handles.append(mod.register_forward_hook(hook))
 
@@ -536,6 +565,8 @@ def hooked(
                     handles.append(fed.register_forward_hook(mix))
                 else:  # no norm after the sum (OLMo 2): the unit norm of the sum, applied here
                     handles.append(fed.register_forward_hook(_unit_mix(mix, lay.ln_mix.module)))
+            if adapter.family.parallel:
+                handles.append(lay.o_proj.register_forward_hook(lambda m, a, o, lay=lay: parallel_sum(lay, _first(o))))
             if ffn == "update":
                 capture(lay.ffn_out, "ffn_update", _taking(scale))
             elif ffn:

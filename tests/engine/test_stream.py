@@ -18,7 +18,8 @@ from mixlens.trace import LayerTrace
 from tests.conftest import SENTENCES, random_lens
 from tests.real_models.test_real_models import CHECKPOINTS, model_dir
 
-FAMILIES = ["bert", "gpt2", "llama", "mpnet", "gemma3_text"]  # post-LN, causal pre-LN (LayerNorm, RMS), sandwich
+# post-LN, causal pre-LN (LayerNorm, RMS), sandwich, ALiBi (α kept whole), parallel multi-query
+FAMILIES = ["bert", "gpt2", "llama", "mpnet", "gemma3_text", "bloom", "falcon"]
 
 
 def _rows(full: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods import get as get_method
 from tests.conftest import SENTENCES, random_lens, run_cli
 
-DECODERS = ["gpt2", "llama", "gemma2", "gemma3_text"]
+DECODERS = ["gpt2", "llama", "gemma2", "gemma3_text", "opt", "bloom", "gpt_neox", "falcon"]
 METHODS = ["alti_logit", "logit_attn"]
 REF_ENV = "MIXLENS_LOGIT_EXPLANATIONS"  # a checkout of github.com/mt-upc/logit-explanations (never committed here)
 
@@ -110,7 +110,7 @@ def test_the_check_catches_a_wrong_decomposition(tokenizer, qk_rows):
             get_method("alti_logit")(tr)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "bloom", "gpt_neox"])
 def test_bfloat16_checks_within_its_rounding(tokenizer, family):
     """A bfloat16 model runs in bfloat16; the sums are checked to its rounding (`norms.tolerance`), and the scores
     agree with the float32 model's to that rounding."""
@@ -271,6 +271,31 @@ def test_equals_the_authors_code_on_gpt2(tokenizer, pairwise_eps):
     whose ‖y_i‖₁ ≈ 2; 1e-6 · d against ‖y_i‖₁ in the hundreds for GPT-2 itself)."""
     ref = _reference()
     lens = random_lens("gpt2", tokenizer, head="AutoModelForCausalLM", seed=4, n_layer=3)
+    errs = _against_the_authors(ref, lens, pairwise_eps)
+    assert all(v < 1e-4 for v in errs.values()), errs
+
+
+@pytest.mark.parametrize("weights", ["init", "small"])
+@pytest.mark.parametrize("family", ["opt", "bloom"])
+def test_equals_the_authors_code_on_opt_and_bloom(tokenizer, family, weights):
+    """The paper's own models: the same comparison on random OPT (pre-LN, learned positions) and BLOOM (ALiBi, fused
+    per-head qkv) configs with non-trivial biases and norms (`tests.conftest`), 3 layers; "small" scales every
+    matrix and bias by 0.1 so that the norms' ε is larger than their inputs' variance (an ε misplaced would show).
+    Their pairwise-distance eps is set to 0 (the one convention that differs, as on GPT-2)."""
+    ref = _reference()
+    lens = random_lens(family, tokenizer, head="AutoModelForCausalLM", seed=4, num_hidden_layers=3)
+    if weights == "small":
+        with torch.no_grad():
+            for name, p in lens.model.named_parameters():
+                if p.dim() == 2 or "norm" not in name and name.endswith("bias"):
+                    p.mul_(0.1)
+    errs = _against_the_authors(ref, lens, 0.0)
+    assert all(v < 1e-4 for v in errs.values()), errs
+
+
+def _against_the_authors(ref, lens, pairwise_eps: float | None) -> dict[str, float]:
+    """Relative differences of `logit_attn` (per layer, per head), `alti_logit` (per layer, summed) and the
+    remainder from the authors' code on the first sentence, target 5, foil 7."""
     text, target, foil = SENTENCES[0], 5, 7
     enc = lens.encode([text])
     logit_vec, modules, alti_data = _run_reference(ref, lens.model.eval(), enc, [target, foil], pairwise_eps)
@@ -302,6 +327,7 @@ def test_equals_the_authors_code_on_gpt2(tokenizer, pairwise_eps):
         "alti_logit": np.abs(alti.values[0] - ref_alti.sum(0).numpy()).max() / scale,
         "remainder": abs(float(direct.extras["remainder"][0]) - ref_rest) / max(1.0, abs(ref_rest)),
     }
-    print(f"relative differences to mt-upc/logit-explanations (pairwise eps {pairwise_eps}):",
+    name = lens.adapter.family.name
+    print(f"relative differences to mt-upc/logit-explanations ({name}, pairwise eps {pairwise_eps}):",
           {k: f"{v:.2e}" for k, v in errs.items()})  # fmt: skip
-    assert all(v < 1e-4 for v in errs.values()), errs
+    return errs

@@ -7,6 +7,7 @@ block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm, Gemma's
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,19 @@ class Family:
     ln_mix_unit: bool = False  # no norm follows the attention residual sum (OLMo 2: h = x + g^post(Attn(x))):
     # `ln_mix` names the module the sum feeds (the FFN) and the engine's ln_mix is a unit RMSNorm (γ = 1, the model's
     # eps) that mixlens applies to the captured sum itself, so N-ResLN = N-Res / s_i (refused) and ResLN-N = Res-N
+    final_proj: str | None = None  # a bias-free linear map after the final norm, before the head (OPT's project_out)
+    parallel: bool = False  # x + Attn(ln_in(x)) + FFN(ln_ffn(x)) (NeoX, Falcon): no norm after the attention residual
+    # sum, so `ln_mix` is the identity (docs/DESIGN.md §3.6, "Parallel blocks")
+    ln_ffn: str | None = None  # parallel blocks: the norm whose output the FFN reads (it may be ln_in itself)
+    qkv_groups: bool = False  # a fused qkv laid out per key/value head, [H_kv, m, d_h] with v last in each group
+    # (NeoX, BLOOM: [H, 3, d_h]; Falcon: [H_kv, H / H_kv + 2, d_h]); else GPT-2's [q | k | v]
+    row_mode: bool = True  # α's rows can be rebuilt from q, K and an index mask (`mixlens.rowattn`); False: the
+    # attention adds a per-head bias (ALiBi) or is computed by the family's own code, so a trace keeps α
+    kv_heads: int | None = None  # key/value heads, where the config's `num_key_value_heads` may not say (set by
+    # `layout`: Falcon derives them from multi_query / new_decoder_architecture as its attention does)
+    layout: Callable[[Any], dict[str, Any]] | None = None  # config → the fields that differ for this config (a
+    # variant of the block: OPT's do_layer_norm_before, NeoX's use_parallel_residual, Falcon's layouts); raises
+    # MixlensError for a variant outside the math
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -85,6 +99,55 @@ _LLAMA_LIKE: dict[str, Any] = dict(
     causal=True,
     inplace_attention=True,
 )
+
+
+# ---- parallel blocks, ALiBi, learned positions (OPT, BLOOM, GPT-NeoX, Falcon): the per-config variants ----
+
+
+def _opt_layout(cfg: Any) -> dict[str, Any]:
+    """OPT: pre-LN (`do_layer_norm_before`, 125m and ≥ 1.3b) or post-LN like BERT (350m)."""
+    if not getattr(cfg, "layer_norm_elementwise_affine", True):
+        raise MixlensError("'opt' with layer_norm_elementwise_affine=False (norms without γ, β) is not supported")
+    if cfg.do_layer_norm_before:
+        return {} if not getattr(cfg, "_remove_final_layer_norm", False) else {"final_norm": None}
+    post = dict(pre_ln=False, ln_in=None, ln_mix="self_attn_layer_norm", ln_out="final_layer_norm", final_norm=None)
+    return post
+
+
+def _bloom_layout(cfg: Any) -> dict[str, Any]:
+    if getattr(cfg, "apply_residual_connection_post_layernorm", False):
+        raise MixlensError(
+            "'bloom' with apply_residual_connection_post_layernorm=True (the residual is LN(x)) is not supported"
+        )
+    if getattr(cfg, "pretraining_tp", 1) > 1 and getattr(cfg, "slow_but_exact", False):
+        raise MixlensError(
+            "'bloom' with slow_but_exact=True and pretraining_tp > 1 (a sliced output projection) is not supported"
+        )
+    return {}
+
+
+def _neox_layout(cfg: Any) -> dict[str, Any]:
+    """GPT-NeoX / Pythia: parallel (`use_parallel_residual`, the default) or sequential pre-LN."""
+    return dict(parallel=True, ln_mix="", ln_ffn="post_attention_layernorm") if cfg.use_parallel_residual else {}
+
+
+def _falcon_layout(cfg: Any) -> dict[str, Any]:
+    """Falcon: parallel attention + MLP with one norm (7b) or two (`new_decoder_architecture`, 40b / 180b), or a
+    sequential pre-LN block (`parallel_attn=False`); ALiBi (`alibi`) keeps α whole in a trace."""
+    kv = cfg.num_kv_heads if cfg.new_decoder_architecture or not cfg.multi_query else 1
+    out: dict[str, Any] = {"row_mode": not cfg.alibi, "kv_heads": kv}
+    if cfg.new_decoder_architecture:
+        if not cfg.parallel_attn:
+            raise MixlensError("'falcon' with new_decoder_architecture and parallel_attn=False is not supported")
+        two = cfg.num_ln_in_parallel_attn in (None, 2)
+        ln_in, ln_ffn = ("ln_attn", "ln_mlp") if two else ("input_layernorm", "input_layernorm")
+        return {**out, "parallel": True, "ln_mix": "", "ln_in": ln_in, "ln_ffn": ln_ffn}
+    if cfg.parallel_attn:
+        return {**out, "parallel": True, "ln_mix": "", "ln_ffn": "input_layernorm"}
+    return {**out, "ln_mix": "post_attention_layernorm"}
+
+
+_FUSED_GROUPS: dict[str, Any] = dict(pre_ln=True, rms=False, causal=True, fused_qkv=True, qkv_groups=True)
 
 FAMILIES: tuple[Family, ...] = (
     Family("bert", ("bert",), **_BERT_LIKE),
@@ -245,6 +308,75 @@ FAMILIES: tuple[Family, ...] = (
         layer_tuple=True,
         check=lambda cfg: _deberta_check(cfg),
     ),
+    # parallel blocks, ALiBi, learned positions (docs/DESIGN.md §3.6)
+    Family(
+        "opt",
+        ("opt",),
+        layers="decoder.layers",
+        pre_ln=True,
+        rms=False,
+        attn="self_attn",
+        v_proj="self_attn.v_proj",
+        o_proj="self_attn.out_proj",
+        ln_mix="final_layer_norm",
+        ffn_in="fc1",
+        ffn_out="fc2",
+        ln_in="self_attn_layer_norm",
+        causal=True,
+        inplace_attention=True,
+        final_norm="decoder.final_layer_norm",
+        final_proj="decoder.project_out",
+        layout=_opt_layout,
+    ),
+    Family(
+        "bloom",
+        ("bloom",),
+        layers="h",
+        attn="self_attention",
+        v_proj="self_attention.query_key_value",
+        o_proj="self_attention.dense",
+        ln_mix="post_attention_layernorm",
+        ffn_in="mlp.dense_h_to_4h",
+        ffn_out="mlp.dense_4h_to_h",
+        ln_in="input_layernorm",
+        probs="self_attention.attention_dropout",
+        row_mode=False,
+        final_norm="ln_f",
+        layout=_bloom_layout,
+        **_FUSED_GROUPS,
+    ),
+    Family(
+        "gpt_neox",
+        ("gpt_neox",),
+        layers="layers",
+        attn="attention",
+        v_proj="attention.query_key_value",
+        o_proj="attention.dense",
+        ln_mix="post_attention_layernorm",
+        ffn_in="mlp.dense_h_to_4h",
+        ffn_out="mlp.dense_4h_to_h",
+        ln_in="input_layernorm",
+        inplace_attention=True,
+        final_norm="final_layer_norm",
+        layout=_neox_layout,
+        **_FUSED_GROUPS,
+    ),
+    Family(
+        "falcon",
+        ("falcon",),
+        layers="h",
+        attn="self_attention",
+        v_proj="self_attention.query_key_value",
+        o_proj="self_attention.dense",
+        ln_mix="post_attention_layernorm",
+        ffn_in="mlp.dense_h_to_4h",
+        ffn_out="mlp.dense_4h_to_h",
+        ln_in="input_layernorm",
+        inplace_attention=True,
+        final_norm="ln_f",
+        layout=_falcon_layout,
+        **_FUSED_GROUPS,
+    ),
 )
 
 
@@ -272,17 +404,6 @@ def family_for(model_type: str) -> Family:
     raise MixlensError(
         f"unsupported architecture '{model_type}'; supported model types: {', '.join(supported_model_types())}"
     )
-
-
-def final_norm(adapter: Adapter) -> Norm:
-    """The norm between a pre-LN decoder's last layer and its head (GPT-2's ln_f, Llama's norm)."""
-    fam, base = adapter.family, adapter.base
-    paths = (fam.final_norm,) if fam.final_norm else ("ln_f", "norm")
-    for path in paths:
-        module = getattr(base, path, None)
-        if module is not None:
-            return Norm(module, fam.rms, fam.norm_offset)
-    raise MixlensError(f"cannot find the final norm of {type(base).__name__}")
 
 
 def logit_scale(adapter: Adapter) -> float:
@@ -337,6 +458,7 @@ class Norm:
     rms: bool
     offset: bool = False  # the module scales by (1 + weight) (Gemma)
     _float32: dict = field(default_factory=dict, repr=False, compare=False)
+    identity: bool = False  # no norm at all (`NoNorm`: a parallel block's ln_mix): g_i(v) = v, s_i = 1
 
     @property
     def weight(self) -> torch.Tensor:
@@ -367,11 +489,50 @@ class Norm:
 
     def scale(self, y: torch.Tensor) -> torch.Tensor:
         """s_i from the real pre-norm vectors y [..., d] → [...] (biased variance of the whole vector)."""
+        if self.identity:
+            return torch.ones_like(y[..., 0])
         c = self.center(y)
         return torch.sqrt(c.pow(2).mean(-1) + self.eps)
 
     def shift(self) -> torch.Tensor:
         return self.bias if self.bias is not None else torch.zeros_like(self.weight)
+
+
+class NoNorm(nn.Module):
+    """The identity where a block has no norm after the attention residual sum (parallel blocks): the trace passes
+    that sum, x + attention output, through it, so its hooks record `mix_in` = `mix_out` as for a real norm. It is
+    mixlens's own object, never a submodule of the model."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.register_buffer("weight", torch.ones(d), persistent=False)
+        self.eps = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def identity_norm(d: int) -> Norm:
+    return Norm(NoNorm(d), rms=True, identity=True)
+
+
+def final_norm(adapter: Adapter) -> Norm | None:
+    """The norm between the last layer and the model head (`Family.final_norm`, else the base model's `ln_f` or
+    `norm`), None where there is none (a post-LN model)."""
+    fam, base = adapter.family, adapter.base
+    if fam.final_norm is not None:
+        module = get_path(base, fam.final_norm)
+    else:
+        module = getattr(base, "ln_f", None)
+        module = getattr(base, "norm", None) if module is None else module
+    return None if module is None else Norm(module, fam.rms, fam.norm_offset)
+
+
+def final_proj(adapter: Adapter) -> nn.Module | None:
+    """The bias-free linear map after the final norm, before the model head (OPT's `project_out`), if the model has
+    one."""
+    path = adapter.family.final_proj
+    return None if path is None else get_path(adapter.base, path)
 
 
 @dataclass
@@ -403,6 +564,7 @@ class Layer:
     branch_scale: float = 1.0  # the attention and FFN outputs enter the residual stream times this (Granite); it is
     # folded into raw_w_o / raw_b_o, and the trace's attention and FFN outputs are captured after it
     _float32: dict = field(default_factory=dict, repr=False, compare=False)  # float32 copies of raw_* weights
+    ln_ffn: Norm | None = None  # parallel blocks: the norm whose output the FFN reads (ln_mix is then the identity)
 
     # The weights in float32 (themselves for a float32 model; else upcast once per weight version).
     @property
@@ -458,9 +620,11 @@ def resolve(model: Any) -> Adapter:
     """Find the family of an HF model (any AutoModel head) and its per-layer modules."""
     cfg = model.config
     fam = family_for(cfg.model_type)
+    if fam.layout is not None:  # this config's variant of the block
+        fam = dataclasses.replace(fam, **fam.layout(cfg))
     base = model.base_model
     n_heads = cfg.num_attention_heads
-    n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+    n_kv = fam.kv_heads or getattr(cfg, "num_key_value_heads", None) or n_heads
     layers = []
 
     why = fam.check(cfg) if fam.check is not None else None
@@ -476,7 +640,11 @@ def resolve(model: Any) -> Adapter:
         proj = get_path(mod, fam.o_proj)
         w_o, b_o = linear_xw(proj)
         w_v, b_v = linear_xw(get_path(mod, fam.v_proj))
-        if fam.fused_qkv:  # GPT-2 c_attn, Phi-3 qkv_proj: [q | k | v], v the last H_kv · d_head columns
+        if fam.qkv_groups:  # [H_kv, m, d_h] per key/value head, v last in each group
+            d_h = w_o.shape[0] // n_heads
+            w_v = w_v.unflatten(1, (n_kv, -1, d_h))[:, :, -1].flatten(1)
+            b_v = b_v.unflatten(0, (n_kv, -1, d_h))[:, -1].flatten() if b_v is not None else None
+        elif fam.fused_qkv:  # GPT-2 c_attn, Phi-3 qkv_proj, ModernBERT Wqkv: [q | k | v], v the last H_kv · d_head
             start = w_v.shape[1] - n_kv * (w_o.shape[0] // n_heads)
             w_v, b_v = w_v[:, start:], (b_v[start:] if b_v is not None else None)
         scale = float(cfg.residual_multiplier) if fam.multipliers else 1.0
@@ -505,7 +673,12 @@ def resolve(model: Any) -> Adapter:
                 raw_b_o=b_o,
                 raw_w_v=w_v,
                 raw_b_v=b_v,
-                ln_mix=ln_mix or Norm(get_path(mod, fam.ln_mix), fam.rms, fam.norm_offset),
+                ln_mix=ln_mix
+                or (
+                    identity_norm(w_o.shape[1])
+                    if fam.parallel
+                    else Norm(get_path(mod, fam.ln_mix), fam.rms, fam.norm_offset)
+                ),
                 ffn_in=get_path(mod, fam.ffn_in),
                 ffn_out=get_path(mod, fam.ffn_out),
                 ln_in=norm(mod, fam.ln_in),
@@ -516,6 +689,7 @@ def resolve(model: Any) -> Adapter:
                 fused_gate_up=fam.fused_gate_up,
                 branch_scale=scale,
                 mix_at=mix_at,
+                ln_ffn=norm(mod, fam.ln_ffn),
             )
         )
     return Adapter(family=fam, base=base, layers=layers)

@@ -66,6 +66,7 @@ class LayerWeights(NamedTuple):
     w_probe: Array  # [H, P, d_h]  (W_O^h r_p)ᵀ
     eps: float  # the norm's ε
     rms: bool  # RMSNorm: no centring
+    identity: bool  # no norm (a parallel block's ln_mix): s_i = 1 (with rms, γ = 1, β = 0: g is the identity)
 
 
 class TokenResults(NamedTuple):
@@ -240,7 +241,7 @@ def token_pass(
             ptn2 += ct * ct
             co = gamma[k] * (attn_out[row, k] - b_o[k] - u[k] - m_o)
             pon2 += co * co
-        s = np.sqrt(var / fd + eps32)
+        s = np.float32(1.0) if wt.identity else np.sqrt(var / fd + eps32)
         err_out = np.int32(0)
         for k in range(d):
             r = gamma[k] * (attn_out[row, k] + x[row, k] - m_y) / s + beta[k]

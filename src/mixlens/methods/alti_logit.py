@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mixlens.adapters import Family, Layer, Norm, final_norm, logit_scale
+from mixlens.adapters import Family, Layer, Norm, final_norm, final_proj, linear_xw, logit_scale
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.alti import layer_fn
 from mixlens.methods.engine import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
@@ -52,8 +52,10 @@ EXTRAS = {"layers": ("layer", "source"), "mlp": ("layer",), "remainder": ()}
 
 def decoder_only(family: Family) -> str | None:
     """Pre-LN causal decoders (GPT-2, Llama-style, Gemma 2/3): the next-token logit of a causal LM head."""
-    if not (family.causal and family.pre_ln):
+    if not family.causal:
         return f"it explains a causal decoder's next-token logit, and {family.name} is an encoder"
+    if not family.pre_ln:
+        return "it splits a pre-LN residual stream into updates; this post-LN decoder renormalises every residual sum"
     return None
 
 
@@ -80,7 +82,10 @@ def _check_head(trace: Trace, name: str) -> tuple[torch.Tensor, torch.Tensor | N
 
 def _final_norm(trace: Trace) -> Norm:
     """The norm between the last layer and the unembedding (GPT-2's ln_f, Llama's and Gemma's norm)."""
-    return final_norm(trace.adapter)
+    norm = final_norm(trace.adapter)
+    if norm is None:
+        raise MixlensError(f"cannot find the final norm of {type(trace.adapter.base).__name__}")
+    return norm
 
 
 def _softcap(trace: Trace) -> float | None:
@@ -123,7 +128,12 @@ def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, positi
     _, ro = readout(
         trace.model, trace.tokenizer, SimpleNamespace(logits=trace.logits), trace.inputs, target, foil, position
     )
-    norm, cap, head_scale = _final_norm(trace), _softcap(trace), logit_scale(trace.adapter)
+    norm, cap, proj, head_scale = (
+        _final_norm(trace),
+        _softcap(trace),
+        final_proj(trace.adapter),
+        logit_scale(trace.adapter),
+    )
     layers, adapter = trace.layers, trace.adapter
     last = layers[-1].out
     assert last is not None  # a full trace (the method reads the head: `Method.needs_output`)
@@ -139,6 +149,8 @@ def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, positi
         p = int(ro.position[b])
         ids = [int(ro.index[b])] + ([int(ro.foil[b])] if int(ro.foil[b]) >= 0 else [])
         w = w_u[ids].float().to(dev) * head_scale  # [c, d]: the target's row (and the foil's), times the logit scale
+        if proj is not None:  # a linear map between the final norm and the unembedding (OPT's project_out)
+            w = w @ linear_xw(proj)[0].float().T.to(dev)
         h = last[b, p].float()
         u = norm.center(gamma * w) / norm.scale(h)  # [c, d]: h · u = (γ ⊙ C(h) / s_f) · w
         parts = torch.zeros(len(ids), n_layers, n_heads, p + 1, device=dev)  # per direction

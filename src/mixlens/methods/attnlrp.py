@@ -69,7 +69,11 @@ def _is_norm(m: nn.Module) -> bool:
 
 
 def _is_activation(m: nn.Module) -> bool:
-    return type(m).__module__ == "transformers.activations" or isinstance(m, _ACTIVATIONS)
+    return (
+        type(m).__module__ == "transformers.activations"
+        or isinstance(m, _ACTIVATIONS)
+        or type(m).__name__ == "BloomGelu"  # BLOOM's own tanh-GELU module
+    )
 
 
 def _norm_hook(norm: Norm, path: str) -> Callable[..., torch.Tensor]:
@@ -104,6 +108,11 @@ def _qkv(adapter: Adapter, layer: nn.Module, cp: bool) -> list[tuple[nn.Module, 
     parent_path, _, v_name = fam.v_proj.rpartition(".")
     parent = get_path(layer, parent_path) if parent_path else layer
     v = getattr(parent, v_name)
+    if fam.qkv_groups:  # [H_kv, m, d_h] per key/value head, v last in each group (NeoX, BLOOM, Falcon)
+        lay = next(lay for lay in adapter.layers if lay.module is layer)
+        factor = torch.full((lay.n_kv_heads, v.weight.shape[0] // (lay.n_kv_heads * lay.d_head), lay.d_head), fq)
+        factor[:, -1] = fv
+        return [(v, factor.flatten())]
     if fam.fused_qkv:  # GPT-2's c_attn, Phi-3's qkv_proj, ModernBERT's Wqkv: [q | k | v]
         width, lay = linear_xw(v)[0].shape[1], adapter.layers[0]
         d_v = lay.n_kv_heads * lay.d_head

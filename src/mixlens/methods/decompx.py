@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from mixlens.adapters import Adapter, Layer, Norm, ffn_in_xw, ffn_out_xw, final_norm, linear_xw
+from mixlens.adapters import Adapter, Layer, Norm, ffn_in_xw, ffn_out_xw, final_norm, final_proj, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import Option, Planned, register, vector_dense
@@ -141,7 +141,10 @@ def _layer(x: torch.Tensor, lt: LayerTrace, lay: Layer, pre_ln: bool, b: int, ow
     out = torch.empty_like(y)
     for r in _rows(n, max(d, d_ff)):
         yr = share(y[r], b_att)  # Σ_k = the real norm input (mix_in)
-        zr = _apply_norm(yr, lay.ln_mix, lt.mix_in[b, :n][r])  # Σ_k = mix_out
+        if lay.ln_ffn is not None:  # a parallel block: the FFN reads ln_ffn(x) of the layer input
+            zr = _apply_norm(x[r], lay.ln_ffn, lt.x[b, :n][r])
+        else:
+            zr = _apply_norm(yr, lay.ln_mix, lt.mix_in[b, :n][r])  # Σ_k = mix_out
         fr = _ffn(zr, lt, lay, b, n, r)
         if pre_ln:
             out[r] = yr + fr
@@ -183,7 +186,8 @@ def _head(model: Any, adapter: Adapter) -> tuple[list[Step], Norm | None, Pool]:
         head, pool = model.head, model.config.classifier_pooling
         steps: list[Step] = [(head.dense, head.act), Norm(head.norm, rms=False), (model.classifier, None)]
         return steps, Norm(model.base_model.final_norm, rms=False), "mean" if pool == "mean" else "first"
-    return [(model.score, None)], final_norm(adapter), "last"
+    proj = final_proj(adapter)  # OPT's project_out, between the final norm and the score head
+    return [*([(proj, None)] if proj is not None else []), (model.score, None)], final_norm(adapter), "last"
 
 
 @torch.no_grad()
@@ -235,11 +239,14 @@ def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values"
     adapter = trace.adapter
     *_, x = _propagated(trace, b, value_bias)
     h = x[pos : pos + 1]  # [1, k, d]
-    if adapter.family.pre_ln:
-        final = final_norm(adapter)
+    final = final_norm(adapter) if adapter.family.pre_ln else None
+    if final is not None:
         out = trace.layers[-1].out  # [B, n, d]
         assert out is not None  # a full trace (ffn=True) keeps the last layer's output
         h = _apply_norm(h, final, out[b, pos : pos + 1])
+    proj = final_proj(adapter)
+    if proj is not None:  # OPT's project_out (no bias)
+        h = h @ linear_xw(proj)[0].float()
     return h[0]
 
 

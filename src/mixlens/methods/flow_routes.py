@@ -69,6 +69,11 @@ def pre_ln_stream(family: Family) -> str | None:
             "information-flow routes follow a pre-LN residual stream (x + Attn(LN(x)) + FFN); a post-LN block "
             "renormalises each sum, so its nodes are not sums of edge vectors"
         )
+    if family.parallel:
+        return (
+            "information-flow routes follow a sequential stream x → x + Attn → + FFN(LN(·)); in a parallel block the "
+            "FFN reads the layer input, not the stream after attention"
+        )
     return None
 
 

@@ -14,7 +14,9 @@ per source position (Hutchinson: E‖J u‖² = ‖J‖_F²) and keeps their sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,27 @@ def input_dim(trace: Trace, where: str) -> int:
     return trace.layers[0].x.shape[-1]
 
 
+# Modules whose forward is a torch.autograd.Function that functorch cannot transform (no `setup_context`), with the
+# plain function of their own modeling file that gives the same floats (BLOOM's GeLUFunction.forward).
+_PLAIN_FORWARD = {"BloomGelu": "bloom_gelu_forward"}
+
+
+@contextmanager
+def _transformable(model: torch.nn.Module) -> Iterator[None]:
+    """Within the context, such modules of `model` run their plain function (see `_PLAIN_FORWARD`)."""
+    swapped = []
+    for m in model.modules():
+        plain = _PLAIN_FORWARD.get(type(m).__name__)
+        if plain is not None and "forward" not in vars(m):
+            m.forward = getattr(sys.modules[type(m).__module__], plain)
+            swapped.append(m)
+    try:
+        yield
+    finally:
+        for m in swapped:
+            del m.forward
+
+
 def states_fn(trace: Trace, where: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """δ [B, n, d_in] ↦ (layer outputs e [L, B, n, d], head contexts o [L, B, H, n, d_h]) of the base model."""
     adapter, inputs = trace.adapter, trace.inputs
@@ -61,7 +84,7 @@ def states_fn(trace: Trace, where: str) -> Callable[[torch.Tensor], tuple[torch.
 
         edits: dict[str, Edit] = {f"blocks.{k}.attn.z": keep for k in range(adapter.n_layers)}
         edits[INPUT_POINTS[where]] = lambda t: t + delta
-        with hooked(adapter, edits) as rec:
+        with _transformable(adapter.base), hooked(adapter, edits) as rec:
             adapter.base(**inputs)
         return torch.stack(rec["out"]), torch.stack(zs)
 

@@ -204,6 +204,7 @@ def _weights(lay: Layer, index: int) -> Weights:
             w_probe=(probes @ w.reshape(h * lay.d_head, d).T).view(PROBES, h, lay.d_head).transpose(0, 1).contiguous(),
             eps=norm.eps,
             rms=norm.rms,
+            identity=norm.identity,
         )
         weights = Weights(
             w_c=(w if norm.rms else w - mean_w[..., None]).contiguous(),
