@@ -101,6 +101,24 @@ def case(lens: mixlens.Lens, methods: list[str], n_tokens: int, repeats: int) ->
     return statistics.median(runs["forward"]), statistics.median(each)
 
 
+def row(fam: Family, model_type: str, tokenizer: Any, args: argparse.Namespace) -> tuple[int, list[str], float]:
+    """(d, the ratio cells, the plain forward's seconds at the longest input) of one family."""
+    longest = max(args.tokens)
+    lens = lens_of(model_type, tokenizer, "AutoModel", args.width, longest)
+    d = int(lens.adapter.layers[0].w_o.shape[1])
+    cells, fwd = [], 0.0
+    for n in args.tokens:
+        fwd, r = case(lens, NORMS, n, args.repeats)
+        cells.append(cell(r))
+    del lens
+    if get_method("logit_attn").refusal(fam) is None:
+        lm = lens_of(model_type, tokenizer, "AutoModelForCausalLM", args.width, longest)
+        cells += [cell(case(lm, ["logit_attn"], n, args.repeats)[1]) for n in args.tokens]
+    else:
+        cells += ["—"] * len(args.tokens)
+    return d, cells, fwd
+
+
 def cell(ratio: float) -> str:
     """A ratio for the table, in bold above the target."""
     return f"**{ratio:.2f}**" if ratio > TARGET else f"{ratio:.2f}"
@@ -133,20 +151,11 @@ def main() -> None:
         if model_type is None:
             print(f"| {fam.name} | {', '.join(fam.model_types)} | no random configuration in tests/conftest.py |")
             continue
-        cells: list[str] = []
-        lens = lens_of(model_type, tokenizer, "AutoModel", args.width, longest)
-        d = lens.adapter.layers[0].w_o.shape[1]
-        fwd = 0.0
-        for n in args.tokens:
-            fwd, r = case(lens, NORMS, n, args.repeats)
-            cells.append(cell(r))
-        del lens
-        if get_method("logit_attn").refusal(fam) is None:
-            lm = lens_of(model_type, tokenizer, "AutoModelForCausalLM", args.width, longest)
-            cells += [cell(case(lm, ["logit_attn"], n, args.repeats)[1]) for n in args.tokens]
-            del lm
-        else:
-            cells += ["—"] * len(args.tokens)
+        try:
+            d, cells, fwd = row(fam, model_type, tokenizer, args)
+        except (MixlensError, RuntimeError, ValueError) as e:  # one family's failure does not end the table
+            print(f"| {fam.name} | {model_type} | failed: {str(e).splitlines()[0][:100]} |", flush=True)
+            continue
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"| {fam.name} | {model_type} | {d} | {' | '.join(cells)} | {fwd:.3f} | {load} |", flush=True)
 
