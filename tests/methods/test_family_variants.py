@@ -16,6 +16,7 @@ from tests.methods.test_capabilities import CHEAP, TEXTS, expected_refusal
 
 VARIANTS = {  # name → (conftest family, config overrides, whether the block is parallel)
     "opt-post-ln": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32), False),  # opt-350m's layout
+    "opt-projected": ("opt", dict(word_embed_proj_dim=32), False),  # pre-LN with project_in / project_out
     "gpt_neox-sequential": ("gpt_neox", dict(use_parallel_residual=False), False),
     "falcon-sequential": ("falcon", dict(parallel_attn=False), False),
     "falcon-multi-head": ("falcon", dict(multi_query=False), True),
