@@ -235,6 +235,8 @@ def load(
     try:
         config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
         family = family_for(config.model_type)  # fail fast on unsupported families
+        if family.layout is not None:  # ... and on a block variant outside the math (`Family.layout`)
+            family.layout(config)
         torch_dtype = DTYPES[checkpoint_dtype(config) if want_dtype == "auto" else want_dtype]
         check_dtype_on(torch_dtype, device)
         chosen = head or _head_for(config)

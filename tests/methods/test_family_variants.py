@@ -16,6 +16,7 @@ from tests.methods.test_capabilities import CHEAP, TEXTS, expected_refusal
 
 VARIANTS = {  # name → (conftest family, config overrides, whether the block is parallel)
     "opt-post-ln": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=32), False),  # opt-350m's layout
+    "opt-projected": ("opt", dict(word_embed_proj_dim=32), False),  # pre-LN with project_in / project_out
     "gpt_neox-sequential": ("gpt_neox", dict(use_parallel_residual=False), False),
     "falcon-sequential": ("falcon", dict(parallel_attn=False), False),
     "falcon-multi-head": ("falcon", dict(multi_query=False), True),
@@ -115,3 +116,17 @@ def test_unsupported_layout_refuses_in_one_line(tokenizer, family, overrides, wh
     with pytest.raises(MixlensError, match=why) as e:
         mixlens.Lens(model, tokenizer)
     assert "\n" not in str(e.value)
+
+
+def test_unsupported_layout_refuses_before_loading(tokenizer, tmp_path, capsys):
+    """`mixlens.load` and the CLI refuse such a checkpoint from its config, in one line (exit 2)."""
+    from tests.conftest import run_cli
+
+    model = random_model("bloom", tokenizer, apply_residual_connection_post_layernorm=True)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(MixlensError, match="apply_residual_connection_post_layernorm"):
+        mixlens.load(str(tmp_path))
+    capsys.readouterr()  # the save's progress bar
+    rc, _, err = run_cli(["analyze", SENTENCES[0], "--model", str(tmp_path), "--method", "norm"], capsys)
+    assert rc == 2 and "apply_residual_connection_post_layernorm" in err and len(err.strip().splitlines()) == 1

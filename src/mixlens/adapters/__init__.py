@@ -28,7 +28,7 @@ class Family:
     attn: str  # the attention module whose eager attention call is captured
     v_proj: str  # value projection (a fused qkv for GPT-2)
     o_proj: str  # attention output projection
-    ln_mix: str  # norm fed by the attention residual sum (post-LN: LN1; pre-LN: LN before the FFN)
+    ln_mix: str  # norm fed by the attention residual sum (post-LN: LN1; pre-LN: LN before the FFN; parallel: "")
     ffn_in: str  # first FFN projection (its output is the pre-activation)
     ffn_out: str  # last FFN projection (its input is the post-activation)
     ln_in: str | None = None  # pre-LN only: the norm applied to x before attention
@@ -66,9 +66,9 @@ class Family:
     # attention adds a per-head bias (ALiBi) or is computed by the family's own code, so a trace keeps α
     kv_heads: int | None = None  # key/value heads, where the config's `num_key_value_heads` may not say (set by
     # `layout`: Falcon derives them from multi_query / new_decoder_architecture as its attention does)
-    layout: Callable[[Any], dict[str, Any]] | None = None  # config → the fields that differ for this config (a
-    # variant of the block: OPT's do_layer_norm_before, NeoX's use_parallel_residual, Falcon's layouts); raises
-    # MixlensError for a variant outside the math
+    layout: Callable[[Any], dict[str, Any]] | None = None  # config → the fields that differ for this config from
+    # the entry, which describes the default config (a variant of the block: OPT's do_layer_norm_before, NeoX's
+    # use_parallel_residual, Falcon's layouts); raises MixlensError for a variant outside the math
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -127,8 +127,8 @@ def _bloom_layout(cfg: Any) -> dict[str, Any]:
 
 
 def _neox_layout(cfg: Any) -> dict[str, Any]:
-    """GPT-NeoX / Pythia: parallel (`use_parallel_residual`, the default) or sequential pre-LN."""
-    return dict(parallel=True, ln_mix="", ln_ffn="post_attention_layernorm") if cfg.use_parallel_residual else {}
+    """GPT-NeoX / Pythia: parallel (`use_parallel_residual`, the default: the table's entry) or sequential pre-LN."""
+    return {} if cfg.use_parallel_residual else dict(parallel=False, ln_mix="post_attention_layernorm", ln_ffn=None)
 
 
 def _falcon_layout(cfg: Any) -> dict[str, Any]:
@@ -139,12 +139,12 @@ def _falcon_layout(cfg: Any) -> dict[str, Any]:
     if cfg.new_decoder_architecture:
         if not cfg.parallel_attn:
             raise MixlensError("'falcon' with new_decoder_architecture and parallel_attn=False is not supported")
-        two = cfg.num_ln_in_parallel_attn in (None, 2)
-        ln_in, ln_ffn = ("ln_attn", "ln_mlp") if two else ("input_layernorm", "input_layernorm")
-        return {**out, "parallel": True, "ln_mix": "", "ln_in": ln_in, "ln_ffn": ln_ffn}
-    if cfg.parallel_attn:
-        return {**out, "parallel": True, "ln_mix": "", "ln_ffn": "input_layernorm"}
-    return {**out, "ln_mix": "post_attention_layernorm"}
+        if cfg.num_ln_in_parallel_attn in (None, 2):
+            return {**out, "ln_in": "ln_attn", "ln_ffn": "ln_mlp"}
+        return out
+    if cfg.parallel_attn:  # the table's entry
+        return out
+    return {**out, "parallel": False, "ln_mix": "post_attention_layernorm", "ln_ffn": None}
 
 
 _FUSED_GROUPS: dict[str, Any] = dict(pre_ln=True, rms=False, causal=True, fused_qkv=True, qkv_groups=True)
@@ -352,12 +352,14 @@ FAMILIES: tuple[Family, ...] = (
         attn="attention",
         v_proj="attention.query_key_value",
         o_proj="attention.dense",
-        ln_mix="post_attention_layernorm",
+        ln_mix="",  # parallel: none (the identity)
         ffn_in="mlp.dense_h_to_4h",
         ffn_out="mlp.dense_4h_to_h",
         ln_in="input_layernorm",
         inplace_attention=True,
         final_norm="final_layer_norm",
+        parallel=True,
+        ln_ffn="post_attention_layernorm",
         layout=_neox_layout,
         **_FUSED_GROUPS,
     ),
@@ -368,12 +370,14 @@ FAMILIES: tuple[Family, ...] = (
         attn="self_attention",
         v_proj="self_attention.query_key_value",
         o_proj="self_attention.dense",
-        ln_mix="post_attention_layernorm",
+        ln_mix="",  # parallel: none (the identity)
         ffn_in="mlp.dense_h_to_4h",
         ffn_out="mlp.dense_4h_to_h",
         ln_in="input_layernorm",
         inplace_attention=True,
         final_norm="ln_f",
+        parallel=True,
+        ln_ffn="input_layernorm",  # the same norm as attention's (7b); `ln_mlp` with two norms (40b, 180b)
         layout=_falcon_layout,
         **_FUSED_GROUPS,
     ),
