@@ -653,14 +653,14 @@ def test_prune_json_has_no_nan(fx, capsys, monkeypatch):
 
 def test_evaluate_ctrl_c_keeps_finished_examples_and_resumes(fx, capsys, monkeypatch):
     """#32 D: Ctrl-C ended evaluate with exit 130 and nothing kept; the same command now resumes."""
-    import mixlens.explain.evaluate as ev_mod
+    import mixlens.explain.scoring as ev_mod
 
     d = Path(fx["dir"])
     (d / "four.txt").write_text("a fine film\na dull movie\nso so\nwhat a ride\n")
     argv = ["evaluate", "--data", str(d / "four.txt"), "-o", fx["out"], "--method", "saliency", "--batch-size", "2"]
     code, _, _ = run_cli([*argv[:4], str(d / "whole"), *argv[5:]], capsys)
     whole = json.loads((d / "whole" / "evaluation.json").read_text())
-    real, calls = ev_mod._perturbed_f, []
+    real, calls = ev_mod.perturbed_f, []
 
     def stop_second(*a, **k):
         calls.append(1)
@@ -668,13 +668,13 @@ def test_evaluate_ctrl_c_keeps_finished_examples_and_resumes(fx, capsys, monkeyp
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(ev_mod, "_perturbed_f", stop_second)
+    monkeypatch.setattr(ev_mod, "perturbed_f", stop_second)
     code, _, err = run_cli(argv, capsys)
     assert code == 130 and "kept 2 of 4 examples" in err and "Resume with the same command" in err, err
     assert len(err.strip().splitlines()) == 1
     part = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
     assert part["interrupted"] == {"examples": 2, "of": 4} and len(part["examples"]) == 2
-    monkeypatch.setattr(ev_mod, "_perturbed_f", real)
+    monkeypatch.setattr(ev_mod, "perturbed_f", real)
     code, _, err = run_cli(argv, capsys)
     assert code == 0 and "resuming the interrupted evaluation" in err, err
     done = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
@@ -686,7 +686,8 @@ def test_evaluate_killed_without_warning_resumes_from_its_checkpoint(fx, capsys,
     """A run killed with no chance to save (SIGKILL, a lost machine; here: an error in the third batch that is not
     Ctrl-C) keeps the batches saved by its periodic checkpoint; the same command resumes after them and ends as
     one uninterrupted run."""
-    import mixlens.explain.evaluate as ev_mod
+    import mixlens.explain.checkpoint as ckpt_mod
+    import mixlens.explain.scoring as ev_mod
 
     d = Path(fx["dir"])
     (d / "six.txt").write_text("a fine film\na dull movie\nso so\nwhat a ride\nnot good\ngreat fun\n")
@@ -694,7 +695,7 @@ def test_evaluate_killed_without_warning_resumes_from_its_checkpoint(fx, capsys,
     code, _, err = run_cli([*argv[:4], str(d / "whole"), *argv[5:]], capsys)
     assert code == 0, err
     whole = json.loads((d / "whole" / "evaluation.json").read_text())
-    real, calls = ev_mod._perturbed_f, []
+    real, calls = ev_mod.perturbed_f, []
 
     def killed_third(*a, **k):
         calls.append(1)
@@ -702,14 +703,14 @@ def test_evaluate_killed_without_warning_resumes_from_its_checkpoint(fx, capsys,
             raise SystemError("killed")  # nothing of the run's own Ctrl-C handling runs after this
         return real(*a, **k)
 
-    monkeypatch.setattr(ev_mod, "_perturbed_f", killed_third)
-    monkeypatch.setattr(ev_mod, "CHECKPOINT_EVERY", 0.0)  # a save after every batch
+    monkeypatch.setattr(ev_mod, "perturbed_f", killed_third)
+    monkeypatch.setattr(ckpt_mod, "CHECKPOINT_EVERY", 0.0)  # a save after every batch
     with pytest.raises(SystemError):
         run_cli(argv, capsys)
     part = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
     assert part["interrupted"] == {"examples": 4, "of": 6} and len(part["examples"]) == 4
     assert part["examples"] == whole["examples"][:4]
-    monkeypatch.setattr(ev_mod, "_perturbed_f", real)
+    monkeypatch.setattr(ev_mod, "perturbed_f", real)
     code, _, err = run_cli(argv, capsys)
     assert code == 0 and "(4 examples done)" in err, err
     done = json.loads((Path(fx["out"]) / "evaluation.json").read_text())

@@ -103,7 +103,7 @@ def test_evaluation_recomputes_from_its_json(causal, tokenizer, tmp_path):
 
 
 def test_removal_none_runs_no_perturbed_pass_and_keeps_the_alignment(causal, tokenizer, tmp_path, monkeypatch):
-    from mixlens.explain import evaluate as evaluate_module
+    from mixlens.explain import scoring as scoring_module
     from mixlens.viz.evaluation import plot
 
     texts, cs, skipped = evidence.prepare(tokenizer, evidence.read_rows(_write(tmp_path / "toy.csv")))
@@ -112,7 +112,7 @@ def test_removal_none_runs_no_perturbed_pass_and_keeps_the_alignment(causal, tok
     def no_forward(*args, **kwargs):
         raise AssertionError("removal none ran a perturbed forward pass")
 
-    monkeypatch.setattr(evaluate_module, "_forward_f", no_forward)
+    monkeypatch.setattr(scoring_module, "forward_f", no_forward)
     ev = evaluate(
         causal, texts, ["logit_attn"], contrasts=cs, task="blimp", skipped=skipped, batch_size=2, removal="none"
     )

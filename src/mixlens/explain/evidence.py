@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from mixlens.errors import MixlensError
-from mixlens.explain.evaluate import Contrast, Evaluation, bootstrap
+from mixlens.explain.evaluation import Contrast, Evaluation, bootstrap
 
 TASKS = ("faithfulness", "blimp")  # `mixlens evaluate --task`
 NA = {"", "NA", "NaN", "nan", "None"}
