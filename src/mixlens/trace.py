@@ -465,7 +465,10 @@ def hooked(
 
     def skipping(inner: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return _hidden(args, kwargs) if _SESSION.get() is s and s.layer < start else inner(*args, **kwargs)
+            if _SESSION.get() is not s or s.layer >= start:
+                return inner(*args, **kwargs)
+            h = _hidden(args, kwargs)  # a skipped layer hands its input on, shaped as the layer's own output
+            return (h,) if adapter.family.layer_tuple else h
 
         return forward
 

@@ -40,6 +40,7 @@ class Family:
     # gives the floats of the family's own code (checked on first use)
     probs: str | None = None  # attention not routed through ALL_ATTENTION_FUNCTIONS: the module whose output is α
     # (MPNet's attention dropout); α, v and z are then captured and edited by hooks on probs, v_proj and o_proj
+    layer_tuple: bool = False  # the layer module returns a tuple (hidden states, ...) its encoder indexes (MPNet)
 
 
 _BERT_LIKE: dict[str, Any] = dict(
@@ -120,6 +121,7 @@ FAMILIES: tuple[Family, ...] = (
         ln_out="output.LayerNorm",
         probs="attention.attn.dropout",
         inplace_attention=True,
+        layer_tuple=True,
     ),
     Family(
         "gpt2",
