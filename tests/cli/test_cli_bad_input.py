@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import typer
 
+from mixlens.errors import MixlensError
 from tests.conftest import run_cli
 
 STS_ROWS = [
@@ -153,7 +155,7 @@ SPECIFIC = [
     (["corpus", "-d", "{good}", "-o", "{out}", "--max-length", "1"], "max_length 1 is too short"),
     (["corpus", "-d", "{good}", "-o", "{out}", "--workers", "0"], "--workers must be at least 1"),
     (["corpus", "-d", "{good}", "-o", "{out}", "--store", "bogus"], "unknown --store 'bogus'"),
-    (["corpus", "-d", "{good}", "-o", "{afile}/sub"], "cannot write to"),
+    (["corpus", "-d", "{good}", "-o", "{afile}/sub"], "is not a directory"),
     (["corpus", "-d", "{good}", "-o", "{afile}"], "exists and is not a directory"),
     # report, plot, serve
     (["report", "", "-o", "{out}/r.html"], "input 1 is empty or whitespace only"),
@@ -840,3 +842,64 @@ def test_a_context_past_the_position_limit_names_both_numbers(fx, capsys):
         "input 1 has 602 tokens, more than the limit of 100 (allow truncation or raise --max-length, up to the "
         "model's 512)",
     )
+
+
+WRITING = [name for name, argv in BASE.items() if "-o" in argv]
+
+
+@pytest.mark.parametrize("command", WRITING)
+def test_every_unwritable_out_is_found_before_the_model_loads(command, fx, capsys, monkeypatch):
+    """#45 item 22: an -o the user may not write into is refused before the work (prune, heads and relations
+    found it after 52 s, 33 s and 14 s)."""
+    import mixlens.lens
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_load)
+    monkeypatch.setattr(mixlens.lens.Lens, "__init__", no_load)
+    real = os.access
+    monkeypatch.setattr("os.access", lambda p, mode, *a, **k: not mode & os.W_OK and real(p, mode, *a, **k))
+    check_one_line(BASE[command], fx, capsys, "no permission to write in")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["analyze", "hi", "-o", "fifo.json"],
+        ["analyze", "hi", "--format", "html", "-o", "fifo.html"],
+        ["report", "hi", "-o", "fifo.html"],
+        ["plot", "hi", "-o", "fifo.png"],
+        ["explain", "hi", "-o", "fifo.html"],
+        ["explain", "hi", "--format", "json", "-o", "fifo.json"],
+        ["compare-local-global", "{good}", "-o", "fifo.json"],
+        ["heads", "-d", "{good}", "-o", "fifo"],  # a directory is wanted
+        ["evaluate", "--data", "{good}", "-o", "fifo"],
+    ],
+)
+def test_out_onto_a_special_file_is_refused(argv, fx, capsys, monkeypatch):
+    """#45 item 15: -o onto a device node, FIFO or socket is refused before the work (it was replaced by a regular
+    file: as root, `-o /dev/null` would have replaced /dev/null)."""
+    import mixlens.lens
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_load)
+    monkeypatch.setattr(mixlens.lens.Lens, "__init__", no_load)
+    fifo = Path(fx["dir"]) / argv[-1]
+    os.mkfifo(fifo)
+    message = "is not a regular file" if "." in argv[-1] else "exists and is not a directory"
+    check_one_line([*argv[:-1], str(fifo)], fx, capsys, message)
+    assert fifo.exists() and not fifo.is_file()
+
+
+def test_atomic_write_refuses_a_special_file(tmp_path):
+    """The one place every file goes through refuses a non-regular target too (a command that forgot to check)."""
+    from mixlens.result import atomic_write
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(MixlensError, match="is not a regular file"):
+        atomic_write(fifo, b"x")
+    assert not fifo.is_file() and fifo.exists()

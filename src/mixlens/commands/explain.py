@@ -19,6 +19,8 @@ from mixlens.commands.options import (
     model_option,
     pick_model_head,
     runtime_options,
+    writable_dir,
+    writable_file,
 )
 from mixlens.errors import MixlensError
 
@@ -50,7 +52,11 @@ def register(app: typer.Typer) -> None:
         ),
         fmt: str = typer.Option("table", "--format", "-f", help="table (terminal), json or html."),
         out: Path | None = typer.Option(
-            None, "--out", "-o", help="Output file (json: default stdout; html: default mixlens-explain.html)."
+            None,
+            "--out",
+            "-o",
+            help="Output file (json: default stdout; html: default mixlens-explain.html).",
+            callback=writable_file,
         ),
         seed: int = typer.Option(0, "--seed", help="Seed of the sampling methods (gradient_shap, lime)."),
     ) -> None:
@@ -125,7 +131,11 @@ def register(app: typer.Typer) -> None:
         ),
         fmt: str = typer.Option("table", "--format", "-f", help="table or json (json: evaluation.json on stdout)."),
         out: Path | None = typer.Option(
-            None, "--out", "-o", help="Directory for evaluation.json and evaluation.png (default: mixlens-evaluation)."
+            None,
+            "--out",
+            "-o",
+            help="Directory for evaluation.json and evaluation.png (default: mixlens-evaluation).",
+            callback=writable_dir,
         ),
         batch_size: int = typer.Option(8, "--batch-size", min=1),
         seed: int = typer.Option(0, "--seed", help="Seed of the random baseline, samplers and bootstrap."),
