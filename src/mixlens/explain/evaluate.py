@@ -101,6 +101,8 @@ def evaluate(
     skipped: dict[str, dict[str, int]] | None = None,
     checkpoint: Callable[[Evaluation], object] | None = None,
     checkpoint_every: float | None = None,
+    run: dict[str, object] | None = None,
+    on_resume: Callable[[int], object] | None = None,
 ) -> Evaluation:
     """Evaluate `methods` (default: every applicable one but exact HTA) plus a seeded random baseline.
     `progress(done, total)`: inputs done (fractions as each method and the perturbed passes of a batch finish).
@@ -110,7 +112,10 @@ def evaluate(
     evidence; f is then the logit difference; `skipped` counts the task's rows left out, per group and reason.
     `checkpoint(partial)`: called with the Evaluation of the examples finished so far at most every
     `checkpoint_every` seconds (default `CHECKPOINT_EVERY`; after a batch), so that a run killed without warning
-    (SIGKILL, a lost machine) can resume from the last one; the CLI writes it as an interrupted evaluation.json."""
+    (SIGKILL, a lost machine) can resume from the last one; the CLI writes it as an interrupted evaluation.json.
+    `run`: what identifies the run beyond the model, dtype, task, removal, methods and seed (the CLI: the data's
+    hash and options); saved as `Evaluation.run`, a `resume` of another run is a `MixlensError`;
+    `on_resume(k)` is called once it is found to be the same run, k examples kept."""
     return evaluate_removals(
         lens,
         texts,
@@ -125,6 +130,8 @@ def evaluate(
         skipped=skipped,
         checkpoint=None if checkpoint is None else (lambda parts: checkpoint(parts[removal])),
         checkpoint_every=checkpoint_every,
+        run=run,
+        on_resume=on_resume,
     )[removal]
 
 
@@ -143,6 +150,8 @@ def evaluate_removals(
     skipped: dict[str, dict[str, int]] | None = None,
     checkpoint: Callable[[dict[str, Evaluation]], object] | None = None,
     checkpoint_every: float | None = None,
+    run: dict[str, object] | None = None,
+    on_resume: Callable[[int], object] | None = None,
 ) -> dict[str, Evaluation]:
     """`evaluate` for several removal rules at once: the attributions are computed once and shared. Each
     Evaluation's timings are what a run of its removal alone would have spent (the shared part plus its own
@@ -182,7 +191,10 @@ def evaluate_removals(
     shared: dict[str, float] = {}  # seconds per method (attributions)
     own = {r: {"forward": 0.0, "removal": 0.0} for r in removals}  # per removal: perturbed forwards, the rest
     examples: dict[str, list[Example]] = {r: [] for r in removals}
-    kept = ckpt.resumed(resume, removals, all_methods, seed, texts, task)
+    runs = {r: ckpt.identity(lens, task=task, removal=r, methods=all_methods, seed=seed, extra=run) for r in removals}
+    kept = ckpt.resumed(resume, removals, runs, texts, contrasts)
+    if resume and on_resume is not None:
+        on_resume(kept)
     for r in removals:
         examples[r] = list(resume[r].examples[:kept]) if resume and kept else []
     for e in examples[removals[0]]:
@@ -223,6 +235,7 @@ def evaluate_removals(
                 [*notes, *extra],
                 task,
                 dict(skipped or {}),
+                runs[removal],
             )
         return out
 

@@ -121,6 +121,7 @@ class Evaluation:
     notes: list[str]
     task: str = "faithfulness"  # or a contrastive task with evidence (`evidence.TASKS`)
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # contrastive: group → reason → rows skipped
+    run: dict[str, object] = field(default_factory=dict)  # the run's identity (`checkpoint.identity`): resume check
     _metrics: tuple[int, dict[str, dict[str, object]]] | None = field(default=None, repr=False)
 
     def per_example(self, method: str) -> dict[str, np.ndarray]:
@@ -206,6 +207,7 @@ class Evaluation:
             "version": self.version,
             "removal": self.removal,
             "task": self.task,
+            "run": self.run,
             "metrics": self.metrics(),
             "deletion_curves": self.curves(),
             "timings": self.timings,
@@ -270,6 +272,7 @@ class Evaluation:
             [n for n in doc["notes"] if not n.endswith(NULL_NOTE)],
             doc.get("task", "faithfulness"),
             {g: dict(r) for g, r in doc.get("skipped", {}).items()},
+            dict(doc.get("run", {})),
         )
 
     def dumps(self) -> str:
