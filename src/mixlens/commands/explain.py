@@ -196,9 +196,10 @@ def _evaluate_data(
 
     skipped: list[str] = []
     if task != "faithfulness":
-        rows_read = evidence.read_rows(data, skip, limit)  # bad files fail before the model loads
+        evidence.check_rows(data, skip, limit)  # a bad file fails before the model loads (read once, not kept)
         lens = load(model, gguf_file=gguf_file, head=head)
-        texts, contrasts, left_out = evidence.prepare(lens.tokenizer, rows_read)
+        rows = evidence.iter_rows(data, skip, limit)  # streamed through the tokenizer in chunks
+        texts, contrasts, left_out = evidence.prepare(lens.tokenizer, rows, max_tokens=lens.max_length)
         if not texts:
             raise MixlensError(f"no prompt of '{data}' is usable: {left_out}")
         _evaluate_and_write(
