@@ -359,12 +359,18 @@ def test_report_from_crafted_saved_analysis_is_refused(what, bundled, fx, capsys
 
 def test_report_from_json_declaring_many_tokens_and_layers(fx, capsys):
     """#32 D: a small file declaring 200,000 tokens and 20,000 layers of mixing ratios made `report --from` allocate
-    16 GB (each mean repeated on every token); the means are kept as they are."""
-    obj = _analysis_json(tokens=["x"] * 200_000, methods={}, mixing_ratio={"W": [0.5] * 20_000})
+    16 GB (each mean repeated on every token); the means are kept as they are. More than `MAX_LAYERS` layers (#45
+    item 14) are refused."""
+    from mixlens.result.validation import MAX_LAYERS
+
+    obj = _analysis_json(tokens=["x"] * 200_000, methods={}, mixing_ratio={"W": [0.5] * MAX_LAYERS})
     (Path(fx["dir"]) / "big.json").write_text(json.dumps(obj))
     code, _, err = run_cli(["report", "--from", "{dir}/big.json".format(**fx), "-o", fx["out"] + ".html"], capsys)
     assert code == 0, err
     assert "first 256 of 200000 tokens" in Path(fx["out"] + ".html").read_text()
+    obj = _analysis_json(tokens=["x"] * 200_000, methods={}, mixing_ratio={"W": [0.5] * 20_000})
+    (Path(fx["dir"]) / "big.json").write_text(json.dumps(obj))
+    check_one_line(["report", "--from", "{dir}/big.json", "-o", "{out}.html"], fx, capsys, "at most 1024")
 
 
 @pytest.mark.parametrize("command", ["analyze", "report", "explain"])
