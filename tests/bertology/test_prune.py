@@ -324,8 +324,11 @@ def test_cli_prune_save_on_a_failing_filesystem_is_one_line(classifier, tmp_path
     assert "saved" not in out and not (tmp_path / "o").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clf", "d.tsv"]  # no checkpoint, no temporary folder
 
-    monkeypatch.setattr("os.access", lambda *a, **k: False)  # a read-only folder (the tests may run as root)
-    code, _, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o", "--save", str(tmp_path / "pruned")), capsys)
+    (tmp_path / "outs").mkdir()  # -o is writable; --save's folder (tmp_path) is read-only (the tests may run as root)
+    monkeypatch.setattr("os.access", lambda p, *a, **k: str(p) != str(tmp_path))
+    code, _, err = run_cli(
+        _prune_argv(model_dir, data, tmp_path / "outs" / "o", "--save", str(tmp_path / "pruned")), capsys
+    )
     assert code == 2 and "is not a writable directory" in err and len(err.strip().splitlines()) == 1, err
 
 

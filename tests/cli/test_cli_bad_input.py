@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import typer
 
+from mixlens.errors import MixlensError
 from tests.conftest import run_cli
 
 STS_ROWS = [
@@ -153,7 +155,7 @@ SPECIFIC = [
     (["corpus", "-d", "{good}", "-o", "{out}", "--max-length", "1"], "max_length 1 is too short"),
     (["corpus", "-d", "{good}", "-o", "{out}", "--workers", "0"], "--workers must be at least 1"),
     (["corpus", "-d", "{good}", "-o", "{out}", "--store", "bogus"], "unknown --store 'bogus'"),
-    (["corpus", "-d", "{good}", "-o", "{afile}/sub"], "cannot write to"),
+    (["corpus", "-d", "{good}", "-o", "{afile}/sub"], "is not a directory"),
     (["corpus", "-d", "{good}", "-o", "{afile}"], "exists and is not a directory"),
     # report, plot, serve
     (["report", "", "-o", "{out}/r.html"], "input 1 is empty or whitespace only"),
@@ -357,12 +359,18 @@ def test_report_from_crafted_saved_analysis_is_refused(what, bundled, fx, capsys
 
 def test_report_from_json_declaring_many_tokens_and_layers(fx, capsys):
     """#32 D: a small file declaring 200,000 tokens and 20,000 layers of mixing ratios made `report --from` allocate
-    16 GB (each mean repeated on every token); the means are kept as they are."""
-    obj = _analysis_json(tokens=["x"] * 200_000, methods={}, mixing_ratio={"W": [0.5] * 20_000})
+    16 GB (each mean repeated on every token); the means are kept as they are. More than `MAX_LAYERS` layers (#45
+    item 14) are refused."""
+    from mixlens.result.validation import MAX_LAYERS
+
+    obj = _analysis_json(tokens=["x"] * 200_000, methods={}, mixing_ratio={"W": [0.5] * MAX_LAYERS})
     (Path(fx["dir"]) / "big.json").write_text(json.dumps(obj))
     code, _, err = run_cli(["report", "--from", "{dir}/big.json".format(**fx), "-o", fx["out"] + ".html"], capsys)
     assert code == 0, err
     assert "first 256 of 200000 tokens" in Path(fx["out"] + ".html").read_text()
+    obj = _analysis_json(tokens=["x"] * 200_000, methods={}, mixing_ratio={"W": [0.5] * 20_000})
+    (Path(fx["dir"]) / "big.json").write_text(json.dumps(obj))
+    check_one_line(["report", "--from", "{dir}/big.json", "-o", "{out}.html"], fx, capsys, "at most 1024")
 
 
 @pytest.mark.parametrize("command", ["analyze", "report", "explain"])
@@ -653,14 +661,14 @@ def test_prune_json_has_no_nan(fx, capsys, monkeypatch):
 
 def test_evaluate_ctrl_c_keeps_finished_examples_and_resumes(fx, capsys, monkeypatch):
     """#32 D: Ctrl-C ended evaluate with exit 130 and nothing kept; the same command now resumes."""
-    import mixlens.explain.evaluate as ev_mod
+    import mixlens.explain.scoring as ev_mod
 
     d = Path(fx["dir"])
     (d / "four.txt").write_text("a fine film\na dull movie\nso so\nwhat a ride\n")
     argv = ["evaluate", "--data", str(d / "four.txt"), "-o", fx["out"], "--method", "saliency", "--batch-size", "2"]
     code, _, _ = run_cli([*argv[:4], str(d / "whole"), *argv[5:]], capsys)
     whole = json.loads((d / "whole" / "evaluation.json").read_text())
-    real, calls = ev_mod._perturbed_f, []
+    real, calls = ev_mod.perturbed_f, []
 
     def stop_second(*a, **k):
         calls.append(1)
@@ -668,13 +676,13 @@ def test_evaluate_ctrl_c_keeps_finished_examples_and_resumes(fx, capsys, monkeyp
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(ev_mod, "_perturbed_f", stop_second)
+    monkeypatch.setattr(ev_mod, "perturbed_f", stop_second)
     code, _, err = run_cli(argv, capsys)
     assert code == 130 and "kept 2 of 4 examples" in err and "Resume with the same command" in err, err
     assert len(err.strip().splitlines()) == 1
     part = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
     assert part["interrupted"] == {"examples": 2, "of": 4} and len(part["examples"]) == 2
-    monkeypatch.setattr(ev_mod, "_perturbed_f", real)
+    monkeypatch.setattr(ev_mod, "perturbed_f", real)
     code, _, err = run_cli(argv, capsys)
     assert code == 0 and "resuming the interrupted evaluation" in err, err
     done = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
@@ -686,7 +694,8 @@ def test_evaluate_killed_without_warning_resumes_from_its_checkpoint(fx, capsys,
     """A run killed with no chance to save (SIGKILL, a lost machine; here: an error in the third batch that is not
     Ctrl-C) keeps the batches saved by its periodic checkpoint; the same command resumes after them and ends as
     one uninterrupted run."""
-    import mixlens.explain.evaluate as ev_mod
+    import mixlens.explain.checkpoint as ckpt_mod
+    import mixlens.explain.scoring as ev_mod
 
     d = Path(fx["dir"])
     (d / "six.txt").write_text("a fine film\na dull movie\nso so\nwhat a ride\nnot good\ngreat fun\n")
@@ -694,7 +703,7 @@ def test_evaluate_killed_without_warning_resumes_from_its_checkpoint(fx, capsys,
     code, _, err = run_cli([*argv[:4], str(d / "whole"), *argv[5:]], capsys)
     assert code == 0, err
     whole = json.loads((d / "whole" / "evaluation.json").read_text())
-    real, calls = ev_mod._perturbed_f, []
+    real, calls = ev_mod.perturbed_f, []
 
     def killed_third(*a, **k):
         calls.append(1)
@@ -702,14 +711,14 @@ def test_evaluate_killed_without_warning_resumes_from_its_checkpoint(fx, capsys,
             raise SystemError("killed")  # nothing of the run's own Ctrl-C handling runs after this
         return real(*a, **k)
 
-    monkeypatch.setattr(ev_mod, "_perturbed_f", killed_third)
-    monkeypatch.setattr(ev_mod, "CHECKPOINT_EVERY", 0.0)  # a save after every batch
+    monkeypatch.setattr(ev_mod, "perturbed_f", killed_third)
+    monkeypatch.setattr(ckpt_mod, "CHECKPOINT_EVERY", 0.0)  # a save after every batch
     with pytest.raises(SystemError):
         run_cli(argv, capsys)
     part = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
     assert part["interrupted"] == {"examples": 4, "of": 6} and len(part["examples"]) == 4
     assert part["examples"] == whole["examples"][:4]
-    monkeypatch.setattr(ev_mod, "_perturbed_f", real)
+    monkeypatch.setattr(ev_mod, "perturbed_f", real)
     code, _, err = run_cli(argv, capsys)
     assert code == 0 and "(4 examples done)" in err, err
     done = json.loads((Path(fx["out"]) / "evaluation.json").read_text())
@@ -839,3 +848,64 @@ def test_a_context_past_the_position_limit_names_both_numbers(fx, capsys):
         "input 1 has 602 tokens, more than the limit of 100 (allow truncation or raise --max-length, up to the "
         "model's 512)",
     )
+
+
+WRITING = [name for name, argv in BASE.items() if "-o" in argv]
+
+
+@pytest.mark.parametrize("command", WRITING)
+def test_every_unwritable_out_is_found_before_the_model_loads(command, fx, capsys, monkeypatch):
+    """#45 item 22: an -o the user may not write into is refused before the work (prune, heads and relations
+    found it after 52 s, 33 s and 14 s)."""
+    import mixlens.lens
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_load)
+    monkeypatch.setattr(mixlens.lens.Lens, "__init__", no_load)
+    real = os.access
+    monkeypatch.setattr("os.access", lambda p, mode, *a, **k: not mode & os.W_OK and real(p, mode, *a, **k))
+    check_one_line(BASE[command], fx, capsys, "no permission to write in")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["analyze", "hi", "-o", "fifo.json"],
+        ["analyze", "hi", "--format", "html", "-o", "fifo.html"],
+        ["report", "hi", "-o", "fifo.html"],
+        ["plot", "hi", "-o", "fifo.png"],
+        ["explain", "hi", "-o", "fifo.html"],
+        ["explain", "hi", "--format", "json", "-o", "fifo.json"],
+        ["compare-local-global", "{good}", "-o", "fifo.json"],
+        ["heads", "-d", "{good}", "-o", "fifo"],  # a directory is wanted
+        ["evaluate", "--data", "{good}", "-o", "fifo"],
+    ],
+)
+def test_out_onto_a_special_file_is_refused(argv, fx, capsys, monkeypatch):
+    """#45 item 15: -o onto a device node, FIFO or socket is refused before the work (it was replaced by a regular
+    file: as root, `-o /dev/null` would have replaced /dev/null)."""
+    import mixlens.lens
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_load)
+    monkeypatch.setattr(mixlens.lens.Lens, "__init__", no_load)
+    fifo = Path(fx["dir"]) / argv[-1]
+    os.mkfifo(fifo)
+    message = "is not a regular file" if "." in argv[-1] else "exists and is not a directory"
+    check_one_line([*argv[:-1], str(fifo)], fx, capsys, message)
+    assert fifo.exists() and not fifo.is_file()
+
+
+def test_atomic_write_refuses_a_special_file(tmp_path):
+    """The one place every file goes through refuses a non-regular target too (a command that forgot to check)."""
+    from mixlens.result import atomic_write
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(MixlensError, match="is not a regular file"):
+        atomic_write(fifo, b"x")
+    assert not fifo.is_file() and fifo.exists()

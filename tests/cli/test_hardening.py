@@ -189,7 +189,7 @@ def test_analyze_vector_method_says_what_was_written(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.parametrize("width", [80, 120])
-def test_wide_tables_fit(width, monkeypatch, capsys):
+def test_wide_tables_fit(width, monkeypatch, capsys, tmp_path):
     import pandas as pd
 
     from mixlens.stats.heads import STATISTICS
@@ -202,7 +202,7 @@ def test_wide_tables_fit(width, monkeypatch, capsys):
     assert "…" not in err and max(len(ln) for ln in err.splitlines()) <= width
     for c in cols:
         assert c in err  # every header whole
-    code, out, _ = run_cli(["analyze", SENTENCE, "--format", "table", "--out", os.devnull], capsys)
+    code, out, _ = run_cli(["analyze", SENTENCE, "--format", "table", "--out", str(tmp_path / "a.json")], capsys)
     assert code == 0 and "ResLN-N" in out and max(len(ln) for ln in out.splitlines()) <= width
 
 

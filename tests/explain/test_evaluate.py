@@ -223,12 +223,12 @@ def test_cli_bad_input(saved, tmp_path, capsys):
 
 
 def test_an_emptied_input_is_read_as_the_start_token(tokenizer):
-    from mixlens.explain.evaluate import _forward_f
+    from mixlens.explain.scoring import forward_f
 
     lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM", seed=2)
     start = next(t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.cls_token_id) if t is not None)
     idx = torch.tensor([5])
-    f = _forward_f(lens, "causal", "", [(), (start,)], [0, 0], idx, torch.zeros(1, 1))
+    f = forward_f(lens, "causal", "", [(), (start,)], [0, 0], idx, torch.zeros(1, 1))
     assert f[0] == f[1] and 0 < f[0] < 1
 
 
@@ -302,15 +302,15 @@ def test_shared_attributions_and_the_json_round_trip(classifier):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_causal_f_unembeds_only_the_last_positions(tokenizer, family):
-    """`_forward_f` on a causal LM (logits of the last real positions only) equals the full-logits definition."""
-    from mixlens.explain.evaluate import _forward_f, keeps_logits
+    """`forward_f` on a causal LM (logits of the last real positions only) equals the full-logits definition."""
+    from mixlens.explain.scoring import forward_f, keeps_logits
 
     lens = random_lens(family, tokenizer, head="AutoModelForCausalLM", seed=3)
     assert keeps_logits(lens.model)
     ids = [tokenizer(t)["input_ids"] for t in TEXTS]
     seqs = [tuple(ids[0]), tuple(ids[1]), tuple(ids[2]), tuple(ids[2][:4]), tuple(ids[0][:2])]
     owners, index = [0, 1, 2, 2, 0], torch.tensor([7, 11, 13])
-    got = _forward_f(lens, "causal", "", seqs, owners, index, torch.zeros(3, 1))
+    got = forward_f(lens, "causal", "", seqs, owners, index, torch.zeros(3, 1))
     for s, o, g in zip(seqs, owners, got, strict=True):
         with torch.no_grad():
             p = lens.model(**lens.encode_ids([s]).inputs).logits[0, -1].softmax(-1)[index[o]]

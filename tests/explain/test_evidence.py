@@ -103,7 +103,7 @@ def test_evaluation_recomputes_from_its_json(causal, tokenizer, tmp_path):
 
 
 def test_removal_none_runs_no_perturbed_pass_and_keeps_the_alignment(causal, tokenizer, tmp_path, monkeypatch):
-    from mixlens.explain import evaluate as evaluate_module
+    from mixlens.explain import scoring as scoring_module
     from mixlens.viz.evaluation import plot
 
     texts, cs, skipped = evidence.prepare(tokenizer, evidence.read_rows(_write(tmp_path / "toy.csv")))
@@ -112,7 +112,7 @@ def test_removal_none_runs_no_perturbed_pass_and_keeps_the_alignment(causal, tok
     def no_forward(*args, **kwargs):
         raise AssertionError("removal none ran a perturbed forward pass")
 
-    monkeypatch.setattr(evaluate_module, "_forward_f", no_forward)
+    monkeypatch.setattr(scoring_module, "forward_f", no_forward)
     ev = evaluate(
         causal, texts, ["logit_attn"], contrasts=cs, task="blimp", skipped=skipped, batch_size=2, removal="none"
     )
@@ -191,3 +191,80 @@ def test_the_real_files(causal, tokenizer):
     ev = evaluate(causal, texts[:16], ["logit_attn"], contrasts=cs[:16], task="blimp", skipped=skipped)
     met = json.loads(ev.dumps())["task_metrics"]
     assert met[evidence.ALL]["n"] == 16 and 0 < met[evidence.ALL]["all"]["random"]["mrr"] <= 1
+
+
+# ------------------------------------------------------------------ #45 items 16 and 23: the task file, row by row
+
+
+def _header_line() -> bytes:
+    return (",".join(HEADER) + "\n").encode()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (_header_line() + b"0,a,b,Raymond is selling th\xefs,sketch,sketches,this,this\n", "line 2 is not valid UTF-8"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10", "not valid UTF-8"),
+        (b"\x00\x01\x02\x03" * 10, "not a text file"),
+        (_header_line() + b"0,a,b," + b"x" * 140_000 + b",sketch,sketches,this,this\n", "longer than"),
+        (_header_line() + b"0,a,b,Raymond is selling this,sketch\n", "line 2 has 5 fields"),
+    ],
+)
+def test_a_bad_task_file_is_one_line(content, message, tmp_path, capsys, monkeypatch):
+    """#45 item 16: a non-UTF-8 byte, a binary file, a field over 131,072 characters or a short row gave
+    tracebacks (exit 1); now one line naming the file (and line), exit 2, before the model loads."""
+    import mixlens.lens
+
+    path = tmp_path / "bad.csv"
+    path.write_bytes(content)
+    with pytest.raises(evidence.MixlensError, match=message):
+        evidence.read_rows(path)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_load)
+    code, _, err = run_cli(["evaluate", "--task", "blimp", "--data", str(path), "-o", str(tmp_path / "o")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message.split()[0] in err and "bad.csv" in err, err
+
+
+def test_a_utf8_bom_is_read(tmp_path, tokenizer):
+    """#45 item 16: a file saved with a byte-order mark (Excel) was refused as missing its first column."""
+    plain = tmp_path / "toy.csv"
+    with plain.open("w", newline="") as fh:  # the prompt column first: the mark sticks to its name
+        w = csv.writer(fh)
+        w.writerow(HEADER[3:])
+        w.writerows([p, g, b, t, tp] for p, g, b, t, tp in ROWS)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert [r.prompt for r in evidence.read_rows(bom)] == [r.prompt for r in evidence.read_rows(plain)]
+
+
+def test_empty_words_and_overlong_prompts_are_skipped_and_counted(tokenizer, tmp_path):
+    """#45 item 23: an empty good/bad word became the lone-space token and was scored; a prompt over the position
+    limit was cut from the end and still scored. Both are skipped and counted."""
+    rows = [*ROWS[:2], ("Raymond is selling this", "", "sketches", "this", "this")]
+    rows.append(("Raymond is selling " + "really " * 30 + "this", "sketch", "sketches", "this", "this"))
+    texts, cs, skipped = evidence.prepare(tokenizer, evidence.read_rows(_write(tmp_path / "toy.csv", rows)), 20)
+    assert texts == [ROWS[0][0], ROWS[1][0]]
+    assert skipped == {"toy": {evidence.SKIP_EMPTY: 1, evidence.SKIP_LONG: 1}}
+
+
+def test_prompts_are_tokenised_in_chunks(tokenizer, tmp_path, monkeypatch):
+    """#45 item 23: the whole file was tokenised at once (a million rows: 3.5 GB before the first example); the
+    rows stream through in chunks of `evidence.CHUNK`."""
+    monkeypatch.setattr(evidence, "CHUNK", 2)
+    sizes = []
+
+    class Counting:
+        is_fast = True
+
+        def __call__(self, texts, **kw):
+            if isinstance(texts, list):
+                sizes.append(len(texts))
+            return tokenizer(texts, **kw)
+
+    rows = evidence.iter_rows(_write(tmp_path / "toy.csv", ROWS * 3))
+    texts, cs, skipped = evidence.prepare(Counting(), rows)
+    assert max(sizes) == 2 and sum(sizes) == len(ROWS) * 3
+    assert texts == [ROWS[k][0] for k in (0, 1, 5)] * 3

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mixlens
+from mixlens.adapters import get_path
 from mixlens.cli import main
 from mixlens.methods import alti as alti_mod
 from mixlens.methods.alti import alti_vectors
@@ -364,3 +365,52 @@ def test_value_zeroing_logit_is_the_drop_of_the_explained_scalar(family, head, t
     for b in range(2):
         assert got.input(b)[j] == pytest.approx(float(want[b]), rel=1e-4, abs=1e-5)
         assert np.isfinite(got.input(b)).all()
+
+
+@pytest.mark.parametrize("family", ["mpnet", "bert", "gpt2"])
+def test_value_zeroing_deep_model_equals_the_whole_forward_with_v_j_zeroed(family, tokenizer):
+    """Value zeroing on a 6-layer model (layer l runs alone after l skipped ones; MPNet's layers return tuples)
+    equals its definition through the whole, unedited forward pass: the output of layer l with the value of token j
+    zeroed in layer l only, cosine distance to the real output, clamped at 0 and rows normalised."""
+    n_layers = 6
+    lens = random_lens(family, tokenizer, num_hidden_layers=n_layers)
+    texts = SENTENCES[:2]
+    got = lens.analyze(texts, ["value_zeroing"])["value_zeroing"].values  # [B, L, n, n]
+    tr = lens.trace(texts)
+    layers = tr.adapter.layers
+    assert len(layers) == n_layers
+
+    def layer_outputs(ids: dict, layer: int, j: int | None) -> torch.Tensor:
+        """Output of `layer` [n, d] in a whole forward pass, the value of token j zeroed in that layer."""
+        seen = []
+
+        def zero_j(mod, args, out):
+            out = out.clone()
+            d = out.shape[-1] // 3 if family == "gpt2" else 0  # GPT-2's fused qkv: the value is the last third
+            out[:, j, 2 * d :] = 0
+            return out
+
+        hooks = [
+            layers[layer].module.register_forward_hook(lambda m, a, o: seen.append(o[0] if isinstance(o, tuple) else o))
+        ]
+        if j is not None:
+            hooks.append(get_path(layers[layer].module, tr.adapter.family.v_proj).register_forward_hook(zero_j))
+        try:
+            with torch.no_grad():
+                lens.model(**ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        return seen[0][0].double()
+
+    for b, n in enumerate(tr.lengths):
+        ids = {k: v[b : b + 1, :n] for k, v in tr.inputs.items()}
+        for layer in range(n_layers):
+            real = layer_outputs(ids, layer, None)
+            expect = np.zeros((n, n))
+            for j in range(n):
+                zeroed = layer_outputs(ids, layer, j)
+                expect[:, j] = 1 - torch.nn.functional.cosine_similarity(zeroed, real, dim=-1).numpy()
+            expect = np.clip(expect, 0, None)
+            expect /= expect.sum(-1, keepdims=True)
+            np.testing.assert_allclose(got[b, layer, :n, :n], expect, atol=2e-4)

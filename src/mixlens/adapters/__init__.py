@@ -50,7 +50,8 @@ class Family:
     # act before the first layer and inside α)
     moe: bool = False  # the FFN routes each token through experts (Mixtral, Qwen3-MoE): ffn_in = ffn_out = the whole
     # sparse block, whose output is the FFN update; its inside (router, experts) is no adapter piece
-    layer_tuple: bool = False  # the layer module returns (hidden states, attention) (DeBERTa): so does a skipped one
+    layer_tuple: bool = False  # the layer module returns a tuple (hidden states, ...) that its encoder indexes (MPNet,
+    # DeBERTa): so does a skipped one
     check: Callable[[Any], str | None] | None = None  # config → why this family's layout is outside the adapter's
     # math (one line; e.g. mixing outside attention), or None
     ln_mix_unit: bool = False  # no norm follows the attention residual sum (OLMo 2: h = x + g^post(Attn(x))):
@@ -198,6 +199,7 @@ FAMILIES: tuple[Family, ...] = (
         ln_out="output.LayerNorm",
         probs="attention.attn.dropout",
         inplace_attention=True,
+        layer_tuple=True,
     ),
     Family(
         "gpt2",

@@ -23,6 +23,7 @@ from mixlens.commands.options import (
     pick_model_head,
     precheck_model,
     runtime_options,
+    writable_file,
 )
 from mixlens.commands.output import check_writable, layer_progress, method_progress, write_stdout
 from mixlens.errors import MixlensError
@@ -56,7 +57,11 @@ def analyze(
         "self-contained report to --out (default mixlens-report.html).",
     ),
     out: Path | None = typer.Option(
-        None, "--out", "-o", help="Where to write the JSON (default for --format table: mixlens-analysis.json)."
+        None,
+        "--out",
+        "-o",
+        help="Where to write the JSON (default for --format table: mixlens-analysis.json).",
+        callback=writable_file,
     ),
     max_length: int | None = max_length_option(),
     no_truncate: bool = typer.Option(

@@ -24,6 +24,7 @@ from mixlens.commands.options import (
     parse_options,
     pick_model_head,
     text_column_option,
+    writable_dir,
 )
 
 
@@ -38,6 +39,7 @@ def register(app: typer.Typer) -> None:
             "--out",
             "-o",
             help="Output directory (shards/, aggregate.parquet, manifest.json). Rerunning the same command resumes it.",
+            callback=writable_dir,
         ),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),

@@ -19,6 +19,8 @@ from mixlens.commands.options import (
     model_option,
     pick_model_head,
     runtime_options,
+    writable_dir,
+    writable_file,
 )
 from mixlens.errors import MixlensError
 
@@ -50,7 +52,11 @@ def register(app: typer.Typer) -> None:
         ),
         fmt: str = typer.Option("table", "--format", "-f", help="table (terminal), json or html."),
         out: Path | None = typer.Option(
-            None, "--out", "-o", help="Output file (json: default stdout; html: default mixlens-explain.html)."
+            None,
+            "--out",
+            "-o",
+            help="Output file (json: default stdout; html: default mixlens-explain.html).",
+            callback=writable_file,
         ),
         seed: int = typer.Option(0, "--seed", help="Seed of the sampling methods (gradient_shap, lime)."),
     ) -> None:
@@ -125,7 +131,11 @@ def register(app: typer.Typer) -> None:
         ),
         fmt: str = typer.Option("table", "--format", "-f", help="table or json (json: evaluation.json on stdout)."),
         out: Path | None = typer.Option(
-            None, "--out", "-o", help="Directory for evaluation.json and evaluation.png (default: mixlens-evaluation)."
+            None,
+            "--out",
+            "-o",
+            help="Directory for evaluation.json and evaluation.png (default: mixlens-evaluation).",
+            callback=writable_dir,
         ),
         batch_size: int = typer.Option(8, "--batch-size", min=1),
         seed: int = typer.Option(0, "--seed", help="Seed of the random baseline, samplers and bootstrap."),
@@ -134,10 +144,8 @@ def register(app: typer.Typer) -> None:
         Ctrl-C keeps the finished examples in DIR/evaluation.json (saved there every minute too, so a killed run
         loses at most the last minute); the same command then resumes after them."""
         from mixlens.commands.output import check_writable
-        from mixlens.corpus.readers import iter_examples
-        from mixlens.explain import evidence
+        from mixlens.explain import checkpoint, evidence
         from mixlens.explain.evaluate import REMOVALS
-        from mixlens.lens import load
 
         if fmt not in ("table", "json"):
             raise MixlensError(f"unknown format '{fmt}'; valid: table, json")
@@ -153,32 +161,66 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"data '{data}' does not exist")
         dest = out or Path("mixlens-evaluation")
         check_writable(dest, directory=True)
-        skipped: list[str] = []
-        if task != "faithfulness":
-            rows_read = evidence.read_rows(data, skip, limit)  # bad files fail before the model loads
-            lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
-            texts, contrasts, left_out = evidence.prepare(lens.tokenizer, rows_read)
-            if not texts:
-                raise MixlensError(f"no prompt of '{data}' is usable: {left_out}")
-            _evaluate_and_write(
-                lens, texts, method, removal, batch_size, seed, dest, skipped, fmt, contrasts, task, left_out
-            )
-            return
+        run = {"data": checkpoint.data_stamp(data), "task": task, "skip": skip, "text_column": text_column}
+        with checkpoint.locked(dest, shlex.join(["mixlens", *INVOCATION])):  # one run at a time writes into dest
+            saved = checkpoint.read_saved(dest / checkpoint.FILE)  # a damaged file fails before the model loads
+            if saved is not None and "interrupted" not in saved:
+                checkpoint.check_replace(saved, dest / checkpoint.FILE, run)
+            model_head = pick_model_head(model_head, head)
+            args = (model, gguf_file, model_head, text_column, method, skip, limit, removal, batch_size, seed)
+            _evaluate_data(data, task, *args, dest, fmt, saved, run)
 
-        def dropped(kind: str, where: str) -> None:
-            skipped.append(f"{where} ({kind})")
-            typer.echo(f"warning: {data}: {where}; record skipped", err=True)
 
-        rows = iter_examples(data, text_column=text_column, on_skip=dropped)
-        rows = itertools.islice(rows, skip, skip + limit if limit else None)
-        inputs = [ex.text for ex in rows]
-        texts = [t for t in inputs if isinstance(t, str)]
-        if len(texts) < len(inputs):
-            raise MixlensError("evaluate takes single texts, not sentence pairs")
+def _evaluate_data(
+    data: Path,
+    task: str,
+    model: str | None,
+    gguf_file: str | None,
+    head: str | None,
+    text_column: str | None,
+    method: list[str] | None,
+    skip: int,
+    limit: int,
+    removal: str,
+    batch_size: int,
+    seed: int,
+    dest: Path,
+    fmt: str,
+    saved: dict | None,
+    run: dict[str, object],
+) -> None:
+    """`evaluate`'s work once its folder is held: the data read, the model loaded, the run and its files."""
+    from mixlens.corpus.readers import iter_examples
+    from mixlens.explain import evidence
+    from mixlens.lens import load
+
+    skipped: list[str] = []
+    if task != "faithfulness":
+        evidence.check_rows(data, skip, limit)  # a bad file fails before the model loads (read once, not kept)
+        lens = load(model, gguf_file=gguf_file, head=head)
+        rows = evidence.iter_rows(data, skip, limit)  # streamed through the tokenizer in chunks
+        texts, contrasts, left_out = evidence.prepare(lens.tokenizer, rows, max_tokens=lens.max_length)
         if not texts:
-            raise MixlensError(f"no examples to evaluate in '{data}'" + (f" after skipping {skip}" if skip else ""))
-        lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
-        _evaluate_and_write(lens, texts, method, removal, batch_size, seed, dest, skipped, fmt)
+            raise MixlensError(f"no prompt of '{data}' is usable: {left_out}")
+        _evaluate_and_write(
+            lens, texts, method, removal, batch_size, seed, dest, skipped, fmt, saved, run, contrasts, task, left_out
+        )
+        return
+
+    def dropped(kind: str, where: str) -> None:
+        skipped.append(f"{where} ({kind})")
+        typer.echo(f"warning: {data}: {where}; record skipped", err=True)
+
+    rows = iter_examples(data, text_column=text_column, on_skip=dropped)
+    rows = itertools.islice(rows, skip, skip + limit if limit else None)
+    inputs = [ex.text for ex in rows]
+    texts = [t for t in inputs if isinstance(t, str)]
+    if len(texts) < len(inputs):
+        raise MixlensError("evaluate takes single texts, not sentence pairs")
+    if not texts:
+        raise MixlensError(f"no examples to evaluate in '{data}'" + (f" after skipping {skip}" if skip else ""))
+    lens = load(model, gguf_file=gguf_file, head=head)
+    _evaluate_and_write(lens, texts, method, removal, batch_size, seed, dest, skipped, fmt, saved, run)
 
 
 def _evaluate_and_write(
@@ -191,19 +233,24 @@ def _evaluate_and_write(
     dest: Path,
     skipped: list[str],
     fmt: str,
+    saved: dict | None,
+    run: dict[str, object],
     contrasts=None,
     task: str = "faithfulness",
     left_out: dict[str, dict[str, int]] | None = None,
 ) -> None:
-    """`evaluate`'s run (resuming an interrupted one in `dest`), its files and its table or JSON."""
+    """`evaluate`'s run (resuming the interrupted one `saved` in `dest`), its files and its table or JSON."""
     from mixlens.commands.output import progress, write_stdout
-    from mixlens.explain.evaluate import Interrupted, evaluate
+    from mixlens.explain import checkpoint
+    from mixlens.explain.evaluate import Evaluation, Interrupted, evaluate
 
     if removal == "mask" and lens.tokenizer.mask_token_id is None:
         raise MixlensError("--removal mask needs a model with a mask token; this tokenizer has none (use delete)")
-    resume = _interrupted_run(dest, lens.name)
-    if resume is not None:
-        typer.echo(f"resuming the interrupted evaluation in {dest} ({len(resume.examples)} examples done)", err=True)
+    resume = None
+    if saved is not None and "interrupted" in saved:
+        resume = Evaluation.from_json(saved)  # checked field by field (`checkpoint.read_saved`)
+    elif saved is not None:
+        checkpoint.check_replace(saved, dest / checkpoint.FILE, run, model=lens.name)
     try:
         resumed = float(len(resume.examples)) if resume is not None else 0.0
         with progress(len(texts), "evaluate", done=resumed) as step:
@@ -226,6 +273,10 @@ def _evaluate_and_write(
                 task=task,
                 skipped=left_out,
                 checkpoint=lambda part: _write(dest, part, skipped, interrupted=len(texts)),
+                run=run,
+                on_resume=lambda k: typer.echo(
+                    f"resuming the interrupted evaluation in {dest} ({k} examples done)", err=True
+                ),
             )
     except Interrupted as stop:
         part = stop.partial.get(removal)
@@ -262,28 +313,6 @@ def data_file(data: Path) -> None:
         raise MixlensError(f"data file '{data}' does not exist")
     if not data.is_file():
         raise MixlensError(f"data file '{data}' is not a regular file")
-
-
-def _interrupted_run(dest: Path, model: str):
-    """The Evaluation an interrupted run left in `dest` (to resume), or None; a complete one is simply replaced."""
-    from mixlens import jsonio
-    from mixlens.explain.evaluate import Evaluation
-
-    path = dest / "evaluation.json"
-    if not path.is_file():
-        return None
-    doc = jsonio.read(path)
-    if not doc.get("interrupted"):
-        return None
-    if doc.get("model") != model:
-        raise MixlensError(
-            f"{path} holds an interrupted evaluation of another model ({doc.get('model')}); "
-            "use another --out or delete it"
-        )
-    try:
-        return Evaluation.from_json(doc)
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise MixlensError(f"{path} is not an evaluation mixlens can resume ({type(e).__name__}: {e})") from None
 
 
 def _write(dest: Path, ev, skipped: list[str], interrupted: int | None = None) -> str:

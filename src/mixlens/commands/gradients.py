@@ -20,6 +20,7 @@ from mixlens.commands.options import (
     read_examples,
     runtime_options,
     text_column_option,
+    writable_file,
 )
 from mixlens.commands.output import progress
 from mixlens.errors import MixlensError
@@ -44,7 +45,9 @@ def register(app: typer.Typer) -> None:
         ),
         batch_size: int = batch_size_option(8, None),
         max_length: int | None = max_length_option(),
-        out: Path = typer.Option(Path("local-global.json"), "--out", "-o", help="JSON with all per-head numbers."),
+        out: Path = typer.Option(
+            Path("local-global.json"), "--out", "-o", help="JSON with all per-head numbers.", callback=writable_file
+        ),
         figure: Path | None = typer.Option(None, "--figure", help="Also write a PNG/SVG figure here."),
     ) -> None:
         """Compare what each head attends to (attention) with which inputs its output depends on (gradients)."""

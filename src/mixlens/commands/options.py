@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from mixlens.commands.output import TableFormat
+from mixlens.commands.output import TableFormat, check_writable
 from mixlens.errors import MixlensError
 
 
@@ -181,9 +181,24 @@ def method_options_option(help: str = "Method option METHOD.KEY=VALUE (repeatabl
     return typer.Option(None, "--option", help=help)
 
 
+def writable_file(value: Path | None) -> Path | None:
+    """`--out FILE` callback: a file that cannot be written (a directory, a device or FIFO, no permission) is
+    refused while the arguments are read, before any work (`check_writable`)."""
+    if value is not None:
+        check_writable(value)
+    return value
+
+
+def writable_dir(value: Path | None) -> Path | None:
+    """`--out DIR` callback: `writable_file` for an output directory."""
+    if value is not None:
+        check_writable(value, directory=True)
+    return value
+
+
 def out_dir_option(default: str, help: str) -> Any:
     """`--out/-o DIR`: the directory a dataset command writes its tables (and figures) to."""
-    return typer.Option(Path(default), "--out", "-o", help=help)
+    return typer.Option(Path(default), "--out", "-o", help=help, callback=writable_dir)
 
 
 def table_format_option(help: str | None = None) -> Any:

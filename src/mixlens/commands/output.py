@@ -164,7 +164,8 @@ def write_stdout(text: str) -> None:
 
 def check_writable(path: Path, *, directory: bool = False) -> None:
     """Refuse, before any work, an output `path` that cannot be written: a directory where a file is wanted (or a
-    file where a directory is), a parent that is a file, or a nearest existing folder the user may not write to."""
+    file where a directory is), a device, FIFO or socket (writing would replace it), a parent that is a file, or a
+    nearest existing folder the user may not write to. The commands' `--out` options call it as they are read."""
     import os
 
     from mixlens.errors import MixlensError
@@ -175,6 +176,8 @@ def check_writable(path: Path, *, directory: bool = False) -> None:
             raise MixlensError(f"cannot write to '{path}': it exists and is not a directory")
         if not directory and path.is_dir():
             raise MixlensError(f"cannot write '{path}': it is a directory; give a file name")
+        if not directory and not path.is_file():
+            raise MixlensError(f"cannot write '{path}': it is not a regular file (a device, FIFO or socket)")
     folder = path if directory else path.parent
     while not folder.exists():
         if folder.is_symlink():  # a dangling link: creating the folder fails

@@ -25,6 +25,7 @@ from mixlens.commands.options import (
     runtime_options,
     score_column_option,
     text_column_option,
+    writable_dir,
 )
 from mixlens.commands.output import progress
 from mixlens.commands.sweep import METRICS, make_task, metric_for
@@ -79,7 +80,9 @@ def prune_command(
     resamples: int = typer.Option(1000, "--resamples", min=100, help="Bootstrap resamples of the held-out split."),
     disable: str | None = disable_option(),
     save: Path | None = typer.Option(None, "--save", help="Write a checkpoint with the chosen heads removed."),
-    out: Path = typer.Option(Path("mixlens-prune"), "--out", "-o", help="Directory for the tables."),
+    out: Path = typer.Option(
+        Path("mixlens-prune"), "--out", "-o", help="Directory for the tables.", callback=writable_dir
+    ),
 ) -> None:
     """Remove heads whose removal improves the metric on a selection split; confirm on a held-out split."""
     import json
@@ -200,7 +203,9 @@ def ablate_patterns_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the random heads."),
     view: str = typer.Option("attn", "--view", help="attn or norm: the maps the pattern types come from."),
     disable: str | None = disable_option(),
-    out: Path = typer.Option(Path("mixlens-ablate-patterns"), "--out", "-o", help="Directory for table, figure."),
+    out: Path = typer.Option(
+        Path("mixlens-ablate-patterns"), "--out", "-o", help="Directory for table, figure.", callback=writable_dir
+    ),
 ) -> None:
     """Disable every head of one Kovaleva pattern type at once; compare with as many random heads."""
     import pandas as pd

@@ -20,6 +20,7 @@ from mixlens.commands.options import (
     parse_options,
     precheck_model,
     runtime_options,
+    writable_file,
 )
 from mixlens.commands.output import check_writable, method_progress
 from mixlens.errors import MixlensError
@@ -96,7 +97,9 @@ def register(app: typer.Typer) -> None:
     @runtime_options
     def report(
         text: list[str] = typer.Argument(None, help="One or more texts to analyse (or --from FILE)."),
-        out: Path = typer.Option(Path("mixlens-report.html"), "--out", "-o", help="The HTML file to write."),
+        out: Path = typer.Option(
+            Path("mixlens-report.html"), "--out", "-o", help="The HTML file to write.", callback=writable_file
+        ),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
         method: list[str] = method_list_option(),
@@ -146,7 +149,7 @@ def register(app: typer.Typer) -> None:
     @runtime_options
     def plot(
         text: list[str] = typer.Argument(None, help="One or more texts (one panel each; ratio: pooled), or --from."),
-        out: Path = typer.Option(..., "--out", "-o", help="Figure file: .png, .svg or .pdf."),
+        out: Path = typer.Option(..., "--out", "-o", help="Figure file: .png, .svg or .pdf.", callback=writable_file),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
         view: View = typer.Option(

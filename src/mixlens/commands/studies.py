@@ -19,6 +19,7 @@ from mixlens.commands.options import (
     option_block,
     runtime_options,
     text_column_option,
+    writable_dir,
 )
 from mixlens.errors import MixlensError
 from mixlens.viz.labels import model_label
@@ -93,7 +94,9 @@ def register(app: typer.Typer) -> None:
         batch_size: int = BATCH,
         permutations: int = typer.Option(1000, "--permutations", min=1, help="Permutations of the test."),
         seed: int = typer.Option(0, "--seed", help="Seed of the permutation test."),
-        out: Path = typer.Option(Path("mixlens-relations"), "--out", "-o", help="Directory for table and figure."),
+        out: Path = typer.Option(
+            Path("mixlens-relations"), "--out", "-o", help="Directory for table and figure.", callback=writable_dir
+        ),
     ) -> None:
         """Per head and relation: mean weight between related words vs. pairs at the same distance."""
         from mixlens.bertology.relations import (
@@ -142,7 +145,9 @@ def register(app: typer.Typer) -> None:
     def frequency_cmd(
         inputs: SimpleNamespace,
         lang: str = typer.Option("en", "--lang", help="wordfreq language code."),
-        out: Path = typer.Option(Path("mixlens-frequency"), "--out", "-o", help="Directory for tables and figure."),
+        out: Path = typer.Option(
+            Path("mixlens-frequency"), "--out", "-o", help="Directory for tables and figure.", callback=writable_dir
+        ),
     ) -> None:
         """Spearman ρ per layer between word frequency (wordfreq) and ResLN-N mixing / own / context norms."""
         from mixlens.bertology.frequency import frequency_figure, frequency_study
@@ -170,7 +175,9 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed of the split and the MLP."),
         probe: list[str] = typer.Option(None, "--probe", help="nn_cos, nn_l2, linear, mlp (repeatable; default all)."),
         mlp_epochs: int = typer.Option(5, "--mlp-epochs", min=1, help="Training epochs of the MLP probe."),
-        out: Path = typer.Option(Path("mixlens-identify"), "--out", "-o", help="Directory for table and figure."),
+        out: Path = typer.Option(
+            Path("mixlens-identify"), "--out", "-o", help="Directory for table and figure.", callback=writable_dir
+        ),
     ) -> None:
         """Share of tokens whose input token is recovered from each layer's hidden state (Brunner 2020)."""
         from mixlens.bertology.identifiability import PROBES, identifiability, identifiability_figure

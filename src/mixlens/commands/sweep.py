@@ -22,6 +22,7 @@ from mixlens.commands.options import (
     runtime_options,
     score_column_option,
     text_column_option,
+    writable_dir,
 )
 from mixlens.commands.output import progress
 from mixlens.errors import MixlensError
@@ -51,7 +52,9 @@ def sweep_command(
     limit: int | None = limit_option(),
     batch_size: int = batch_size_option(),
     disable: str | None = disable_option(),
-    out: Path = typer.Option(Path("mixlens-sweep"), "--out", "-o", help="Directory for table and heatmap."),
+    out: Path = typer.Option(
+        Path("mixlens-sweep"), "--out", "-o", help="Directory for table and heatmap.", callback=writable_dir
+    ),
 ) -> None:
     """Disable every single head and every whole layer; report the change of a task metric."""
     import pandas as pd

@@ -17,375 +17,73 @@ Perturbed inputs of all methods and examples of a batch are de-duplicated and ru
 Contrastive tasks with evidence (`mixlens.explain.evidence`, e.g. BLiMP): each input brings its own target and foil
 token; f(x) is then the logit difference logit(target) − logit(foil) at the last token, the same definitions apply
 to it, and each example also keeps its evidence positions (alignment: reciprocal rank, `evidence.reciprocal_rank`).
+
+This module runs the batch loop; the parts live by role: `evaluation` (the data model and the metrics), `scoring`
+(the perturbed forward passes) and `checkpoint` (saving and resuming a run). Their public names are re-exported.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import cast
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
+from mixlens.explain import checkpoint as ckpt
+from mixlens.explain import scoring
+from mixlens.explain.checkpoint import CHECKPOINT_EVERY, Interrupted
+from mixlens.explain.evaluation import (
+    AOPC_KS,
+    KS,
+    LEVELS,
+    METRICS,
+    NO_REMOVAL,
+    NULL_NOTE,
+    RANDOM,
+    REMOVAL_METRICS,
+    REMOVALS,
+    RESAMPLES,
+    Contrast,
+    Evaluation,
+    Example,
+    bootstrap,
+    spearman,
+)
 from mixlens.explain.explain import explained_kind, read_targets, report_truncated
+from mixlens.explain.scoring import FORWARD_TOKENS, perturb, top_k
 from mixlens.methods import get as get_method
-from mixlens.methods.saliency import keeps_logits
-from mixlens.pipeline import plan_batches
-from mixlens.targets import KIND_NAMES, score
+from mixlens.targets import KIND_NAMES
 
-KS = (1, 5, 10, 20, 50)
-AOPC_KS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
-LEVELS = tuple(sorted(set(KS) | set(AOPC_KS)))
-REMOVALS = ("delete", "mask", "none")
-NO_REMOVAL = "none"  # no perturbed forward passes: the removal metrics are not computed
-REMOVAL_METRICS = ("comprehensiveness", "sufficiency", "aopc")
-METRICS = (*REMOVAL_METRICS, "spearman_gxi")
-RESAMPLES = 1000
-RANDOM = "random"
-FORWARD_TOKENS = 8192  # tokens per forward pass of perturbed inputs
-CHECKPOINT_EVERY = 60.0  # seconds between saves of the finished examples (a run killed without warning resumes)
-NULL_NOTE = "; written as null (JSON has no NaN)"
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during `evaluate`: `partial` holds the Evaluations of the examples finished before it (per removal;
-    empty when none finished)."""
-
-    def __init__(self, partial: dict[str, Evaluation], total: int) -> None:
-        super().__init__()
-        self.partial = partial
-        self.total = total
-
-
-def top_k(score: np.ndarray, special: np.ndarray, pct: float) -> np.ndarray:
-    """Positions of the top-`pct` % non-special tokens by score (ties: earlier position first), ⌈pct·m/100⌉ of them."""
-    cand = np.flatnonzero(~special)
-    k = math.ceil(pct * len(cand) / 100 - 1e-9)
-    order = np.lexsort((cand, -score[cand]))  # primary key: score descending; then position ascending
-    return np.sort(cand[order[:k]])
-
-
-def perturb(
-    ids: list[int], chosen: np.ndarray, special: np.ndarray, keep: bool, removal: str, mask_id: int | None
-) -> tuple[int, ...]:
-    """Remove the `chosen` positions (keep=False) or every non-special position but them (keep=True)."""
-    hit = np.zeros(len(ids), dtype=bool)
-    hit[chosen] = True
-    drop = (~hit & ~special) if keep else hit
-    if removal == "delete":
-        return tuple(t for t, d in zip(ids, drop, strict=True) if not d)
-    assert mask_id is not None  # removal "mask" needs a mask token (checked by evaluate)
-    return tuple(mask_id if d else t for t, d in zip(ids, drop, strict=True))
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman ρ (average ranks for ties); nan when either side is constant or shorter than 2."""
-    from scipy.stats import rankdata
-
-    if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0:
-        return float("nan")
-    return float(np.corrcoef(rankdata(a), rankdata(b))[0, 1])
-
-
-def bootstrap(values: np.ndarray, seed: int, resamples: int = RESAMPLES) -> list[float]:
-    """95 % percentile interval of the mean of `values` (nan entries dropped)."""
-    v = values[~np.isnan(values)]
-    if not len(v):
-        return [float("nan"), float("nan")]
-    idx = np.random.default_rng(seed).integers(0, len(v), size=(resamples, len(v)))
-    means = v[idx].mean(1)
-    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
-
-
-@dataclass(frozen=True)
-class Contrast:
-    """One prompt of a contrastive task: its group (e.g. the BLiMP paradigm), the target and foil token ids, the
-    words they come from and the evidence: the phrase and its token positions in the prompt."""
-
-    group: str
-    target: int
-    foil: int
-    target_word: str
-    foil_word: str
-    phrase: str
-    evidence: tuple[int, ...]
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "group": self.group,
-            "target_id": self.target,
-            "foil_id": self.foil,
-            "target_word": self.target_word,
-            "foil_word": self.foil_word,
-            "evidence_phrase": self.phrase,
-            "evidence": list(self.evidence),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> Contrast:
-        return cls(
-            d["group"],
-            int(d["target_id"]),
-            int(d["foil_id"]),
-            d["target_word"],
-            d["foil_word"],
-            d["evidence_phrase"],
-            tuple(int(p) for p in d["evidence"]),
-        )
-
-
-@dataclass
-class Example:
-    text: str
-    tokens: list[str]
-    ids: list[int]
-    special: np.ndarray  # [n] bool
-    target: dict[str, object]
-    f: float
-    scores: dict[str, np.ndarray]  # method → [n]
-    reference: np.ndarray  # [n] ‖∂g/∂e ⊙ e‖₂
-    removed: dict[str, np.ndarray] = field(default_factory=dict)  # method → f(x without top-K) per LEVELS
-    kept: dict[str, np.ndarray] = field(default_factory=dict)  # method → f(only top-k) per KS
-    contrast: Contrast | None = None  # contrastive tasks: f is the logit difference target − foil
-
-
-@dataclass
-class Evaluation:
-    model: str
-    version: str
-    removal: str
-    methods: list[str]
-    examples: list[Example]
-    seed: int
-    timings: dict[str, float]  # seconds: per method, and 'forward', 'total', 'own'
-    notes: list[str]
-    task: str = "faithfulness"  # or a contrastive task with evidence (`evidence.TASKS`)
-    skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # contrastive: group → reason → rows skipped
-    _metrics: tuple[int, dict[str, dict[str, object]]] | None = field(default=None, repr=False)
-
-    def per_example(self, method: str) -> dict[str, np.ndarray]:
-        """Each metric per example [E] (removal 'none': the removal metrics are all nan)."""
-        ex = self.examples
-        agreement = np.array([spearman(e.scores[method][~e.special], e.reference[~e.special]) for e in ex])
-        if self.removal == NO_REMOVAL:
-            return {**{k: np.full(len(ex), np.nan) for k in REMOVAL_METRICS}, "spearman_gxi": agreement}
-        f0 = np.array([e.f for e in ex])
-        rem = np.stack([e.removed[method] for e in ex])  # [E, LEVELS]
-        kept = np.stack([e.kept[method] for e in ex])  # [E, KS]
-        col = {k: i for i, k in enumerate(LEVELS)}
-        return {
-            "comprehensiveness": (f0[:, None] - rem[:, [col[k] for k in KS]]).mean(1),
-            "sufficiency": (f0[:, None] - kept).mean(1),
-            "aopc": (f0[:, None] - rem[:, [col[k] for k in AOPC_KS]]).mean(1),
-            "spearman_gxi": agreement,
-        }
-
-    def metrics(self) -> dict[str, dict[str, object]]:
-        """Each metric's mean over examples and its 95 % bootstrap interval, per method (computed once)."""
-        if self._metrics is not None and self._metrics[0] == len(self.examples):
-            return self._metrics[1]
-        out: dict[str, dict[str, object]] = {}
-        for m in self.methods:
-            per = self.per_example(m)
-            row: dict[str, object] = {
-                k: float(np.nanmean(v)) if (~np.isnan(v)).any() else float("nan") for k, v in per.items()
-            }
-            row["ci95"] = {k: bootstrap(v, self.seed) for k, v in per.items()}
-            out[m] = row
-        self._metrics = (len(self.examples), out)
-        return out
-
-    def curves(self) -> dict[str, dict[str, list[float]]]:
-        """Deletion curves: mean f(x without top-K) over examples with 95 % intervals, K = 0 and LEVELS (none
-        without removal)."""
-        if self.removal == NO_REMOVAL:
-            return {}
-        f0 = np.array([e.f for e in self.examples])
-        out = {}
-        for m in self.methods:
-            rem = np.column_stack([f0, np.stack([e.removed[m] for e in self.examples])])
-            ci = [bootstrap(rem[:, j], self.seed) for j in range(rem.shape[1])]
-            out[m] = {
-                "k": [0, *LEVELS],
-                "mean": rem.mean(0).tolist(),
-                "low": [c[0] for c in ci],
-                "high": [c[1] for c in ci],
-            }
-        return out
-
-    def ranking(self, by: str | None = None) -> list[str]:
-        """Methods by a metric, best first (default: AOPC; without removal the agreement)."""
-        by = by or ("spearman_gxi" if self.removal == NO_REMOVAL else "aopc")
-        met = self.metrics()
-        return sorted(self.methods, key=lambda m: -np.nan_to_num(cast(float, met[m][by]), nan=-np.inf))
-
-    def undefined_notes(self) -> list[str]:
-        """A note per method and metric whose mean is not a number (e.g. the agreement when every text has fewer
-        than two non-special tokens): JSON has no NaN, so they are written as null."""
-        out = []
-        if self.removal == NO_REMOVAL:
-            out.append(
-                f"removal none: {', '.join(REMOVAL_METRICS)} not computed (no perturbed forward passes){NULL_NOTE}"
-            )
-        for m, row in self.metrics().items():
-            bad = [
-                k
-                for k in METRICS
-                if not math.isfinite(cast(float, row[k])) and (self.removal != NO_REMOVAL or k not in REMOVAL_METRICS)
-            ]
-            if bad:
-                out.append(
-                    f"{m}: {', '.join(bad)} undefined (no example gives a value, e.g. texts of one or only special "
-                    f"tokens){NULL_NOTE}"
-                )
-        return out
-
-    def to_json(self) -> dict[str, object]:
-        doc: dict[str, object] = {
-            "model": self.model,
-            "version": self.version,
-            "removal": self.removal,
-            "task": self.task,
-            "metrics": self.metrics(),
-            "deletion_curves": self.curves(),
-            "timings": self.timings,
-            "notes": [*self.notes, *self.undefined_notes()],
-            "definitions": {
-                "k_comprehensiveness_sufficiency": list(KS),
-                "k_aopc": list(AOPC_KS),
-                "bootstrap_resamples": RESAMPLES,
-                "seed": self.seed,
-            },
-            "examples": [
-                {
-                    "text": e.text,
-                    "tokens": e.tokens,
-                    "target": e.target,
-                    "f": e.f,
-                    "scores": {m: [float(v) for v in e.scores[m]] for m in self.methods},
-                    "grad_x_input_l2": [float(v) for v in e.reference],
-                    "ids": e.ids,
-                    "special": [bool(v) for v in e.special],
-                    "f_removed": {m: [float(v) for v in e.removed[m]] for m in self.methods if m in e.removed},
-                    "f_kept": {m: [float(v) for v in e.kept[m]] for m in self.methods if m in e.kept},
-                    **({} if e.contrast is None else {"contrast": e.contrast.to_json()}),
-                }
-                for e in self.examples
-            ],
-        }
-        if self.task != "faithfulness":
-            from mixlens.explain.evidence import task_json
-
-            doc.update(task_json(self))
-        return doc
-
-    @classmethod
-    def from_json(cls, doc: dict) -> Evaluation:
-        """The Evaluation saved by `to_json` (metrics and curves are recomputed from the examples)."""
-        methods = list(doc["metrics"])
-        examples = [
-            Example(
-                e["text"],
-                e["tokens"],
-                e["ids"],
-                np.array(e["special"], dtype=bool),
-                e["target"],
-                float("nan") if e["f"] is None else e["f"],
-                {m: np.array(e["scores"][m], dtype=float) for m in methods},  # null (NaN in the run) → nan
-                np.array(e["grad_x_input_l2"], dtype=float),
-                {m: np.array(v, dtype=float) for m, v in e["f_removed"].items()},  # {} without removal
-                {m: np.array(v, dtype=float) for m, v in e["f_kept"].items()},
-                Contrast.from_json(e["contrast"]) if "contrast" in e else None,
-            )
-            for e in doc["examples"]
-        ]
-        return cls(
-            doc["model"],
-            doc["version"],
-            doc["removal"],
-            methods,
-            examples,
-            doc["definitions"]["seed"],
-            doc["timings"],
-            [n for n in doc["notes"] if not n.endswith(NULL_NOTE)],
-            doc.get("task", "faithfulness"),
-            {g: dict(r) for g, r in doc.get("skipped", {}).items()},
-        )
-
-    def dumps(self) -> str:
-        """The JSON of `to_json`, strict: a NaN or ±inf number (an undefined metric, an overflowing score) is
-        written as null and named in a note."""
-        from mixlens.jsonio import finite, summarize_paths
-
-        doc, where = finite(self.to_json())
-        if self.removal == NO_REMOVAL:  # the removal metrics' nulls are named once (undefined_notes)
-            where = [w for w in where if not re.search(rf"\.({'|'.join(REMOVAL_METRICS)})(\[\d+\])?$", w)]
-        if where:
-            doc["notes"].append(f"{len(where)} numbers are not finite ({summarize_paths(where)}){NULL_NOTE}")
-        return json.dumps(doc, allow_nan=False)
-
-
-def _special_mask(lens, ids: list[int]) -> np.ndarray:
-    return np.array([r is not None and r != "unk" for r in lens.special_roles(ids)], dtype=bool)
-
-
-def _last_token_f(
-    model: torch.nn.Module, inputs: dict[str, torch.Tensor], index: torch.Tensor, foil: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Causal LMs: the target token's probability (with `foil` [B]: the logit difference target − foil) at each
-    row's last real token, unembedding only the distinct last positions of the batch (sorted by length, so few)
-    instead of all n: [B]."""
-    last = inputs["attention_mask"].sum(-1) - 1  # [B]
-    keep, where = torch.unique(last, return_inverse=True)
-    logits = model(**inputs, logits_to_keep=keep).logits  # [B, len(keep), V]
-    rows = logits[torch.arange(last.shape[0], device=last.device), where].float()  # [B, V]
-    if foil is not None:
-        idx = torch.stack([index, foil], 1).to(rows.device)
-        pair = rows.gather(1, idx)
-        return pair[:, 0] - pair[:, 1]
-    return rows.softmax(-1).gather(1, index.to(rows.device)[:, None])[:, 0]
-
-
-def _forward_f(
-    lens,
-    kind: str,
-    pool: str,
-    seqs: list[tuple[int, ...]],
-    owners: list[int],
-    index: torch.Tensor,
-    e0: torch.Tensor,
-    foil: torch.Tensor | None = None,
-) -> np.ndarray:
-    """f of every perturbed sequence (owner = its example's row in index / e0 / foil), batched by length; with
-    `foil` (a contrastive task) the logit difference target − foil. A sequence emptied by removal (models without
-    special tokens) is read as the single BOS (else EOS, else CLS) token."""
-    tok = lens.tokenizer
-    start_id = next((t for t in (tok.bos_token_id, tok.eos_token_id, tok.cls_token_id) if t is not None), None)
-    seqs = [s if s or start_id is None else (start_id,) for s in seqs]
-    out = np.zeros(len(seqs))
-    for rows in plan_batches([len(x) for x in seqs], len(seqs), max_tokens=FORWARD_TOKENS):  # by length
-        inputs = lens.encode_ids([seqs[i] for i in rows]).inputs
-        own = torch.tensor([owners[i] for i in rows])
-        with torch.no_grad():
-            if kind == "causal" and keeps_logits(lens.model):
-                f = _last_token_f(lens.model, inputs, index[own], None if foil is None else foil[own])
-            else:
-                res = lens.model(**inputs)
-                mask = inputs["attention_mask"]
-                last = mask.sum(-1).cpu() - 1 if kind == "causal" else torch.zeros(len(rows), dtype=torch.long)
-                fo = torch.full((len(rows),), -1) if foil is None else foil[own]
-                g, f = score(kind, pool, res, mask, index[own], fo, last, e0[own])
-                f = f if foil is None else g
-        out[rows] = f.float().cpu().numpy()
-    return out
+__all__ = [
+    "AOPC_KS",
+    "CHECKPOINT_EVERY",
+    "FORWARD_TOKENS",
+    "KS",
+    "LEVELS",
+    "METRICS",
+    "NO_REMOVAL",
+    "NULL_NOTE",
+    "RANDOM",
+    "REMOVALS",
+    "REMOVAL_METRICS",
+    "RESAMPLES",
+    "Contrast",
+    "Evaluation",
+    "Example",
+    "Interrupted",
+    "bootstrap",
+    "evaluate",
+    "evaluate_removals",
+    "perturb",
+    "spearman",
+    "stderr_progress",
+    "top_k",
+]
 
 
 def evaluate(
@@ -403,6 +101,8 @@ def evaluate(
     skipped: dict[str, dict[str, int]] | None = None,
     checkpoint: Callable[[Evaluation], object] | None = None,
     checkpoint_every: float | None = None,
+    run: dict[str, object] | None = None,
+    on_resume: Callable[[int], object] | None = None,
 ) -> Evaluation:
     """Evaluate `methods` (default: every applicable one but exact HTA) plus a seeded random baseline.
     `progress(done, total)`: inputs done (fractions as each method and the perturbed passes of a batch finish).
@@ -412,7 +112,10 @@ def evaluate(
     evidence; f is then the logit difference; `skipped` counts the task's rows left out, per group and reason.
     `checkpoint(partial)`: called with the Evaluation of the examples finished so far at most every
     `checkpoint_every` seconds (default `CHECKPOINT_EVERY`; after a batch), so that a run killed without warning
-    (SIGKILL, a lost machine) can resume from the last one; the CLI writes it as an interrupted evaluation.json."""
+    (SIGKILL, a lost machine) can resume from the last one; the CLI writes it as an interrupted evaluation.json.
+    `run`: what identifies the run beyond the model, dtype, task, removal, methods and seed (the CLI: the data's
+    hash and options); saved as `Evaluation.run`, a `resume` of another run is a `MixlensError`;
+    `on_resume(k)` is called once it is found to be the same run, k examples kept."""
     return evaluate_removals(
         lens,
         texts,
@@ -427,6 +130,8 @@ def evaluate(
         skipped=skipped,
         checkpoint=None if checkpoint is None else (lambda parts: checkpoint(parts[removal])),
         checkpoint_every=checkpoint_every,
+        run=run,
+        on_resume=on_resume,
     )[removal]
 
 
@@ -445,6 +150,8 @@ def evaluate_removals(
     skipped: dict[str, dict[str, int]] | None = None,
     checkpoint: Callable[[dict[str, Evaluation]], object] | None = None,
     checkpoint_every: float | None = None,
+    run: dict[str, object] | None = None,
+    on_resume: Callable[[int], object] | None = None,
 ) -> dict[str, Evaluation]:
     """`evaluate` for several removal rules at once: the attributions are computed once and shared. Each
     Evaluation's timings are what a run of its removal alone would have spent (the shared part plus its own
@@ -484,7 +191,10 @@ def evaluate_removals(
     shared: dict[str, float] = {}  # seconds per method (attributions)
     own = {r: {"forward": 0.0, "removal": 0.0} for r in removals}  # per removal: perturbed forwards, the rest
     examples: dict[str, list[Example]] = {r: [] for r in removals}
-    kept = _resumed(resume, removals, all_methods, seed, texts, task)
+    runs = {r: ckpt.identity(lens, task=task, removal=r, methods=all_methods, seed=seed, extra=run) for r in removals}
+    kept = ckpt.resumed(resume, removals, runs, texts, contrasts)
+    if resume and on_resume is not None:
+        on_resume(kept)
     for r in removals:
         examples[r] = list(resume[r].examples[:kept]) if resume and kept else []
     for e in examples[removals[0]]:
@@ -525,11 +235,12 @@ def evaluate_removals(
                 [*notes, *extra],
                 task,
                 dict(skipped or {}),
+                runs[removal],
             )
         return out
 
     saved = [time.perf_counter()]
-    every = CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
+    every = ckpt.CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
 
     def batch_done() -> None:
         if checkpoint is not None and time.perf_counter() - saved[0] >= every:
@@ -537,7 +248,7 @@ def evaluate_removals(
             saved[0] = time.perf_counter()
 
     try:
-        _run_batches(
+        run_batches(
             lens,
             texts[kept:],
             None if contrasts is None else contrasts[kept:],
@@ -563,34 +274,7 @@ def evaluate_removals(
     return build()
 
 
-def _resumed(
-    resume: dict[str, Evaluation] | None,
-    removals: Sequence[str],
-    methods: list[str],
-    seed: int,
-    texts: list[str],
-    task: str = "faithfulness",
-) -> int:
-    """How many leading examples of `resume` this run keeps; a resume of another run is a `MixlensError`."""
-    if not resume:
-        return 0
-    kept = None
-    for r in removals:
-        ev = resume.get(r)
-        if ev is None or ev.removal != r or ev.methods != methods or ev.seed != seed or ev.task != task:
-            raise MixlensError(
-                "the interrupted evaluation to resume was made with other methods, removal or seed "
-                f"({', '.join(ev.methods) if ev else 'none'}; seed {ev.seed if ev else '-'}); "
-                "use another --out or delete it"
-            )
-        got = [e.text for e in ev.examples]
-        if got != texts[: len(got)]:
-            raise MixlensError("the interrupted evaluation to resume holds other texts; use another --out or delete it")
-        kept = len(got) if kept is None else min(kept, len(got))
-    return kept or 0
-
-
-def _run_batches(
+def run_batches(
     lens,
     texts: list[str],
     contrasts: list[Contrast] | None,
@@ -655,7 +339,7 @@ def _run_batches(
                     chunk[b],
                     enc.tokens[b],
                     x,
-                    _special_mask(lens, x),
+                    scoring.special_mask(lens, x),
                     targets[b].to_json(float(f0[b])),
                     float(f0[b]),
                     sc,
@@ -668,51 +352,13 @@ def _run_batches(
         for removal in removals:
             t0 = time.perf_counter()
             done = [replace(e) for e in batch] if len(removals) > 1 else batch
-            _perturbed_f(lens, ro, e0, done, all_methods, removal, mask_id, own[removal])
+            scoring.perturbed_f(lens, ro, e0, done, all_methods, removal, mask_id, own[removal])
             batches[removal] = done
             own[removal]["removal"] += time.perf_counter() - t0
             advance()
         for removal in removals:  # a batch counts only once every removal has it (an interrupt keeps whole batches)
             examples[removal] += batches[removal]
         batch_done()
-
-
-def _perturbed_f(
-    lens,
-    ro,
-    e0: torch.Tensor,
-    batch: list[Example],
-    methods: list[str],
-    removal: str,
-    mask_id: int | None,
-    timings: dict[str, float],
-) -> None:
-    """Fill each example's `removed` and `kept` f values: every perturbed input of the batch de-duplicated and run
-    together, sorted by length (removal 'none': nothing to run, they stay empty)."""
-    if removal == NO_REMOVAL:
-        return
-    seqs: dict[tuple[tuple[int, ...], int], int] = {}  # (sequence, example) → row
-    plan = []
-    for b, e in enumerate(batch):
-        for m in methods:
-            for keep, levels in ((False, LEVELS), (True, KS)):
-                for k in levels:
-                    s = perturb(e.ids, top_k(e.scores[m], e.special, k), e.special, keep, removal, mask_id)
-                    plan.append((b, m, keep, k, seqs.setdefault((s, b), len(seqs))))
-    t0 = time.perf_counter()
-    keys = list(seqs)
-    contrast = batch[0].contrast is not None
-    owners = [b for _, b in keys]
-    fs = _forward_f(lens, ro.kind, ro.pool, [s for s, _ in keys], owners, ro.index, e0, ro.foil if contrast else None)
-    timings["forward"] += time.perf_counter() - t0
-    for e in batch:
-        e.removed = {m: np.zeros(len(LEVELS)) for m in methods}
-        e.kept = {m: np.zeros(len(KS)) for m in methods}
-    for b, m, keep, k, row in plan:
-        if keep:
-            batch[b].kept[m][KS.index(k)] = fs[row]
-        else:
-            batch[b].removed[m][LEVELS.index(k)] = fs[row]
 
 
 def stderr_progress(done: int, total: int) -> None:

@@ -12,7 +12,8 @@ unacceptable one (`one_prefix_word_bad`: the foil), and the evidence (`target_ph
   paradigms (`*subject_verb_agreement*`, `distractor_agreement*`) use `target`, the subject noun, as the authors'
   code intends (their `target_phrase` there is the whole subject phrase, often the whole prompt); its first
   word-boundary match in the prompt (case-sensitive), and its positions = every token whose characters overlap it;
-- rows with `NA` / empty evidence, evidence not found in the prompt, or target = foil are skipped and counted;
+- rows with `NA` / empty evidence, evidence not found in the prompt, an empty target or foil word, a prompt over
+  the model's position limit (never cut), or target = foil are skipped and counted;
 - alignment = reciprocal rank of the best-ranked evidence token among the prompt's non-special tokens (scores
   descending, ties: earlier position first); MRR = its mean per paradigm, with the 95 % bootstrap interval;
 - accuracy = share of prompts whose logit difference target − foil is > 0; every result is also given for the
@@ -22,15 +23,16 @@ unacceptable one (`one_prefix_word_bad`: the foil), and the evidence (`target_ph
 from __future__ import annotations
 
 import csv
+import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from mixlens.errors import MixlensError
-from mixlens.explain.evaluate import Contrast, Evaluation, bootstrap
+from mixlens.explain.evaluation import Contrast, Evaluation, bootstrap
 
 TASKS = ("faithfulness", "blimp")  # `mixlens evaluate --task`
 NA = {"", "NA", "NaN", "nan", "None"}
@@ -38,6 +40,8 @@ PROMPT, GOOD, BAD = "one_prefix_prefix", "one_prefix_word_good", "one_prefix_wor
 SPLITS = ("all", "correct", "wrong")
 ALL = "all paradigms"
 SKIP_NA, SKIP_NOT_FOUND, SKIP_SAME = "evidence NA", "evidence not in the prompt", "target and foil share 1st token"
+SKIP_EMPTY, SKIP_LONG = "empty target or foil word", "prompt over the model's position limit"
+SKIPS = (SKIP_NA, SKIP_NOT_FOUND, SKIP_SAME, SKIP_EMPTY, SKIP_LONG)
 
 
 @dataclass(frozen=True)
@@ -58,39 +62,97 @@ def _evidence_column(group: str, header: Sequence[str]) -> str:
     return "target_phrase" if "target_phrase" in header else "target"
 
 
-def read_rows(path: Path, skip: int = 0, limit: int = 0) -> list[Row]:
-    """The rows of one task CSV, or of every `*.csv` of a folder (sorted by name; one group per file); `skip` /
-    `limit` apply per file (the first `limit` rows after `skip`)."""
+MAX_FIELD = 1 << 17  # characters of one CSV field (the csv module's limit, 131,072): a longer one is refused
+CHUNK = 1024  # prompts tokenised together (`prepare` streams the rows in chunks of this many)
+
+
+def _files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(path.glob("*.csv"))
         if not files:
             raise MixlensError(f"'{path}' holds no .csv files of the task")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise MixlensError(f"data '{path}' does not exist")
-    rows: list[Row] = []
-    for f in files:
-        with f.open(newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            header = reader.fieldnames or []
-            need = [c for c in (PROMPT, GOOD, BAD, "target") if c not in header]
-            if need:
+        return files
+    if path.is_file():
+        return [path]
+    raise MixlensError(f"data '{path}' does not exist")
+
+
+def _lines(f: Path, fh: Iterable[bytes]) -> Iterator[str]:
+    """The lines of a task file opened in binary, decoded one by one (so an error names its line): UTF-8, a
+    leading byte-order mark dropped; a line that is not UTF-8 or holds a NUL byte (a binary file) is a
+    `MixlensError`."""
+    for k, raw in enumerate(fh, 1):
+        if b"\0" in raw:
+            raise MixlensError(f"{f}: line {k} holds a NUL byte: not a text file (a CSV of the task is wanted)")
+        try:
+            line = raw.decode("utf-8-sig" if k == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise MixlensError(f"{f}: line {k} is not valid UTF-8 (byte {raw[e.start]:#04x})") from None
+        yield line
+
+
+def iter_rows(path: Path, skip: int = 0, limit: int = 0) -> Iterator[Row]:
+    """The rows of one task CSV, or of every `*.csv` of a folder (sorted by name; one group per file), streamed;
+    `skip` / `limit` apply per file (the first `limit` rows after `skip`). UTF-8, with or without a byte-order
+    mark; a file that is not UTF-8 text, a field over `MAX_FIELD` characters or a row with another number of fields
+    than the header is a `MixlensError` naming the file and line."""
+    for f in _files(path):
+        try:
+            fh = f.open("rb")
+        except OSError as e:
+            raise MixlensError(f"cannot read '{f}': {e.strerror or e}") from None
+        reader = csv.reader(_lines(f, fh))
+        try:
+            with fh:
+                header = next(reader, None) or []
+                need = [c for c in (PROMPT, GOOD, BAD, "target") if c not in header]
+                if need:
+                    raise MixlensError(
+                        f"{f}: not a contrastive task file with evidence: no column {', '.join(need)} "
+                        f"(needs {PROMPT}, {GOOD}, {BAD}, target and optionally target_phrase)"
+                    )
+                col = {name: header.index(name) for name in (PROMPT, GOOD, BAD, _evidence_column(f.stem, header))}
+                ev_col = col[_evidence_column(f.stem, header)]
+                for k, fields in enumerate(reader):
+                    if limit and k >= skip + limit:
+                        break
+                    if len(fields) != len(header):
+                        raise MixlensError(
+                            f"{f}: line {reader.line_num} has {len(fields)} fields, the header {len(header)}"
+                        )
+                    if k < skip:
+                        continue
+                    ev = fields[ev_col].strip()
+                    yield Row(
+                        f.stem,
+                        fields[col[PROMPT]],
+                        fields[col[GOOD]].strip(),
+                        fields[col[BAD]].strip(),
+                        None if ev in NA else ev,
+                    )
+        except csv.Error as e:
+            if "field larger than field limit" in str(e):
                 raise MixlensError(
-                    f"{f}: not a contrastive task file with evidence: no column {', '.join(need)} "
-                    f"(needs {PROMPT}, {GOOD}, {BAD}, target and optionally target_phrase)"
-                )
-            col = _evidence_column(f.stem, header)
-            for k, r in enumerate(reader):
-                if k < skip:
-                    continue
-                if limit and k >= skip + limit:
-                    break
-                ev = (r.get(col) or "").strip()
-                rows.append(Row(f.stem, r[PROMPT], r[GOOD].strip(), r[BAD].strip(), None if ev in NA else ev))
+                    f"{f}: line {reader.line_num} has a field longer than {MAX_FIELD:,} characters"
+                ) from None
+            raise MixlensError(f"{f}: line {reader.line_num}: not a readable CSV row ({e})") from None
+
+
+def read_rows(path: Path, skip: int = 0, limit: int = 0) -> list[Row]:
+    """`iter_rows` as a list; no row at all is a `MixlensError`."""
+    rows = list(iter_rows(path, skip, limit))
     if not rows:
         raise MixlensError(f"no prompts in '{path}'" + (f" after skipping {skip}" if skip else ""))
     return rows
+
+
+def check_rows(path: Path, skip: int = 0, limit: int = 0) -> int:
+    """The number of rows `iter_rows` gives, read once without keeping them (a bad file fails here, before the
+    model loads); none is a `MixlensError`."""
+    n = sum(1 for _ in iter_rows(path, skip, limit))
+    if not n:
+        raise MixlensError(f"no prompts in '{path}'" + (f" after skipping {skip}" if skip else ""))
+    return n
 
 
 def first_piece(tokenizer, word: str) -> int:
@@ -107,9 +169,12 @@ def evidence_span(prompt: str, phrase: str) -> tuple[int, int] | None:
     return None if m is None else m.span()
 
 
-def prepare(tokenizer, rows: Sequence[Row]) -> tuple[list[str], list[Contrast], dict[str, dict[str, int]]]:
+def prepare(
+    tokenizer, rows: Iterable[Row], max_tokens: int | None = None
+) -> tuple[list[str], list[Contrast], dict[str, dict[str, int]]]:
     """(prompts, their `Contrast`s, rows skipped per group and reason) for a tokenizer; the evidence positions are
-    those of the tokenizer's encoding of each prompt (the one `Lens.encode` makes)."""
+    those of the tokenizer's encoding of each prompt (the one `Lens.encode` makes). The rows stream through in
+    chunks of `CHUNK`; a prompt of more than `max_tokens` tokens (the model's position limit) is skipped, never cut."""
     if not getattr(tokenizer, "is_fast", False):
         raise MixlensError("the evidence positions need a fast tokenizer (character offsets); this one is slow")
     skipped: dict[str, dict[str, int]] = {}
@@ -118,27 +183,36 @@ def prepare(tokenizer, rows: Sequence[Row]) -> tuple[list[str], list[Contrast], 
         skipped.setdefault(group, {}).setdefault(why, 0)
         skipped[group][why] += 1
 
-    enc = tokenizer([r.prompt for r in rows], return_offsets_mapping=True)
-    texts, out = [], []
-    for r, offsets in zip(rows, enc["offset_mapping"], strict=True):
-        if r.phrase is None:
-            skip(r.group, SKIP_NA)
-            continue
-        span = evidence_span(r.prompt, r.phrase)
-        pos = (
-            ()
-            if span is None
-            else tuple(k for k, (a, b) in enumerate(offsets) if b > a and a < span[1] and b > span[0])
-        )
-        if not pos:
-            skip(r.group, SKIP_NOT_FOUND)
-            continue
-        t, f = first_piece(tokenizer, r.target), first_piece(tokenizer, r.foil)
-        if t == f:
-            skip(r.group, SKIP_SAME)
-            continue
-        texts.append(r.prompt)
-        out.append(Contrast(r.group, t, f, r.target, r.foil, r.phrase, pos))
+    texts: list[str] = []
+    out: list[Contrast] = []
+    it = iter(rows)
+    while chunk := list(itertools.islice(it, CHUNK)):
+        enc = tokenizer([r.prompt for r in chunk], return_offsets_mapping=True)
+        for r, ids, offsets in zip(chunk, enc["input_ids"], enc["offset_mapping"], strict=True):
+            if r.phrase is None:
+                skip(r.group, SKIP_NA)
+                continue
+            if not r.target or not r.foil:
+                skip(r.group, SKIP_EMPTY)
+                continue
+            if max_tokens is not None and len(ids) > max_tokens:
+                skip(r.group, SKIP_LONG)
+                continue
+            span = evidence_span(r.prompt, r.phrase)
+            pos = (
+                ()
+                if span is None
+                else tuple(k for k, (a, b) in enumerate(offsets) if b > a and a < span[1] and b > span[0])
+            )
+            if not pos:
+                skip(r.group, SKIP_NOT_FOUND)
+                continue
+            t, f = first_piece(tokenizer, r.target), first_piece(tokenizer, r.foil)
+            if t == f:
+                skip(r.group, SKIP_SAME)
+                continue
+            texts.append(r.prompt)
+            out.append(Contrast(r.group, t, f, r.target, r.foil, r.phrase, pos))
     return texts, out, skipped
 
 
@@ -182,9 +256,7 @@ def task_metrics(ev: Evaluation) -> dict[str, dict[str, object]]:
         sel = np.ones(len(ev.examples), bool) if g == ALL else per["group"] == g
         correct = per["correct"][sel]
         skipped = (
-            {k: sum(s.get(k, 0) for s in ev.skipped.values()) for k in (SKIP_NA, SKIP_NOT_FOUND, SKIP_SAME)}
-            if g == ALL
-            else ev.skipped.get(g, {})
+            {k: sum(s.get(k, 0) for s in ev.skipped.values()) for k in SKIPS} if g == ALL else ev.skipped.get(g, {})
         )
         row: dict[str, object] = {
             "n": int(sel.sum()),

@@ -26,11 +26,14 @@ WRITTEN: list[Path] = []  # files `atomic_write` completed in this process (the 
 
 def atomic_write(path: str | Path, data: bytes) -> None:
     """Write to a temp file beside `path`, fsync and close it, then rename: a crash never leaves a half file. A
-    directory at `path` or a failing filesystem (read-only, full, no permission; a failed write, fsync or close) is a
-    `MixlensError` naming the path, and the temp file is removed."""
+    directory, device node, FIFO or socket at `path` (the rename would replace it) or a failing filesystem
+    (read-only, full, no permission; a failed write, fsync or close) is a `MixlensError` naming the path, and the
+    temp file is removed."""
     path = Path(path)
     if path.is_dir():
         raise MixlensError(f"cannot write '{path}': it is a directory; give a file name")
+    if path.exists() and not path.is_file():  # the rename would replace a device node, FIFO or socket
+        raise MixlensError(f"cannot write '{path}': it is not a regular file (a device, FIFO or socket)")
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -198,6 +198,7 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
         )
         for v, ms in means.items()
     }
+    _check_layers(attributions, ratios, None, where)
     err_arr = None if errors[0] is None else np.asarray(errors, np.float32)
     targets = None if all(t is None for t in explained) else _explained(explained, len(tokens), where)
     res = cls(model, version, texts, tokens, attributions, ratios, err_arr, None, True, targets)

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from mixlens.result.rows import InputRows
 
 
+MAX_LAYERS = 1024  # layers a saved file may hold (real models have at most a few hundred)
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -144,6 +147,10 @@ def _explained(value: object, n: int, where: str) -> list[dict[str, Any]] | None
         )
         if not ok:
             raise MixlensError(f"{where}: input {b + 1}'s target must have a string kind and label and a number score")
+        for k in ("probability", "foil_probability"):
+            p = t.get(k)
+            if p is not None and not 0 <= p <= 1:  # also NaN
+                raise MixlensError(f"{where}: input {b + 1}'s target has {k} {p}, not in [0, 1]")
     return value
 
 
@@ -173,17 +180,49 @@ def _array(value: object, dims: tuple[str, ...], n: int, what: str, rows: int | 
 def _check_layers(
     attributions: Mapping[str, Attribution], ratios: Mapping[str, InputRows], bias: InputRows | None, where: str
 ) -> None:
-    """Every 'layer' axis of a loaded analysis (methods, extras, mixing ratios, bias) has the same length."""
+    """Every 'layer' axis of a loaded analysis (methods, extras, mixing ratios, bias) has the same length, at most
+    `MAX_LAYERS`; each method's extras have the axes its registry entry declares; the flow routes' position is a
+    token of its input."""
     found: dict[int, str] = {}
     stores = [(f"'{n}'", a.store) for n, a in attributions.items()]
     stores += [(f"'{n}.{k}'", e) for n, a in attributions.items() for k, e in a.extra_store.items()]
     stores += [(f"mixing ratio '{v}'", r) for v, r in ratios.items()] + ([("the bias", bias)] if bias else [])
     for what, st in stores:
         if "layer" in st.dims:
-            found.setdefault(int(st.parts[0][1].shape[1 + st.dims.index("layer")]), what)
+            for _, block in st.parts:
+                found.setdefault(int(block.shape[1 + st.dims.index("layer")]), what)
     if len(found) > 1:
         (a, x), (b, y) = list(found.items())[:2]
         raise MixlensError(f"{where}: {x} has {a} layers but {y} has {b}")
+    if found and max(found) > MAX_LAYERS:
+        raise MixlensError(
+            f"{where}: {found[max(found)]} has {max(found)} layers; a saved file holds at most {MAX_LAYERS}"
+        )
+    _check_extras(attributions, where)
+
+
+def _check_extras(attributions: Mapping[str, Attribution], where: str) -> None:
+    """The extras of a method the registry knows have the axes it declares (the shipped catalog: no torch), and
+    `flow_routes`' position is an integer inside its input."""
+    from mixlens.catalog import load
+
+    declared = {m["name"]: m["extras"] for m in load()}
+    for name, a in attributions.items():
+        for k, st in a.extra_store.items():
+            want = declared.get(name, {}).get(k)
+            if want is not None and tuple(want) != st.dims:
+                raise MixlensError(
+                    f"{where}: extra '{name}.{k}' has the axes {list(st.dims)}; {name} writes {list(want)}"
+                )
+        if name == "flow_routes" and "position" in a.extra_store:
+            st = a.extra_store["position"]
+            for b, toks in enumerate(a.tokens):
+                p = float(st.row(b))
+                if not (p == int(p) if np.isfinite(p) else False) or not 0 <= p < len(toks):
+                    raise MixlensError(
+                        f"{where}: input {b + 1}: 'flow_routes.position' is {p:g}, not a token position of its "
+                        f"{len(toks)} tokens"
+                    )
 
 
 def _json_targets(value: object, dims: tuple[str, ...], n: int, what: str) -> list[int] | None:
