@@ -11,6 +11,8 @@ import html
 
 import numpy as np
 
+from mixlens.viz.labels import token_text
+
 _CSS = """
 .mlx-report .mlx-hl { border-collapse: collapse; margin: 4px 0 12px; }
 .mlx-report .mlx-hl th { text-align: right; font-weight: 600; padding: 2px 8px 2px 0; white-space: nowrap; }
@@ -64,7 +66,7 @@ def render_fragment(expl) -> str:
         )
         for m, s in e.scores.items():
             cells = []
-            for tok, v, w in zip(e.tokens, s, _scaled(np.asarray(s, dtype=float)), strict=True):
+            for tok, v, w in zip(map(token_text, e.tokens), s, _scaled(np.asarray(s, dtype=float)), strict=True):
                 r, g, b = _rgb(float(w))
                 fg = "#fff" if abs(w) > 0.6 else "#1d1d1f"
                 cells.append(

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mixlens.result import Analysis, Attribution
+from mixlens.viz.labels import token_text
 
 ASSETS = Path(__file__).parent
 MAX_VALUES = 4_000_000  # numbers embedded per report (≈ 25 MB of JSON at most)
@@ -113,6 +114,7 @@ def build_payload(
             result.tokens,
         )
         ratios = {v: result.mixing_ratio(v) for v in result.ratios} or None  # None: no norm-engine method
+    tokens = [[token_text(t) for t in toks] for toks in tokens]  # as text: ' keys', not 'Ġkeys'
     head_maps = head_maps or {}
     notes: list[str] = []
     shown = [min(len(t), max_tokens) for t in tokens]

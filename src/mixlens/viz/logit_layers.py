@@ -18,6 +18,7 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
 from mixlens.errors import MixlensError
+from mixlens.viz.labels import token_text
 from mixlens.viz.static import STYLE
 
 MAX_TOKENS = 60
@@ -80,7 +81,7 @@ _CSS = """
 def render_html(e: Any, method: str) -> str:
     """One table: a header row of tokens, one row per layer, the summed row last."""
     layers, total, first = rows(e, method)
-    toks = e.tokens[first : first + layers.shape[1]]
+    toks = [token_text(t) for t in e.tokens[first : first + layers.shape[1]]]
     top = float(np.abs(layers).max()) or 1.0
     top_sum = float(np.abs(total).max()) or 1.0
 
@@ -111,10 +112,6 @@ def css() -> str:
     return _CSS
 
 
-def _label(t: str) -> str:
-    return t.replace("\n", "⏎") or "∅"
-
-
 def logit_layers_figure(expl: Any, inputs: list[int], method: str | None = None, width_in: float = 9.0) -> Figure:
     """One panel per input: a heatmap of layers × tokens (signed, one symmetric colour scale per panel) and, below
     it, the summed row with its values (its own scale); the title names the target and foil with probabilities."""
@@ -143,7 +140,7 @@ def logit_layers_figure(expl: Any, inputs: list[int], method: str | None = None,
         axes = fig.subplots(2 * len(panels), 1, gridspec_kw={"height_ratios": heights}, squeeze=False)[:, 0]
         for k, (e, m, layers, total, first) in enumerate(panels):
             ax, ax_sum = axes[2 * k], axes[2 * k + 1]
-            toks = [_label(t) for t in e.tokens[first : first + layers.shape[1]]]
+            toks = [token_text(t) for t in e.tokens[first : first + layers.shape[1]]]
             top = float(np.abs(layers).max()) or 1.0
             im = ax.imshow(layers, cmap=cmap, norm=TwoSlopeNorm(0.0, -top, top), aspect="auto", interpolation="none")
             ax.set_yticks(range(layers.shape[0]), [str(i) for i in range(layers.shape[0])])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixlens.viz.labels import token_text
 from mixlens.viz.terminal.tables import print_table
 
 NORM_FAMILY = ("attention", "norm", "norm_res", "norm_resln")  # the methods the mixing-ratio table describes
@@ -63,7 +64,8 @@ def print_top_sources(attr: Any) -> None:
 
     from mixlens.methods.rollout import DISPLAY_NOTE, display_rows
 
-    for b, toks in enumerate(attr.tokens):
+    for b, raw in enumerate(attr.tokens):
+        toks = [token_text(t) for t in raw]
         m, where = _last_layer_map(attr, b)
         m, scaled = display_rows(attr.method, m)
         targets = list(range(len(toks))) if attr.targets is None else attr.targets[b]
@@ -92,7 +94,8 @@ def print_scores(attr: Any, console: Any) -> None:
     import numpy as np
     from rich.text import Text
 
-    for b, toks in enumerate(attr.tokens):
+    for b, raw in enumerate(attr.tokens):
+        toks = [token_text(t) for t in raw]
         v = attr.input(b)  # [*lead, n]
         rows = v.reshape(-1, v.shape[-1])
         labels = [""] if v.ndim == 1 else [f"{attr.dims[0]} {k}: " for k in range(rows.shape[0])]
