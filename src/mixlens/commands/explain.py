@@ -65,6 +65,7 @@ def register(app: typer.Typer) -> None:
         if out is not None or fmt == "html":
             check_writable(out or Path("mixlens-explain.html"))  # before any work
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
+        warn_unspaced(lens, text[0], target, foil)
         with progress(len(text), "explain") as step:
             res = explain(
                 lens, text, method or None, target=target, foil=foil, generate=generate, seed=seed, progress=step
@@ -252,6 +253,39 @@ def _evaluate_and_write(
 
         print_evaluation(ev)
     typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)
+
+
+SPACE_ODDS = 10.0  # the spaced form this many times likelier than the word as typed: warn
+
+
+def warn_unspaced(lens, text: str, target: str | None, foil: str | None) -> None:
+    """A causal LM's `--target are` (no leading space) where ' are' is one token too and the model finds it far
+    likelier at the first input's next position: said on stderr (a word inside a sentence starts with a space)."""
+    import torch
+
+    from mixlens.targets import model_kind
+
+    if model_kind(lens.model) != "causal":
+        return
+    tok = lens.tokenizer
+    for what, spec in (("--target", target), ("--foil", foil)):
+        if spec is None or not spec.strip() or spec[0].isspace() or spec.isdigit():
+            continue
+        ids = tok(spec, add_special_tokens=False)["input_ids"]
+        spaced = tok(" " + spec, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1 or len(spaced) != 1 or ids == spaced:
+            continue
+        enc = tok(text, return_tensors="pt", truncation=True, max_length=lens.max_length)
+        with torch.no_grad():
+            logits = lens.model(**{k: v.to(lens.device) for k, v in enc.items()}).logits[0, -1]
+        p = logits.float().softmax(-1)
+        p_word, p_spaced = float(p[ids[0]]), float(p[spaced[0]])
+        if p_spaced > SPACE_ODDS * p_word:
+            typer.echo(
+                f"warning: {what} '{spec}' has no leading space; the model gives '{spec}' p = {p_word:.2g} and "
+                f"' {spec}' p = {p_spaced:.2g} after input 1: for the word, pass {what} ' {spec}'",
+                err=True,
+            )
 
 
 def data_file(data: Path) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
-from mixlens.errors import MixlensError
+from mixlens.errors import MixlensError, did_you_mean
 from mixlens.trace import Trace
 
 if TYPE_CHECKING:
@@ -394,7 +394,9 @@ def get(name: str) -> Method:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise MixlensError(f"unknown method '{name}'; valid methods: {', '.join(names())}") from None
+        raise MixlensError(
+            f"unknown method '{name}'{did_you_mean(name, names())}; valid methods: {', '.join(names())}"
+        ) from None
 
 
 def names() -> list[str]:
