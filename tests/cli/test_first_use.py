@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixlens import __version__
 from mixlens.errors import MixlensError
@@ -86,3 +87,22 @@ def test_unspaced_target_warns(capsys):
     assert "--foil" not in err  # ' is' keeps its space
     code, _, err = run_cli([*argv[:-4], "--target", " are", "--foil", " is"], capsys)
     assert code == 0 and "no leading space" not in err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reconstruction_error_is_said_against_the_dtypes_tolerance(bundled, dtype, capsys, tmp_path):
+    """Issue 45 item 6: a bfloat16 run printed 'reconstruction error (max abs): 5.45e+01' with no context; the line
+    now gives the share of the check's tolerance for the run's dtype (≤ 1: the check passed)."""
+    from mixlens.methods.norms import TOLERANCES
+    from mixlens.viz.terminal.analysis import error_line
+
+    res = bundled.analyze(["The keys to the cabinet are on the table."], ["norm"])
+    err, share = float(res.reconstruction_error.max()), float(res.error_share.max())
+    assert 0 < share <= 1 and share <= err / TOLERANCES[torch.float32] * (1 + 1e-5)  # tolerance × max(1, |out|)
+    assert error_line(err, res.error_share, "float32").startswith(f"reconstruction error: max abs {err:.2g} = ")
+    code, out, errs = run_cli(
+        ["analyze", "a short text", "--method", "norm", "--dtype", dtype, "-o", str(tmp_path / "a")], capsys
+    )
+    assert code == 0, errs
+    line = next(ln for ln in out.splitlines() if ln.startswith("reconstruction error"))
+    assert f"× the {dtype} tolerance" in line and f"to {TOLERANCES[getattr(torch, dtype)]:g} × max(1, |output|)" in line
