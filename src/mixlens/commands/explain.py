@@ -35,7 +35,11 @@ def register(app: typer.Typer) -> None:
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
         method: list[str] = typer.Option(
-            None, "--method", help="Method (repeatable); default: every applicable method but exact HTA."
+            None,
+            "--method",
+            help="Method (repeatable); default: the methods recommended for the model's kind where the registry "
+            "declares some (causal LMs: logit_attn and attnlrp, docs/evaluate.md), else every applicable method but "
+            "exact HTA; 'all': every applicable method but exact HTA.",
         ),
         target: str | None = typer.Option(
             None,
@@ -66,10 +70,9 @@ def register(app: typer.Typer) -> None:
             check_writable(out or Path("mixlens-explain.html"))  # before any work
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
         warn_unspaced(lens, text[0], target, foil)
+        chosen = chosen_methods(lens, method)
         with progress(len(text), "explain") as step:
-            res = explain(
-                lens, text, method or None, target=target, foil=foil, generate=generate, seed=seed, progress=step
-            )
+            res = explain(lens, text, chosen, target=target, foil=foil, generate=generate, seed=seed, progress=step)
         if fmt == "html":
             dest = out or Path("mixlens-explain.html")
             atomic_write(dest, res.html().encode())
@@ -253,6 +256,34 @@ def _evaluate_and_write(
 
         print_evaluation(ev)
     typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)
+
+
+def chosen_methods(lens, given: list[str] | None) -> list[str] | None:
+    """explain's methods: those given; `all`: every applicable one but the slow (None, explain's own default);
+    none given: the ones the registry recommends for the model's kind (`Method.recommended`), saying on stderr which
+    others exist, or explain's default where the kind has none recommended."""
+    from mixlens.explain.attributions import default_methods
+    from mixlens.explain.explain import explained_kind
+    from mixlens.methods import get, registry
+
+    if given:
+        if "all" in given:
+            if len(given) > 1:
+                raise MixlensError("--method all runs every applicable method: give it alone")
+            return None
+        return list(given)
+    kind = explained_kind(lens.model)
+    family = lens.adapter.family
+    picked = [m for m in registry.explainers(kind, defaults=True, recommended=True) if get(m).refusal(family) is None]
+    if not picked:
+        return None
+    others = [m for m in default_methods(kind, family) if m not in picked]
+    typer.echo(
+        f"explaining with {', '.join(picked)}, the methods recommended for this kind of model (docs/evaluate.md); "
+        f"others: {', '.join(others)} (--method NAME, or --method all)",
+        err=True,
+    )
+    return picked
 
 
 SPACE_ODDS = 10.0  # the spaced form this many times likelier than the word as typed: warn

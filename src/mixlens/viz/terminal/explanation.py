@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from mixlens.viz.highlight import _header, _rgb, _scaled
+from mixlens.viz.highlight import _header, _rgb, _scaled, position_note
 from mixlens.viz.labels import token_text
 
 
@@ -54,4 +54,6 @@ def show_explanation(expl: Any, console: Any = None) -> None:
             start = stop
         if noted:
             console.print(f"   * {DISPLAY_NOTE}", style="dim")
+        if position_note(expl):
+            console.print(f"   note: {position_note(expl)}", style="dim")
         console.print()
