@@ -34,6 +34,7 @@ class View(str, Enum):
 
 
 MAX_PANELS = 4
+PLOT_METHOD = "norm_resln"  # plot's default --method (heatmap, bipartite)
 
 
 def from_option() -> Any:
@@ -69,15 +70,24 @@ def _logit_layers(
     """`plot --view logit-layers`: ALTI-Logit's per-layer view of a saved explanation (`explain -f json -o F`, or
     `Explanation.save`), or of TEXT explained here with alti_logit (or --method logit_attn)."""
     from mixlens.viz import static
-    from mixlens.viz.logit_layers import layered_methods, logit_layers_figure
+    from mixlens.viz.logit_layers import layered, layered_methods, logit_layers_figure
 
     if out.suffix.lower().lstrip(".") not in static.FORMATS:
         raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
-    chosen = method if method in layered_methods() else None
+    drawn = layered_methods()
+    if method not in (*drawn, PLOT_METHOD):
+        raise MixlensError(f"--view logit-layers draws {' or '.join(drawn)}, not '{method}'")
+    chosen = method if method in drawn else None
     if from_file is not None:
         res = read_saved(from_file, text, None)
         if getattr(res, "explained", None) is None:
             raise MixlensError(f"{from_file} is no explanation (write one with mixlens explain --method alti_logit)")
+        held = [m for m in drawn if any(m in layered(e) for e in res.inputs)]
+        if chosen is None and len(held) > 1:
+            raise MixlensError(f"{from_file} holds per-layer rows of {' and '.join(held)}: choose one with --method")
+        if chosen is None and held:
+            chosen = held[0]
+            typer.echo(f"drawing {chosen}, the method of {from_file} with per-layer rows", err=True)
     else:
         from mixlens.explain import explain
         from mixlens.lens import load
@@ -213,7 +223,12 @@ def register(app: typer.Typer) -> None:
             help="heatmap, bipartite, ratio, routes or logit-layers (alti_logit / logit_attn per layer; --from an "
             "explanation, or TEXT).",
         ),
-        method: str = typer.Option("norm_resln", "--method", help="Method for heatmap/bipartite."),
+        method: str = typer.Option(
+            PLOT_METHOD,
+            "--method",
+            help="Method for heatmap/bipartite; logit-layers: alti_logit or logit_attn (from a file holding both: "
+            "required).",
+        ),
         layer: int = typer.Option(-1, "--layer", help="Layer (0-based; negative counts from the end)."),
         attention_head: int | None = typer.Option(
             None, "--attention-head", min=0, help="One attention head (0-based) instead of the method's own map."

@@ -61,6 +61,22 @@ def rows(e: Any, method: str) -> tuple[np.ndarray, np.ndarray, int]:
     return layers[:, first:], total[first:], first
 
 
+def closing(e: Any, method: str) -> str:
+    """How the summed row closes to the explained logit (difference): 'Σ tokens 2.41 (shown 2.3 + earlier 0.11) +
+    rest 1 (embedding, biases, MLPs) = 3.41 = the logit difference'. The method's `remainder` extra is everything
+    but the per-source attention terms, so Σ_j score_j + remainder is the model's logit (difference)."""
+    layers, total, first = rows(e, method)
+    every = float(np.asarray(e.scores[method], dtype=float)[: first + layers.shape[1]].sum())
+    shown = float(total.sum())
+    extras = e.extras.get(method, {})
+    tokens = f"Σ tokens {every:.4g}" + (f" (shown {shown:.4g} + earlier {every - shown:.4g})" if first else "")
+    if "remainder" not in extras:
+        return tokens
+    rest = float(np.asarray(extras["remainder"], dtype=float).reshape(-1)[0])
+    what = "the logit difference" if e.target.foil is not None else "the target's logit"
+    return f"{tokens} + rest {rest:.4g} (embedding, biases, MLPs) = {every + rest:.4g}, {what}"
+
+
 def _rgb(v: float) -> tuple[int, int, int]:
     v = max(-1.0, min(1.0, v))
     end = (178, 24, 43) if v >= 0 else (33, 102, 172)
@@ -105,6 +121,7 @@ def render_html(e: Any, method: str) -> str:
     for k, row in enumerate(layers):
         parts.append(f"<tr><th>layer {k}</th>{cells(row, top, f'layer {k}')}</tr>")
     parts.append(f'<tr class="mlx-sum"><th>sum</th>{cells(total, top_sum, "sum")}</tr></table>')
+    parts.append(f'<p class="mlx-meta">{html.escape(closing(e, method))}</p>')
     return "\n".join(parts)
 
 
@@ -160,6 +177,7 @@ def logit_layers_figure(expl: Any, inputs: list[int], method: str | None = None,
             fig.colorbar(im_sum, ax=ax_sum, fraction=0.025, pad=0.01, ticks=[-top_sum, 0, top_sum], format="%.2g")
             ax_sum.set_yticks([0], ["sum"])
             ax_sum.set_xticks(range(len(toks)), toks, rotation=60, ha="right", family="monospace", fontsize=8)
+            ax_sum.set_xlabel(closing(e, m), fontsize=8, loc="left")
             for j, v in enumerate(total.tolist()):
                 ax_sum.text(
                     j,
