@@ -1,7 +1,7 @@
 """Kobayashi (2021) mixing ratios and the position-0 "attention sink" on the real checkpoints of
 scripts/fetch_models.py, over the first N sentences of SST-2 dev (`--data`, GLUE's SST-2 dev.tsv).
 
-    python experiments/real_models.py [--n 64] [NAME ...]
+    python experiments/real_models.py [--n 64] [--data data/sst2/dev.tsv] [NAME ...]
 
 Prints, per model, the mixing ratios r_i (%, mean over the real tokens of every layer, then over layers) of the five
 variants and, per layer, W / N / Res-N / ResLN-N; for the decoders also the mean over targets i ≥ 1 of the head-mean
@@ -26,8 +26,8 @@ DATA = ROOT.parent / "shared" / "data" / "sst2" / "dev.tsv"
 NAMES = ("all-mpnet-base-v2", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m")
 
 
-def sentences(n: int) -> list[str]:
-    with DATA.open() as f:
+def sentences(n: int, data: Path = DATA) -> list[str]:
+    with data.open() as f:
         return [row["sentence"].strip() for _, row in zip(range(n), csv.DictReader(f, delimiter="\t"), strict=False)]
 
 
@@ -38,7 +38,7 @@ def measure(lens: mixlens.Lens, texts: list[str], batch: int = 16) -> dict[str, 
     ratio_sum, sink_sum = torch.zeros(len(RATIO_VARIANTS), n_layers), torch.zeros(2, n_layers)
     tokens = targets = 0
     for s in range(0, len(texts), batch):
-        tr = lens.trace(lens.encode(texts[s : s + batch]), full=False)
+        tr = lens.trace(lens.encode(texts[s : s + batch]), to_output=False)
         bn = block_norms(tr)
         m = tr.mask.float()  # [B, n]
         ratio_sum += torch.stack([(bn.ratio[v] * m[:, None]).sum((0, 2)) for v in RATIO_VARIANTS])
@@ -56,9 +56,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="*", default=list(NAMES))
     ap.add_argument("--n", type=int, default=64, help="first N sentences of SST-2 dev")
+    ap.add_argument("--data", type=Path, default=DATA, help="GLUE's SST-2 dev.tsv")
     args = ap.parse_args()
     root = Path(os.environ.get("MIXLENS_MODELS", Path.home() / ".cache" / "mixlens" / "models")).expanduser()
-    texts = sentences(args.n)
+    texts = sentences(args.n, args.data)
     for name in args.names:
         if not (root / name / "config.json").is_file():
             print(f"{name}: not fetched, skipped", file=sys.stderr)

@@ -11,6 +11,8 @@ import transformers as T
 import mixlens
 from mixlens.lens import default_model_path
 
+pytest_plugins = ["tests.cwd_guard"]  # tests run in their own folder and leave the working directory alone
+
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SENTENCES = ["The keys to the cabinet are on the table.", "A dog barked, and then it ran away quickly!", "Short one."]
 

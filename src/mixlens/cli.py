@@ -44,6 +44,24 @@ COMMAND_MODULES: list[str] = [
     "mixlens.commands.families",
 ]
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from mixlens import __version__
+
+        typer.echo(f"mixlens {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Show how a Transformer mixes information between tokens."""
+
+
 for _module in COMMAND_MODULES:
     importlib.import_module(_module).register(app)
 

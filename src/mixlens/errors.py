@@ -1,5 +1,10 @@
 """Errors that reach users as one clear line (the CLI maps them to exit code 2)."""
 
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
 
 class MixlensError(ValueError):
     """Bad input or an unsupported request; the message is shown to the user as is."""
@@ -7,3 +12,9 @@ class MixlensError(ValueError):
 
 class ReconstructionError(RuntimeError):
     """A decomposition did not sum back to the real module output (names the layer)."""
+
+
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """ " (did you mean 'x'?)" for the choice closest to a mistyped `word`, or '' when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -615,6 +615,7 @@ class Lens:
         scales: list[tuple[np.ndarray, np.ndarray]] = []  # s_i per batch, for the bias (built when read)
         bias_terms: np.ndarray | None = None
         errors: np.ndarray | None = None
+        shares: np.ndarray | None = None
         tokens: list[list[str]] = [[] for _ in range(n_in)]
         words: list[list[int | None]] = [[] for _ in range(n_in)]
         rows: list[list[int]] = [[] for _ in range(n_in)]
@@ -651,6 +652,9 @@ class Lens:
                     ratios.setdefault(view, []).append((idx, r.cpu().numpy()))
                 errors = np.zeros(n_in, np.float32) if errors is None else errors
                 errors[idx] = step.norms.error.amax(1).cpu().numpy()
+                if step.norms.error_share is not None:
+                    shares = np.zeros(n_in, np.float32) if shares is None else shares
+                    shares[idx] = step.norms.error_share.amax(1).cpu().numpy()
                 scales.append((idx, step.norms.scale.cpu().numpy()))
                 bias_terms = step.norms.bias_terms.cpu().numpy()
             for k, b in enumerate(batch.index):
@@ -682,6 +686,7 @@ class Lens:
             attributions=attributions,
             ratios={v: InputRows(p, ("layer", "target"), lengths) for v, p in ratios.items()},
             reconstruction_error=errors,
+            error_share=shares,
             bias=None
             if bias_terms is None
             else InputBiasRows(InputRows(scales, ("layer", "target"), lengths), bias_terms),

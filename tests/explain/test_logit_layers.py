@@ -60,6 +60,10 @@ def test_plot_logit_layers(expl, causal, tmp_path, capsys):
     src.write_text(expl.dumps())
     png = tmp_path / "f.png"
     rc, _, err = run_cli(["plot", "--view", "logit-layers", "--from", str(src), "--out", str(png)], capsys)
+    assert rc == 2 and "holds per-layer rows of logit_attn and alti_logit: choose one with --method" in err
+    rc, _, err = run_cli(
+        ["plot", "--view", "logit-layers", "--from", str(src), "--method", "alti_logit", "--out", str(png)], capsys
+    )
     assert rc == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rc, _, err = run_cli(
@@ -81,3 +85,53 @@ def test_plot_logit_layers(expl, causal, tmp_path, capsys):
     plain.write_text(explain(causal, TEXTS[:1], ["saliency"]).dumps())
     rc, _, err = run_cli(["plot", "--view", "logit-layers", "--from", str(plain), "--out", str(png)], capsys)
     assert rc == 2 and "alti_logit" in err
+
+
+def test_one_layered_method_is_drawn_and_named(causal, tmp_path, capsys):
+    src = tmp_path / "e.json"
+    src.write_text(explain(causal, TEXTS[:1], ["alti_logit", "saliency"], target="the", foil="a").dumps())
+    rc, _, err = run_cli(
+        ["plot", "--view", "logit-layers", "--from", str(src), "--out", str(tmp_path / "f.png")], capsys
+    )
+    assert rc == 0 and f"drawing alti_logit, the method of {src} with per-layer rows" in err
+    argv = [
+        "plot",
+        "--view",
+        "logit-layers",
+        "--from",
+        str(src),
+        "--method",
+        "attention",
+        "--out",
+        str(tmp_path / "g.png"),
+    ]
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2 and "draws logit_attn or alti_logit, not 'attention'" in err
+
+
+@pytest.mark.parametrize("method", ["alti_logit", "logit_attn"])
+def test_sum_row_closes_to_the_logit_difference(expl, method):
+    """#45 item 8: the figure's sum row says how it totals the logit difference, with the remainder that closes it."""
+    import re
+
+    from mixlens.viz.logit_layers import logit_layers_figure
+
+    fig = logit_layers_figure(expl, [0, 1], method)
+    labels = [ax.get_xlabel() for ax in fig.axes if ax.get_xlabel().startswith("Σ tokens")]
+    assert len(labels) == 2
+    for label, e in zip(labels, expl.inputs, strict=True):
+        tokens, rest, total = (
+            float(x) for x in re.match(r"Σ tokens (\S+) \+ rest (\S+) .*= (\S+), the logit difference$", label).groups()
+        )
+        assert tokens == pytest.approx(float(e.scores[method].sum()), rel=1e-3, abs=1e-4)
+        assert tokens + rest == pytest.approx(e.score, rel=1e-3, abs=1e-3)  # the model's own logit difference
+        assert total == pytest.approx(e.score, rel=1e-3, abs=1e-3)
+    assert "the logit difference" in expl.html() and "+ rest " in expl.html()
+
+
+def test_logit_layers_is_documented():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("reports.md", "cli.md"):
+        assert "--view logit-layers" in (root / "docs" / doc).read_text(encoding="utf-8"), doc

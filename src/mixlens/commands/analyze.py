@@ -126,7 +126,7 @@ def analyze(
         write_stdout(payload + "\n")
         return
     if fmt is Format.table:  # printed before the file is written: a failure here leaves nothing behind
-        print_results(res, methods)
+        print_results(res, methods, str(lens.dtype).removeprefix("torch."))
     atomic_write(dest, payload.encode())
     written = "; ".join(f"{m} ({describe(res[m])})" for m in methods)
     typer.echo(f"wrote {written} for {len(text)} input(s) to {dest}", err=True)

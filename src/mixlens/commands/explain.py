@@ -37,7 +37,11 @@ def register(app: typer.Typer) -> None:
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
         method: list[str] = typer.Option(
-            None, "--method", help="Method (repeatable); default: every applicable method but exact HTA."
+            None,
+            "--method",
+            help="Method (repeatable); default: the methods recommended for the model's kind where the registry "
+            "declares some (causal LMs: logit_attn and attnlrp, docs/evaluate.md), else every applicable method but "
+            "exact HTA; 'all': every applicable method but exact HTA.",
         ),
         target: str | None = typer.Option(
             None,
@@ -71,10 +75,10 @@ def register(app: typer.Typer) -> None:
         if out is not None or fmt == "html":
             check_writable(out or Path("mixlens-explain.html"))  # before any work
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
+        warn_unspaced(lens, text[0], target, foil)
+        chosen = chosen_methods(lens, method)
         with progress(len(text), "explain") as step:
-            res = explain(
-                lens, text, method or None, target=target, foil=foil, generate=generate, seed=seed, progress=step
-            )
+            res = explain(lens, text, chosen, target=target, foil=foil, generate=generate, seed=seed, progress=step)
         if fmt == "html":
             dest = out or Path("mixlens-explain.html")
             atomic_write(dest, res.html().encode())
@@ -303,6 +307,67 @@ def _evaluate_and_write(
 
         print_evaluation(ev)
     typer.echo(f"wrote {dest / 'evaluation.json'} and {dest / 'evaluation.png'}", err=True)
+
+
+def chosen_methods(lens, given: list[str] | None) -> list[str] | None:
+    """explain's methods: those given; `all`: every applicable one but the slow (None, explain's own default);
+    none given: the ones the registry recommends for the model's kind (`Method.recommended`), saying on stderr which
+    others exist, or explain's default where the kind has none recommended."""
+    from mixlens.explain.attributions import default_methods
+    from mixlens.explain.explain import explained_kind
+    from mixlens.methods import get, registry
+
+    if given:
+        if "all" in given:
+            if len(given) > 1:
+                raise MixlensError("--method all runs every applicable method: give it alone")
+            return None
+        return list(given)
+    kind = explained_kind(lens.model)
+    family = lens.adapter.family
+    picked = [m for m in registry.explainers(kind, defaults=True, recommended=True) if get(m).refusal(family) is None]
+    if not picked:
+        return None
+    others = [m for m in default_methods(kind, family) if m not in picked]
+    typer.echo(
+        f"explaining with {', '.join(picked)}, the methods recommended for this kind of model (docs/evaluate.md); "
+        f"others: {', '.join(others)} (--method NAME, or --method all)",
+        err=True,
+    )
+    return picked
+
+
+SPACE_ODDS = 10.0  # the spaced form this many times likelier than the word as typed: warn
+
+
+def warn_unspaced(lens, text: str, target: str | None, foil: str | None) -> None:
+    """A causal LM's `--target are` (no leading space) where ' are' is one token too and the model finds it far
+    likelier at the first input's next position: said on stderr (a word inside a sentence starts with a space)."""
+    import torch
+
+    from mixlens.targets import model_kind
+
+    if model_kind(lens.model) != "causal":
+        return
+    tok = lens.tokenizer
+    for what, spec in (("--target", target), ("--foil", foil)):
+        if spec is None or not spec.strip() or spec[0].isspace() or spec.isdigit():
+            continue
+        ids = tok(spec, add_special_tokens=False)["input_ids"]
+        spaced = tok(" " + spec, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1 or len(spaced) != 1 or ids == spaced:
+            continue
+        enc = tok(text, return_tensors="pt", truncation=True, max_length=lens.max_length)
+        with torch.no_grad():
+            logits = lens.model(**{k: v.to(lens.device) for k, v in enc.items()}).logits[0, -1]
+        p = logits.float().softmax(-1)
+        p_word, p_spaced = float(p[ids[0]]), float(p[spaced[0]])
+        if p_spaced > SPACE_ODDS * p_word:
+            typer.echo(
+                f"warning: {what} '{spec}' has no leading space; the model gives '{spec}' p = {p_word:.2g} and "
+                f"' {spec}' p = {p_spaced:.2g} after input 1: for the word, pass {what} ' {spec}'",
+                err=True,
+            )
 
 
 def data_file(data: Path) -> None:

@@ -100,6 +100,7 @@ def runtime_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def run(*args: Any, dtype: str | None = None, device: str | None = None, **kwargs: Any) -> Any:
+        check_fast(kwargs)  # mistakes found before torch is imported (seconds on a small machine)
         from mixlens.lens import runtime
 
         with runtime(dtype, device):
@@ -110,6 +111,57 @@ def runtime_options(command: Callable[..., Any]) -> Callable[..., Any]:
     run.__signature__ = signature  # type: ignore[attr-defined]
     run.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
     return run
+
+
+def check_fast(values: dict[str, Any]) -> None:
+    """A command's arguments that can be checked without torch, checked before it loads: the `--model` path and
+    the `--method` names (from the shipped catalog)."""
+    method = values.get("method")
+    check_method_names([method] if isinstance(method, str) else list(method or []))
+    check_model_path(values.get("model"), values.get("gguf_file"))
+
+
+def check_method_names(given: Sequence[str]) -> None:
+    """Unknown method names (`all` aside: explain's word for every method), with the closest valid name."""
+    from mixlens.catalog import load
+    from mixlens.errors import did_you_mean
+
+    valid = [m["name"] for m in load()]
+    for name in given:
+        if name not in valid and name != "all":
+            raise MixlensError(f"unknown method '{name}'{did_you_mean(name, valid)}; valid methods: {', '.join(valid)}")
+
+
+def check_model_path(model: str | None, gguf_file: str | None = None) -> None:
+    """A `--model` that names a local file or folder by mistake, said as such rather than as a failed hub download:
+    a GGUF file (it goes to --gguf-file, with its folder as --model), or a path that does not exist (with the
+    closest name in its folder)."""
+    from mixlens.errors import did_you_mean
+
+    if model is None:
+        return
+    p = Path(model).expanduser()
+    gguf = p.suffix.lower() == ".gguf"
+    if gguf and gguf_file is None:
+        folder = str(p.parent) if str(p.parent) != "" else "."
+        state = "" if p.is_file() else f" (there is no such file: {p})"
+        raise MixlensError(
+            f"--model takes a folder or hub id, not a GGUF file{state}; give its folder and its name: "
+            f"--model {folder} --gguf-file {p.name}"
+        )
+    if p.exists() or not model.strip():
+        return
+    parent = p.parent
+    looks_local = model.startswith((".", "/", "~")) or "\\" in model or model.count("/") > 1
+    looks_local |= model.count("/") == 1 and parent.is_dir()  # 'models/smolm2': the folder 'models' is here
+    if not looks_local:
+        return  # a hub id: `load` downloads it (or says why not)
+    hint = ""
+    if parent.is_dir():
+        names = sorted(c.name for c in parent.iterdir() if c.is_dir())
+        hint = did_you_mean(p.name, names)
+        hint = f"{hint}; {parent} holds: {', '.join(names[:12])}{', ...' if len(names) > 12 else ''}" if names else hint
+    raise MixlensError(f"model path '{model}' does not exist: no such folder{hint}")
 
 
 def data_option(help: str = "TSV/CSV/JSONL/Parquet/plain-text file.") -> Any:

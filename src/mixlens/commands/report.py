@@ -35,6 +35,7 @@ class View(str, Enum):
 
 
 MAX_PANELS = 4
+PLOT_METHOD = "norm_resln"  # plot's default --method (heatmap, bipartite)
 
 
 def from_option() -> Any:
@@ -70,15 +71,24 @@ def _logit_layers(
     """`plot --view logit-layers`: ALTI-Logit's per-layer view of a saved explanation (`explain -f json -o F`, or
     `Explanation.save`), or of TEXT explained here with alti_logit (or --method logit_attn)."""
     from mixlens.viz import static
-    from mixlens.viz.logit_layers import layered_methods, logit_layers_figure
+    from mixlens.viz.logit_layers import layered, layered_methods, logit_layers_figure
 
     if out.suffix.lower().lstrip(".") not in static.FORMATS:
         raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
-    chosen = method if method in layered_methods() else None
+    drawn = layered_methods()
+    if method not in (*drawn, PLOT_METHOD):
+        raise MixlensError(f"--view logit-layers draws {' or '.join(drawn)}, not '{method}'")
+    chosen = method if method in drawn else None
     if from_file is not None:
         res = read_saved(from_file, text, None)
         if getattr(res, "explained", None) is None:
             raise MixlensError(f"{from_file} is no explanation (write one with mixlens explain --method alti_logit)")
+        held = [m for m in drawn if any(m in layered(e) for e in res.inputs)]
+        if chosen is None and len(held) > 1:
+            raise MixlensError(f"{from_file} holds per-layer rows of {' and '.join(held)}: choose one with --method")
+        if chosen is None and held:
+            chosen = held[0]
+            typer.echo(f"drawing {chosen}, the method of {from_file} with per-layer rows", err=True)
     else:
         from mixlens.explain import explain
         from mixlens.lens import load
@@ -90,6 +100,48 @@ def _logit_layers(
         raise MixlensError(f"{len(res.texts)} inputs: a logit-layers figure holds at most {MAX_PANELS} panels")
     static.save_figure(logit_layers_figure(res, list(range(len(res.texts))), chosen), out)
     typer.echo(f"wrote the per-layer logit figure to {out}", err=True)
+
+
+def with_request(
+    lens: Any, methods: list[str], options: dict[str, dict[str, object]], target: str | None, foil: str | None
+) -> tuple[dict[str, dict[str, object]], Any]:
+    """`options` with `--target` / `--foil` (a class or token, as text or id, resolved as `explain` does) given to
+    every method that declares the registry's target options (`TARGET_OPTIONS`), and a function naming a class /
+    token id for the report's note on what the scores explain."""
+    from mixlens.methods import get
+    from mixlens.methods.registry import TARGET_OPTIONS
+    from mixlens.targets import model_kind, resolve_index, token_label
+
+    kind = model_kind(lens.model)
+    config = lens.model.config
+
+    def label(v: Any) -> str:
+        if not isinstance(v, int) or isinstance(v, bool):
+            return str(v)
+        if kind == "classifier":
+            return f"'{(getattr(config, 'id2label', None) or {}).get(v, v)}'"
+        return f"'{token_label(lens.tokenizer, v)}'"
+
+    request = {"target": target, "foil": foil}
+    if all(v is None for v in request.values()):
+        return options, label
+    keys = {o.name for o in TARGET_OPTIONS} & set(request)
+    takers = [m for m in methods if keys <= {o.name for o in get(m).options}]
+    if not takers:
+        raise MixlensError(
+            f"--target / --foil: none of {', '.join(methods)} takes a target; add a method that does (mixlens methods "
+            "lists each method's options)"
+        )
+    out = {m: dict(o) for m, o in options.items()}
+    for key, spec in request.items():
+        if spec is None:
+            continue
+        value = resolve_index(kind, config, lens.tokenizer, spec)  # as explain reads it: a text keeps its spaces
+        for m in takers:
+            if key in out.get(m, {}) and out[m][key] != value:
+                raise MixlensError(f"--{key} and --option {m}.{key} disagree: give the {key} once")
+            out.setdefault(m, {})[key] = value
+    return out, label
 
 
 def register(app: typer.Typer) -> None:
@@ -118,9 +170,18 @@ def register(app: typer.Typer) -> None:
         model_head: str | None = model_head_option(),
         allow_random_head: bool = allow_random_head_option(),
         from_file: Path | None = from_option(),
+        target: str | None = typer.Option(
+            None,
+            "--target",
+            help="What the methods that take a target explain: a class index or label (classifiers), or a token "
+            "(LMs; as text, with its leading space: ' are'), as explain takes it; default: the prediction.",
+        ),
+        foil: str | None = typer.Option(
+            None, "--foil", help="Contrast class / token (as --target): explain logit(target) − logit(foil)."
+        ),
     ) -> None:
         """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios,
-        highlighted text for per-token methods."""
+        highlighted text for per-token methods (the report says what their scores explain)."""
         from mixlens import lens as lens_module
         from mixlens.result import atomic_write
         from mixlens.viz.html import analyze_for_view, render_report
@@ -129,7 +190,12 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
         check_writable(out)  # before the file is read or the model loads
         head_maps: dict[str, Any] = {}
+        label = None
         if from_file is not None:
+            if target is not None or foil is not None:
+                raise MixlensError(
+                    "--target / --foil choose what a new analysis explains; a saved one (--from) has its own"
+                )
             res = read_saved(from_file, text, method)
         else:
             if not text:
@@ -138,11 +204,13 @@ def register(app: typer.Typer) -> None:
             opts = parse_options(option)
             precheck_model(model, model_head, methods, text, max_length, gguf_file)
             lens = lens_module.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+            opts, label = with_request(lens, methods, opts, target, foil)
             with method_progress(methods, len(text)) as step:
                 res, head_maps = analyze_for_view(
                     lens, text, methods, heads=heads, options=opts, max_length=max_length, on_batch=step
                 )
-        atomic_write(out, render_report(res, head_maps=head_maps, title=title, max_values=max_values).encode())
+        page = render_report(res, head_maps=head_maps, title=title, max_values=max_values, label=label)
+        atomic_write(out, page.encode())
         typer.echo(f"wrote report to {out}", err=True)
 
     @app.command()
@@ -158,7 +226,12 @@ def register(app: typer.Typer) -> None:
             help="heatmap, bipartite, ratio, routes or logit-layers (alti_logit / logit_attn per layer; --from an "
             "explanation, or TEXT).",
         ),
-        method: str = typer.Option("norm_resln", "--method", help="Method for heatmap/bipartite."),
+        method: str = typer.Option(
+            PLOT_METHOD,
+            "--method",
+            help="Method for heatmap/bipartite; logit-layers: alti_logit or logit_attn (from a file holding both: "
+            "required).",
+        ),
         layer: int = typer.Option(-1, "--layer", help="Layer (0-based; negative counts from the end)."),
         attention_head: int | None = typer.Option(
             None, "--attention-head", min=0, help="One attention head (0-based) instead of the method's own map."

@@ -28,6 +28,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -283,8 +284,14 @@ def task_metrics(ev: Evaluation) -> dict[str, dict[str, object]]:
 
 def task_json(ev: Evaluation) -> dict[str, object]:
     """The task's part of evaluation.json: its results per paradigm and the rows skipped."""
+    metrics = task_metrics(ev)
+    for row in metrics.values():  # a split without prompts: its metrics are null by definition, not non-finite
+        for split in SPLITS:
+            block: Any = row[split]
+            if block["n"] == 0:
+                row[split] = {"n": 0, **{m: None for m in ev.methods}}
     return {
-        "task_metrics": task_metrics(ev),
+        "task_metrics": metrics,
         "skipped": ev.skipped,
         "task_definitions": {
             "f": "logit(target) − logit(foil) at the last token; comprehensiveness / sufficiency / AOPC on it",
@@ -293,6 +300,6 @@ def task_json(ev: Evaluation) -> dict[str, object]:
             "(scores descending, ties: earlier first); MRR = mean per paradigm",
             "accuracy": "share of prompts with logit difference > 0",
             "splits": "all, correct (logit difference > 0) and wrong predictions; a split without prompts (n = 0, "
-            "e.g. a paradigm the model never gets wrong) has null metrics",
+            "e.g. a paradigm the model never gets wrong) has null in place of each method's metrics",
         },
     }

@@ -260,6 +260,7 @@ def _check_sum(name: str, values: torch.Tensor, direct: torch.Tensor, trace: Tra
     head="causal",
     explains=True,
     qk_rows=True,
+    recommended=("causal",),  # level with attnlrp on BLiMP, one forward pass and exact (docs/evaluate.md)
 )
 def logit_attn(
     trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None

@@ -92,6 +92,7 @@ class BlockNorms:
     error: torch.Tensor  # [B, L] max abs reconstruction error (pre-norm sum and norm output)
     scale: torch.Tensor  # [B, L, n]  s_i of the norm after attention (0 at padding)
     bias_terms: torch.Tensor  # [L, 2, d]  P(b_O) and β per layer
+    error_share: torch.Tensor | None = None  # [B, L] the error as a share of the check's tolerance (≤ 1: passed)
 
     @property
     def bias(self) -> torch.Tensor:
@@ -318,10 +319,11 @@ def _compiled_on(t: torch.Tensor) -> bool:
 
 def _check(
     results: TokenResults, tok: RealTokens, limit: float = TOLERANCE, attn_limit: float | None = None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Raise `ReconstructionError` naming the first layer whose decomposition misses the real outputs by more than
     `limit` (relative to max(1, |real output|)), or (`attn_limit`) whose attention output's decomposition misses it
-    by more than `attn_limit` of its own size; else the max abs error per input and layer [B, L]."""
+    by more than `attn_limit` of its own size; else the max abs error per input and layer [B, L] and that error as
+    a share of the layer's tolerance [B, L] (the larger of the two checks' shares; ≤ 1)."""
     err = torch.maximum(results.check[:, 0], results.probe_err)  # [L, T]
     tol = limit * results.check[:, 1].amax(1).clamp_min(1.0)  # [L]
     worst = err.amax(1)
@@ -331,8 +333,10 @@ def _check(
                 f"layer {index}: the decomposition differs from the real attention-block output by {e:.3g} "
                 f"(tolerance {t:.3g}); the adapter for this architecture does not match the model"
             )
+    share = err / tol[:, None]  # [L, T]
     if attn_limit is not None:  # relative to the attention output's own size (floor: 0.1% of the stream's)
         own = torch.maximum(results.total_r.abs().amax(2).amax(1), 1e-3 * tol / limit)
+        share = torch.maximum(share, results.probe_err / (attn_limit * own[:, None]))
         for index, r in enumerate((results.probe_err.amax(1) / own).tolist()):
             if not r <= attn_limit:
                 raise ReconstructionError(
@@ -340,7 +344,7 @@ def _check(
                     f"of its size (tolerance {attn_limit:.3g}); the adapter for this architecture does not match "
                     "the model"
                 )
-    return tok.scatter(err.T).amax(1)
+    return tok.scatter(err.T).amax(1), tok.scatter(share.T).amax(1)
 
 
 @dataclass
@@ -421,7 +425,7 @@ class NormRun:
         if self.done != list(range(self.adapter.n_layers)):
             raise RuntimeError(f"the norm engine ran layers {self.done} of {self.adapter.n_layers}")
         dtype = run_dtype(self.adapter.base)
-        error = _check(self.results, self.tok, tolerance(self.adapter.base), ATTN_TOLERANCES.get(dtype))
+        error, share = _check(self.results, self.tok, tolerance(self.adapter.base), ATTN_TOLERANCES.get(dtype))
         maps = self.maps
         return BlockNorms(
             f_norm=maps.f_norm,
@@ -432,6 +436,7 @@ class NormRun:
             error=error,
             scale=maps.scale,
             bias_terms=torch.stack(self.bias_terms),
+            error_share=share,
         )
 
 

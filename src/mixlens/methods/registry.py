@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
-from mixlens.errors import MixlensError
+from mixlens.errors import MixlensError, did_you_mean
 from mixlens.trace import Trace
 
 if TYPE_CHECKING:
@@ -278,6 +278,8 @@ class Method:
     precheck: Callable[[Planned], None] | None = None  # errors that need only the config and tokenizer
     qk_rows: bool = False  # reads α only by rows (`LayerTrace.alpha_rows` / `alpha_diagonal`): a causal LM's trace
     # for it keeps q, K and the softmax normaliser instead of α [B, H, n, n] (`mixlens.rowattn`)
+    recommended: tuple[str, ...] = ()  # model kinds whose explanations it is recommended for (measured: docs/
+    # evaluate.md); `explain` runs only these by default where a kind has any
 
     def refusal(self, family: Family) -> str | None:
         """Why this method refuses the family (one line), or None."""
@@ -365,6 +367,7 @@ def register(
     unnormalised: bool = False,
     precheck: Callable[[Planned], None] | None = None,
     qk_rows: bool = False,
+    recommended: tuple[str, ...] = (),
 ) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
     `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
@@ -386,6 +389,8 @@ def register(
                 raise RuntimeError(f"method '{name}': extra name '{key}' is not an identifier")
         if head not in HEADS:
             raise RuntimeError(f"method '{name}': head must be one of {HEADS}, got {head!r}")
+        if recommended and not explains:
+            raise RuntimeError(f"method '{name}' is recommended for explanations but explains no target")
         if explains and dims[-1] != "source":
             raise RuntimeError(f"method '{name}' explains a target but its last axis is not 'source': {dims}")
         if inputs_only and (needs_ffn or engine or target_rows):
@@ -411,6 +416,7 @@ def register(
             unnormalised,
             precheck,
             qk_rows,
+            recommended,
         )
         return fn
 
@@ -421,17 +427,24 @@ def get(name: str) -> Method:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise MixlensError(f"unknown method '{name}'; valid methods: {', '.join(names())}") from None
+        raise MixlensError(
+            f"unknown method '{name}'{did_you_mean(name, names())}; valid methods: {', '.join(names())}"
+        ) from None
 
 
 def names() -> list[str]:
     return list(REGISTRY)
 
 
-def explainers(kind: str, *, defaults: bool = False) -> list[str]:
+def explainers(kind: str, *, defaults: bool = False, recommended: bool = False) -> list[str]:
     """The methods that explain a target of a model of this kind (`Method.reads`), in registry order; `defaults`:
-    without the slow ones (the default set of `explain` and `evaluate`)."""
-    return [m.name for m in REGISTRY.values() if m.reads(kind) and not (defaults and m.slow)]
+    without the slow ones (the default set of `explain` and `evaluate`); `recommended`: only those declared
+    recommended for the kind (`Method.recommended`)."""
+    return [
+        m.name
+        for m in REGISTRY.values()
+        if m.reads(kind) and not (defaults and m.slow) and not (recommended and kind not in m.recommended)
+    ]
 
 
 def refused_by(family: Family) -> list[str]:

@@ -40,11 +40,15 @@ class Analysis:
         bias: np.ndarray | InputRows | None = None,
         ratio_means_only: bool = False,
         explained: list[dict[str, Any]] | None = None,
+        error_share: np.ndarray | None = None,
     ):
         self.model, self.version, self.texts, self.tokens = model, version, texts, tokens
         self.explained = explained  # per input, the target its scores explain (`Explanation`); None otherwise
         self.attributions = attributions
         self.reconstruction_error = reconstruction_error
+        # [batch] the error as a share of the exactness check's tolerance for the run's dtype (≤ 1: passed); set by
+        # `Lens.analyze`, not saved
+        self.error_share = error_share
         self.ratio_means_only = ratio_means_only
         self._ratio_means: dict[str, np.ndarray] | None = None  # read from analyze's JSON: [batch, layer] per variant
         lengths = [len(t) for t in tokens]

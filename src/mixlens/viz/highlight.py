@@ -8,8 +8,11 @@ against it, white = 0, full colour at that method's max |score| on the input.
 from __future__ import annotations
 
 import html
+from typing import Any
 
 import numpy as np
+
+from mixlens.viz.labels import token_text
 
 _CSS = """
 .mlx-report .mlx-hl { border-collapse: collapse; margin: 4px 0 12px; }
@@ -32,6 +35,32 @@ def _rgb(v: float) -> tuple[int, int, int]:
 def _scaled(s: np.ndarray) -> np.ndarray:
     top = float(np.abs(s).max()) if s.size else 0.0
     return s / top if top > 0 else np.zeros_like(s)
+
+
+def position_only(expl: Any) -> list[str]:
+    """The methods of an explanation with a requested target or a foil that read neither: the registry declares no
+    `target` option for them (maps read at the prediction's row, `flow_routes_tokens`), so their scores explain the
+    predicted position, the same for any target or foil (read from the shipped catalog: no torch)."""
+    from mixlens.catalog import load
+
+    requested = any(
+        a.params.get("target", "pred") != "pred" or a.params.get("foil") is not None for a in expl.attributions.values()
+    )
+    if not requested:
+        return []
+    takes = {m["name"]: {o.split(":")[0] for o in m["options"]} for m in load()}
+    return [m for m in expl.attributions if m in takes and "target" not in takes[m]]
+
+
+def position_note(expl: Any) -> str:
+    """One line naming the `position_only` methods, or ''."""
+    names = position_only(expl)
+    if not names:
+        return ""
+    return (
+        f"{', '.join(names)}: take no target; {'they explain' if len(names) > 1 else 'it explains'} the predicted "
+        "position, not the target and foil (the same scores for any of them)"
+    )
 
 
 def _header(e) -> str:
@@ -57,6 +86,9 @@ def render_fragment(expl) -> str:
         + "unsigned methods (norms, weights, saliency): deeper red = larger; colour scaled to each method's "
         "max |score| on the input; hover a token for its value</p>",
     ]
+    note = position_note(expl)
+    if note:
+        parts.append(f'<p class="mlx-meta">Note: {html.escape(note)}</p>')
     for k, e in enumerate(expl.inputs):
         parts.append(
             f'<p class="mlx-text">{k + 1}. {html.escape(e.text)} — '
@@ -64,7 +96,7 @@ def render_fragment(expl) -> str:
         )
         for m, s in e.scores.items():
             cells = []
-            for tok, v, w in zip(e.tokens, s, _scaled(np.asarray(s, dtype=float)), strict=True):
+            for tok, v, w in zip(map(token_text, e.tokens), s, _scaled(np.asarray(s, dtype=float)), strict=True):
                 r, g, b = _rgb(float(w))
                 fg = "#fff" if abs(w) > 0.6 else "#1d1d1f"
                 cells.append(

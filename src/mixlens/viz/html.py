@@ -12,7 +12,7 @@ import hashlib
 import html
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mixlens.result import Analysis, Attribution
+from mixlens.viz.labels import token_text
 
 ASSETS = Path(__file__).parent
 MAX_VALUES = 4_000_000  # numbers embedded per report (≈ 25 MB of JSON at most)
@@ -96,11 +97,13 @@ def build_payload(
     title: str | None = None,
     max_values: int = MAX_VALUES,
     max_tokens: int = MAX_TOKENS,
+    label: Callable[[Any], str] | None = None,
 ) -> dict:
     """The JSON the view renders: inputs (text, tokens, per-layer mixing ratios) and methods with their
     [*lead, target, source] maps per input, flattened. `head_maps` adds per-head maps for methods whose own
     values are head-summed (the head selector then offers both). Over `max_values` numbers, per-head maps are
-    dropped first, then whole methods; over `max_tokens`, maps are cut; every cut is stated in `notes`."""
+    dropped first, then whole methods; over `max_tokens`, maps are cut; every cut is stated in `notes`. The notes
+    also say what the per-token scores of methods with a target explain (`label` names a class / token id)."""
     if isinstance(result, Attribution):
         attrs, ratios, texts = {result.method: result}, None, [" ".join(t) for t in result.tokens]
         model, version, tokens = result.model, "", result.tokens
@@ -113,8 +116,9 @@ def build_payload(
             result.tokens,
         )
         ratios = {v: result.mixing_ratio(v) for v in result.ratios} or None  # None: no norm-engine method
+    tokens = [[token_text(t) for t in toks] for toks in tokens]  # as text: ' keys', not 'Ġkeys'
     head_maps = head_maps or {}
-    notes: list[str] = []
+    notes: list[str] = [] if (said := explains_note(attrs, label)) is None else [said]
     shown = [min(len(t), max_tokens) for t in tokens]
     for b, t in enumerate(tokens):
         if len(t) > max_tokens:
@@ -211,6 +215,31 @@ def build_payload(
         "max_links": MAX_LINKS,
         "nonfinite": NONFINITE,
     }
+
+
+def explains_note(attrs: dict[str, Attribution], label: Callable[[Any], str] | None = None) -> str | None:
+    """What the scores of the methods that take a target (their declared `target` option, read from the shipped
+    catalog) explain, from the target and foil in their parameters: the prediction, or a named target, minus a
+    foil; None when no method takes a target."""
+    from mixlens.catalog import load
+
+    name = label or (lambda v: f"id {v}")
+    takes = {m["name"]: {o.split(":")[0] for o in m["options"]} for m in load()}
+    groups: dict[tuple[str, str | None], list[str]] = {}
+    for m, a in attrs.items():
+        if "target" in takes.get(m, ()):
+            t, f = a.params.get("target", "pred"), a.params.get("foil")
+            key = ("pred" if t == "pred" else name(t), None if f is None else name(f))
+            groups.setdefault(key, []).append(m)
+    if not groups:
+        return None
+    parts = [
+        f"{', '.join(ms)}: "
+        + ("the model's own prediction" if t == "pred" else f"target {t}")
+        + ("" if f is None else f" minus foil {f} (the logit difference)")
+        for (t, f), ms in groups.items()
+    ]
+    return "Per-token scores explain, at the prediction's position — " + "; ".join(parts)
 
 
 def _method_entry(name: str, a: Attribution, per_head: Attribution | None, shown: list[int]) -> dict[str, Any]:

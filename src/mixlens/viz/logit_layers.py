@@ -18,6 +18,7 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
 from mixlens.errors import MixlensError
+from mixlens.viz.labels import token_text
 from mixlens.viz.static import STYLE
 
 MAX_TOKENS = 60
@@ -60,6 +61,22 @@ def rows(e: Any, method: str) -> tuple[np.ndarray, np.ndarray, int]:
     return layers[:, first:], total[first:], first
 
 
+def closing(e: Any, method: str) -> str:
+    """How the summed row closes to the explained logit (difference): 'Σ tokens 2.41 (shown 2.3 + earlier 0.11) +
+    rest 1 (embedding, biases, MLPs) = 3.41 = the logit difference'. The method's `remainder` extra is everything
+    but the per-source attention terms, so Σ_j score_j + remainder is the model's logit (difference)."""
+    layers, total, first = rows(e, method)
+    every = float(np.asarray(e.scores[method], dtype=float)[: first + layers.shape[1]].sum())
+    shown = float(total.sum())
+    extras = e.extras.get(method, {})
+    tokens = f"Σ tokens {every:.4g}" + (f" (shown {shown:.4g} + earlier {every - shown:.4g})" if first else "")
+    if "remainder" not in extras:
+        return tokens
+    rest = float(np.asarray(extras["remainder"], dtype=float).reshape(-1)[0])
+    what = "the logit difference" if e.target.foil is not None else "the target's logit"
+    return f"{tokens} + rest {rest:.4g} (embedding, biases, MLPs) = {every + rest:.4g}, {what}"
+
+
 def _rgb(v: float) -> tuple[int, int, int]:
     v = max(-1.0, min(1.0, v))
     end = (178, 24, 43) if v >= 0 else (33, 102, 172)
@@ -80,7 +97,7 @@ _CSS = """
 def render_html(e: Any, method: str) -> str:
     """One table: a header row of tokens, one row per layer, the summed row last."""
     layers, total, first = rows(e, method)
-    toks = e.tokens[first : first + layers.shape[1]]
+    toks = [token_text(t) for t in e.tokens[first : first + layers.shape[1]]]
     top = float(np.abs(layers).max()) or 1.0
     top_sum = float(np.abs(total).max()) or 1.0
 
@@ -104,15 +121,12 @@ def render_html(e: Any, method: str) -> str:
     for k, row in enumerate(layers):
         parts.append(f"<tr><th>layer {k}</th>{cells(row, top, f'layer {k}')}</tr>")
     parts.append(f'<tr class="mlx-sum"><th>sum</th>{cells(total, top_sum, "sum")}</tr></table>')
+    parts.append(f'<p class="mlx-meta">{html.escape(closing(e, method))}</p>')
     return "\n".join(parts)
 
 
 def css() -> str:
     return _CSS
-
-
-def _label(t: str) -> str:
-    return t.replace("\n", "⏎") or "∅"
 
 
 def logit_layers_figure(expl: Any, inputs: list[int], method: str | None = None, width_in: float = 9.0) -> Figure:
@@ -143,7 +157,7 @@ def logit_layers_figure(expl: Any, inputs: list[int], method: str | None = None,
         axes = fig.subplots(2 * len(panels), 1, gridspec_kw={"height_ratios": heights}, squeeze=False)[:, 0]
         for k, (e, m, layers, total, first) in enumerate(panels):
             ax, ax_sum = axes[2 * k], axes[2 * k + 1]
-            toks = [_label(t) for t in e.tokens[first : first + layers.shape[1]]]
+            toks = [token_text(t) for t in e.tokens[first : first + layers.shape[1]]]
             top = float(np.abs(layers).max()) or 1.0
             im = ax.imshow(layers, cmap=cmap, norm=TwoSlopeNorm(0.0, -top, top), aspect="auto", interpolation="none")
             ax.set_yticks(range(layers.shape[0]), [str(i) for i in range(layers.shape[0])])
@@ -163,6 +177,7 @@ def logit_layers_figure(expl: Any, inputs: list[int], method: str | None = None,
             fig.colorbar(im_sum, ax=ax_sum, fraction=0.025, pad=0.01, ticks=[-top_sum, 0, top_sum], format="%.2g")
             ax_sum.set_yticks([0], ["sum"])
             ax_sum.set_xticks(range(len(toks)), toks, rotation=60, ha="right", family="monospace", fontsize=8)
+            ax_sum.set_xlabel(closing(e, m), fontsize=8, loc="left")
             for j, v in enumerate(total.tolist()):
                 ax_sum.text(
                     j,

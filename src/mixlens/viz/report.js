@@ -81,6 +81,8 @@ function mlxMount(root, data) {
 
   var rtCard = el("div", "mlx-card", null, root);
   rtCard.style.marginTop = "12px";
+  rtCard.setAttribute("data-role", "ratio-card");
+  if (!data.inputs.some(function (inp) { return inp.ratios; })) rtCard.style.display = "none";  // no method gives one
   el("h3", null, "Context-mixing ratio per layer (Kobayashi et al. 2021)", rtCard);
   el("p", "mlx-sub", "r = \u2016\u03a3_{j\u2260i} v_ij\u2016 / (\u2016\u03a3_{j\u2260i} v_ij\u2016 + \u2016v_ii\u2016), " +
      "mean over the input's tokens \u00b7 hover the chart", rtCard);

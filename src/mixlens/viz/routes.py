@@ -22,7 +22,7 @@ from matplotlib.lines import Line2D
 
 from mixlens.errors import MixlensError
 from mixlens.result import Analysis, Attribution
-from mixlens.viz.labels import model_label
+from mixlens.viz.labels import model_label, token_text
 from mixlens.viz.static import STYLE
 
 ATTENTION, RESIDUAL, FFN, TARGET = "#1f77b4", "#7f7f7f", "#ff7f0e", "#d62728"
@@ -33,11 +33,6 @@ MAX_TOKENS = 80  # positions drawn (the prediction's context ends at its positio
 def is_routes(attr: Attribution) -> bool:
     """Whether `attr` holds information-flow routes (the values and extras of `flow_routes`)."""
     return set(NEEDS) <= set(attr.extra_store) and attr.dims[-2:] == ("target", "source") and "layer" in attr.dims
-
-
-def _label(token: str) -> str:
-    """A token as text: byte-level and SentencePiece word marks shown as spaces, newlines as ⏎."""
-    return token.replace("Ġ", " ").replace("▁", " ").replace("Ċ", "⏎").replace("\n", "⏎") or "∅"
 
 
 def _width(imp: np.ndarray) -> np.ndarray:
@@ -65,7 +60,7 @@ def _panel(ax: Any, bars: Any, attr: Attribution, b: int) -> None:
     pos = int(ex["position"])
     shown = min(m, pos + 1, MAX_TOKENS)
     first = pos + 1 - shown  # a long context shows the last MAX_TOKENS positions up to the prediction
-    toks = [_label(t) for t in attr.tokens[b][first : pos + 1]]
+    toks = [token_text(t) for t in attr.tokens[b][first : pos + 1]]
     att, res, ffn_lines = [], [], []
     att_w, res_w, ffn_w = [], [], []
     ffn_pts: list[tuple[float, float, float]] = []

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure  # used without pyplot: renders with Agg, n
 
 from mixlens.errors import MixlensError
 from mixlens.result import Analysis, Attribution, atomic_write
-from mixlens.viz.labels import model_label
+from mixlens.viz.labels import model_label, token_text
 
 FORMATS = ("png", "svg", "pdf")
 STYLE: dict[Any, Any] = {
@@ -66,7 +66,7 @@ def _tick_labels(ax, tokens: list[str], axis: str) -> None:
     n = len(tokens)
     step = max(1, int(np.ceil(n / 60)))
     pos = np.arange(0, n, step)
-    labels = [tokens[k] for k in pos]
+    labels = [token_text(tokens[k]) for k in pos]
     if axis == "x":
         ax.set_xticks(pos, labels, rotation=90)
     else:
@@ -120,7 +120,7 @@ def bipartite_figure(
             colors = np.where(m.flat[order][:, None] < 0, [[0.13, 0.4, 0.67]], [[0.7, 0.09, 0.17]])
             rgba = np.concatenate([colors, (0.1 + 0.9 * a.flat[order])[:, None]], 1)
             ax.add_collection(LineCollection(list(segs), colors=rgba, linewidths=0.3 + 2.5 * a.flat[order]))
-            toks = attr.tokens[b]
+            toks = [token_text(t) for t in attr.tokens[b]]
             for r in range(k):
                 ax.text(-0.03, r, toks[r], ha="right", va="center")
                 ax.text(1.03, r, toks[r], ha="left", va="center")
@@ -171,7 +171,7 @@ def token_scores_figure(attr: Attribution, inputs: list[int], width_in: float = 
             label = f"input {b + 1}" if len(inputs) > 1 else ""
             if v.ndim > 1:
                 label += f"{', ' if label else ''}{attr.dims[0]} {k}"
-            rows.append((label, attr.tokens[b], r))
+            rows.append((label, [token_text(t) for t in attr.tokens[b]], r))
     placed: list[tuple[float, float, str, float]] = []  # (x, line, token, score / max)
     titles: list[tuple[float, str]] = []
     line = 0.0

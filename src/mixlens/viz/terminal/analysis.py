@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixlens.viz.labels import token_text
 from mixlens.viz.terminal.tables import print_table
 
 NORM_FAMILY = ("attention", "norm", "norm_res", "norm_resln")  # the methods the mixing-ratio table describes
@@ -22,14 +23,14 @@ def describe(attr: Any) -> str:
     return "values over " + ", ".join(dims)
 
 
-def print_results(res: Any, methods: list[str]) -> None:
+def print_results(res: Any, methods: list[str], dtype: str = "float32") -> None:
     """Per requested method what a reader can use: the mixing-ratio table for the norm family, each token's top
     sources at the last layer for token × token maps, the tokens with their scores for per-token methods."""
     from rich.console import Console
 
     console = Console()
     if any(m in NORM_FAMILY for m in methods):
-        print_ratios(res)
+        print_ratios(res, dtype)
     for m in methods:
         attr = res[m]
         if attr.dims[-2:] == ("target", "source"):
@@ -63,7 +64,8 @@ def print_top_sources(attr: Any) -> None:
 
     from mixlens.methods.rollout import DISPLAY_NOTE, display_rows
 
-    for b, toks in enumerate(attr.tokens):
+    for b, raw in enumerate(attr.tokens):
+        toks = [token_text(t) for t in raw]
         m, where = _last_layer_map(attr, b)
         m, scaled = display_rows(attr.method, m)
         targets = list(range(len(toks))) if attr.targets is None else attr.targets[b]
@@ -92,7 +94,8 @@ def print_scores(attr: Any, console: Any) -> None:
     import numpy as np
     from rich.text import Text
 
-    for b, toks in enumerate(attr.tokens):
+    for b, raw in enumerate(attr.tokens):
+        toks = [token_text(t) for t in raw]
         v = attr.input(b)  # [*lead, n]
         rows = v.reshape(-1, v.shape[-1])
         labels = [""] if v.ndim == 1 else [f"{attr.dims[0]} {k}: " for k in range(rows.shape[0])]
@@ -107,8 +110,9 @@ def print_scores(attr: Any, console: Any) -> None:
             console.print(line)
 
 
-def print_ratios(res: Any) -> None:
-    """The mean mixing ratio per layer of each variant of an `Analysis`, as a table that fits the terminal."""
+def print_ratios(res: Any, dtype: str = "float32") -> None:
+    """The mean mixing ratio per layer of each variant of an `Analysis`, as a table that fits the terminal, and
+    the reconstruction error as a share of the exactness check's tolerance for the run's `dtype`."""
 
     if not res.ratios:  # no requested method used the norm engine
         return
@@ -116,4 +120,19 @@ def print_ratios(res: Any) -> None:
     rows = [[str(layer), *(f"{100 * means[v][layer]:.1f}" for v in means)] for layer in range(len(means["W"]))]
     rows.append(["mean", *(f"{100 * means[v].mean():.1f}" for v in means)])
     print_table(f"Context-mixing ratio (%), mean over tokens and inputs — {res.model}", ["layer", *means], rows)
-    print(f"reconstruction error (max abs): {res.reconstruction_error.max():.2e}")
+    print(error_line(float(res.reconstruction_error.max()), res.error_share, dtype))
+
+
+def error_line(error: float, share: Any, dtype: str) -> str:
+    """'reconstruction error: max abs 5.4e+01 = 0.3× the bfloat16 tolerance (...)': the check's tolerance is relative
+    to max(1, |output|) per layer (`mixlens.methods.norms.TOLERANCES`), so the bare number means little alone."""
+    from mixlens.methods.norms import TOLERANCES
+
+    rel = {str(k).removeprefix("torch."): v for k, v in TOLERANCES.items()}.get(dtype)
+    line = f"reconstruction error: max abs {error:.2g}"
+    if share is None or rel is None:
+        return line
+    return (
+        f"{line} = {float(share.max()):.2g}× the {dtype} tolerance (each layer's sum is checked against the model's "
+        f"own output to {rel:g} × max(1, |output|); above it the run stops)"
+    )

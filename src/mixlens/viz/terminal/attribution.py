@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mixlens.errors import MixlensError
+from mixlens.viz.labels import token_text
 
 if TYPE_CHECKING:
     from mixlens.result import Attribution
@@ -75,7 +76,7 @@ def show_attribution(
         if not 0 <= b < len(attr):
             raise MixlensError(f"input {b} out of range; there are {len(attr)} inputs (0..{len(attr) - 1})")
         v, dims, desc = _pick(attr, b, layer, head)
-        toks = attr.tokens[b]
+        toks = [token_text(t) for t in attr.tokens[b]]
         title = f"{attr.method} — input {b + 1}" + (f" ({', '.join(desc)})" if desc else "")
         cut = len(toks) > max_tokens and any(d in TOKEN_AXES for d in dims)
         m = min(len(toks), max_tokens)

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from mixlens.viz.highlight import _header, _rgb, _scaled
+from mixlens.viz.highlight import _header, _rgb, _scaled, position_note
+from mixlens.viz.labels import token_text
 
 
 def show_explanation(expl: Any, console: Any = None) -> None:
@@ -26,15 +27,16 @@ def show_explanation(expl: Any, console: Any = None) -> None:
         console.print(f"   {_header(e)}")
         label = max(len(m) for m in e.scores) + 2
         noted = False
-        cols = [max(9, min(16, len(t)) + 1) for t in e.tokens]
+        tokens = [token_text(t) for t in e.tokens]
+        cols = [max(9, min(16, len(t)) + 1) for t in tokens]
         start = 0
-        while start < len(e.tokens):
+        while start < len(tokens):
             stop, used = start, label
-            while stop < len(e.tokens) and (stop == start or used + cols[stop] <= width):
+            while stop < len(tokens) and (stop == start or used + cols[stop] <= width):
                 used += cols[stop]
                 stop += 1
             head = Text(" " * label)
-            for t, c in zip(e.tokens[start:stop], cols[start:stop], strict=True):
+            for t, c in zip(tokens[start:stop], cols[start:stop], strict=True):
                 head.append(t[: c - 1].rjust(c - 1) + " ", style="bold")
             console.print(head)
             for m, s in e.scores.items():
@@ -52,4 +54,6 @@ def show_explanation(expl: Any, console: Any = None) -> None:
             start = stop
         if noted:
             console.print(f"   * {DISPLAY_NOTE}", style="dim")
+        if position_note(expl):
+            console.print(f"   note: {position_note(expl)}", style="dim")
         console.print()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixlens.viz.labels import token_text
 from mixlens.viz.terminal.tables import print_table
 
 
@@ -51,7 +52,7 @@ def print_output_attribution(tokens: list[list[str]], res: Any) -> None:
         if res.delta is not None and res.baseline_value is not None:
             line += f", f(baseline) = {res.baseline_value[b]:.4f}, convergence delta = {res.delta[b]:.2e}"
         print(line)
-        print("  " + "  ".join(f"{t}:{v:.3g}" for t, v in zip(toks, res.values[b].tolist(), strict=False)))
+        print("  " + "  ".join(f"{token_text(t)}:{v:.3g}" for t, v in zip(toks, res.values[b].tolist(), strict=False)))
 
 
 def print_sweep(res: Any, what: str) -> None:
