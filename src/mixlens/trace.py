@@ -29,7 +29,7 @@ import sys
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -311,6 +311,28 @@ def _model_lock(adapter: Adapter) -> threading.RLock:
     """One lock per model: its hooks see every call of its modules, so one thread traces it at a time."""
     with _WRAP_LOCK:
         return _MODEL_LOCKS.setdefault(adapter.base, threading.RLock())
+
+
+ForwardHook = Callable[[nn.Module, tuple, Any], Any]
+"""`hook(module, args, output)`, as `nn.Module.register_forward_hook`: a returned value replaces the output."""
+
+
+@contextmanager
+def scoped_hooks(adapter: Adapter, hooks: Iterable[tuple[nn.Module, ForwardHook]]) -> Iterator[None]:
+    """Forward hooks on modules of the adapter's model for the passes run in the context (a method's own pass, e.g.
+    AttnLRP's rules), all removed on exit, error or not. The model's lock is held meanwhile, as during a trace: one
+    thread at a time sees this model's hooks (a trace inside the context, same thread, is allowed)."""
+    lock = _model_lock(adapter)
+    lock.acquire()
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    try:
+        for module, hook in hooks:
+            handles.append(module.register_forward_hook(hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        lock.release()
 
 
 def _module_route(adapter: Adapter, s: _Session) -> list[torch.utils.hooks.RemovableHandle]:

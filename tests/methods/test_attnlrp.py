@@ -196,3 +196,50 @@ def test_equals_lxt(family, variant, tokenizer, tmp_path):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_only_trace_installs_hooks_on_a_model():
+    """trace.py is the one place that touches the model: no other module registers hooks on one or reaches for
+    trace's private lock (AttnLRP's rules go through `trace.scoped_hooks`)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "src" / "mixlens"
+    words = ("register_forward", "register_full_backward", "_model_lock")
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "trace.py" and any(w in p.read_text(encoding="utf-8") for w in words)
+    ]
+    assert offenders == []
+
+
+def test_scoped_hooks_hold_the_model_and_are_removed_on_error(tokenizer):
+    """`scoped_hooks`: the hooks act inside the context only (also when it ends in an error), and another thread's
+    trace of the same model waits until the context ends."""
+    import threading
+
+    from mixlens.trace import scoped_hooks
+
+    lens = random_lens("llama", tokenizer)
+    enc = lens.encode(["A short input."])
+    lay = lens.adapter.layers[0]
+    calls: list[int] = []
+    traced = threading.Event()
+
+    def trace_in_thread() -> None:
+        with torch.no_grad():
+            lens.trace(enc)
+        traced.set()
+
+    with pytest.raises(RuntimeError, match="stop"):
+        with scoped_hooks(lens.adapter, [(lay.ffn_out, lambda m, a, o: calls.append(1))]):
+            with torch.no_grad():
+                lens.trace(enc)  # the same thread may trace inside
+            assert calls == [1]
+            other = threading.Thread(target=trace_in_thread)
+            other.start()
+            assert not traced.wait(0.5)  # the other thread's trace waits for the model
+            raise RuntimeError("stop")
+    other.join(60)
+    assert traced.is_set() and calls == [1]  # removed: the other thread's pass did not call it
+    assert not lay.ffn_out._forward_hooks

@@ -3,6 +3,8 @@ top-down from the prediction, the per-token route score, the figure and the CLI.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -132,7 +134,12 @@ def test_tau_keeps_fewer_edges_as_it_grows_and_the_graph_is_connected(lens):
         rows = (r.edges > 0).any(-1) | (r.residual > 0)
         assert not (rows & (r.nodes == 0)).any()
         assert not (rows & (r.ffn == 0) & (r.ffn_residual == 0)).any()
-        assert ((r.edges == 0) | (r.edges > tau)).all()
+        # the tool's threshold on the head-summed edge; i → i and the residual are one edge of its graph
+        eye = torch.eye(r.edges.shape[-1], dtype=torch.bool)
+        assert ((r.edges == 0) | (r.edges > tau) | eye).all()
+        own = r.edges.diagonal(dim1=1, dim2=2)
+        merged = own + r.residual
+        assert torch.equal(own > 0, merged > tau) and torch.equal(r.residual > 0, merged > tau)
     # τ → 0: every route is kept and the route scores share the whole prediction
     r = fr.input_routes(tr, 0, pos, 1e-9, heads=False, renormalize=False)
     assert r.tokens.sum().item() == pytest.approx(1.0, abs=1e-5)
@@ -156,11 +163,14 @@ def test_per_head_edges_split_the_token_edges(tokenizer):
 def test_routes_relate_to_alti_by_one_factor_per_row(tokenizer):
     """Same proximity as ALTI (pre-LN: the same y and the same vectors for j ≠ i): per target row the routes'
     attention importances are ALTI's unnormalised contributions up to one factor (the normalisers differ — ALTI
-    merges the residual into j = i, the routes keep it as its own edge)."""
+    merges the residual into j = i, the routes keep it as its own edge), with ALTI's conventions (b_V in the
+    values, the plain norm)."""
     lens = random_lens("gpt2", tokenizer, head=CAUSAL, initializer_range=0.2)
     tr = _trace(lens, SENTENCES[:1])
     pos = int(tr.mask[0].sum()) - 1
-    r = fr.input_routes(tr, 0, pos, 1e-9, heads=False, per_head=False, renormalize=False)
+    r = fr.input_routes(
+        tr, 0, pos, 1e-9, heads=False, per_head=False, renormalize=False, value_bias="values", distance_eps=0.0
+    )
     t, y = alti_vectors(tr, len(tr.layers) - 1)
     yi = y[0, pos]
     alti_prox = (yi.abs().sum() - (yi - t[0, pos, : pos + 1]).abs().sum(-1)).clamp_min(0)
@@ -313,7 +323,10 @@ def test_equals_the_authors_tool(family, tokenizer, monkeypatch):
     r = fr.input_routes(tr, 0, pos, fr.TAU, heads=False)
     for layer in (top,):
         lt, lay = tr.layers[layer], tr.adapter.layers[layer]
-        v = repeat_kv(lt.value, lay.n_heads)[0, :, :m].float()
+        value = lt.value.float()
+        if lay.b_v is not None:  # the tool folds b_V into b_O (TransformerLens's fold_value_biases)
+            value = value - lay.b_v.float().view(lay.n_kv_heads, lay.d_head)[None, :, None]
+        v = repeat_kv(value, lay.n_heads)[0, :, :m]
         w = lay.w_o.detach().float().reshape(lay.n_heads, lay.d_head, -1)
         a = lt.alpha_mix[0, :, pos, :m].float()
         parts = torch.einsum("hj,hjk,hkd->jhd", a, v, w)  # [key_pos, head, d]
@@ -330,3 +343,101 @@ def test_equals_the_authors_tool(family, tokenizer, monkeypatch):
         c_ffn, c_ffn_res = tool.apply_threshold_and_renormalize(fr.TAU, c_ffn, c_ffn_res)
         assert r.ffn[layer, pos].item() == pytest.approx(c_ffn[0, 0].item(), abs=1e-5)
         assert r.ffn_residual[layer, pos].item() == pytest.approx(c_ffn_res[0, 0].item(), abs=1e-5)
+
+
+TOOL_DATA = Path(__file__).resolve().parents[1] / "data" / "flow_routes_tool.json"
+
+
+def _tool_edges(r: fr.Routes, n_layers: int) -> dict[tuple[str, str], float]:
+    """mixlens's routes as the tool's graph (`routes/graph.py` node names: X0_j embedding, A{l}_i after attention,
+    M{l}_i the FFN, I{l}_i layer output), the edge i → i and the residual merged into one edge as the tool does."""
+    out: dict[tuple[str, str], float] = {}
+    assert r.edges is not None
+    for layer in range(n_layers):
+        for i in range(len(r.tokens)):
+            a, mid = f"A{layer}_{i}", f"M{layer}_{i}"
+            if r.ffn[layer, i] > 0:
+                out[a, mid] = out[mid, f"I{layer}_{i}"] = float(r.ffn[layer, i])
+            if r.ffn_residual[layer, i] > 0:
+                out[a, f"I{layer}_{i}"] = float(r.ffn_residual[layer, i])
+            for j in range(len(r.tokens)):
+                w = float(r.edges[layer, i, j]) + (float(r.residual[layer, i]) if i == j else 0.0)
+                if w > 0:
+                    out[f"X0_{j}" if layer == 0 else f"I{layer - 1}_{j}", a] = w
+    return out
+
+
+def _tool_trace(lens, ids: list[int]):
+    enc = lens.encode_ids([ids])
+    enc.inputs.pop("token_type_ids", None)  # the bundled (BERT) tokenizer's; GPT-2 would add wte[0] for them
+    with torch.no_grad():
+        return lens.trace(enc, ffn="update")
+
+
+def test_equals_the_authors_tool_end_to_end(tokenizer):
+    """The authors' tool run whole (transformer_lens model, `build_full_graph`, `build_paths_to_predictions`; values
+    stored in tests/data/flow_routes_tool.json, its `note` says how they were produced) on a GPT-2 with non-zero
+    biases (b_V too) and a small residual stream: mixlens's defaults give the tool's raw shares of every node and its
+    pruned graphs (τ 0.04 and 0.1, two positions, renormalised or not) to 1e-5."""
+    import json
+
+    import mixlens
+    from tests.methods.tool_gpt2 import tool_gpt2
+
+    want = json.loads(TOOL_DATA.read_text(encoding="utf-8"))
+    lens = mixlens.Lens(tool_gpt2(), tokenizer, name="tool-gpt2")
+    tr = _tool_trace(lens, want["ids"])
+    n_layers, n = len(tr.layers), len(want["ids"])
+    worst = 0.0
+    for p in range(n):  # from x^{L-1}_p with τ below the floor ε every node under it is kept: its raw shares
+        raw = fr.input_routes(tr, 0, p, 1e-12, heads=True, renormalize=False)
+        assert raw.edges is not None
+        for layer, w in enumerate(want["raw"]):
+            rows = [p] if layer == n_layers - 1 else list(range(n))  # the top layer: the prediction's node alone
+            for got, key in (
+                (raw.edges[layer].transpose(0, 1), "attention"),  # [target, H, source]
+                (raw.residual[layer], "residual"),
+                (raw.ffn[layer], "ffn"),
+                (raw.ffn_residual[layer], "ffn_residual"),
+            ):
+                ref = torch.tensor(w[key])  # attention [H, target, source]: every source, as the tool
+                ref = ref.transpose(0, 1) if key == "attention" else ref
+                worst = max(worst, float((got[rows] - ref[rows]).abs().max()))
+    assert worst < 1e-5
+    for g in want["graphs"]:
+        tau = g["tau"]
+        r = fr.input_routes(tr, 0, g["position"], tau, heads=False, renormalize=g["renormalize"])
+        got = _tool_edges(r, n_layers)
+        ref = {(u, v): w for u, v, w in g["edges"]}
+        assert set(got) == set(ref), (tau, g["position"], g["renormalize"])  # the same pruned graph
+        if g["renormalize"]:  # the tool's FFN normaliser: its residual plus the kept FFN shares of ALL positions
+            for layer, w in enumerate(want["raw"]):  # (`sum(dim=())` in apply_threshold_and_renormalize sums all)
+                c_ffn, c_res = torch.tensor(w["ffn"]), torch.tensor(w["ffn_residual"])
+                c_ffn, c_res = c_ffn * (c_ffn > tau), c_res * (c_res > tau)
+                tool_denom, own_denom = c_res + c_ffn.sum(), c_res + c_ffn
+                for i in range(n):
+                    for e in ((f"A{layer}_{i}", f"M{layer}_{i}"), (f"M{layer}_{i}", f"I{layer}_{i}")):
+                        if e in ref:  # mixlens: the kept FFN-block edges into x^l_i sum to 1
+                            ref[e] = ref[e] * float(tool_denom[i] / own_denom[i])
+                    e = (f"A{layer}_{i}", f"I{layer}_{i}")
+                    if e in ref:
+                        ref[e] = ref[e] * float(tool_denom[i] / own_denom[i])
+        assert max(abs(got[e] - ref[e]) for e in ref) < 1e-5
+
+
+def test_the_papers_conventions_differ_from_the_tool_on_small_activations(tokenizer):
+    """On the same model, b_V given to the sources and the plain norm (no δ) move the shares past 1e-5: the
+    conventions are not cosmetic (and the test above can fail)."""
+    import json
+
+    import mixlens
+    from tests.methods.tool_gpt2 import tool_gpt2
+
+    want = json.loads(TOOL_DATA.read_text(encoding="utf-8"))
+    lens = mixlens.Lens(tool_gpt2(), tokenizer, name="tool-gpt2")
+    tr = _tool_trace(lens, want["ids"])
+    n = len(want["ids"])
+    ref = torch.tensor(want["raw"][-1]["attention"])
+    for kw in ({"value_bias": "values"}, {"distance_eps": 0.0}):
+        r = fr.input_routes(tr, 0, n - 1, 1e-12, heads=True, renormalize=False, **kw)
+        assert r.edges is not None and float((r.edges[-1] - ref).abs().max()) > 1e-5

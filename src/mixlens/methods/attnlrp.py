@@ -38,7 +38,7 @@ from mixlens.adapters import Adapter, Norm, get_path, linear_xw
 from mixlens.errors import MixlensError
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, dense_ffn, register
 from mixlens.methods.saliency import Target, scalar_fn
-from mixlens.trace import Trace, _model_lock
+from mixlens.trace import ForwardHook, Trace, scoped_hooks
 
 IDENTITY_EPS = 1e-10  # the identity rule's out / (in + ε), as lxt
 NORM_RTOL = 1e-3  # a norm's surrogate must reproduce its output (else its form is not the one assumed)
@@ -126,55 +126,63 @@ def _qkv(adapter: Adapter, layer: nn.Module, cp: bool) -> list[tuple[nn.Module, 
     return [(getattr(parent, q_name), fq), (getattr(parent, k_name), fq), (v, fv)]
 
 
-@contextmanager
-def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> Iterator[None]:
-    """AttnLRP's rules (or CP-LRP's, `variant='cp'`) as gradient modifications on `model`, for the forward passes
-    run in the context (hooks and a torch function mode; all removed on exit)."""
+def _scaled(factor: float | torch.Tensor) -> ForwardHook:
+    """A hook scaling the gradient of a module's output by `factor` (the uniform rule)."""
+    return lambda m, a, o: scale_grad(o, factor)
+
+
+def _identity(factor: float) -> ForwardHook:
+    """A hook giving an elementwise module the identity rule (times `factor`)."""
+    return lambda m, a, o: identity_rule(a[0], o, factor)
+
+
+def rule_hooks(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> list[tuple[nn.Module, ForwardHook]]:
+    """AttnLRP's rules (or CP-LRP's, `variant='cp'`) as (module, forward hook) pairs on `model`: the q/k/v outputs
+    and a gated FFN's product scaled (uniform rule), every norm's and activation's output given its rule's gradient."""
     if variant not in VARIANTS:
         raise MixlensError(f"unknown LRP variant '{variant}'; valid: {', '.join(VARIANTS)}")
     cp = variant == "cp"
-    lock = _model_lock(adapter)  # one thread at a time sees this model's hooks, as for a trace
-    lock.acquire()
-    handles: list[torch.utils.hooks.RemovableHandle] = []
-    try:
-        gate, up = (0.0, 1.0) if cp else (0.5, 0.5)  # a gated FFN's act(gate) ⊙ up: uniform rule, or the gate constant
-        fam = adapter.family
-        gated: set[int] = set()  # activation modules that feed a gated product (factor 1/2)
-        seen: set[int] = set()
-        for lay in adapter.layers:
-            if id(lay.module) in seen:  # ALBERT: shared layer modules
-                continue
-            seen.add(id(lay.module))
-            for mod, factor in _qkv(adapter, lay.module, cp):
-                handles.append(mod.register_forward_hook(lambda m, a, o, f=factor: scale_grad(o, f)))
-            if fam.ffn_gate is not None:
-                mlp_path = fam.ffn_gate.rpartition(".")[0]
-                mlp = get_path(lay.module, mlp_path) if mlp_path else lay.module
-                acts = [c for c in mlp.children() if _is_activation(c)]
-                if len(acts) != 1:
-                    raise MixlensError(f"attnlrp: cannot find the gate activation of the {fam.name} family's FFN")
-                gated.add(id(acts[0]))
-                f_up: float | torch.Tensor = up
-                if lay.fused_gate_up:  # one projection [gate | up]: the gate half's factor is its activation's
-                    half = linear_xw(lay.ffn_in)[0].shape[-1] // 2
-                    f_up = torch.tensor([1.0] * half + [up] * half)
-                handles.append(lay.ffn_in.register_forward_hook(lambda m, a, o, f=f_up: scale_grad(o, f)))
-        for path, m in model.named_modules():
-            if _is_norm(m):
-                layer_norm = isinstance(m, nn.LayerNorm)
-                norm = Norm(
-                    m, rms=not layer_norm and "RMS" in type(m).__name__, offset=fam.norm_offset and not layer_norm
-                )
-                handles.append(m.register_forward_hook(_norm_hook(norm, path)))
-            elif _is_activation(m):
-                factor = gate if id(m) in gated else 1.0
-                handles.append(m.register_forward_hook(lambda mod, a, o, f=factor: identity_rule(a[0], o, f)))
-        with _TanhIdentity():
-            yield
-    finally:
-        for h in handles:
-            h.remove()
-        lock.release()
+    hooks: list[tuple[nn.Module, ForwardHook]] = []
+    gate, up = (0.0, 1.0) if cp else (0.5, 0.5)  # a gated FFN's act(gate) ⊙ up: uniform rule, or the gate constant
+    fam = adapter.family
+    gated: set[int] = set()  # activation modules that feed a gated product (factor 1/2)
+    seen: set[int] = set()
+    for lay in adapter.layers:
+        if id(lay.module) in seen:  # ALBERT: shared layer modules
+            continue
+        seen.add(id(lay.module))
+        for mod, factor in _qkv(adapter, lay.module, cp):
+            hooks.append((mod, _scaled(factor)))
+        if fam.ffn_gate is not None:
+            mlp_path = fam.ffn_gate.rpartition(".")[0]
+            mlp = get_path(lay.module, mlp_path) if mlp_path else lay.module
+            acts = [c for c in mlp.children() if _is_activation(c)]
+            if len(acts) != 1:
+                raise MixlensError(f"attnlrp: cannot find the gate activation of the {fam.name} family's FFN")
+            gated.add(id(acts[0]))
+            f_up: float | torch.Tensor = up
+            if lay.fused_gate_up:  # one projection [gate | up]: the gate half's factor is its activation's
+                half = linear_xw(lay.ffn_in)[0].shape[-1] // 2
+                f_up = torch.tensor([1.0] * half + [up] * half)
+            hooks.append((lay.ffn_in, _scaled(f_up)))
+    for path, m in model.named_modules():
+        if _is_norm(m):
+            layer_norm = isinstance(m, nn.LayerNorm)
+            norm = Norm(m, rms=not layer_norm and "RMS" in type(m).__name__, offset=fam.norm_offset and not layer_norm)
+            hooks.append((m, _norm_hook(norm, path)))
+        elif _is_activation(m):
+            factor = gate if id(m) in gated else 1.0
+            hooks.append((m, _identity(factor)))
+    return hooks
+
+
+@contextmanager
+def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> Iterator[None]:
+    """AttnLRP's rules (or CP-LRP's, `variant='cp'`) as gradient modifications on `model`, for the forward passes
+    run in the context: `rule_hooks` through trace's `scoped_hooks` (the model's lock held, all removed on exit) and
+    a torch function mode for the functional tanh."""
+    with scoped_hooks(adapter, rule_hooks(adapter, model, variant)), _TanhIdentity():
+        yield
 
 
 @register(

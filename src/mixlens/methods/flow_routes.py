@@ -13,13 +13,18 @@ node of (l, i). Each node is a sum of edge vectors, checked against the trace's 
 - FFN:        x^l_i = m^l_i + F^l_i,   F^l_i the FFN output (Gemma: after its post-FFN norm);
               edges: the FFN node m^l_i → F → x^l_i and the residual m^l_i → x^l_i.
 
-Importance of an edge e into a node y whose edge vectors are {e_k} (the paper's proximity, as ALTI's):
-proximity(e, y) = max(ε, ‖y‖₁ − ‖y − e‖₁), importance = proximity / Σ_k proximity(e_k, y); the attention edges are
-per head and source (`per_head`, default, as the paper and the authors' tool), ε = 1e-5 as the tool clips it. The
-bias b_O is part of y but no edge. Top-down from x^{L-1}_p (p: the prediction's position), an edge is kept when its
-importance exceeds τ, the kept edges into a node are renormalised to sum to 1 (`renormalize`, the tool's default),
-a token edge is the sum of its heads' edges, and a node is kept when a kept edge leaves it; only the kept nodes'
-edges are computed. Reference: facebookresearch/llm-transparency-tool (docs/global.md).
+Importance of an edge e into a node y whose edge vectors are {e_k} (the paper's proximity, as ALTI's, computed as
+the authors' tool computes it): proximity(e, y) = max(ε, ‖y‖₁ − ‖e − y + δ‖₁), importance = proximity /
+Σ_k proximity(e_k, y); the attention edges are per head and source (`per_head`, default, as the paper and the tool),
+ε = 1e-5 as the tool clips it, δ = 1e-6 the constant torch's `pairwise_distance` adds inside the tool's distance
+(`distance_eps`; 0: the plain norm). The value bias is the tool's too (`value_bias="bias"`): b_V's share Σ_j α_ij
+b_V W_O joins b_O, part of y but no edge (`"values"`: b_V stays in each source's value vector f^h(x_j)). Top-down
+from x^{L-1}_p (p: the prediction's position), an edge is kept when its importance exceeds τ and the kept edges into
+a node are renormalised to sum to 1 (`renormalize`, the tool's default; a token edge is then the sum of its heads'
+kept edges); without `renormalize` the threshold is the tool's graph filter: on the token edge j → i summed over
+heads, and for j = i on that edge plus the residual (the tool's graph holds them as one edge). A node is kept when
+a kept edge leaves it; only the kept nodes' edges are computed. Reference: facebookresearch/llm-transparency-tool
+(docs/global.md).
 
 Shapes at the boundary (B batch, L layers, H heads, n tokens; padding and edges outside the graph are 0):
 
@@ -49,6 +54,7 @@ from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 TAU = 0.04  # the contribution threshold of the authors' tool (its default) and of the paper's Llama 2 graphs
 EPS = 1e-5  # the smallest proximity, as the authors' tool clips it before normalising
+DISTANCE_EPS = 1e-6  # added inside the tool's distance ‖e − y + δ‖₁ (torch.nn.functional.pairwise_distance's eps)
 CHUNK_ELEMENTS = 1 << 22  # floats of edge vectors held at once (16 MB)
 EXTRAS = {
     "residual": ("layer", "target"),
@@ -105,8 +111,25 @@ RENORMALIZE_OPTION = Option(
     "renormalize",
     bool,
     True,
-    help="scale the kept edges into each node to sum to 1 after the threshold, as the authors' tool by default",
+    help="scale the kept edges into each node to sum to 1 after the threshold, as the authors' tool by default "
+    "(false: the tool's threshold on the head-summed edges)",
 )
+VALUE_BIAS_OPTION = Option(
+    "value_bias",
+    str,
+    "bias",
+    choices=("bias", "values"),
+    help="b_V's share joins b_O, no edge, as the authors' tool (bias), or stays in each source's value vector (values)",
+)
+DISTANCE_EPS_OPTION = Option(
+    "distance_eps",
+    float,
+    DISTANCE_EPS,
+    min=0.0,
+    max=1e-3,
+    help="δ inside the distance ‖e − y + δ‖₁ (1e-6: torch's pairwise_distance, as the authors' tool; 0: plain norm)",
+)
+OPTIONS = (TAU_OPTION, POSITION_OPTION, PER_HEAD_OPTION, RENORMALIZE_OPTION, VALUE_BIAS_OPTION, DISTANCE_EPS_OPTION)
 
 
 @dataclass
@@ -142,15 +165,16 @@ def _check(err: torch.Tensor, real: torch.Tensor, what: str, layer: int, limit: 
     return rel
 
 
-def _proximity(y: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """max(ε, ‖y‖₁ − ‖y − e‖₁) over the last axis (ε = `EPS`, as the authors' tool); y broadcasts against e."""
-    return (y.abs().sum(-1) - (y - e).abs().sum(-1)).clamp_min(EPS)
+def _proximity(y: torch.Tensor, e: torch.Tensor, delta: float = DISTANCE_EPS) -> torch.Tensor:
+    """max(ε, ‖y‖₁ − ‖e − y + δ‖₁) over the last axis (ε = `EPS`, δ = `DISTANCE_EPS`: the authors' tool's
+    `pairwise_distance(e, y)`); y broadcasts against e."""
+    return (y.abs().sum(-1) - (e - y + delta).abs().sum(-1)).clamp_min(EPS)
 
 
 def _renormalised(parts: torch.Tensor, rest: torch.Tensor, tau: float, renormalize: bool, dims: tuple[int, ...]):
     """Importances of the edges into a set of nodes, `parts` (the blocks' edges, summed over `dims` per node) and
     `rest` (the residual edge) after the threshold: those ≤ τ set to 0, and with `renormalize` the kept ones of a node
-    scaled to sum to 1 (the authors' tool's default)."""
+    scaled to sum to 1 (the authors' tool's `apply_threshold_and_renormalize`)."""
     parts, rest = parts * (parts > tau), rest * (rest > tau)
     if renormalize:
         total = ((parts.sum(dims) if dims else parts) + rest).clamp_min(torch.finfo(rest.dtype).tiny)
@@ -159,6 +183,21 @@ def _renormalised(parts: torch.Tensor, rest: torch.Tensor, tau: float, renormali
             shape[d] = 1
         parts, rest = parts / total.reshape(shape), rest / total
     return parts, rest
+
+
+def _graph_threshold(
+    imp: torch.Tensor, imp_res: torch.Tensor, rows: torch.Tensor, tau: float, per_head: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The authors' tool's threshold without renormalisation (`build_paths_to_predictions` on the graph of
+    `build_full_graph`): a token edge j → i is kept when its importance summed over heads exceeds τ; the edge i → i
+    and the residual x^{l-1}_i → m^l_i are one edge of that graph, kept together when their sum exceeds τ.
+    imp [H, K, m] (`per_head`) or [K, m], imp_res [K], rows [K] the targets i → the kept importances, unscaled."""
+    token = imp.sum(0) if per_head else imp  # [K, m]
+    k = torch.arange(len(rows), device=rows.device)
+    merged = token[k, rows] + imp_res  # [K]: the tool's edge x^{l-1}_i → m^l_i
+    keep = token > tau
+    keep[k, rows] = merged > tau
+    return imp * keep, imp_res * (merged > tau)
 
 
 def _ffn_update(lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, family: Family) -> torch.Tensor:
@@ -178,14 +217,29 @@ def _ffn_update(lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, family: 
 
 
 def _attention_rows(
-    lt: LayerTrace, lay: Layer, b: int, rows: torch.Tensor, m: int, heads: bool, layer: int, limit: float = TOLERANCE
+    lt: LayerTrace,
+    lay: Layer,
+    b: int,
+    rows: torch.Tensor,
+    m: int,
+    heads: bool,
+    layer: int,
+    limit: float = TOLERANCE,
+    value_bias: str = "bias",
+    delta: float = DISTANCE_EPS,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Importances of the attention edges into m^l_i for the rows i [K] of input b: (edges [K, m] or [H, K, m],
-    residual [K], relative error). The edge vectors are built in chunks of rows and checked against `mix_in`."""
+    residual [K], relative error). The edge vectors are built in chunks of rows and checked against `mix_in`.
+    `value_bias="bias"`: b_V leaves the value vectors and Σ_j α_ij b_V W_O joins b_O (the tool's folding)."""
     v = repeat_kv(lt.value[b : b + 1, :, :m], lay.n_heads)[0].float()  # [H, m, d_h]
     w = lay.w_o.float().reshape(lay.n_heads, lay.d_head, -1)
+    b_v = None
+    if value_bias == "bias" and lay.b_v is not None:
+        b_v = lay.b_v.float().view(lay.n_kv_heads, lay.d_head).repeat_interleave(lay.n_heads // lay.n_kv_heads, 0)
+        v = v - b_v[:, None]
     f = torch.einsum("hjk,hkd->hjd", v, w)  # [H, m, d]  f^h(x_j) (γ_post folded in with a sandwich norm)
     hn, _, d = f.shape
+    b_vw = None if b_v is None else torch.einsum("hk,hkd->hd", b_v, w)  # [H, d]  b_V^h W_O^h
     bias = lay.b_o.float() if lay.b_o is not None else f.new_zeros(d)
     k = len(rows)
     edges = f.new_zeros((hn, k, m) if heads else (k, m))
@@ -201,15 +255,16 @@ def _attention_rows(
         if heads:
             z = a[..., None] * f[:, None]  # [H, k', m, d]
             total = z.sum((0, 2))
-            prox = _proximity(y[None, :, None], z)  # a zero weight (causal mask, window): the floor ε, as the tool
+            prox = _proximity(y[None, :, None], z, delta)  # a zero weight (causal mask, window): counted, as the tool
             denom_edges = prox.sum((0, 2))
         else:
             z = torch.einsum("hkj,hjd->kjd", a, f)  # [k', m, d]
             total = z.sum(1)
-            prox = _proximity(y[:, None], z)
+            prox = _proximity(y[:, None], z, delta)
             denom_edges = prox.sum(1)
-        worst = max(worst, _check(x + total + bias - y, y, "attention", layer, limit))
-        prox_res = _proximity(y, x)
+        row_bias = bias if b_vw is None else bias + a.sum(-1).T @ b_vw  # [k', d]  b_O (+ Σ_j α_ij b_V W_O)
+        worst = max(worst, _check(x + total + row_bias - y, y, "attention", layer, limit))
+        prox_res = _proximity(y, x, delta)
         denom = (denom_edges + prox_res).clamp_min(torch.finfo(y.dtype).tiny)
         if heads:
             edges[:, s : s + step] = prox / denom[None, :, None]
@@ -229,13 +284,16 @@ def input_routes(
     per_head: bool = True,
     renormalize: bool = True,
     edges: torch.Tensor | bool = True,
+    value_bias: str = "bias",
+    distance_eps: float = DISTANCE_EPS,
 ) -> Routes:
     """The routes of input b to its prediction at `position`, top-down (see the module docstring). `per_head`: an
     attention edge's importance per head and source (the paper's and the tool's), else per source (the head-summed
     vector); `heads`: edges returned per head (implies `per_head`); `renormalize`: the kept edges into a node scaled
-    to sum to 1 after the threshold (the tool's default). `edges`: True to return the kept edges [L, m, m] (`heads`:
-    [L, H, m, m]), zeros of that shape to write them into (e.g. a view of the method's output), False not to keep
-    them (`Routes.edges` None: the token scores need only the walk)."""
+    to sum to 1 after the threshold (the tool's default; else the tool's threshold on the head-summed edges).
+    `edges`: True to return the kept edges [L, m, m] (`heads`: [L, H, m, m]), zeros of that shape to write them into
+    (e.g. a view of the method's output), False not to keep them (`Routes.edges` None: the token scores need only the
+    walk). `value_bias`, `distance_eps`: the tool's conventions by default (module docstring)."""
     per_head = per_head or heads
     m = int(trace.mask[b].sum())
     fam = trace.adapter.family
@@ -259,16 +317,19 @@ def input_routes(
         # FFN block: x^l_i = m^l_i + F^l_i
         mid, upd, real = lt.mix_in[b, rows].float(), _ffn_update(lt, lay, b, rows, fam), lt.out[b, rows].float()
         worst = max(worst, _check(mid + upd - real, real, "FFN", layer, limit))
-        p_ffn, p_res = _proximity(real, upd), _proximity(real, mid)
+        p_ffn, p_res = _proximity(real, upd, distance_eps), _proximity(real, mid, distance_eps)
         denom = p_ffn + p_res
         i_ffn, i_res = _renormalised(p_ffn / denom, p_res / denom, tau, renormalize, ())
         ffn[layer, rows], ffn_res[layer, rows] = i_ffn, i_res
         weight[rows] = weight[rows] * (i_ffn + i_res)  # now the weight of m^l_i
         rows = rows[(i_ffn > 0) | (i_res > 0)]  # the kept m^l_i
         # attention block: m^l_i = x^{l-1}_i + Σ_j z_ij + b_O
-        imp, imp_res, err = _attention_rows(lt, lay, b, rows, m, per_head, layer, limit)
+        imp, imp_res, err = _attention_rows(lt, lay, b, rows, m, per_head, layer, limit, value_bias, distance_eps)
         worst = max(worst, err)
-        imp, imp_res = _renormalised(imp, imp_res, tau, renormalize, (0, 2) if per_head else (1,))
+        if renormalize:
+            imp, imp_res = _renormalised(imp, imp_res, tau, True, (0, 2) if per_head else (1,))
+        else:
+            imp, imp_res = _graph_threshold(imp, imp_res, rows, tau, per_head)
         token_edges = imp.sum(0) if per_head else imp  # [K, m]: a token edge is the sum of its heads' edges
         if kept_edges is not None and heads:
             kept_edges[layer, :, rows] = imp
@@ -300,6 +361,8 @@ def routes(
     per_head: bool = True,
     renormalize: bool = True,
     edges: torch.Tensor | bool = True,
+    value_bias: str = "bias",
+    distance_eps: float = DISTANCE_EPS,
 ) -> list[Routes]:
     """The routes of every input of the trace ([Routes], one per input; options as `input_routes`); `edges`: True
     (each Routes keeps its own), zeros [B, L, n, n] (`heads`: [B, L, H, n, n]) to receive them, or False."""
@@ -315,6 +378,8 @@ def routes(
             per_head,
             renormalize,
             edges[b, ..., :m, :m] if torch.is_tensor(edges) else edges,
+            value_bias,
+            distance_eps,
         )
         for b, m in enumerate(trace.mask.sum(1).tolist())
     ]
@@ -324,7 +389,7 @@ def routes(
     "flow_routes",
     head_dims=LHTS,
     needs_ffn="update",
-    options=(TAU_OPTION, POSITION_OPTION, PER_HEAD_OPTION, RENORMALIZE_OPTION),
+    options=OPTIONS,
     extras=EXTRAS,
     supports=pre_ln_stream,
     qk_rows=True,
@@ -337,6 +402,8 @@ def flow_routes(
     position: int | None = None,
     per_head: bool = True,
     renormalize: bool = True,
+    value_bias: str = "bias",
+    distance_eps: float = DISTANCE_EPS,
 ) -> MethodOutput:
     """Information-flow routes (Ferrando & Voita 2024): importance of the kept edges to one prediction, per layer
     (attention edges j → i; residual and FFN edges in extras)."""
@@ -344,8 +411,16 @@ def flow_routes(
     n_layers = len(trace.layers)
     values = torch.zeros((bsz, n_layers, trace.adapter.n_heads, n, n) if heads else (bsz, n_layers, n, n), device=dev)
     found = routes(
-        trace, heads=heads, tau=tau, position=position, per_head=per_head, renormalize=renormalize, edges=values
-    )  # the edges written into `values` in place
+        trace,
+        heads=heads,
+        tau=tau,
+        position=position,
+        per_head=per_head,
+        renormalize=renormalize,
+        edges=values,  # the edges written into `values` in place
+        value_bias=value_bias,
+        distance_eps=distance_eps,
+    )
     extras = {
         k: torch.zeros(bsz, *(n_layers if a == "layer" else n for a in axes), device=dev) for k, axes in EXTRAS.items()
     }
@@ -363,13 +438,20 @@ def flow_routes(
     "flow_routes_tokens",
     dims=("source",),
     needs_ffn="update",
-    options=(TAU_OPTION, POSITION_OPTION, PER_HEAD_OPTION, RENORMALIZE_OPTION),
+    options=OPTIONS,
     supports=pre_ln_stream,
     explains=True,
     qk_rows=True,
 )
 def flow_routes_tokens(
-    trace: Trace, *, tau: float = TAU, position: int | None = None, per_head: bool = True, renormalize: bool = True
+    trace: Trace,
+    *,
+    tau: float = TAU,
+    position: int | None = None,
+    per_head: bool = True,
+    renormalize: bool = True,
+    value_bias: str = "bias",
+    distance_eps: float = DISTANCE_EPS,
 ) -> torch.Tensor:
     """Information-flow routes per input token: the total importance of the kept routes from each token to the
     prediction (Σ over routes of the product of edge importances)."""
@@ -382,6 +464,8 @@ def flow_routes_tokens(
         per_head=per_head,
         renormalize=renormalize,
         edges=False,  # the walk alone: no [L, n, n] of edges
+        value_bias=value_bias,
+        distance_eps=distance_eps,
     )
     out = torch.zeros(trace.mask.shape, device=trace.mask.device)
     for b, r in enumerate(found):
