@@ -304,17 +304,26 @@ def explain_failure(e: BaseException, ray: Any) -> str:
 
 @contextlib.contextmanager
 def _data_context(block_bytes: int) -> Iterator[None]:
-    """Ray Data's settings for one run (restored after): no progress bars of its own (ours counts examples), and
-    blocks of `block_bytes`."""
+    """Ray Data's settings for one run (restored after): no progress bars or INFO lines of its own on the terminal
+    (ours counts examples; its log file keeps everything), and blocks of `block_bytes`."""
+    import logging
+    import warnings
+
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
-    saved = (ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size)
+    log = logging.getLogger("ray.data")
+    saved = (ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size, log.level)
     ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size = False, False, block_bytes
+    log.setLevel(logging.WARNING)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            yield
     finally:
-        ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size = saved
+        ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size, level = saved
+        log.setLevel(level)
 
 
 @dataclass
