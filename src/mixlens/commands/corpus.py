@@ -70,12 +70,24 @@ def register(app: typer.Typer) -> None:
             False, "--strict", help="Fail on the first bad record instead of skipping and counting it."
         ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a different run already in --out."),
-        backend: str = typer.Option("local", "--backend", help="local (in-process, or --workers processes) or ray."),
+        backend: str = typer.Option(
+            "local",
+            "--backend",
+            help="local (in-process, or --workers processes), ray (actors fed by this process) or ray-data "
+            "(the cluster reads, computes and writes; input may be a Parquet folder or a URI such as s3://).",
+        ),
         address: str | None = typer.Option(None, "--address", help="Ray cluster address (default: start a local one)."),
         workers: int | None = typer.Option(
             None,
             "--workers",
-            help="Local worker processes, or Ray actors (default: 1 local; one per cluster CPU on Ray).",
+            "--concurrency",
+            help="Local worker processes, or Ray actors (default: 1 local; one per cluster CPU, or GPU, on Ray).",
+        ),
+        num_cpus: float | None = typer.Option(
+            None, "--num-cpus", help="ray-data: CPUs per actor (default 1, 0 with a GPU); also its torch threads."
+        ),
+        num_gpus: float | None = typer.Option(
+            None, "--num-gpus", help="ray-data: GPUs per actor (default 1 with --device cuda, else 0)."
         ),
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
@@ -92,7 +104,7 @@ def register(app: typer.Typer) -> None:
         device = resolve_device(device or "cpu")  # a CUDA device this machine lacks: one line, before any work
         dtype = dtype_name(dtype or "float32")
 
-        if not data.startswith(HF_PREFIX):  # a file without one usable row fails before the model and --out
+        if backend != "ray-data" and not data.startswith(HF_PREFIX):  # no usable row: fails before model and --out
             next(iter_examples(data, text_column, pair_column, strict, fmt=fmt))
         try:
             res = run_corpus(
@@ -116,6 +128,8 @@ def register(app: typer.Typer) -> None:
                 backend=backend,
                 workers=workers,
                 address=address,
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
                 head=pick_model_head(model_head, head),
                 device=device,
                 dtype=dtype,
@@ -144,3 +158,6 @@ def register(app: typer.Typer) -> None:
             + (f"; {c['truncated']} truncated to the token limit" if c["truncated"] else ""),
             err=True,
         )
+        if res.manifest.get("ray", {}).get("logs"):
+            r = res.manifest["ray"]
+            typer.echo(f"Ray Data: {r['actors']} actors on {r['address']}; Ray logs: {r['logs']}", err=True)

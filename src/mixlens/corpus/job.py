@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from mixlens.lens import Lens
 
 STORES = ("summary", "full")
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "ray", "ray-data")
 # Keys of the job that change results: a rerun with other values is refused unless --overwrite.
 IDENTITY = (
     "model",
@@ -34,7 +34,13 @@ IDENTITY = (
     "max_length",
     "dtype",
 )
-OLD_DEFAULTS = {"dtype": "float32"}  # identity keys a manifest written before them lacks: their value then
+# Identity keys a manifest may lack, and their value then: written before the key existed (dtype), or left out of
+# the identity at its default so that existing job ids stay the same (layout).
+OLD_DEFAULTS = {"dtype": "float32", "layout": "windows"}
+# How rows are cut into shards: "windows" (shard k = the k-th window of `shard_size` readable examples: local, worker
+# processes, Ray actors) or "index" (Ray Data: a shard holds up to `shard_size` examples as they stream in, is named
+# by its first source index, and a rerun computes the source indexes no shard holds).
+LAYOUTS = ("windows", "index")
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class Job:
     data_file: dict[str, object] | None = None  # `file_stamp(data)` of a local file: same path, other bytes → new run
     gguf_file: str | None = None  # a GGUF file inside the `model` directory (`mixlens.load(gguf_file=...)`)
     dtype: str = "float32"  # the forward pass's dtype (`mixlens.load(dtype=...)`)
+    layout: str = "windows"  # see LAYOUTS; part of the identity (only named there when not the default)
 
     def load(self) -> Lens:
         """The job's model, as every backend loads it."""
@@ -79,7 +86,10 @@ class Job:
         d = asdict(self)
         d["model"] = self.model_name
         d["methods"] = list(self.methods)
-        return {k: d[k] for k in IDENTITY}
+        ident = {k: d[k] for k in IDENTITY}
+        if self.layout != OLD_DEFAULTS["layout"]:
+            ident["layout"] = self.layout
+        return ident
 
     @property
     def job_id(self) -> str:

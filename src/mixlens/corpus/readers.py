@@ -11,10 +11,11 @@ Bad records never stop a run unless `strict=True`: undecodable lines (not UTF-8)
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mixlens import jsonio
@@ -65,6 +66,33 @@ class ReadStats:
 Stats = ReadStats | MutableMapping[str, int] | None
 
 
+@dataclass(frozen=True)
+class FsFile:
+    """A file on a pyarrow filesystem (local, `s3://`, `gs://`, …), read by the same readers as a local `Path`."""
+
+    fs: Any  # pyarrow.fs.FileSystem
+    path: str  # the path inside `fs`
+    uri: str  # as the user wrote it (messages)
+    size: int
+
+    @property
+    def suffix(self) -> str:
+        return PurePosixPath(self.path).suffix
+
+    def open(self, mode: str = "rb") -> io.BufferedReader:
+        return io.BufferedReader(self.fs.open_input_stream(self.path))
+
+    def __str__(self) -> str:
+        return self.uri
+
+
+Source = Path | FsFile
+
+
+def _size(path: Source) -> int:
+    return path.size if isinstance(path, FsFile) else path.stat().st_size
+
+
 def _bump(stats: Stats, key: str) -> None:
     if stats is None:
         return
@@ -74,7 +102,7 @@ def _bump(stats: Stats, key: str) -> None:
         setattr(stats, key, getattr(stats, key) + 1)
 
 
-def detect_format(path: Path) -> str:
+def detect_format(path: Source) -> str:
     """The format from the file suffix; unknown suffixes are read as plain text (one example per line)."""
     return _SUFFIX.get(path.suffix.lower(), "text")
 
@@ -90,7 +118,7 @@ class _Bad(Exception):
         self.kind, self.where = kind, where
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str | _Bad]]:
+def _lines(path: Source) -> Iterator[tuple[int, str | _Bad]]:
     """(1-based line number, decoded line or _Bad) for each line, in binary chunks; never the file whole."""
     with path.open("rb") as fh:
         for no, raw in enumerate(fh, start=1):
@@ -102,7 +130,7 @@ def _lines(path: Path) -> Iterator[tuple[int, str | _Bad]]:
                 yield no, _Bad("undecodable", f"line {no} is not valid UTF-8")
 
 
-def _delimited(path: Path, fmt: str) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+def _delimited(path: Source, fmt: str) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
     """Header + rows of a TSV (no quoting, like GLUE files) or CSV (standard quoting)."""
     kw: dict[str, Any] = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if fmt == "tsv" else {}
     lines = _lines(path)
@@ -151,7 +179,7 @@ def _delimited(path: Path, fmt: str) -> tuple[list[str], Iterator[dict[str, Any]
     return header, rows()
 
 
-def _jsonl(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+def _jsonl(path: Source) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
     """One JSON object per line; the columns are the keys of the first object."""
     lines = _lines(path)
 
@@ -198,19 +226,19 @@ def _jsonl(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
     return list(head), rows()
 
 
-def _parquet(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
-    """Parquet by record batches (bounded memory); values stay native Python objects."""
+def _parquet(path: Source, row_groups: list[int] | None = None) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+    """Parquet by record batches (bounded memory); values stay native Python objects. `row_groups`: only those."""
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(path.fs.open_input_file(path.path) if isinstance(path, FsFile) else path)
     except Exception as e:  # pyarrow raises several types for non-Parquet bytes
         raise MixlensError(f"{path} is not a readable Parquet file ({e})") from None
     if pf.metadata.num_rows == 0:
         raise MixlensError(f"{path} is empty (no rows)")
 
     def rows() -> Iterator[dict[str, Any] | _Bad]:
-        batches = pf.iter_batches(batch_size=_PARQUET_BATCH)
+        batches = pf.iter_batches(batch_size=_PARQUET_BATCH, row_groups=row_groups)
         while True:
             try:
                 batch = next(batches)
@@ -224,9 +252,9 @@ def _parquet(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
     return list(pf.schema_arrow.names), rows()
 
 
-def _text(path: Path) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+def _text(path: Source) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
     """One example per non-blank line, in the column 'text'."""
-    if path.stat().st_size == 0:
+    if _size(path) == 0:
         raise MixlensError(f"{path} is empty (no lines)")
 
     def rows() -> Iterator[dict[str, Any] | _Bad]:
@@ -273,20 +301,29 @@ def _hf(src: str) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
     return list(first), rows()
 
 
-def open_records(src: str | Path, fmt: str | None = None) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
-    """(column names, record iterator) for SRC; raises MixlensError for a missing/empty/unreadable source."""
+def open_records(
+    src: str | Path | FsFile, fmt: str | None = None, row_groups: list[int] | None = None
+) -> tuple[list[str], Iterator[dict[str, Any] | _Bad]]:
+    """(column names, record iterator) for SRC; raises MixlensError for a missing/empty/unreadable source.
+    `row_groups`: of a Parquet file, only those."""
     if isinstance(src, str) and src.startswith(HF_PREFIX):
         return _hf(src)
-    path = Path(src).expanduser()
-    if not path.exists():
-        raise MixlensError(f"data file '{src}' does not exist")
-    if not path.is_file():
-        raise MixlensError(f"data source '{src}' is not a file")
+    path: Source
+    if isinstance(src, FsFile):
+        path = src
+    else:
+        path = Path(src).expanduser()
+        if not path.exists():
+            raise MixlensError(f"data file '{src}' does not exist")
+        if not path.is_file():
+            raise MixlensError(f"data source '{src}' is not a file")
     fmt = fmt or detect_format(path)
     if fmt not in FORMATS:
         raise MixlensError(f"unknown data format '{fmt}'; valid: {', '.join(FORMATS)}")
-    if path.stat().st_size == 0:
+    if _size(path) == 0:
         raise MixlensError(f"{src} is empty")
+    if fmt == "parquet":
+        return _parquet(path, row_groups)
     readers: dict[str, Callable[..., tuple[list[str], Iterator[dict[str, Any] | _Bad]]]] = {
         "tsv": _delimited,
         "csv": _delimited,
@@ -358,9 +395,13 @@ def examples_from(
     stats: Stats,
     where: str,
     on_skip: Callable[[str, str], None] | None = None,
+    start: int = 0,
+    require_row: bool = True,
 ) -> Iterator[Example]:
-    any_row, index = False, -1
-    for index, rec in enumerate(records):
+    """Examples of `records`, numbered from `start` (the source index of the first record); without one readable
+    record it raises, unless `require_row` is False (a part of a larger source)."""
+    any_row, index = False, start - 1
+    for index, rec in enumerate(records, start):
         if isinstance(rec, dict):
             a = _as_text(rec.get(tcol))
             b = _as_text(rec.get(pcol)) if pcol is not None else ""
@@ -379,9 +420,9 @@ def examples_from(
         _bump(stats, "read")
         assert a is not None and b is not None  # a record that stays a dict has both texts
         yield Example(index, (a, b) if pcol is not None else a, rec)
-    if not any_row:
+    if not any_row and require_row:
         raise MixlensError(
-            f"{where} has no rows" if index < 0 else f"{where} has no readable rows ({index + 1} skipped)"
+            f"{where} has no rows" if index < start else f"{where} has no readable rows ({index + 1 - start} skipped)"
         )
 
 

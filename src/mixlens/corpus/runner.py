@@ -61,7 +61,10 @@ class CorpusResult:
         import pyarrow.parquet as pq
 
         ids = sorted(int(s["shard"]) for s in self.manifest["shards"])
-        return pa.concat_tables([pq.read_table(sh.shard_path(self.out, s), columns=columns) for s in ids]).to_pandas()
+        t = pa.concat_tables([pq.read_table(sh.shard_path(self.out, s), columns=columns) for s in ids])
+        if self.manifest.get("job", {}).get("layout") == "index" and "index" in t.column_names:
+            t = t.sort_by("index")  # Ray Data shards hold the rows in the order they streamed in
+        return t.to_pandas()
 
 
 def _check_model(
@@ -148,15 +151,51 @@ def _check_out(out: Path, job: Job, overwrite: bool) -> None:
                 f"{job.data} changed since the run in {out} began (size, modification time or content "
                 "differ); use --overwrite to start afresh"
             )
-        was_job = {**OLD_DEFAULTS, **old.get("job", {})}
-        diff = [k for k in IDENTITY if was_job.get(k) != job.identity()[k]]
+        was_job, now_job = {**OLD_DEFAULTS, **old.get("job", {})}, {**OLD_DEFAULTS, **job.identity()}
+        diff = [k for k in (*IDENTITY, "layout") if was_job.get(k) != now_job[k]]
         if diff:
-            what = "; ".join(f"{k}: {was_job.get(k)!r} → {job.identity()[k]!r}" for k in diff[:3])
+            what = "; ".join(f"{k}: {was_job.get(k)!r} → {now_job[k]!r}" for k in diff[:3])
             raise MixlensError(f"{out} holds a different run ({what}); use --overwrite to replace it or another --out")
     elif out.is_dir() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
         raise MixlensError(f"--out {out} is not empty and holds no mixlens run; use --overwrite or another --out")
     if overwrite and out.is_dir():
         sh.clear_run(out)
+
+
+def build_manifest(
+    out: Path, job: Job, done: dict[int, dict], resumed: int, skipped: dict[str, int], params: dict, complete: bool
+) -> dict:
+    """The manifest of a run: job identity, parameters, the finished shards (`done`: shard id → info) and counts
+    (`skipped`: undecodable / malformed / empty records)."""
+    from mixlens import __version__
+
+    infos = [done[k] for k in sorted(done)]
+    return {
+        "format": sh.FORMAT,
+        "version": __version__,
+        "job_id": job.job_id,
+        "job": job.identity(),
+        "params": params,
+        "model": job.model_name,
+        "methods": list(job.methods),
+        "complete": complete,
+        "resumed_shards": resumed,
+        "shards": [
+            {
+                "shard": i["shard"],
+                "file": str(sh.shard_path(out, i["shard"]).relative_to(out)),
+                "examples": i["examples"],
+                "truncated": i["truncated"],
+            }
+            for i in infos
+        ],
+        "counts": {
+            "examples": sum(i["examples"] for i in infos),
+            "tokens": sum(i["tokens"] for i in infos),
+            "truncated": sum(i["truncated"] for i in infos),
+            **skipped,
+        },
+    }
 
 
 def run_corpus(
@@ -187,13 +226,17 @@ def run_corpus(
     progress: bool = False,
     allow_random_head: bool = False,
     dtype: str = "float32",
+    num_cpus: float | None = None,
+    num_gpus: float | None = None,
 ) -> CorpusResult:
     """Run `methods` over every example of `data` and write shards, aggregate and manifest to `out`.
 
     `data`: a TSV/CSV/JSONL/Parquet/text file or `hf:NAME[:CONFIG]:SPLIT`. `lens` (in-process only) overrides
     `model` (`gguf_file`: a GGUF file in the `model` directory). Rerunning the same call resumes: finished shards are
     kept and not recomputed. `backend='local'` with `workers` > 1 uses worker processes; `backend='ray'` uses Ray
-    actors (`address`: an existing cluster). `dtype`, `device`: as `mixlens.load` takes them.
+    actors (`address`: an existing cluster); `backend='ray-data'` runs on Ray Data (`workers` actors with `num_cpus`
+    / `num_gpus` each; `data` may also be a folder of Parquet files or a pyarrow filesystem URI).
+    `dtype`, `device`: as `mixlens.load` takes them.
     """
     from mixlens.lens import DEFAULT_METHODS, dtype_name, resolve_device
 
@@ -215,11 +258,41 @@ def run_corpus(
     ):
         if v < 1:
             raise MixlensError(f"{name} must be at least 1 (got {v})")
-    if lens is not None and (backend == "ray" or (workers or 1) > 1):
+    if lens is not None and (backend != "local" or (workers or 1) > 1):
         raise MixlensError("a Lens object can only run in-process; pass a model path for workers or Ray")
     if heads and not any(s.head_dims for s in specs):
         raise MixlensError(f"--heads: none of {', '.join(methods)} has per-head matrices")
 
+    if backend == "ray-data":
+        from mixlens.corpus import raydata
+
+        model_name = str(model) if model else "all-MiniLM-L6-v2"  # as load()
+        template = Job(
+            model,
+            model_name,
+            str(data),
+            fmt,
+            "",
+            None,
+            methods,
+            heads,
+            options,
+            store,
+            shard_size,
+            max_length,
+            batch_size,
+            max_tokens,
+            head=head,
+            device=device,
+            allow_random_head=allow_random_head,
+            dtype=dtype,
+            gguf_file=gguf_file,
+        )
+        params = {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict}
+        cluster = raydata.Cluster(address, workers, num_cpus, num_gpus)
+        return raydata.run(
+            str(data), Path(out), template, fmt, text_column, pair_column, strict, overwrite, cluster, params, progress
+        )
     stats = ReadStats()
     # Everything that needs no model fails here, before it loads and before --out is made: missing/empty file, bad
     # format, unknown columns, no readable row (the first example is read ahead), a changed file or another run.
@@ -268,36 +341,11 @@ def run_corpus(
         done = sh.finished_shards(out, job.job_id)
         resumed = len(done)
 
-        from mixlens import __version__
+        params = {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict}
 
         def manifest(complete: bool) -> dict:
-            infos = [done[k] for k in sorted(done)]
-            return {
-                "format": sh.FORMAT,
-                "version": __version__,
-                "job_id": job.job_id,
-                "job": job.identity(),
-                "params": {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict},
-                "model": model_name,
-                "methods": list(methods),
-                "complete": complete,
-                "resumed_shards": resumed,
-                "shards": [
-                    {
-                        "shard": i["shard"],
-                        "file": str(sh.shard_path(out, i["shard"]).relative_to(out)),
-                        "examples": i["examples"],
-                        "truncated": i["truncated"],
-                    }
-                    for i in infos
-                ],
-                "counts": {
-                    "examples": sum(i["examples"] for i in infos),
-                    "tokens": sum(i["tokens"] for i in infos),
-                    "truncated": sum(i["truncated"] for i in infos),
-                    **{k: v for k, v in stats.as_dict().items() if k != "read"},
-                },
-            }
+            counts = {k: v for k, v in stats.as_dict().items() if k != "read"}
+            return build_manifest(out, job, done, resumed, counts, params, complete)
 
         sh.write_manifest(out, manifest(False))
         bar = _Progress(count_records(data, fmt) if is_file else None) if progress else None

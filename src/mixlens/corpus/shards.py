@@ -29,6 +29,7 @@ FORMAT = "mixlens-corpus/1"
 MANIFEST = "manifest.json"
 AGGREGATE = "aggregate.parquet"
 SHARD_DIR = "shards"
+SKIPPED_DIR = "skipped"  # Ray Data runs: the bad-record counts of each read task, part-00000.json
 SUMS_KEY = b"mixlens.sums"
 INFO_KEY = b"mixlens.shard"
 Key = tuple[str, str, int, int]  # (stat, method, layer, head); head = -1: all heads / not per head
@@ -188,5 +189,7 @@ def clear_run(out: Path) -> None:
     for p in (out / SHARD_DIR).glob("shard-*.parquet"):
         p.unlink()
     remove_stale_temps(out)
+    for p in (out / SKIPPED_DIR).glob("part-*.json"):
+        p.unlink()
     for name in (MANIFEST, AGGREGATE):
         (out / name).unlink(missing_ok=True)

@@ -1,0 +1,478 @@
+"""Corpus runs on Ray Data (`--backend ray-data`): the cluster reads, computes and writes; the driver only keeps
+the books.
+
+    read    one Ray Data read task per file, or per range of Parquet row groups (a file or folder, local or any
+            pyarrow filesystem URI, or `hf:`), parsed by the mixlens readers: the same examples, source indexes and
+            bad-record counts as a local run; rows some finished shard already holds are dropped here
+    compute an actor pool (`concurrency` actors, `num_cpus` / `num_gpus` each): every actor loads the job's model
+            once and turns each batch of ≤ `shard_size` examples into one shard with `compute_shard` (the local
+            path: the same `Lens`, methods and statistics), written straight to DIR/shards/shard-<first index>
+    driver  streams the shards' small info rows (manifest, progress), then merges the partial sums exactly as a
+            local run does
+
+A shard is named by the first source index it holds (layout "index" of the job), so a rerun of the same command
+reads the shards' `index` columns and computes only the source indexes no shard holds: no duplicated and no
+missing index, whatever Ray retried or the driver lost. Output goes to a directory every node can write (one
+machine, or a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import json
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mixlens.corpus import shards as sh
+from mixlens.corpus.compute import compute_shard
+from mixlens.corpus.job import Job
+from mixlens.corpus.readers import (
+    FORMATS,
+    HF_PREFIX,
+    Example,
+    FsFile,
+    ReadStats,
+    count_records,
+    detect_format,
+    examples_from,
+    open_records,
+    resolve_columns,
+)
+from mixlens.errors import MixlensError
+from mixlens.result import atomic_write
+
+SKIP_DIR = sh.SKIPPED_DIR  # DIR/skipped/part-00000.json: each read task's bad-record counts (a rerun rewrites them)
+PART_ROWS = 16384  # Parquet rows per read task (whole row groups)
+RETRIES = 2  # restarts of a dead actor, and retries of its batch on another one
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one read task reads: a file (or an `hf:` name), from source index `start`."""
+
+    pid: int
+    src: FsFile | str
+    start: int = 0
+    rows: int | None = None  # known for Parquet
+    row_groups: tuple[int, ...] | None = None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def input_files(data: str, fmt: str | None) -> list[FsFile]:
+    """The files of DATA: one file, or every file under a folder (Parquet only), local or a pyarrow filesystem URI."""
+    import pyarrow.fs as pafs
+
+    try:
+        if "://" in data:
+            fs, path = pafs.FileSystem.from_uri(data)
+        else:
+            fs, path = pafs.LocalFileSystem(), str(Path(data).expanduser().resolve())
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.Directory:
+            infos = sorted(
+                (
+                    i
+                    for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+                    if i.type == pafs.FileType.File and not i.base_name.startswith((".", "_"))
+                ),
+                key=lambda i: i.path,
+            )
+        else:
+            infos = [info]
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise MixlensError(f"cannot open data '{data}': {_first_line(e)}") from None
+    if info.type == pafs.FileType.NotFound:
+        raise MixlensError(f"data file '{data}' does not exist")
+    if not infos:
+        raise MixlensError(f"data folder '{data}' holds no files")
+    base = data.rstrip("/")
+    files = [
+        FsFile(fs, i.path, data if i.path == path else f"{base}/{i.path[len(path) :].lstrip('/')}", i.size)
+        for i in infos
+    ]
+    if len(files) > 1:
+        other = [f for f in files if (fmt or detect_format(f)) != "parquet"]
+        if other:
+            raise MixlensError(f"a data folder must hold Parquet files only ({other[0]} is not); give one file instead")
+    return files
+
+
+def plan_parts(files: list[FsFile], fmt: str) -> list[Part]:
+    """Read tasks: ranges of whole row groups of ≤ PART_ROWS rows for Parquet (the files' schemas must match, their
+    rows are numbered on across files), one task per file otherwise."""
+    if fmt != "parquet":
+        return [Part(k, f) for k, f in enumerate(files)]
+    parts: list[Part] = []
+    start, schema0 = 0, None
+    for f in files:
+        try:
+            meta = pq.ParquetFile(f.fs.open_input_file(f.path)).metadata
+        except Exception as e:  # pyarrow raises several types for non-Parquet bytes
+            raise MixlensError(f"{f} is not a readable Parquet file ({_first_line(e)})") from None
+        schema = meta.schema.to_arrow_schema()
+        if schema0 is None:
+            schema0 = (f, schema)
+        elif not schema.equals(schema0[1]):
+            a, b = (
+                dict(zip(schema0[1].names, schema0[1].types, strict=True)),
+                dict(zip(schema.names, schema.types, strict=True)),
+            )
+            diff = [
+                f"{c}: {a.get(c, 'missing')} vs {b.get(c, 'missing')}"
+                for c in dict.fromkeys([*a, *b])
+                if a.get(c) != b.get(c)
+            ]
+            raise MixlensError(f"{f} does not have the schema of {schema0[0]} ({'; '.join(diff[:3])})")
+        group: list[int] = []
+        rows = 0
+        for g in range(meta.num_row_groups):
+            group.append(g)
+            rows += meta.row_group(g).num_rows
+            if rows >= PART_ROWS or g == meta.num_row_groups - 1:
+                parts.append(Part(len(parts), f, start, rows, tuple(group)))
+                start, group, rows = start + rows, [], 0
+    return parts
+
+
+def _block(examples: list[Example], pair: bool) -> pa.Table:
+    cols: dict[str, Any] = {"index": pa.array([e.index for e in examples], pa.int64())}
+    cols["text"] = pa.array([e.text[0] if isinstance(e.text, tuple) else e.text for e in examples], pa.string())
+    if pair:
+        cols["text_pair"] = pa.array([e.text[1] for e in examples], pa.string())
+    cols["fields"] = pa.array([json.dumps(e.fields, default=str, ensure_ascii=False) for e in examples], pa.string())
+    return pa.table(cols)
+
+
+def read_part(
+    part: Part, fmt: str, tcol: str, pcol: str | None, strict: bool, done: Any, out: str, block_rows: int
+) -> Iterator[pa.Table]:
+    """One read task: the part's examples not yet in a shard, as blocks of `block_rows` (one shard each, so that
+    every block is one task of the actor pool); its bad-record counts go to DIR/skipped."""
+    import ray
+
+    claimed: np.ndarray = ray.get(done) if isinstance(done, ray.ObjectRef) else done  # sorted source indexes
+    stats = ReadStats()
+    if isinstance(part.src, str):
+        _, records = open_records(part.src)
+    else:
+        _, records = open_records(part.src, fmt, row_groups=list(part.row_groups) if part.row_groups else None)
+    buf: list[Example] = []
+    for e in examples_from(records, tcol, pcol, strict, stats, str(part.src), start=part.start, require_row=False):
+        k = np.searchsorted(claimed, e.index)
+        if k < claimed.size and claimed[k] == e.index:
+            continue
+        buf.append(e)
+        if len(buf) == block_rows:
+            yield _block(buf, pcol is not None)
+            buf = []
+    if buf:
+        yield _block(buf, pcol is not None)
+    counts = {k: v for k, v in stats.as_dict().items() if k != "read"}
+    atomic_write(Path(out) / SKIP_DIR / f"part-{part.pid:05d}.json", json.dumps(counts).encode())
+
+
+def skipped_counts(out: Path) -> dict[str, int]:
+    """Bad records skipped so far, summed over the read tasks that finished."""
+    total = {k: 0 for k in ("undecodable", "malformed", "empty")}
+    for p in sorted((out / SKIP_DIR).glob("part-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            for k, v in json.loads(p.read_text()).items():
+                total[k] = total.get(k, 0) + int(v)
+    return total
+
+
+class ShardWriter:
+    """An actor of the pool: holds one loaded model; each batch becomes one shard file written to DIR/shards."""
+
+    def __init__(self, job: Job, out: str, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self.job, self.out = job, Path(out)
+        self.lens: Any
+        try:
+            self.lens = job.load()
+        except MixlensError as e:  # raised again by each batch, where the driver turns it into one line
+            self.lens = e
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if isinstance(self.lens, MixlensError):
+            raise self.lens
+        rows = batch.sort_by("index").to_pydict()
+        texts = list(zip(rows["text"], rows["text_pair"], strict=True)) if "text_pair" in rows else rows["text"]
+        examples = [Example(i, t, json.loads(f)) for i, t, f in zip(rows["index"], texts, rows["fields"], strict=True)]
+        shard_id = examples[0].index
+        payload, info = compute_shard(self.lens, self.job, shard_id, examples)
+        atomic_write(sh.shard_path(self.out, shard_id), payload)
+        return pa.table({"info": [json.dumps(info)]})
+
+
+def claimed_indexes(out: Path, done: dict[int, dict]) -> np.ndarray:
+    """The sorted source indexes the finished shards hold. A shard whose every index another (lower-numbered) shard
+    holds too (a batch Ray ran again after its first result was written) is removed; a partial overlap is an error."""
+    seen: list[np.ndarray] = []
+    have = np.empty(0, np.int64)
+    for s in sorted(done):
+        idx = pq.read_table(sh.shard_path(out, s), columns=["index"])["index"].to_numpy()
+        dup = np.isin(idx, have)
+        if dup.all():
+            sh.shard_path(out, s).unlink()
+            del done[s]
+            continue
+        if dup.any():
+            raise MixlensError(f"{sh.shard_path(out, s)} repeats source indexes another shard holds; use --overwrite")
+        seen.append(idx)
+        have = np.union1d(have, idx)
+    return have
+
+
+def _reachable(address: str) -> None:
+    """Fail fast on a host:port no one listens on (ray.init would wait a minute or more)."""
+    if address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass
+    except (OSError, ValueError) as e:
+        raise MixlensError(f"cannot connect to Ray at {address}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def start_ray(address: str | None) -> tuple[Any, bool, str]:
+    """(the ray module, whether we started it, its log folder): connect to `address`, or start a local Ray with the
+    machine's CPUs."""
+    try:
+        import ray
+    except ImportError:
+        raise MixlensError("--backend ray-data needs Ray Data: pip install 'mixlens[ray]'") from None
+    started = not ray.is_initialized()
+    if started:
+        if address:
+            _reachable(address)
+        try:
+            ctx = ray.init(
+                address=address,
+                num_cpus=None if address else os.cpu_count(),
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise MixlensError(
+                f"cannot connect to Ray at {address or 'a new local cluster'}: {_first_line(e)}"
+            ) from None
+        session = getattr(ctx, "address_info", {}).get("session_dir")
+        logs = str(Path(session) / "logs") if session else ""
+    else:
+        logs = ""
+    return ray, started, logs
+
+
+def explain_failure(e: BaseException, ray: Any) -> str:
+    """One line for why the pipeline stopped: a MixlensError from a reader or an actor, an actor killed for memory,
+    an actor that died more often than it may restart, or Ray's own first line."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    found: str | None = None
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, ray.exceptions.OutOfMemoryError):
+            return (
+                "an actor was killed by Ray's out-of-memory killer (use fewer --concurrency or more memory per actor)"
+            )
+        if isinstance(x, ray.exceptions.ActorDiedError | ray.exceptions.WorkerCrashedError):
+            found = f"an actor died and was restarted {RETRIES} times ({_first_line(x)})"
+        elif isinstance(x, MixlensError) and not isinstance(x, ray.exceptions.RayError):
+            return str(x)
+        x = getattr(x, "cause", None) or x.__cause__ or x.__context__
+    return found or _first_line(e)
+
+
+@contextlib.contextmanager
+def _data_context(block_bytes: int) -> Iterator[None]:
+    """Ray Data's settings for one run (restored after): no progress bars or INFO lines of its own on the terminal
+    (ours counts examples; its log file keeps everything), and blocks of `block_bytes`."""
+    import logging
+    import warnings
+
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    log = logging.getLogger("ray.data")
+    saved = (ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size, log.level)
+    ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size = False, False, block_bytes
+    log.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated", category=DeprecationWarning)
+            warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+            yield
+    finally:
+        ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size, level = saved
+        log.setLevel(level)
+
+
+@dataclass
+class Cluster:
+    """Where and how wide: `address` (None: a new local Ray), actors and resources per actor."""
+
+    address: str | None = None
+    concurrency: int | None = None
+    num_cpus: float | None = None
+    num_gpus: float | None = None
+
+
+def run(
+    data: str,
+    out: Path,
+    job: Job,
+    fmt: str | None,
+    text_column: str | None,
+    pair_column: str | None,
+    strict: bool,
+    overwrite: bool,
+    cluster: Cluster,
+    params: dict,
+    progress: bool,
+):
+    """The Ray Data run of `job` (its data, columns and stamp are filled in here); see the module doc."""
+    from mixlens.corpus.runner import CorpusResult, _check_model, _check_out, _locked, _Progress, build_manifest
+
+    is_hf = data.startswith(HF_PREFIX)
+    files = [] if is_hf else input_files(data, fmt)
+    fmt = None if is_hf else (fmt or detect_format(files[0]))
+    if fmt is not None and fmt not in FORMATS:
+        raise MixlensError(f"unknown data format '{fmt}'; valid: {', '.join(FORMATS)}")
+    parts = [Part(0, data)] if is_hf else plan_parts(files, fmt or "text")
+    # the first readable example, before the model and --out: empty files, unknown columns fail here
+    columns, records = open_records(data if is_hf else files[0], fmt)
+    tcol, pcol = resolve_columns(columns, text_column, pair_column, data)
+    head = list(itertools.islice(examples_from(records, tcol, pcol, strict, None, data), 256))
+    row_bytes = _block(head, pcol is not None).nbytes / len(head)
+    stamp = [{"file": str(f), "size": f.size, "mtime_ns": f.fs.get_file_info(f.path).mtime_ns} for f in files]
+    job = replace(
+        job,
+        data=data if (is_hf or "://" in data) else str(Path(data).expanduser().resolve()),
+        fmt=fmt,
+        text_column=tcol,
+        pair_column=pcol,
+        data_file={"files": stamp} if stamp else None,
+        layout="index",
+    )
+    if "://" in str(out):
+        raise MixlensError("--out must be a directory every Ray node can write (local or a shared mount), not a URI")
+    _check_model(job.model, job.gguf_file, None, job.max_length, pcol is not None)
+    with _locked(out):
+        _check_out(out, job, overwrite)
+        try:
+            (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
+            (out / SKIP_DIR).mkdir(exist_ok=True)
+        except OSError as e:
+            raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
+        sh.remove_stale_temps(out)
+        done = sh.finished_shards(out, job.job_id)
+        claimed = claimed_indexes(out, done)
+        resumed = len(done)
+        ray_info: dict[str, Any] = {}
+
+        def manifest(complete: bool) -> dict:
+            m = build_manifest(out, job, done, resumed, skipped_counts(out), params, complete)
+            return {**m, "ray": ray_info} if ray_info else m
+
+        sh.write_manifest(out, manifest(False))
+        ray, started, logs = start_ray(cluster.address)
+        try:
+            res = ray.cluster_resources()
+            gpus = cluster.num_gpus if cluster.num_gpus is not None else (1.0 if job.device.startswith("cuda") else 0.0)
+            cpus = cluster.num_cpus if cluster.num_cpus is not None else (0.0 if gpus else 1.0)
+            n = cluster.concurrency or max(
+                1, int(res.get("GPU", 0) / gpus if gpus else res.get("CPU", 1) / max(cpus, 1))
+            )
+            ray_info.update(
+                {"address": cluster.address or "local", "actors": n, "num_cpus": cpus, "num_gpus": gpus, "logs": logs}
+            )
+            total = (
+                sum(p.rows or 0 for p in parts)
+                if fmt == "parquet"
+                else (count_records(data, fmt) if not is_hf and "://" not in data and len(files) == 1 else None)
+            )
+            bar = _Progress(max(total - claimed.size, 0) if total is not None else None) if progress else None
+            from ray.data import Datasource, ReadTask
+            from ray.data.block import BlockMetadata
+
+            done_ref = ray.put(claimed)
+
+            class _Source(Datasource):
+                def estimate_inmemory_data_size(self) -> int | None:
+                    return None
+
+                def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list:
+                    return [
+                        ReadTask(
+                            functools.partial(
+                                read_part, p, fmt or "text", tcol, pcol, strict, done_ref, str(out), job.shard_size
+                            ),
+                            BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None),
+                        )
+                        for p in parts
+                    ]
+
+            # blocks of about one shard: each is one task of the actor pool, which spreads them over actors and nodes
+            with _data_context(max(256, int(job.shard_size * row_bytes))), bar or contextlib.nullcontext():
+                ds = ray.data.read_datasource(_Source(), override_num_blocks=len(parts), num_cpus=0)
+                ds = ds.map_batches(
+                    ShardWriter,
+                    fn_constructor_args=(job, str(out), max(1, int(cpus or 1))),
+                    batch_size=job.shard_size,
+                    batch_format="pyarrow",
+                    compute=ray.data.ActorPoolStrategy(size=n),
+                    num_cpus=cpus,
+                    num_gpus=gpus,
+                    max_restarts=RETRIES,
+                    max_task_retries=RETRIES,
+                )
+                for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                    for text in b["info"].to_pylist():
+                        info = json.loads(text)
+                        done[int(info["shard"])] = info
+                        if bar:
+                            bar.advance(info["examples"])
+                    sh.write_manifest(out, manifest(False))
+        except KeyboardInterrupt:  # the manifest names every shard written so far, then the CLI says how to resume
+            done.update(sh.finished_shards(out, job.job_id))
+            sh.write_manifest(out, manifest(False))
+            raise
+        except Exception as e:
+            from_ray = isinstance(e, ray.exceptions.RayError) or type(e).__module__.startswith("ray")
+            if not from_ray:
+                raise
+            done.update(sh.finished_shards(out, job.job_id))
+            sh.write_manifest(out, manifest(False))
+            kept = sum(i["examples"] for i in done.values())
+            raise MixlensError(
+                f"the Ray Data run stopped: {explain_failure(e, ray)}; {len(done)} shards ({kept} examples) are kept "
+                f"in {out}, rerun the same command to compute the rest" + (f" (Ray logs: {logs})" if logs else "")
+            ) from None
+        finally:
+            if started:
+                ray.shutdown()
+        done.update(sh.finished_shards(out, job.job_id))  # files the actors wrote (the info rows say the same)
+        claimed_indexes(out, done)
+        sh.write_aggregate(out, sh.merge_shards(out, list(done)))
+        final = manifest(True)
+        sh.write_manifest(out, final)
+        return CorpusResult(out, final)

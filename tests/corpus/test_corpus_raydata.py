@@ -1,0 +1,344 @@
+"""`--backend ray-data`: the same numbers as the local backend on a two-node Ray cluster (norm family, a rollout, an
+explain method), resume after SIGKILL of the driver, an actor killed mid-run, and bad input as one line.
+
+The cluster is two `ray start` nodes on this machine (one CPU each, its own temp folder and ports, stopped in the
+fixture's teardown), so a block read on one node is computed by an actor on the other."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from mixlens.corpus.runner import run_corpus
+from tests.corpus.test_corpus import cli, synth
+
+pytest.importorskip("ray.data")
+
+METHODS = ["norm", "norm_res", "norm_resln", "attention_rollout", "saliency"]
+N = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(address, process groups): a head and a second node, 1 CPU each; both stopped (by process group) at the end."""
+    temp = tempfile.mkdtemp(prefix="mxray")  # short: Ray's socket paths must stay under 107 characters
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--block", "--num-cpus", "1", "--disable-usage-stats"]
+    procs: list[subprocess.Popen] = []
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update({k: env[k] for k in saved})
+    try:
+        procs.append(
+            subprocess.Popen(
+                [_ray_bin(), "start", "--head", "--port", str(port), "--temp-dir", temp, "--include-dashboard",
+                 "false", *common],
+                env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+        _wait_port(port)
+        procs.append(
+            subprocess.Popen(
+                [_ray_bin(), "start", "--address", address, *common],
+                env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+        import ray
+
+        ray.init(address=address, log_to_driver=False)
+        try:
+            deadline = time.time() + 180
+            while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+                assert time.time() < deadline, "the second Ray node did not join"
+                time.sleep(0.5)
+        finally:
+            ray.shutdown()
+        yield address, [p.pid for p in procs]
+    finally:
+        for p in reversed(procs):
+            with _suppress():
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in reversed(procs):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            with _suppress():
+                os.killpg(p.pid, signal.SIGKILL)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        subprocess.run(["rm", "-rf", temp], check=False)
+
+
+def _suppress():
+    import contextlib
+
+    return contextlib.suppress(ProcessLookupError, PermissionError)
+
+
+def _wait_port(port: int) -> None:
+    deadline = time.time() + 180
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            assert time.time() < deadline, "the Ray head did not start"
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory, tiny_model):
+    d = tmp_path_factory.mktemp("rdlocal")
+    data = synth(d / "d.tsv", N)
+    return data, run_corpus(data, d / "local", METHODS, model=tiny_model, shard_size=8, store="full")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, tokenizer) -> str:
+    from tests.conftest import random_model
+
+    d = tmp_path_factory.mktemp("rdtiny")
+    random_model("bert", tokenizer).save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return str(d)
+
+
+def same_numbers(a, b) -> None:
+    """Every per-example column (matched by source index) and every aggregate ≤ 1e-5 apart; same index set."""
+    ea, eb = a.examples(), b.examples()
+    assert ea["index"].tolist() == eb["index"].tolist() == list(range(N))
+    assert sorted(ea.columns) == sorted(eb.columns)
+    for col in ea.columns:
+        x, y = ea[col].tolist(), eb[col].tolist()
+        if isinstance(x[0], str) or col in ("tokens", "index", "n_tokens") or col.endswith(".shape"):
+            assert [np.asarray(v).tolist() for v in x] == [np.asarray(v).tolist() for v in y], col
+        else:
+            for u, v in zip(x, y, strict=True):
+                np.testing.assert_allclose(np.stack(u) if np.ndim(u) and np.asarray(u).dtype == object else u,
+                                           np.stack(v) if np.ndim(v) and np.asarray(v).dtype == object else v,
+                                           atol=1e-5, err_msg=col)  # fmt: skip
+    ta, tb = a.aggregate(), b.aggregate()
+    keys = ["stat", "method", "layer", "head", "count"]
+    assert ta[keys].equals(tb[keys])
+    for col in ("mean", "std", "min", "max"):
+        np.testing.assert_allclose(ta[col], tb[col], atol=1e-5, err_msg=col)
+    assert a.manifest["counts"] == b.manifest["counts"]
+
+
+@pytest.mark.slow  # a two-node Ray cluster
+def test_two_nodes_match_local(cluster, local, tiny_model, tmp_path):
+    address, _ = cluster
+    data, loc = local
+    res = run_corpus(data, tmp_path / "rd", METHODS, model=tiny_model, shard_size=8, store="full",
+                     backend="ray-data", address=address, workers=2)  # fmt: skip
+    assert res.manifest["complete"] and res.manifest["ray"]["actors"] == 2
+    assert res.manifest["job"]["layout"] == "index"
+    same_numbers(loc, res)
+
+
+def _shard_files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "shards").glob("shard-*.parquet"))}
+
+
+def _indexes(out: Path) -> list[int]:
+    return sorted(
+        i
+        for p in (out / "shards").glob("shard-*.parquet")
+        for i in pq.read_table(p, columns=["index"])["index"].to_pylist()
+    )
+
+
+def _cmd(data: Path, model: str, out: Path, address: str) -> list[str]:
+    return [sys.executable, "-m", "mixlens", "corpus", "--data", str(data), "--model", model, "--out", str(out),
+            "--shard-size", "8", "--store", "full", "--backend", "ray-data", "--address", address, "--concurrency",
+            "2", "--quiet", *sum((["--method", m] for m in METHODS), [])]  # fmt: skip
+
+
+def _wait_shards(out: Path, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.time() + 400
+    while len(list((out / "shards").glob("shard-*.parquet"))) < n:
+        assert proc.poll() is None, "the run ended before it was killed"
+        assert time.time() < deadline, "the run made no progress"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow  # a two-node Ray cluster
+def test_driver_sigkill_then_rerun_fills_the_rest(cluster, local, tiny_model, tmp_path):
+    address, _ = cluster
+    data, loc = local
+    out = tmp_path / "killed"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen(_cmd(data, tiny_model, out, address), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        _wait_shards(out, proc, 1)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    before = _shard_files(out)
+    idx = _indexes(out)
+    assert 0 < len(idx) < N and len(idx) == len(set(idx))
+    time.sleep(2)  # let Ray end the dead driver's actors
+    res = run_corpus(data, out, METHODS, model=tiny_model, shard_size=8, store="full", backend="ray-data",
+                     address=address, workers=2)  # fmt: skip
+    after = _shard_files(out)
+    assert all(after[k] == v for k, v in before.items() if k in after)  # finished shards were not recomputed
+    assert _indexes(out) == list(range(N))  # no duplicated, no missing index
+    assert res.manifest["complete"] and res.manifest["resumed_shards"] >= 1
+    same_numbers(loc, res)
+
+
+def _parent(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _actor_pids(nodes: list[int]) -> list[int]:
+    """Processes that hold a ShardWriter actor and descend from this test's `ray start` processes (no other Ray)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if "ShardWriter" not in (d / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            pid = int(d.name)
+            while pid > 1 and pid not in nodes:
+                pid = _parent(pid)
+        except (OSError, ValueError):
+            continue
+        if pid in nodes:
+            pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.slow  # a two-node Ray cluster
+def test_actor_sigkill_is_retried(cluster, local, tiny_model, tmp_path):
+    address, groups = cluster
+    data, loc = local
+    out = tmp_path / "actor"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen(_cmd(data, tiny_model, out, address), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        _wait_shards(out, proc, 1)
+        pids = _actor_pids(groups)
+        assert pids, "no actor process found"
+        os.kill(pids[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    if proc.returncode != 0:  # Ray gave up on the batch: one line, and the rerun fills the rest
+        assert proc.returncode == 2 and "rerun the same command" in err.decode(), err.decode()[-2000:]
+        res = run_corpus(data, out, METHODS, model=tiny_model, shard_size=8, store="full", backend="ray-data",
+                         address=address, workers=2)  # fmt: skip
+    else:
+        from mixlens.corpus import CorpusResult
+
+        res = CorpusResult.open(out)
+    assert _indexes(out) == list(range(N))
+    same_numbers(loc, res)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def _parquet_folder(d: Path, mismatch: bool) -> Path:
+    d.mkdir()
+    pq.write_table(pa.table({"text": ["a cat sat", "the dog ran"], "label": [0, 1]}), d / "part-0.parquet")
+    label = pa.array(["x", "y"]) if mismatch else pa.array([1, 0])
+    pq.write_table(pa.table({"text": ["red house", "big tree"], "label": label}), d / "part-1.parquet")
+    return d
+
+
+@pytest.mark.parametrize("case", ["missing_file", "missing_uri", "schema_mismatch", "unreachable", "out_not_writable"])
+def test_bad_input_one_line_exit_2(tmp_path, tiny_model, capsys, case):
+    data = synth(tmp_path / "d.tsv", 4)
+    out = tmp_path / "out"
+    extra: list[str] = []
+    if case == "missing_file":
+        data = tmp_path / "nope.jsonl"
+    elif case == "missing_uri":
+        data = Path(f"file://{tmp_path}/nope.parquet")
+    elif case == "schema_mismatch":
+        data = _parquet_folder(tmp_path / "pq", mismatch=True)
+    elif case == "unreachable":
+        extra = ["--address", f"127.0.0.1:{_free_port()}"]
+    else:
+        (tmp_path / "file").write_text("x")
+        out = tmp_path / "file" / "out"
+    code = cli("corpus", "--data", str(data), "--out", str(out), "--model", tiny_model, "--backend", "ray-data",
+               "--quiet", *extra)  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    want = {
+        "missing_file": "does not exist",
+        "missing_uri": "does not exist",
+        "schema_mismatch": "does not have the schema",
+        "unreachable": "cannot connect to Ray",
+        "out_not_writable": "cannot write",
+    }[case]
+    assert want in err
+    if case != "unreachable":
+        assert not out.exists()
+
+
+def test_parquet_folder_parts_number_rows_across_files(tmp_path):
+    from mixlens.corpus import raydata
+    from mixlens.corpus.readers import examples_from, open_records
+
+    folder = _parquet_folder(tmp_path / "pq", mismatch=False)
+    files = raydata.input_files(str(folder), None)
+    parts = raydata.plan_parts(files, "parquet")
+    assert [(p.start, p.rows) for p in parts] == [(0, 2), (2, 2)]
+    got = []
+    for p in parts:
+        _, records = open_records(p.src, "parquet", row_groups=list(p.row_groups or ()))
+        got += [(e.index, e.text) for e in examples_from(records, "text", None, False, None, "x", start=p.start)]
+    assert got == [(0, "a cat sat"), (1, "the dog ran"), (2, "red house"), (3, "big tree")]
+
+
+def test_oom_and_actor_death_are_named(tmp_path):
+    import ray
+
+    from mixlens.corpus.raydata import explain_failure
+
+    oom = ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.")
+    wrapped = RuntimeError("execution failed")
+    wrapped.__cause__ = oom
+    assert "out-of-memory killer" in explain_failure(wrapped, ray)
+    from mixlens.errors import MixlensError
+
+    inner = RuntimeError("UDF failed")
+    inner.__cause__ = MixlensError("model folder 'x' does not exist")
+    assert explain_failure(inner, ray) == "model folder 'x' does not exist"
