@@ -70,6 +70,28 @@ def _tree_miss(fam: Family, model: Any) -> Miss | None:
     return None
 
 
+def _hybrid(model: Any) -> str | None:
+    """Where some layers of the model's layer list mix tokens without attention (a convolution or state-space block
+    beside attention layers, e.g. LFM2): what they have instead, in words; None otherwise."""
+    for path in dict.fromkeys(fam.layers for fam in FAMILIES):
+        try:
+            layers = list(get_path(model.base_model, path))
+        except (AttributeError, IndexError, TypeError):
+            continue
+        children = [dict(layer.named_children()) for layer in layers]
+        attends = [any("attn" in k.lower() or "attention" in k.lower() for k in c) for c in children]
+        if any(attends) and not all(attends):
+            without = [i for i, a in enumerate(attends) if not a]
+            shared = set.intersection(*(set(c) for c, a in zip(children, attends, strict=True) if a))
+            instead = sorted(set(children[without[0]]) - shared)
+            shown = ", ".join(map(str, without[:8])) + (" ..." if len(without) > 8 else "")
+            return (
+                f"layers {shown} mix tokens without attention (through '{', '.join(instead)}' instead), so they have "
+                "no attention weights to decompose"
+            )
+    return None
+
+
 def _rel(rebuilt: torch.Tensor, real: torch.Tensor) -> float:
     err = float((rebuilt.float() - real.float()).abs().max())
     return err / max(1.0, float(real.float().abs().max()))
@@ -187,6 +209,9 @@ def adapt(model: Any, tokenizer: Any, family: str | None = None) -> tuple[Adapte
         return adapter, note
     if known_family(model_type) is not None:
         return resolve(model), None
+    hybrid = _hybrid(model)
+    if hybrid is not None:
+        raise MixlensError(f"model type '{model_type}' is a hybrid layout mixlens cannot decompose: {hybrid}")
     misses = []
     for fam in FAMILIES:
         adapter, miss = _tried(fam, model, tokenizer)

@@ -61,6 +61,18 @@ def test_no_layout_fits_one_line_names_the_closest_and_where(model_type, tokeniz
     assert "\n" not in msg and f"model type '{model_type}' is not in the family table" in msg and words in msg
 
 
+def test_a_hybrid_layout_is_refused_naming_the_layers_without_attention(tokenizer):
+    """LFM2: short convolutions in some layers, attention in the others: one line naming the convolution layers."""
+    cfg = lambda: T.Lfm2Config(  # noqa: E731
+        layer_types=["conv", "full_attention", "conv", "full_attention"], **{**_SMALL, "num_hidden_layers": 4}
+    )
+    with pytest.raises(MixlensError) as e:
+        mixlens.Lens(_model(cfg, tokenizer), tokenizer)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("model type 'lfm2' is a hybrid layout mixlens cannot decompose")
+    assert "layers 0, 2 mix tokens without attention (through 'conv' instead)" in msg
+
+
 def test_a_forced_family_is_probed(tokenizer, capsys):
     llama = random_lens("llama", tokenizer).model
     same = mixlens.Lens(llama, tokenizer, family="qwen3")  # the same layout under another name
@@ -100,6 +112,11 @@ def test_cli_family_option(tmp_path, tokenizer, capsys):
         tokenizer.save_pretrained(tmp_path / name)
     code, out, err = run_cli(["analyze", "Hello there.", "--model", str(tmp_path / "helium"), "-f", "json"], capsys)
     assert code == 0 and "read as the llama layout" in err
+    stablelm = _model(FAILING["stablelm"][0], tokenizer)
+    stablelm.save_pretrained(tmp_path / "stablelm")
+    tokenizer.save_pretrained(tmp_path / "stablelm")
+    code, _, err = run_cli(["analyze", "Hi.", "--model", str(tmp_path / "stablelm")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "closest: llama (layer 0, norm after the sum" in err
     code, _, err = run_cli(["analyze", "Hi.", "--model", str(tmp_path / "llama"), "--family", "gpt2"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "family 'gpt2' does not fit" in err
     code, _, err = run_cli(["analyze", "Hi.", "--model", str(tmp_path / "llama"), "--family", "nope"], capsys)
