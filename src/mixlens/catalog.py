@@ -94,7 +94,8 @@ def lines(catalog: list[dict[str, Any]]) -> list[str]:
 
 
 FAMILIES_PATH = PATH.parent / "families.json"
-TRAIT_WORDS = {  # a Family's flags in words (a flag without an entry is shown by its field name)
+# A Family's flags in words, (set, unset) (a flag without an entry is shown by its field name when set).
+TRAIT_WORDS: dict[str, tuple[str | None, str | None]] = {
     "pre_ln": ("pre-LN blocks", "post-LN blocks"),
     "rms": ("RMSNorm", "LayerNorm"),
     "causal": ("causal decoder", "encoder"),
@@ -120,6 +121,7 @@ def traits(family: Any) -> list[str]:
     out = []
     for f in dataclasses.fields(family):
         value = getattr(family, f.name)
+        word: str | None
         if f.name == "pre_ln" and value and family.ln_in is None:
             word = "no norm before a branch"  # OLMo 2: x + g(Attn(x)), norms after the branches
         elif isinstance(value, bool):

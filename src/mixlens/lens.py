@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from mixlens import methods as method_registry
-from mixlens.adapters import Adapter, family_for, resolve
+from mixlens.adapters import Adapter, family_for, family_named, known_family
 from mixlens.errors import MixlensError
+from mixlens.layouts import adapt
 from mixlens.pipeline import (
     LayerProgress,
     Targets,
@@ -108,30 +109,53 @@ def _check_family(config: Path) -> None:
     recognise an unknown one); a config that is not a readable JSON object fails naming the file."""
     from mixlens import jsonio
 
-    model_type = jsonio.read(config).get("model_type")
+    cfg = jsonio.read(config)
+    model_type = cfg.get("model_type")
     if isinstance(model_type, str):
-        family_for(model_type)
+        check_model_type(model_type, bool(cfg.get("is_encoder_decoder")))
+
+
+def check_model_type(model_type: str, encoder_decoder: bool = False) -> None:
+    """A model type in the family table passes; one outside it is tried after loading (`mixlens.layouts`) unless
+    transformers does not know it or it is an encoder-decoder model: those fail here, naming the supported types."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if known_family(model_type) is not None:
+        return
+    if model_type not in CONFIG_MAPPING_NAMES:
+        family_for(model_type)  # raises: unsupported architecture, with the supported model types
+    if encoder_decoder:
+        try:
+            family_for(model_type)
+        except MixlensError as e:
+            raise MixlensError(f"{e}; an encoder-decoder model has no layout mixlens reads") from None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = "cpu, cuda, cuda:N, auto"
+_FAMILY: contextvars.ContextVar[str | None] = contextvars.ContextVar("mixlens_family", default=None)
 _RUNTIME: contextvars.ContextVar[tuple[str | None, str | None]] = contextvars.ContextVar(
     "mixlens_runtime", default=(None, None)
 )
 
 
 @contextmanager
-def runtime(dtype: str | None = None, device: str | None = None) -> Iterator[None]:
-    """Within the context, `load` calls that name no `dtype` / `device` use these (the CLI's `--dtype`/`--device`
-    reach every model a command loads this way). Both are checked here, before any model loads."""
+def runtime(dtype: str | None = None, device: str | None = None, family: str | None = None) -> Iterator[None]:
+    """Within the context, `load` calls that name no `dtype` / `device` / `family` use these (the CLI's `--dtype`,
+    `--device` and `--family` reach every model a command loads this way). All are checked here, before any model
+    loads."""
     if dtype is not None:
         dtype_name(dtype)
     if device is not None:
         device = resolve_device(device)
+    if family is not None:
+        family_named(family)
     token = _RUNTIME.set((dtype, device))
+    token_family = _FAMILY.set(family)
     try:
         yield
     finally:
+        _FAMILY.reset(token_family)
         _RUNTIME.reset(token)
 
 
@@ -205,6 +229,7 @@ def load(
     gguf_file: str | None = None,
     allow_random_head: bool = False,
     dtype: str | None = None,
+    family: str | None = None,
 ) -> Lens:
     """Load a model for analysis: None = the bundled all-MiniLM-L6-v2, else a local dir or hub id.
 
@@ -218,14 +243,20 @@ def load(
 
     `dtype`: the dtype the forward pass runs in: 'float32', 'bfloat16', 'float16', or 'auto' (the checkpoint's own,
     from its config; float32 when it names none); the decompositions accumulate in float32 either way, and their
-    exactness checks allow the rounding of that dtype (docs/models.md). `device`: 'cpu', 'cuda', 'cuda:N' or 'auto'
-    (cuda when available). None for either: the enclosing `runtime(...)` context's, else float32 on the CPU. A device
-    this machine lacks, or a dtype it cannot run there, is a `MixlensError` before any weights load.
+    exactness checks allow the rounding of that dtype (docs/models.md). `family`: read the model under that family's
+    layout (`mixlens families`), checked on a probe input; by default its model type's, or for a model type outside
+    the table the first known layout that passes the check (`mixlens.layouts`; a note on stderr says which).
+    `device`: 'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available). None for either: the enclosing `runtime(...)`
+    context's, else float32 on the CPU. A device this machine lacks, or a dtype it cannot run there, is a
+    `MixlensError` before any weights load.
     """
     import transformers
     from safetensors import SafetensorError
 
     default_dtype, default_device = _RUNTIME.get()
+    family = family if family is not None else _FAMILY.get()
+    if family is not None:
+        family_named(family)  # an unknown name fails before any weights load
     want_dtype = dtype_name(dtype if dtype is not None else default_dtype or "float32")
     device = resolve_device(device if device is not None else default_device or "cpu")
     src, local = resolve_source(model, gguf_file)
@@ -234,13 +265,14 @@ def load(
         raise MixlensError(f"unknown head '{head}'; valid: {', '.join(_HEADS)}")
     try:
         config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
-        family = family_for(config.model_type)  # fail fast on unsupported families
-        if family.layout is not None:  # ... and on a block variant outside the math (`Family.layout`)
-            family.layout(config)
+        check_model_type(config.model_type, bool(getattr(config, "is_encoder_decoder", False)))  # fail fast
+        known = family_named(family) if family is not None else known_family(config.model_type)
+        if known is not None and known.layout is not None:  # a block variant outside the math (`Family.layout`)
+            known.layout(config)
         torch_dtype = DTYPES[checkpoint_dtype(config) if want_dtype == "auto" else want_dtype]
         check_dtype_on(torch_dtype, device)
         chosen = head or _head_for(config)
-        if head is None and gguf_file is not None and chosen == "base" and family.causal:
+        if head is None and gguf_file is not None and chosen == "base" and known is not None and known.causal:
             chosen = "causal-lm"  # a GGUF file names no head class; a decoder's file holds its LM head
         try:
             net = _pretrained_without_random_weights(
@@ -271,7 +303,7 @@ def load(
         where = "local directory" if local else "hub id (needs network access or a cached copy)"
         raise MixlensError(f"cannot load model '{src}' as a {where}: {first}") from None
     name = str(model) if model is not None else "all-MiniLM-L6-v2"
-    return Lens(net.to(device), tok, name=name, dtype=torch_dtype)
+    return Lens(net.to(device), tok, name=name, dtype=torch_dtype, family=family)
 
 
 class RandomHeadError(MixlensError):
@@ -404,10 +436,17 @@ class Lens:
     """A model ready for analysis. Build with `mixlens.load(...)` or `Lens(model, tokenizer)`."""
 
     def __init__(
-        self, model: Any, tokenizer, name: str | None = None, dtype: str | torch.dtype | None = None
+        self,
+        model: Any,
+        tokenizer,
+        name: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        family: str | None = None,
     ):  # model: a transformers nn.Module
         """`dtype`: the dtype the forward pass runs in ('float32', 'bfloat16', 'float16', or 'auto': the model's own);
-        None (default): float32, upcasting a model in another dtype with a warning."""
+        None (default): float32, upcasting a model in another dtype with a warning. `family`: read the model under
+        that family's layout (checked on a probe input, `mixlens.layouts`); by default its model type's, or for a
+        model type outside the table the first known layout that passes (`family_note` and stderr say which)."""
         own = next(model.parameters()).dtype
         if dtype is None:
             if own != torch.float32:
@@ -428,7 +467,10 @@ class Lens:
             model.set_experts_implementation("eager")  # loop, which forward-mode AD (`hta`) can differentiate
         self.model: Any = model.eval()  # a transformers model: its attributes (config, heads) are dynamic
         self.tokenizer = tokenizer
-        self.adapter: Adapter = resolve(model)
+        self.adapter: Adapter
+        self.adapter, self.family_note = adapt(model, tokenizer, family)
+        if self.family_note:
+            print(f"note: {self.family_note}", file=sys.stderr)
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         if tokenizer.pad_token_id is None:  # decoders: pad with eos, masked anyway
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token

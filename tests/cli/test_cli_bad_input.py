@@ -67,6 +67,7 @@ def fx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 BASE: dict[str, list[str]] = {
     "analyze": ["analyze", "hi there"],
     "methods": ["methods"],
+    "families": ["families"],
     "corpus": ["corpus", "-d", "{good}", "-o", "{out}"],
     "report": ["report", "hi there", "-o", "{out}/r.html"],
     "plot": ["plot", "hi there", "-o", "{out}/p.png"],
@@ -145,6 +146,8 @@ SPECIFIC = [
     (["analyze", "hi", "-o", "{adir}"], "is a directory"),
     # methods
     (["methods", "--bogus"], "No such option"),
+    (["families", "--bogus"], "No such option"),
+    (["analyze", "hi", "--family", "nope"], "unknown family 'nope'; families: bert"),
     # corpus
     (["corpus", "-d", "/no/data.tsv", "-o", "{out}"], "does not exist"),
     (["corpus", "-d", "{adir}", "-o", "{out}"], "adir"),
@@ -789,12 +792,18 @@ def test_no_tqdm_bars_into_a_pipe():
 
 # ---- #33 item 6: --dtype / --device on every command that loads a model; a context past the position limit ----
 
-MODEL_COMMANDS = [c for c in BASE if c != "methods"]
+MODEL_COMMANDS = [c for c in BASE if c not in ("methods", "families")]
 
 
 def test_every_model_command_takes_dtype_and_device():
     opts = command_options()
     assert [c for c in MODEL_COMMANDS if not {"--dtype", "--device"} <= opts[c]] == []
+
+
+def test_every_model_command_but_corpus_takes_family():
+    """`--family` forces a layout (corpus workers load by model type: an unknown type is still matched by probe)."""
+    opts = command_options()
+    assert [c for c in MODEL_COMMANDS if c != "corpus" and "--model" in opts[c] and "--family" not in opts[c]] == []
 
 
 @pytest.mark.parametrize("command", MODEL_COMMANDS)

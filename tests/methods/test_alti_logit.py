@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from mixlens.adapters import logit_scale
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods import get as get_method
 from tests.conftest import SENTENCES, random_lens, run_cli
 
-DECODERS = ["gpt2", "llama", "gemma2", "gemma3_text", "opt", "bloom", "gpt_neox", "falcon"]
+DECODERS = ["gpt2", "llama", "gemma2", "gemma3_text", "qwen3", "phi3", "granite", "olmo2", "mixtral"]
+DECODERS += ["opt", "bloom", "gpt_neox", "falcon"]
 METHODS = ["alti_logit", "logit_attn"]
 REF_ENV = "MIXLENS_LOGIT_EXPLANATIONS"  # a checkout of github.com/mt-upc/logit-explanations (never committed here)
 
@@ -31,7 +33,8 @@ def lm(request, tokenizer):
 
 def head_logits(lens, enc) -> torch.Tensor:
     """The LM head's own output at each input's last real token [B, V] in a plain forward pass: the logits before
-    Gemma 2's final soft cap (the scalar the methods decompose), from a hook on the unembedding."""
+    Gemma 2's final soft cap and after Granite's division by logits_scaling (the scalar the methods decompose), from
+    a hook on the unembedding."""
     got: list[torch.Tensor] = []
     handle = lens.model.get_output_embeddings().register_forward_hook(lambda m, a, o: got.append(o))
     try:
@@ -40,7 +43,7 @@ def head_logits(lens, enc) -> torch.Tensor:
     finally:
         handle.remove()
     last = enc.inputs["attention_mask"].sum(-1) - 1
-    return got[0][torch.arange(last.shape[0]), last].float()
+    return got[0][torch.arange(last.shape[0]), last].float() * logit_scale(lens.adapter)  # Granite: / logits_scaling
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -12,7 +12,7 @@ from mixlens.methods.registry import REGISTRY
 from mixlens.pipeline import run_methods
 from tests.conftest import SENTENCES, random_lens
 
-DECODERS = ["gpt2", "llama", "gemma2", "gemma3_text"]
+DECODERS = ["gpt2", "llama", "gemma2", "gemma3_text", "qwen3", "phi3", "granite", "olmo2", "mixtral", "llama3-rope"]
 QK_METHODS = sorted(m for m, spec in REGISTRY.items() if spec.qk_rows)
 
 

@@ -403,6 +403,19 @@ def supported_model_types() -> list[str]:
     return sorted(t for f in FAMILIES for t in f.model_types)
 
 
+def family_named(name: str) -> Family:
+    """The family of this name (`--family NAME`, `load(family=...)`); one line listing the names otherwise."""
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise MixlensError(f"unknown family '{name}'; families: {', '.join(f.name for f in FAMILIES)} (mixlens families)")
+
+
+def known_family(model_type: str) -> Family | None:
+    """The family whose table entry lists this model type, or None (it may still be tried: `mixlens.layouts`)."""
+    return next((fam for fam in FAMILIES if model_type in fam.model_types), None)
+
+
 def family_for(model_type: str) -> Family:
     for fam in FAMILIES:
         if model_type in fam.model_types:
@@ -622,10 +635,11 @@ def _layer_modules(fam: Family, base: Any) -> list[nn.Module]:
     return [m for i in range(n) for m in groups[int(i / (n / g))].albert_layers]
 
 
-def resolve(model: Any) -> Adapter:
-    """Find the family of an HF model (any AutoModel head) and its per-layer modules."""
+def resolve(model: Any, family: Family | None = None) -> Adapter:
+    """Find the family of an HF model (any AutoModel head) and its per-layer modules; `family`: read the model
+    under that family's layout instead of its model type's (checked by `mixlens.layouts`)."""
     cfg = model.config
-    fam = family_for(cfg.model_type)
+    fam = family or family_for(cfg.model_type)
     if fam.layout is not None:  # this config's variant of the block
         fam = dataclasses.replace(fam, **fam.layout(cfg))
     base = model.base_model

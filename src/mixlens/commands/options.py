@@ -87,23 +87,36 @@ def device_option() -> Any:
     return typer.Option(None, "--device", help="Device: cpu (default), cuda, cuda:N, or auto (cuda when available).")
 
 
+def family_option() -> Any:
+    """`--family NAME`: read the model under that family's layout (`mixlens families`), checked on a probe input."""
+    return typer.Option(
+        None,
+        "--family",
+        help="Read the model under this family's layout (mixlens families lists them), checked on a probe input; "
+        "default: its model type's, or for a model type not in the table the first layout that passes the check.",
+    )
+
+
 def runtime_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`command` with `--dtype` and `--device` added after its own options: every model it loads (`mixlens.load`)
-    runs in that dtype on that device. Both are checked before the command starts (an unknown dtype, a CUDA device
-    this machine lacks: one line, exit code 2)."""
+    """`command` with `--dtype`, `--device` and `--family` added after its own options: every model it loads
+    (`mixlens.load`) runs in that dtype on that device, read under that family's layout. All are checked before the
+    command starts (an unknown dtype or family, a CUDA device this machine lacks: one line, exit code 2)."""
     keyword = inspect.Parameter.KEYWORD_ONLY
     own = list(inspect.signature(command, eval_str=True).parameters.values())
     added = [
         inspect.Parameter("dtype", keyword, default=dtype_option(), annotation=str | None),
         inspect.Parameter("device", keyword, default=device_option(), annotation=str | None),
+        inspect.Parameter("family", keyword, default=family_option(), annotation=str | None),
     ]
 
     @functools.wraps(command)
-    def run(*args: Any, dtype: str | None = None, device: str | None = None, **kwargs: Any) -> Any:
+    def run(
+        *args: Any, dtype: str | None = None, device: str | None = None, family: str | None = None, **kwargs: Any
+    ) -> Any:
         check_fast(kwargs)  # mistakes found before torch is imported (seconds on a small machine)
         from mixlens.lens import runtime
 
-        with runtime(dtype, device):
+        with runtime(dtype, device, family):
             return command(*args, **kwargs)
 
     signature = inspect.Signature([*own, *added])
