@@ -34,7 +34,7 @@ from mixlens.pipeline import (
 from mixlens.result import Analysis, Attribution, InputBiasRows, InputRows
 from mixlens.trace import Edit, FfnCapture, Trace, run_traced
 
-DEFAULT_METHODS = ("attention", "norm", "norm_res", "norm_resln")
+DEFAULT_METHODS = tuple(method_registry.registry.defaults("analyze"))  # the methods that declare it (registry)
 CELLS_PER_INPUT = 64 * 64  # analyze's batches hold ≤ batch_size · 64² token pairs: a 512-token input runs alone
 Text = str | tuple[str, str]  # a single text or a sentence pair
 _HEADS = {

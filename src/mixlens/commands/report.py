@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from mixlens import catalog
 from mixlens.commands.options import (
     allow_random_head_option,
     check_methods,
@@ -84,7 +85,8 @@ def _logit_layers(
 
         if not text:
             raise MixlensError("give one or more texts, or --from FILE")
-        res = explain(load(model, gguf_file=gguf_file, head=model_head or "causal-lm"), text, [chosen or "alti_logit"])
+        lens = load(model, gguf_file=gguf_file, head=model_head or "causal-lm")
+        res = explain(lens, text, [chosen or catalog.defaults("logit-layers")[0]])
     if len(res.texts) > MAX_PANELS:
         raise MixlensError(f"{len(res.texts)} inputs: a logit-layers figure holds at most {MAX_PANELS} panels")
     static.save_figure(logit_layers_figure(res, list(range(len(res.texts))), chosen), out)
@@ -155,7 +157,7 @@ def register(app: typer.Typer) -> None:
             help="heatmap, bipartite, ratio, routes or logit-layers (alti_logit / logit_attn per layer; --from an "
             "explanation, or TEXT).",
         ),
-        method: str = typer.Option("norm_resln", "--method", help="Method for heatmap/bipartite."),
+        method: str = typer.Option(catalog.defaults("plot")[0], "--method", help="Method for heatmap/bipartite."),
         layer: int = typer.Option(-1, "--layer", help="Layer (0-based; negative counts from the end)."),
         attention_head: int | None = typer.Option(
             None, "--attention-head", min=0, help="One attention head (0-based) instead of the method's own map."
@@ -183,7 +185,7 @@ def register(app: typer.Typer) -> None:
             _logit_layers(text, out, model, gguf_file, method, model_head, from_file)
             return
         if view is View.routes:
-            method = "flow_routes"  # the routes figure draws the graph of flow_routes
+            method = catalog.defaults("routes")[0]  # the routes figure draws this method's graph
         suffix = out.suffix.lower().lstrip(".")
         if suffix not in static.FORMATS:
             raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
@@ -193,7 +195,7 @@ def register(app: typer.Typer) -> None:
         vector = spec.dims[-1] == "source" and spec.dims[-2:] != ("target", "source")
         if head is not None and view is not View.ratio and not spec.head_dims:
             raise MixlensError(f"'{method}' has no per-head values; drop --attention-head")
-        methods = ["norm"] if view is View.ratio else [method]
+        methods = catalog.defaults("ratio")[:1] if view is View.ratio else [method]
         if from_file is not None:
             res = read_saved(from_file, text, None)
             if view is View.ratio and not res.ratio_store:

@@ -308,6 +308,7 @@ def routes(
 
 @register(
     "flow_routes",
+    default_in={"routes": 0},
     head_dims=LHTS,
     needs_ffn="update",
     options=(TAU_OPTION, POSITION_OPTION, PER_HEAD_OPTION, RENORMALIZE_OPTION),

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from mixlens import catalog
 from mixlens.result import Analysis, Attribution
 
 ASSETS = Path(__file__).parent
@@ -29,7 +30,6 @@ MAX_LINKS = 3000  # lines drawn in the bipartite view
 SIG_DIGITS = 4
 PRECISION = f"values rounded to {SIG_DIGITS} significant digits"
 NONFINITE = "#ff00ff"  # NaN and ±inf cells and tokens (magenta: in neither colour map)
-START_METHODS = ("norm_resln", "norm_res", "norm", "globenc", "alti")  # the view opens on the decomposition
 
 
 @cache
@@ -196,7 +196,7 @@ def build_payload(
             "choose them with --method"
         )
     names = [m["name"] for m in methods]
-    start = next((names.index(m) for m in START_METHODS if m in names), 0)
+    start = next((names.index(m) for m in catalog.defaults("html") if m in names), 0)  # opens on a decomposition
     return {
         "title": title or "mixlens report",
         "start_method": start,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixlens import catalog
 from mixlens.viz.terminal.tables import print_table
 
-NORM_FAMILY = ("attention", "norm", "norm_res", "norm_resln")  # the methods the mixing-ratio table describes
 TOP_SOURCES = 3  # sources listed per token for map methods
 
 
@@ -28,7 +28,7 @@ def print_results(res: Any, methods: list[str]) -> None:
     from rich.console import Console
 
     console = Console()
-    if any(m in NORM_FAMILY for m in methods):
+    if any(m in catalog.in_group("mixing-ratio") for m in methods):  # the methods the mixing-ratio table describes
         print_ratios(res)
     for m in methods:
         attr = res[m]
