@@ -21,6 +21,16 @@ from mixlens.methods.registry import check_options, check_target_rows
 from mixlens.trace import FfnCapture, LayerTrace, Trace, run_traced
 
 Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
+LONG_CAUSAL = 512  # tokens above which a causal LM's default target rows (`auto_targets`) are the last token's
+
+
+def auto_targets(lengths: Sequence[int], causal: bool) -> str:
+    """The default target rows of an analysis (`Lens.analyze(targets="auto")`, `mixlens analyze` without
+    `--targets`): "last" for a causal LM with an input of over `LONG_CAUSAL` tokens (full maps would hold
+    layers · n² per input), else "all"."""
+    return "last" if causal and max(lengths, default=0) > LONG_CAUSAL else "all"
+
+
 LayerProgress = Callable[[str, int, int], None]  # (phase, layers done, layers in the phase): long inputs' progress
 
 

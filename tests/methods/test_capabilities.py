@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mixlens.errors import MixlensError
+from mixlens.explain import explain
 from mixlens.explain.attributions import default_methods
 from mixlens.methods import REGISTRY
 from mixlens.methods import get as get_method
@@ -70,7 +71,7 @@ def test_explain_defaults_run_on_every_causal_lm(family, tokenizer):
     methods = default_methods("causal", lens.adapter.family)
     assert all(get_method(m).refusal(lens.adapter.family) is None for m in methods)
     assert ("decompx_logit" in methods) == (lens.adapter.family.ln_post is None)
-    res = lens.explain(TEXTS[:1], methods)
+    res = explain(lens, TEXTS[:1], methods)
     assert set(res.inputs[0].scores) == set(methods)
     assert all(np.isfinite(v).all() for v in res.inputs[0].scores.values())
 
@@ -78,7 +79,7 @@ def test_explain_defaults_run_on_every_causal_lm(family, tokenizer):
 def test_explain_refuses_a_method_its_family_does_not_support(tokenizer):
     lens = random_lens("gemma3_text", tokenizer, head="AutoModelForCausalLM")
     with pytest.raises(MixlensError, match="'decompx_logit' does not support the gemma family: its vector"):
-        lens.explain(TEXTS[:1], ["decompx_logit"])
+        explain(lens, TEXTS[:1], ["decompx_logit"])
 
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mixlens"
@@ -213,16 +214,17 @@ def test_a_gguf_decoder_loads_as_a_causal_lm(tmp_path, monkeypatch):
     import transformers as T
 
     from mixlens import lens as lens_module
+    from mixlens import loading
 
     picked = []
-    monkeypatch.setattr(lens_module, "resolve_source", lambda model, gguf_file=None: (str(tmp_path), True))
+    monkeypatch.setattr(loading, "resolve_source", lambda model, gguf_file=None: (str(tmp_path), True))
     monkeypatch.setattr(T.AutoConfig, "from_pretrained", lambda *a, **k: T.LlamaConfig(architectures=None))
 
     def fake(cls, src, head, allow, **kw):
         picked.append((cls.__name__, head, kw.get("gguf_file")))
         raise MixlensError("stop here")
 
-    monkeypatch.setattr(lens_module, "_pretrained_without_random_weights", fake)
+    monkeypatch.setattr(loading, "pretrained_without_random_weights", fake)
     with pytest.raises(MixlensError, match="stop here"):
         lens_module.load(tmp_path, gguf_file="m.gguf")
     assert picked == [("AutoModelForCausalLM", "causal-lm", "m.gguf")]

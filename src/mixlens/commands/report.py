@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -24,6 +26,10 @@ from mixlens.commands.options import (
 )
 from mixlens.commands.output import check_writable, method_progress
 from mixlens.errors import MixlensError
+
+if TYPE_CHECKING:  # the commands keep torch (and so the results and the lens) out of module level: start-up speed
+    from mixlens.protocol import LensLike
+    from mixlens.result import Analysis, Attribution
 
 
 class View(str, Enum):
@@ -93,6 +99,44 @@ def _logit_layers(
     typer.echo(f"wrote the per-layer logit figure to {out}", err=True)
 
 
+def analyze_for_view(
+    lens: LensLike, texts: list[str], methods: Sequence[str], *, heads: bool = True, **kwargs: Any
+) -> tuple[Analysis, dict[str, Attribution]]:
+    """Run `methods` on `texts` for a report: their own (head-summed) maps, plus — with `heads` — per-head maps
+    of the methods that have them (a second pass), for the head selector. Keyword args go to `lens.analyze`; a
+    report shows full maps (every target row)."""
+    from mixlens.methods import get
+
+    kwargs.setdefault("targets", "all")
+    res = lens.analyze(texts, methods, **kwargs)
+    with_heads = [m for m in res.attributions if get(m).head_dims]
+    if not (heads and with_heads):
+        return res, {}
+    opts = {k: v for k, v in (kwargs.pop("options", None) or {}).items() if k in with_heads}
+    per_head = lens.analyze(texts, with_heads, heads=True, options=opts, **kwargs)
+    return res, dict(per_head.attributions)
+
+
+@dataclass
+class ModelAnalyzer:
+    """The viewer's `viz.server.Analyzer` over a loaded model: `mixlens serve` runs the model, the viewer only
+    serves pages."""
+
+    lens: LensLike
+    methods: list[str]
+    heads: bool = True
+
+    @property
+    def name(self) -> str:
+        return str(self.lens.name)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.lens.tokenizer(text)["input_ids"])
+
+    def analyze(self, text: str) -> tuple[Analysis, dict[str, Attribution]]:
+        return analyze_for_view(self.lens, [text], self.methods, heads=self.heads)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @runtime_options
@@ -122,7 +166,7 @@ def register(app: typer.Typer) -> None:
         highlighted text for per-token methods."""
         from mixlens import lens as lens_module
         from mixlens.result import atomic_write
-        from mixlens.viz.html import analyze_for_view, render_report
+        from mixlens.viz.html import render_report
 
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
@@ -212,7 +256,13 @@ def register(app: typer.Typer) -> None:
             lens = lens_module.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
             with method_progress(methods, len(text)) as step:
                 res = lens.analyze(
-                    text, methods, heads=head is not None, options=opts, max_length=max_length, on_batch=step
+                    text,
+                    methods,
+                    heads=head is not None,
+                    options=opts,
+                    max_length=max_length,
+                    on_batch=step,
+                    targets="all",  # figures of full maps
                 )
         if view is not View.ratio and len(res.texts) > MAX_PANELS:
             raise MixlensError(
@@ -261,7 +311,8 @@ def register(app: typer.Typer) -> None:
         given = report_files(files or [])
         lens = load(model, gguf_file=gguf_file)
         try:
-            server = make_server(ViewerConfig(lens, methods, heads, max_chars, max_tokens, given), host, port)
+            cfg = ViewerConfig(ModelAnalyzer(lens, methods, heads), max_chars, max_tokens, given)
+            server = make_server(cfg, host, port)
         except OSError as e:
             raise MixlensError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         if host not in ("127.0.0.1", "localhost", "::1"):

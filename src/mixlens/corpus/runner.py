@@ -268,7 +268,7 @@ def run_corpus(
         done = sh.finished_shards(out, job.job_id)
         resumed = len(done)
 
-        from mixlens import __version__
+        from mixlens.version import __version__
 
         def manifest(complete: bool) -> dict:
             infos = [done[k] for k in sorted(done)]

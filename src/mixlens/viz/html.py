@@ -12,7 +12,6 @@ import hashlib
 import html
 import json
 import uuid
-from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -71,22 +70,6 @@ def _flat(a: np.ndarray) -> list[float | str | None]:
 def _lead(a: Attribution) -> tuple[int, ...]:
     """The sizes of the axes before the token axes, read from one input (never the padded `values`)."""
     return tuple(int(s) for s in a.input(0).shape[: len(a.dims) - 2])
-
-
-def analyze_for_view(
-    lens: Any, texts: list[str], methods: Sequence[str], *, heads: bool = True, **kwargs: Any
-) -> tuple[Analysis, dict[str, Attribution]]:
-    """Run `methods` on `texts` for a report: their own (head-summed) maps, plus — with `heads` — per-head maps
-    of the methods that have them (a second pass), for the head selector. Keyword args go to `lens.analyze`."""
-    from mixlens.methods import get
-
-    res = lens.analyze(texts, methods, **kwargs)
-    with_heads = [m for m in res.attributions if get(m).head_dims]
-    if not (heads and with_heads):
-        return res, {}
-    opts = {k: v for k, v in (kwargs.pop("options", None) or {}).items() if k in with_heads}
-    per_head = lens.analyze(texts, with_heads, heads=True, options=opts, **kwargs)
-    return res, dict(per_head.attributions)
 
 
 def build_payload(
