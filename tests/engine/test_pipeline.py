@@ -8,6 +8,7 @@ import pytest
 from mixlens.cli import main
 from mixlens.errors import MixlensError
 from mixlens.lens import DEFAULT_METHODS
+from mixlens.methods.engine import BLOCK_NORMS
 from mixlens.pipeline import plan_batches, run_methods
 from mixlens.result import Attribution
 from tests.conftest import SENTENCES, random_lens
@@ -123,7 +124,7 @@ def test_gradient_only_run_skips_the_norm_engine(tokenizer):
     lens = random_lens("bert", tokenizer, head="AutoModelForSequenceClassification")
     [bt] = lens.batches(SENTENCES[:2], trace=["saliency"])
     step = run_methods(bt.trace, ["saliency"])
-    assert step.norms is None and (bt.trace.memo is None or bt.trace.memo.block_norms is None)
+    assert step.norms is None and (bt.trace.memo is None or bt.trace.memo.get(BLOCK_NORMS) is None)
     assert step.values["saliency"].shape == bt.trace.mask.shape
     res = lens.analyze(SENTENCES[:2], ["saliency"])
     assert res.ratios == {} and res.reconstruction_error is None and res.bias is None

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import mixlens
 import mixlens.methods.norms as norms
 from mixlens.errors import MixlensError
 from mixlens.methods import get as get_method
@@ -123,13 +124,24 @@ def test_cli_targets(capsys, tmp_path):
         assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err
 
 
-def test_cli_default_targets_last_for_long_causal_inputs(capsys, tmp_path, tokenizer, monkeypatch):
-    import mixlens.commands.analyze as cmd
+def test_default_targets_last_for_long_causal_inputs_in_the_api_and_the_cli(capsys, tmp_path, tokenizer, monkeypatch):
+    """The default target rows live in the library (`pipeline.auto_targets`): `Lens.analyze` without `targets` and
+    `mixlens analyze` without `--targets` agree — the last token's rows for a causal LM's long input, else every
+    row — and an encoder keeps full maps whatever the length."""
+    import mixlens.pipeline as pipeline
 
-    random_model("gpt2", tokenizer, head="AutoModelForCausalLM").save_pretrained(tmp_path)
+    model = random_model("gpt2", tokenizer, head="AutoModelForCausalLM")
+    model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    monkeypatch.setattr(cmd, "LONG_CAUSAL", 6)
+    lens = mixlens.Lens(model, tokenizer)
+    monkeypatch.setattr(pipeline, "LONG_CAUSAL", 6)
     for text, rows in (("a b c", None), ("one two three four five six seven", [8])):
         code, out, _ = run_cli(["analyze", text, "--model", str(tmp_path), "--method", "norm", "-f", "json"], capsys)
         assert code == 0
         assert json.loads(out)["inputs"][0]["methods"]["norm"].get("targets") == rows
+        api = lens.analyze([text], ["norm"])
+        assert api["norm"].targets == (None if rows is None else [rows])
+        assert api.to_json()["inputs"][0]["methods"]["norm"] == json.loads(out)["inputs"][0]["methods"]["norm"]
+    assert (
+        random_lens("bert", tokenizer).analyze(["one two three four five six seven"], ["norm"])["norm"].targets is None
+    )

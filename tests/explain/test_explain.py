@@ -229,9 +229,13 @@ def test_cli_model_head_and_its_deprecated_alias(saved, capsys):
     assert rc == 0 and "--model-head" in helptext and "--head" not in helptext  # the old name is hidden
 
 
-def test_lens_explain_and_notebook_view(classifier):
-    ex = classifier.explain(["a charming film"], ["attention"])
+def test_lens_explain_alias_and_notebook_view(classifier):
+    """explain is a function on a lens; `Lens.explain` stays as a deprecated alias giving the same result."""
+    ex = explain(classifier, ["a charming film"], ["attention"])
     assert "mlx-tok" in ex._repr_html_() and ex.to_json()["inputs"][0]["text"] == "a charming film"
+    with pytest.warns(DeprecationWarning, match="use mixlens.explain.explain"):
+        old = classifier.explain(["a charming film"], ["attention"])
+    assert old.to_json() == ex.to_json()
 
 
 def test_token_budget_shrinks_for_large_models(bundled):
@@ -250,8 +254,8 @@ def test_token_budget_shrinks_for_large_models(bundled):
 
 def test_html_legend_names_signed_colours_only_for_signed_scores(bundled):
     """The legend says 'blue: against the target' only when some method gave a negative score (#32 item 9)."""
-    unsigned = bundled.explain(["a fine film"], ["saliency", "attention"]).html()
-    signed = bundled.explain(["a fine film"], ["grad_x_input"]).html()
+    unsigned = explain(bundled, ["a fine film"], ["saliency", "attention"]).html()
+    signed = explain(bundled, ["a fine film"], ["grad_x_input"]).html()
     assert "blue against it" not in unsigned and "deeper red = larger" in unsigned
     assert "blue against it" in signed
 

@@ -17,6 +17,7 @@ import torch
 
 from mixlens.adapters import logit_scale
 from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.explain import explain
 from mixlens.methods import get as get_method
 from tests.conftest import SENTENCES, random_lens, run_cli
 
@@ -143,7 +144,7 @@ def test_target_position(tokenizer):
 
 def test_explain_passes_target_and_foil(tokenizer):
     lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM")
-    e = lens.explain(SENTENCES[:1], METHODS, target=20, foil=30).inputs[0]
+    e = explain(lens, SENTENCES[:1], METHODS, target=20, foil=30).inputs[0]
     rows = head_logits(lens, lens.encode(SENTENCES[:1]))
     for m in METHODS:
         direct = lens.analyze(SENTENCES[:1], [m], options={m: {"target": 20, "foil": 30}})[m]

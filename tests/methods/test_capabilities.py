@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mixlens.errors import MixlensError
+from mixlens.explain import explain
 from mixlens.explain.attributions import default_methods
 from mixlens.methods import REGISTRY
 from mixlens.methods import get as get_method
@@ -75,7 +76,7 @@ def test_explain_defaults_run_on_every_causal_lm(family, tokenizer):
     methods = default_methods("causal", lens.adapter.family)
     assert all(get_method(m).refusal(lens.adapter.family) is None for m in methods)
     assert ("decompx_logit" in methods) == (get_method("decompx_logit").refusal(lens.adapter.family) is None)
-    res = lens.explain(TEXTS[:1], methods)
+    res = explain(lens, TEXTS[:1], methods)
     assert set(res.inputs[0].scores) == set(methods)
     assert all(np.isfinite(v).all() for v in res.inputs[0].scores.values())
 
@@ -83,23 +84,53 @@ def test_explain_defaults_run_on_every_causal_lm(family, tokenizer):
 def test_explain_refuses_a_method_its_family_does_not_support(tokenizer):
     lens = random_lens("gemma3_text", tokenizer, head="AutoModelForCausalLM")
     with pytest.raises(MixlensError, match="'decompx_logit' does not support the gemma family: its vector"):
-        lens.explain(TEXTS[:1], ["decompx_logit"])
+        explain(lens, TEXTS[:1], ["decompx_logit"])
+
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "mixlens"
+NAMING_FREE = ("pipeline.py", "lens.py", "catalog.py", "methods/memo.py", "explain/", "viz/", "commands/", "result/")
+NOT_A_METHOD = {  # (module, string): the same word naming something else
+    ("commands/gradients.py", "saliency"): "the `mixlens saliency` command's name",
+    ("viz/heads.py", "norm"): "a head-statistics view (`stats.heads.VIEWS`), not the method",
+}
+
+
+def _strings(tree: ast.AST) -> list[tuple[ast.Constant, str]]:
+    """Every string constant of a module except docstrings, with the name it is assigned to ('?' if none)."""
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+    ]
+
+
+def _fields(tree: ast.AST) -> list[tuple[ast.AST, str]]:
+    """Attribute reads that are not method calls (`memo.alti`) and class fields (`alti: Tensor | None`)."""
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    out: list[tuple[ast.AST, str]] = [
+        (node, node.attr) for node in ast.walk(tree) if isinstance(node, ast.Attribute) and id(node) not in called
+    ]
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+        out += [(a, a.target.id) for a in cls.body if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)]
+    return out
 
 
 def test_no_method_name_lists_outside_the_registry():
     """No module keeps its own tuple of method names (the lists the registry replaced): a literal tuple or list of
     two or more registered names anywhere in src/mixlens is a second source of truth."""
     names = set(REGISTRY)
-    allowed = {  # choices, not capabilities: a default set, table columns, a first view, a function's kinds
-        ("lens.py", "DEFAULT_METHODS"),
-        ("viz/terminal/analysis.py", "NORM_FAMILY"),
-        ("viz/html.py", "START_METHODS"),
-        ("methods/saliency.py", "KINDS"),
-    }
-    root = Path(__file__).resolve().parents[2] / "src" / "mixlens"
+    allowed = {("methods/saliency.py", "KINDS")}  # a function's own kinds
     found = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root).as_posix()
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if not isinstance(node, ast.Assign) or not isinstance(node.value, (ast.Tuple, ast.List, ast.Set)):
@@ -109,6 +140,25 @@ def test_no_method_name_lists_outside_the_registry():
             if sum(s in names for s in strings) >= 2 and (rel, target) not in allowed and target != "__all__":
                 found.append(f"{rel}: {target}")
     assert not found, f"method name lists outside the registry: {found}"
+
+
+def test_the_engine_explain_views_and_commands_name_no_method():
+    """A method declares everything about itself in its registration (its layer sink, cache keys, explain form,
+    display defaults and group): the pipeline, the memo, explain, the results, the views and the commands iterate
+    over the registry (or its catalog) and hold no registered method's name — not in a list, a dict key, a set, a
+    comparison, a default argument or a cache field (`memo.alti`). Catches every one of the hand-kept names the
+    declarations replaced."""
+    names = set(REGISTRY)
+    found = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if not rel.startswith(NAMING_FREE):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node, text in [*_strings(tree), *_fields(tree)]:
+            if text in names and (rel, text) not in NOT_A_METHOD:
+                found.append(f"{rel}:{getattr(node, 'lineno', '?')}: {text!r}")
+    assert not found, f"method names outside their declarations: {found}"
 
 
 def test_shipped_catalog_is_the_registry():
@@ -169,16 +219,17 @@ def test_a_gguf_decoder_loads_as_a_causal_lm(tmp_path, monkeypatch):
     import transformers as T
 
     from mixlens import lens as lens_module
+    from mixlens import loading
 
     picked = []
-    monkeypatch.setattr(lens_module, "resolve_source", lambda model, gguf_file=None: (str(tmp_path), True))
+    monkeypatch.setattr(loading, "resolve_source", lambda model, gguf_file=None: (str(tmp_path), True))
     monkeypatch.setattr(T.AutoConfig, "from_pretrained", lambda *a, **k: T.LlamaConfig(architectures=None))
 
     def fake(cls, src, head, allow, **kw):
         picked.append((cls.__name__, head, kw.get("gguf_file")))
         raise MixlensError("stop here")
 
-    monkeypatch.setattr(lens_module, "_pretrained_without_random_weights", fake)
+    monkeypatch.setattr(loading, "pretrained_without_random_weights", fake)
     with pytest.raises(MixlensError, match="stop here"):
         lens_module.load(tmp_path, gguf_file="m.gguf")
     assert picked == [("AutoModelForCausalLM", "causal-lm", "m.gguf")]

@@ -3,6 +3,7 @@ trace memo, and the documented "how to add a method" example."""
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
 from pathlib import Path
@@ -12,11 +13,18 @@ import pytest
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.explain import explain
+from mixlens.lens import Lens
 from mixlens.methods import REGISTRY, MethodOutput, Option, get, register
+from mixlens.methods.attention import ALPHA_MEAN
+from mixlens.methods.engine import BLOCK_NORMS
 from mixlens.methods.memo import Memo, memo_of
 from mixlens.methods.registry import check_options, parse_option
 from mixlens.methods.saliency import output_attribution
-from tests.conftest import SENTENCES, random_lens, run_cli
+from mixlens.pipeline import run_methods, streams
+from mixlens.viz.html import render_report
+from mixlens.viz.terminal.analysis import print_results
+from tests.conftest import SENTENCES, random_lens, random_model, run_cli
 
 ENGINE = Path(__file__).parents[2] / "docs" / "ENGINE.md"
 
@@ -145,32 +153,77 @@ def test_integrated_gradients_delta_is_an_extra(tokenizer):
 
 
 def test_memo_lives_with_the_methods(tokenizer):
-    """The trace holds an opaque slot; the methods' typed Memo is made on first use (the trace knows no method)."""
+    """The trace holds an opaque slot; the methods' keyed Memo is made on first use, and neither the trace nor the
+    memo knows a method: each method module owns the keys of what it caches."""
     lens = random_lens("bert", tokenizer)
     tr = lens.trace(SENTENCES[:2])
-    assert tr.memo is None and isinstance(memo_of(tr), Memo) and memo_of(tr).block_norms is None
+    assert tr.memo is None and isinstance(memo_of(tr), Memo) and memo_of(tr).get(BLOCK_NORMS) is None
     out = get("norm").run(tr)
     assert isinstance(out, MethodOutput) and out.extras == {}
-    assert tr.memo.block_norms is not None and tr.memo.alpha_mean is not None
-    torch.testing.assert_close(get("attention")(tr), tr.memo.alpha_mean)
+    assert tr.memo.get(BLOCK_NORMS) is not None and tr.memo.get(ALPHA_MEAN) is not None
+    torch.testing.assert_close(get("attention")(tr), tr.memo.get(ALPHA_MEAN))
+    import mixlens.methods.memo
     import mixlens.trace
 
     assert "Memo" not in vars(mixlens.trace) and "from mixlens.methods" not in open(mixlens.trace.__file__).read()
+    memo_source = open(mixlens.methods.memo.__file__).read()
+    assert not [m for m in REGISTRY if f'"{m}"' in memo_source or f"methods.{m} " in memo_source]
 
 
-def test_engine_doc_example_adds_a_method(tokenizer, capsys):
+def test_engine_doc_example_adds_a_method(tokenizer, capsys, tmp_path):
+    """The "How to add a method" example of docs/ENGINE.md, run as written: a streaming method registered from
+    here alone (no other source file knows it) runs through analyze (full maps; target rows on an ordinary trace;
+    a streamed trace in row mode, where the trace never holds α and the method reads what its own sink kept),
+    explain, the HTML report, the terminal tables and the CLI, equal to max_h α^h computed from the model's own
+    attention weights."""
     block = re.search(r"```python\n(.*?)\s*```", ENGINE.read_text().split("How to add a method", 1)[1], re.S)
     assert block is not None
+    model = random_model("gpt2", tokenizer, head="AutoModelForCausalLM")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    lens = Lens(model, tokenizer, name="gpt2")
+    texts = SENTENCES[:3]
+    enc = lens.encode(texts)
+    with torch.no_grad():
+        alphas = lens.model(**enc.inputs, output_attentions=True).attentions  # the model's own α, per layer
+    lengths = enc.inputs["attention_mask"].sum(1).tolist()
+    want = [torch.stack([a[b].amax(0) for a in alphas])[:, :n, :n] for b, n in enumerate(lengths)]  # [L, n, n]
     try:
         exec(compile(textwrap.dedent(block.group(1)), str(ENGINE), "exec"), {})
-        lens = random_lens("bert", tokenizer)
-        res = lens.analyze(
-            SENTENCES[:3], ["attention", "attention_power"], batch_size=2, options={"attention_power": {"power": 1.0}}
+        res = lens.analyze(texts, ["attention_peak"], batch_size=2, options={"attention_peak": {"power": 2.0}})
+        for b in range(3):
+            np.testing.assert_allclose(res["attention_peak"].input(b), want[b].pow(2).numpy(), atol=1e-6)
+            row_sum = res["attention_peak"].extra_store["row_sum"].row(b)
+            np.testing.assert_allclose(row_sum, want[b].pow(2).sum(-1).numpy(), rtol=1e-5)
+        # target rows: streamed (the sink's rows; α gone), and on an ordinary trace (no sink)
+        assert streams(["attention_peak"], "last")
+        (batch,) = lens.batches(texts, 3, trace=["attention_peak"], targets="last")
+        assert batch.trace is not None and batch.trace.layers[0].alpha.numel() == 0
+        assert len(memo_of(batch.trace).layer_rows["attention_peak"]) == lens.adapter.n_layers
+        streamed = lens.analyze(texts, ["attention_peak"], targets="last")
+        plain = run_methods(lens.trace(enc), ["attention_peak"], targets="last").values["attention_peak"]
+        for b, n in enumerate(lengths):
+            assert streamed["attention_peak"].targets[b] == [n - 1]
+            np.testing.assert_allclose(streamed["attention_peak"].input(b)[:, 0], want[b][:, n - 1], atol=1e-6)
+            np.testing.assert_allclose(plain[b, :, 0, :n], want[b][:, n - 1], atol=1e-6)
+        # explain: the last layer's row at the explained position (a causal LM's last token)
+        exp = explain(lens, texts, ["attention_peak"])
+        for b, n in enumerate(lengths):
+            np.testing.assert_allclose(exp.inputs[b].scores["attention_peak"], want[b][-1, n - 1], atol=1e-6)
+        # views
+        assert '"attention_peak"' in render_report(res)
+        print_results(res, ["attention_peak"])
+        assert "attention_peak: top 3 sources" in capsys.readouterr().out
+        # the command line: the method, its options and --targets, with no command knowing it
+        code, out, _ = run_cli(
+            ["analyze", "the cat sat", "--model", str(tmp_path), "--method", "attention_peak", "--targets", "last"]
+            + ["--option", "attention_peak.power=3", "-f", "json"],
+            capsys,
         )
-        for b in range(3):  # power 1: the head-mean attention itself (rows already sum to 1)
-            np.testing.assert_allclose(res["attention_power"].input(b), res["attention"].input(b), atol=1e-6)
-            np.testing.assert_allclose(res["attention_power"].extra_store["row_sum"].row(b), 1.0, atol=1e-5)
-        with pytest.raises(MixlensError, match=r"attention_power\.power must be a number ≥ 0, got -1"):
-            parse_option("attention_power", "power", "-1")
+        assert code == 0, out
+        methods = json.loads(out)["inputs"][0]["methods"]
+        assert methods["attention_peak"]["targets"] == [len(tokenizer("the cat sat")["input_ids"]) - 1]
+        with pytest.raises(MixlensError, match=r"attention_peak\.power must be a number ≥ 1, got 0"):
+            parse_option("attention_peak", "power", "0")
     finally:
-        REGISTRY.pop("attention_power", None)
+        REGISTRY.pop("attention_peak", None)

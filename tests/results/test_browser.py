@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mixlens.commands.report import ModelAnalyzer, analyze_for_view
 from mixlens.viz import html as vh
 from mixlens.viz.server import ViewerConfig, make_server
 
@@ -55,7 +56,7 @@ def drv():
 
 @pytest.fixture(scope="module")
 def views(bundled):
-    return vh.analyze_for_view(bundled, TEXTS, ["attention", "norm", "norm_resln"])
+    return analyze_for_view(bundled, TEXTS, ["attention", "norm", "norm_resln"])
 
 
 def errors(d) -> list[str]:
@@ -181,7 +182,7 @@ def test_notebook_outputs_do_not_clash(drv, views, tmp_path):
 
 
 def test_viewer_analyses_typed_text(drv, bundled):
-    cfg = ViewerConfig(bundled, ["attention", "norm_resln"], heads=True, max_chars=300, max_tokens=20)
+    cfg = ViewerConfig(ModelAnalyzer(bundled, ["attention", "norm_resln"], heads=True), max_chars=300, max_tokens=20)
     srv = make_server(cfg, "127.0.0.1", 0)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()

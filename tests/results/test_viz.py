@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mixlens.cli import main
+from mixlens.commands.report import analyze_for_view
 from mixlens.errors import MixlensError
 from mixlens.methods.norms import RATIO_VARIANTS
 from mixlens.result import Analysis, Attribution
@@ -24,7 +25,7 @@ TEXTS = ["The keys to the cabinet are on the table.", "Short one."]
 @pytest.fixture(scope="module")
 def views(bundled):
     """(head-summed analysis, per-head maps) of the bundled model."""
-    return vh.analyze_for_view(bundled, TEXTS, ["attention", "norm", "norm_resln"])
+    return analyze_for_view(bundled, TEXTS, ["attention", "norm", "norm_resln"])
 
 
 class Scripts(HTMLParser):

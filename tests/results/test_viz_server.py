@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mixlens.commands.report import ModelAnalyzer
 from mixlens.viz.server import ViewerConfig, make_server, report_files
 
 
@@ -25,9 +26,7 @@ def viewer(bundled, tmp_path_factory):
     (d / "given.html").write_text("<!doctype html><p>given report</p>")
     (d / "secret.html").write_text("<p>SECRET</p>")
     cfg = ViewerConfig(
-        bundled,
-        ["attention", "norm_resln"],
-        heads=True,
+        ModelAnalyzer(bundled, ["attention", "norm_resln"], heads=True),
         max_chars=200,
         max_tokens=24,
         files=report_files([d / "given.html"]),
@@ -210,8 +209,7 @@ def probe(tmp_path):
     """A viewer with a 1 s request deadline and 4 connection slots; yields (port, server)."""
     (tmp_path / "big.html").write_bytes(b"<p>" + b"x" * 4_000_000)
     cfg = ViewerConfig(
-        SimpleNamespace(name="probe"),
-        ["attention"],
+        SimpleNamespace(name="probe", methods=["attention"]),
         files=report_files([tmp_path / "big.html"]),
         read_timeout=1.0,
         max_connections=4,

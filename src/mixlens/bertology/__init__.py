@@ -1,5 +1,5 @@
 """BERTology studies: head statistics beyond the engine, head/layer disabling sweeps."""
 
-from mixlens import submodule_getattr
+from mixlens.lazy import submodule_getattr
 
 __getattr__ = submodule_getattr(__name__)  # `mixlens.bertology.<module>` imports on first use

@@ -96,9 +96,8 @@ def analyze(
         raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
     precheck_model(model, model_head, methods, text, max_length, gguf_file)
     lens = load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
-    if rows is None:
-        long = max(len(t) for t in lens.encode(text, max_length=max_length, truncate=not no_truncate).tokens)
-        rows = "last" if lens.adapter.family.causal and long > LONG_CAUSAL else "all"
+    if rows is None:  # the library's default (`Lens.auto_targets`), so the Python API and the CLI agree
+        rows = lens.auto_targets(text, max_length=max_length, truncate=not no_truncate)
         if fmt is Format.html and rows != "all":
             raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
     long_one = len(text) == 1 and rows != "all" and lens.adapter.family.causal  # one long input: a bar of layers
@@ -130,9 +129,6 @@ def analyze(
     atomic_write(dest, payload.encode())
     written = "; ".join(f"{m} ({describe(res[m])})" for m in methods)
     typer.echo(f"wrote {written} for {len(text)} input(s) to {dest}", err=True)
-
-
-LONG_CAUSAL = 512  # tokens above which a causal LM's default --targets is `last`
 
 
 def parse_targets(given: str | None) -> str | list[int] | None:

@@ -215,9 +215,8 @@ def _evaluate_data(
         skipped.append(f"{where} ({kind})")
         typer.echo(f"warning: {data}: {where}; record skipped", err=True)
 
-    rows = iter_examples(data, text_column=text_column, on_skip=dropped)
-    rows = itertools.islice(rows, skip, skip + limit if limit else None)
-    inputs = [ex.text for ex in rows]
+    examples = iter_examples(data, text_column=text_column, on_skip=dropped)
+    inputs = [ex.text for ex in itertools.islice(examples, skip, skip + limit if limit else None)]
     texts = [t for t in inputs if isinstance(t, str)]
     if len(texts) < len(inputs):
         raise MixlensError("evaluate takes single texts, not sentence pairs")

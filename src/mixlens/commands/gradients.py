@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 
 import typer
 
+from mixlens import catalog
 from mixlens.commands.options import (
     allow_random_head_option,
     batch_size_option,
@@ -95,7 +95,9 @@ def register(app: typer.Typer) -> None:
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
         allow_random_head: bool = allow_random_head_option(),
-        kind: str = typer.Option("saliency", "--kind", help="saliency, grad_x_input or integrated_gradients."),
+        kind: str = typer.Option(
+            catalog.defaults("saliency")[0], "--kind", help="saliency, grad_x_input or integrated_gradients."
+        ),
         target: str = typer.Option(
             "pred", "--target", help="'pred' (predicted class/token) or a class index / token id."
         ),
@@ -117,7 +119,7 @@ def register(app: typer.Typer) -> None:
             model, gguf_file=gguf_file, head=pick_model_head(model_head, head), allow_random_head=allow_random_head
         )
         enc = lens.encode(text)
-        with progress(None, kind) if kind == "integrated_gradients" else nullcontext():
+        with progress(None, kind):
             res = output_attribution(
                 lens.trace(enc),
                 kind,

@@ -310,12 +310,11 @@ def parse_options(items: Sequence[str] | None) -> dict[str, dict[str, object]]:
 
 
 def check_methods(given: Sequence[str] | None) -> list[str]:
-    """The requested method names (default: `mixlens.lens.DEFAULT_METHODS`); unknown names fail before any model
-    loads."""
-    from mixlens.lens import DEFAULT_METHODS
-    from mixlens.methods import get
+    """The requested method names (default: the methods the registry declares a default of `analyze`); unknown
+    names fail before any model loads."""
+    from mixlens.methods import get, registry
 
-    methods = list(given) if given else list(DEFAULT_METHODS)
+    methods = list(given) if given else registry.defaults("analyze")
     for m in methods:
         get(m)
     return methods

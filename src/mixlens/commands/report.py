@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
+from mixlens import catalog
 from mixlens.commands.options import (
     allow_random_head_option,
     check_methods,
@@ -25,6 +28,10 @@ from mixlens.commands.options import (
 from mixlens.commands.output import check_writable, method_progress
 from mixlens.errors import MixlensError
 
+if TYPE_CHECKING:  # the commands keep torch (and so the results and the lens) out of module level: start-up speed
+    from mixlens.protocol import LensLike
+    from mixlens.result import Analysis, Attribution
+
 
 class View(str, Enum):
     heatmap = "heatmap"
@@ -35,7 +42,7 @@ class View(str, Enum):
 
 
 MAX_PANELS = 4
-PLOT_METHOD = "norm_resln"  # plot's default --method (heatmap, bipartite)
+PLOT_METHOD = catalog.defaults("plot")[0]  # plot's default --method (heatmap, bipartite), from the registry
 
 
 def from_option() -> Any:
@@ -95,7 +102,8 @@ def _logit_layers(
 
         if not text:
             raise MixlensError("give one or more texts, or --from FILE")
-        res = explain(load(model, gguf_file=gguf_file, head=model_head or "causal-lm"), text, [chosen or "alti_logit"])
+        lens = load(model, gguf_file=gguf_file, head=model_head or "causal-lm")
+        res = explain(lens, text, [chosen or catalog.defaults("logit-layers")[0]])
     if len(res.texts) > MAX_PANELS:
         raise MixlensError(f"{len(res.texts)} inputs: a logit-layers figure holds at most {MAX_PANELS} panels")
     static.save_figure(logit_layers_figure(res, list(range(len(res.texts))), chosen), out)
@@ -144,6 +152,44 @@ def with_request(
     return out, label
 
 
+def analyze_for_view(
+    lens: LensLike, texts: list[str], methods: Sequence[str], *, heads: bool = True, **kwargs: Any
+) -> tuple[Analysis, dict[str, Attribution]]:
+    """Run `methods` on `texts` for a report: their own (head-summed) maps, plus — with `heads` — per-head maps
+    of the methods that have them (a second pass), for the head selector. Keyword args go to `lens.analyze`; a
+    report shows full maps (every target row)."""
+    from mixlens.methods import get
+
+    kwargs.setdefault("targets", "all")
+    res = lens.analyze(texts, methods, **kwargs)
+    with_heads = [m for m in res.attributions if get(m).head_dims]
+    if not (heads and with_heads):
+        return res, {}
+    opts = {k: v for k, v in (kwargs.pop("options", None) or {}).items() if k in with_heads}
+    per_head = lens.analyze(texts, with_heads, heads=True, options=opts, **kwargs)
+    return res, dict(per_head.attributions)
+
+
+@dataclass
+class ModelAnalyzer:
+    """The viewer's `viz.server.Analyzer` over a loaded model: `mixlens serve` runs the model, the viewer only
+    serves pages."""
+
+    lens: LensLike
+    methods: list[str]
+    heads: bool = True
+
+    @property
+    def name(self) -> str:
+        return str(self.lens.name)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.lens.tokenizer(text)["input_ids"])
+
+    def analyze(self, text: str) -> tuple[Analysis, dict[str, Attribution]]:
+        return analyze_for_view(self.lens, [text], self.methods, heads=self.heads)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @runtime_options
@@ -184,7 +230,7 @@ def register(app: typer.Typer) -> None:
         highlighted text for per-token methods (the report says what their scores explain)."""
         from mixlens import lens as lens_module
         from mixlens.result import atomic_write
-        from mixlens.viz.html import analyze_for_view, render_report
+        from mixlens.viz.html import render_report
 
         if out.suffix.lower() not in (".html", ".htm"):
             raise MixlensError(f"--out must end in .html, not '{out.name}'")
@@ -259,7 +305,7 @@ def register(app: typer.Typer) -> None:
             _logit_layers(text, out, model, gguf_file, method, model_head, from_file)
             return
         if view is View.routes:
-            method = "flow_routes"  # the routes figure draws the graph of flow_routes
+            method = catalog.defaults("routes")[0]  # the routes figure draws this method's graph
         suffix = out.suffix.lower().lstrip(".")
         if suffix not in static.FORMATS:
             raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
@@ -269,7 +315,7 @@ def register(app: typer.Typer) -> None:
         vector = spec.dims[-1] == "source" and spec.dims[-2:] != ("target", "source")
         if head is not None and view is not View.ratio and not spec.head_dims:
             raise MixlensError(f"'{method}' has no per-head values; drop --attention-head")
-        methods = ["norm"] if view is View.ratio else [method]
+        methods = catalog.defaults("ratio")[:1] if view is View.ratio else [method]
         if from_file is not None:
             res = read_saved(from_file, text, None)
             if view is View.ratio and not res.ratio_store:
@@ -286,7 +332,13 @@ def register(app: typer.Typer) -> None:
             lens = lens_module.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
             with method_progress(methods, len(text)) as step:
                 res = lens.analyze(
-                    text, methods, heads=head is not None, options=opts, max_length=max_length, on_batch=step
+                    text,
+                    methods,
+                    heads=head is not None,
+                    options=opts,
+                    max_length=max_length,
+                    on_batch=step,
+                    targets="all",  # figures of full maps
                 )
         if view is not View.ratio and len(res.texts) > MAX_PANELS:
             raise MixlensError(
@@ -335,7 +387,8 @@ def register(app: typer.Typer) -> None:
         given = report_files(files or [])
         lens = load(model, gguf_file=gguf_file)
         try:
-            server = make_server(ViewerConfig(lens, methods, heads, max_chars, max_tokens, given), host, port)
+            cfg = ViewerConfig(ModelAnalyzer(lens, methods, heads), max_chars, max_tokens, given)
+            server = make_server(cfg, host, port)
         except OSError as e:
             raise MixlensError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         if host not in ("127.0.0.1", "localhost", "::1"):

@@ -167,7 +167,7 @@ def build_manifest(
 ) -> dict:
     """The manifest of a run: job identity, parameters, the finished shards (`done`: shard id → info) and counts
     (`skipped`: undecodable / malformed / empty records)."""
-    from mixlens import __version__
+    from mixlens.version import __version__
 
     infos = [done[k] for k in sorted(done)]
     return {

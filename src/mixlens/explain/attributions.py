@@ -3,7 +3,8 @@
 Every method comes from the registry (`Method.explains`, `Method.reads(kind)`):
 
 - methods with axes ('source',) take the target as their options `target` / `foil` (the gradient family, captum's
-  perturbation methods, `decompx_logit`); explain reads the signed form where a method has one (`SIGNED`);
+  perturbation methods, `decompx_logit`); explain runs each with the options it declares for explain
+  (`Method.explain_options`: the signed form where a method has one);
 - `decompx_classes` ('class', 'source'): the target class row, minus the foil row for a contrast;
 - maps [layer, target, source]: the target row of their last layer — [CLS] for classifier encoders, the mean of
   the rows for mean-pooled encoders, the target position of language models.
@@ -27,8 +28,8 @@ from mixlens.trace import Trace
 
 Request = int | str | tuple[int, ...]  # 'pred', a class / token id, or (Python) one id per input of the batch
 Foil = int | tuple[int, ...] | None
-REFERENCE = "grad_x_input_l2"  # ‖∂g/∂e_j ⊙ e_j‖₂, the agreement reference of the GlobEnc paper
-SIGNED = {"grad_x_input": {"reduction": "sum"}, "integrated_gradients": {"reduction": "sum"}}  # explain's options
+REFERENCE_METHOD, _REFERENCE = registry.reference()  # the method that declares the agreement reference
+REFERENCE = _REFERENCE.label  # its label among the scores (grad_x_input_l2: ‖∂g/∂e_j ⊙ e_j‖₂)
 
 
 def applicable(kind: str) -> list[str]:
@@ -77,7 +78,7 @@ def _options(name: str, target: Request, foil: Foil, seed: int) -> dict[str, obj
         opts["foil"] = foil
     if "seed" in keys:
         opts["seed"] = seed
-    return {**opts, **SIGNED.get(name, {})}
+    return {**opts, **spec.explain_options}
 
 
 def attribute(
@@ -120,10 +121,11 @@ def attribute(
         if on_method:
             on_method(name)
     if reference:
-        opts: dict[str, dict[str, object]] = {"grad_x_input": {"target": target, "reduction": "l2"}}
+        ref: dict[str, object] = {"target": target, **_REFERENCE.options}
         if foil is not None:
-            opts["grad_x_input"]["foil"] = foil
-        out[REFERENCE] = run_methods(trace, ["grad_x_input"], options=opts).values["grad_x_input"].cpu() * fmask
+            ref["foil"] = foil
+        step = run_methods(trace, [REFERENCE_METHOD], options={REFERENCE_METHOD: ref})
+        out[REFERENCE] = step.values[REFERENCE_METHOD].cpu() * fmask
         if on_method:
             on_method(REFERENCE)
     return out

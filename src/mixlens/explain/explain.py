@@ -11,6 +11,7 @@ import torch
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
 from mixlens.methods import get as get_method
+from mixlens.protocol import LensLike
 from mixlens.result import TOKEN_AXES, Attribution, Explained, Explanation, InputRows
 from mixlens.targets import (
     KIND_NAMES,
@@ -27,7 +28,7 @@ from mixlens.targets import (
 
 
 def explain(
-    lens,
+    lens: LensLike,
     texts: str | Sequence[str],
     methods: Sequence[str] | None = None,
     *,
@@ -43,7 +44,7 @@ def explain(
     N tokens greedily, explaining each by its context. Inputs run in `lens.batches`; each batch's prediction is
     read from its traced forward pass. `progress(n)` is called with the inputs done (in units of inputs, fractions
     as each method and generated token of a batch finishes; they add up to `len(texts)`)."""
-    from mixlens import __version__
+    from mixlens.version import __version__
 
     texts = [texts] if isinstance(texts, str) else list(texts)
     if not texts or any(not isinstance(t, str) or not t.strip() for t in texts):
@@ -201,14 +202,18 @@ def explained_kind(model) -> str:
     return kind
 
 
-def request_of(lens, kind: str, target: str | int | None, foil: str | int | None) -> tuple[int | str, int | None]:
+def request_of(
+    lens: LensLike, kind: str, target: str | int | None, foil: str | int | None
+) -> tuple[int | str, int | None]:
     """(target, foil) as the methods' options take them: 'pred' or a class / token id, and None or an id."""
     t: int | str = "pred" if target is None else resolve_index(kind, lens.model.config, lens.tokenizer, target)
     f = None if foil is None else resolve_index(kind, lens.model.config, lens.tokenizer, foil)
     return t, f
 
 
-def read_targets(lens, trace, target: attr.Request, foil: attr.Foil) -> tuple[list[Target], Readout, torch.Tensor]:
+def read_targets(
+    lens: LensLike, trace, target: attr.Request, foil: attr.Foil
+) -> tuple[list[Target], Readout, torch.Tensor]:
     """The targets of a traced batch, read from its forward pass: (targets, readout, f(x) [B], or the contrast g(x)
     when a foil is given)."""
     out = trace_output(trace)

@@ -20,8 +20,8 @@ from mixlens.adapters import Layer
 from mixlens.methods import norms
 from mixlens.methods.attention import targets_of
 from mixlens.methods.engine import head_vectors, njit, parallel
-from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import register, vector_block
+from mixlens.methods.memo import StreamLayer, gathered, memo_of
+from mixlens.methods.registry import Stream, register, vector_block
 from mixlens.methods.rollout import (
     kept_matrices,
     pair_mask,
@@ -343,32 +343,59 @@ def _trace_layer(trace: Trace, m: int) -> Callable[[torch.Tensor | None], torch.
     return layer_fn(trace.layers[m], trace.adapter.layers[m], fam.pre_ln, trace.mask, fam.causal)
 
 
+ALTI = "alti"  # memo key of the per-layer matrices, and the key of what the layer sink keeps
+
+
 def alti_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer ALTI contributions, rows normalised: [B, L, n, n], or their target rows [B, L, K, n] in target-row
     mode (cached on the trace)."""
     memo = memo_of(trace)
-    if memo.alti is None:
+
+    def make() -> torch.Tensor:
         targets = targets_of(trace)
-        kept, mats = memo.layer_rows.get("alti"), kept_matrices(trace, "alti")
+        kept, mats = memo.layer_rows.get(ALTI), kept_matrices(trace, ALTI)
         if kept is not None:  # streamed
-            memo.alti = torch.stack(kept, dim=1)
-        elif mats is not None and targets is not None:
-            memo.alti = torch.stack([mats(m)(targets) for m in range(len(trace.layers))], dim=1)
-        else:
-            memo.alti = torch.stack([_trace_layer(trace, m)(targets) for m in range(len(trace.layers))], dim=1)
-    return memo.alti
+            return torch.stack(kept, dim=1)
+        if mats is not None and targets is not None:
+            return torch.stack([mats(m)(targets) for m in range(len(trace.layers))], dim=1)
+        return torch.stack([_trace_layer(trace, m)(targets) for m in range(len(trace.layers))], dim=1)
+
+    return memo.cached(ALTI, make)
 
 
-@register("alti", supports=vector_block, target_rows=True)
+def stream_layer(s: StreamLayer, whole: bool) -> None:
+    """The layer sink of a streamed trace (`registry.Stream`): this layer's target rows, or for a rollout (`whole`)
+    a factory of any rows — the whole matrix, or in row mode what builds its rows later (no x is kept: its one use,
+    the self pairs, is computed now)."""
+    lay, mask, pre_ln, causal = s.layer, s.mask, s.family.pre_ln, s.family.causal
+    if whole and s.row_mode:
+        small = s.lt.for_rows(alti=True)
+        diag = self_contributions(s.lt, lay, pre_ln)
+        s.keep_fn(ALTI, lambda: layer_fn(small, lay, pre_ln, mask, causal, diag))
+        return
+    fn = layer_fn(s.lt, lay, pre_ln, mask, causal)
+    if whole:
+        s.keep_fn(ALTI, gathered(fn(None)))
+    else:
+        s.keep(ALTI, fn(s.rows))
+
+
+@register("alti", supports=vector_block, target_rows=True, stream=Stream(ALTI, stream_layer), default_in={"html": 4})
 def alti(trace: Trace) -> torch.Tensor:
     """ALTI per layer (Ferrando 2022): max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁), rows normalised."""
     return alti_matrices(trace)
 
 
-@register("alti_rollout", supports=vector_block, target_rows=True, explains=True)
+@register(
+    "alti_rollout",
+    supports=vector_block,
+    target_rows=True,
+    explains=True,
+    stream=Stream(ALTI, stream_layer, whole=True),
+)
 def alti_rollout(trace: Trace) -> torch.Tensor:
     """ALTI global attribution: rollout of the per-layer ALTI matrices over layers 1..l."""
     targets = targets_of(trace)
     if targets is not None:
-        return rollout_rows(trace, kept_matrices(trace, "alti") or (lambda m: _trace_layer(trace, m)), targets)
+        return rollout_rows(trace, kept_matrices(trace, ALTI) or (lambda m: _trace_layer(trace, m)), targets)
     return rollout(alti_matrices(trace))

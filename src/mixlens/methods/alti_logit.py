@@ -36,7 +36,7 @@ import torch
 
 from mixlens.adapters import Family, Layer, Norm, final_norm, final_proj, linear_xw, logit_scale
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.methods.alti import layer_fn
+from mixlens.methods.alti import ALTI, layer_fn
 from mixlens.methods.engine import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, MethodOutput, register
@@ -190,7 +190,7 @@ def _alti_layers(trace: Trace) -> Callable[[int], torch.Tensor]:
     norm, those of the attention output α / s^post). Each layer's attention output is first rebuilt from α and the
     value vectors and checked against the real one."""
     fam, mask = trace.adapter.family, trace.mask
-    cached = memo_of(trace).alti if memo_of(trace).targets is None else None
+    cached = memo_of(trace).get(ALTI) if memo_of(trace).rows is None else None
     dtype = run_dtype(trace.model)
     limit = ATTN_TOLERANCE if dtype == torch.float32 else ATTN_TOLERANCES.get(dtype, ATTN_TOLERANCES[torch.float16])
 
@@ -277,6 +277,7 @@ def logit_attn(
 
 @register(
     "alti_logit",
+    default_in={"logit-layers": 0},
     dims=("source",),
     options=TARGET_OPTIONS,
     extras=EXTRAS,

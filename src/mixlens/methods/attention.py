@@ -8,10 +8,12 @@ from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import Trace
 
+ALPHA_MEAN = "alpha_mean"  # memo key: the head-mean α [B, L, n, n] (also a by-product of the norm engine)
+
 
 def targets_of(trace: Trace) -> torch.Tensor | None:
     """The target positions [batch, K] that methods compute rows for (`run_methods(targets=...)`); None: all rows."""
-    return memo_of(trace).targets
+    return memo_of(trace).rows
 
 
 def alpha_rows(alpha: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -40,15 +42,16 @@ def stacked_alpha(trace: Trace) -> torch.Tensor:
     return a * trace.mask[:, None, None, :, None]
 
 
-@register("attention", head_dims=LHTS, target_rows=True, explains=True)
+@register("attention", head_dims=LHTS, target_rows=True, explains=True, default_in={"analyze": 0}, group="mixing-ratio")
 def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """Attention weights α (head mean unless heads=True)."""
     if heads:
         return stacked_alpha(trace)
     memo = memo_of(trace)
-    if memo.alpha_mean is None:  # block_norms leaves it here as a by-product of its pass over α
+    kept: torch.Tensor | None = memo.get(ALPHA_MEAN)  # block_norms leaves it as a by-product of its pass over α
+    if kept is None:
         if targets_of(trace) is not None:
             return stacked_alpha(trace).mean(2)
         pair = trace.mask[:, :, None] & trace.mask[:, None, :]
-        memo.alpha_mean = torch.stack([lt.alpha.float().mean(1) * pair for lt in trace.layers], dim=1)
-    return memo.alpha_mean
+        kept = memo.put(ALPHA_MEAN, torch.stack([lt.alpha.float().mean(1) * pair for lt in trace.layers], dim=1))
+    return kept

@@ -252,7 +252,8 @@ def final_parts(trace: Trace, b: int, pos: int, value_bias: ValueBias = "values"
 
 def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[DecompXInput]:
     """DecompX of every input of the trace (cached); raises ReconstructionError past the tolerance."""
-    if value_bias not in memo_of(trace).decompx:
+
+    def make() -> list[DecompXInput]:
         out = [decompose(trace, b, value_bias) for b in range(trace.mask.shape[0])]
         from mixlens.methods.engine import tolerance
 
@@ -263,8 +264,9 @@ def decompositions(trace: Trace, value_bias: ValueBias = "values") -> list[Decom
                     f"input {b + 1}: DecompX class scores differ from the logits by "
                     f"{dec.error:.3g} (relative; tolerance {limit})"
                 )
-        memo_of(trace).decompx[value_bias] = out
-    return memo_of(trace).decompx[value_bias]
+        return out
+
+    return memo_of(trace).cached(("decompx", value_bias), make)
 
 
 VALUE_BIAS_OPTION = Option(

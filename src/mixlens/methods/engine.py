@@ -20,6 +20,8 @@ from mixlens.methods._compiled import parallel
 from mixlens.methods._numba import njit
 from mixlens.methods.norms import (
     ATTN_TOLERANCES,
+    BLOCK_NORMS,
+    NORM_RUN,
     RATIO_VARIANTS,
     TOLERANCE,
     TOLERANCES,
@@ -38,6 +40,8 @@ from mixlens.methods.norms import (
 
 __all__ = [
     "ATTN_TOLERANCES",
+    "BLOCK_NORMS",
+    "NORM_RUN",
     "BACKENDS",
     "RATIO_VARIANTS",
     "TOLERANCE",

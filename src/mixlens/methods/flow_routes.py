@@ -387,6 +387,7 @@ def routes(
 
 @register(
     "flow_routes",
+    default_in={"routes": 0},
     head_dims=LHTS,
     needs_ffn="update",
     options=OPTIONS,

@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import torch
 
-from mixlens.adapters import Layer
+from mixlens.adapters import Family, Layer
 from mixlens.errors import ReconstructionError
 from mixlens.methods.alti import projected_head_vectors
 from mixlens.methods.attention import alpha_rows, targets_of
 from mixlens.methods.engine import attn_sum, block_norms, head_vectors, pair_rows, quad_norm, tolerance
-from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import Option, register, vector_block
+from mixlens.methods.memo import RowsFn, StreamLayer, gathered, memo_of
+from mixlens.methods.registry import Option, Stream, register, vector_block
 from mixlens.methods.rollout import kept_matrices, pair_mask, rollout, rollout_rows, row_pair_mask
 from mixlens.trace import LayerTrace, Trace
 
@@ -107,14 +107,18 @@ def _layer_rows(trace: Trace, index: int) -> Callable[[torch.Tensor], torch.Tens
     return lambda rows: fn(rows) * row_pair_mask(trace.mask, rows)
 
 
+GLOBENC = "globenc"  # memo key of the per-layer N-Enc matrices, and the key of what the layer sink keeps
+
+
 @torch.no_grad()
 def n_enc(trace: Trace) -> torch.Tensor:
     """Per-layer N-Enc matrices [B, L, n, n], or their target rows [B, L, K, n] in target-row mode (cached on the
     trace)."""
     memo = memo_of(trace)
-    if memo.globenc is None:
+    mats: torch.Tensor | None = memo.get(GLOBENC)
+    if mats is None:
         targets = targets_of(trace)
-        kept, streamed = memo.layer_rows.get("globenc"), kept_matrices(trace, "globenc")
+        kept, streamed = memo.layer_rows.get(GLOBENC), kept_matrices(trace, GLOBENC)
         if targets is not None and kept is not None:
             mats = torch.stack(kept, dim=1)
         elif targets is not None and streamed is not None:
@@ -134,11 +138,47 @@ def n_enc(trace: Trace) -> torch.Tensor:
                 dim=1,
             )
             mats = mats * pair_mask(trace.mask)
-        memo.globenc = mats
-    return memo.globenc
+        memo.put(GLOBENC, mats)
+    return mats
 
 
-@register("globenc", needs_ffn=True, supports=vector_block, target_rows=True)
+def stream_layer(s: StreamLayer, whole: bool) -> None:
+    """The layer sink of a streamed trace (`registry.Stream`). Post-LN: this layer's N-Enc target rows, or for the
+    rollout (`whole`) its whole matrix. Pre-LN, N-Enc is N-Res: the norm engine streams its target rows, and for
+    the rollout gives the function of any rows (`StreamLayer.n_res`)."""
+    mask = s.mask
+    if s.family.pre_ln:
+        if s.n_res is not None:
+            s.keep_fn(GLOBENC, _masked(s.n_res, mask))
+        return
+    fn = layer_fn(s.lt, s.layer, mask, s.index)
+    if whole:
+        s.keep_fn(GLOBENC, gathered(fn(None) * pair_mask(mask)[:, 0]))
+    else:
+        s.keep(GLOBENC, fn(s.rows) * row_pair_mask(mask, s.rows))
+
+
+def _masked(rows_of: RowsFn, mask: torch.Tensor) -> Callable[[], RowsFn]:
+    """The factory of `rows_of`'s rows with padding pairs zeroed."""
+    return lambda: lambda r: rows_of(r) * row_pair_mask(mask, r)
+
+
+def _pre_ln(family: Family) -> bool:
+    return family.pre_ln
+
+
+def _post_ln(family: Family) -> bool:
+    return not family.pre_ln
+
+
+@register(
+    "globenc",
+    needs_ffn=True,
+    supports=vector_block,
+    target_rows=True,
+    stream=Stream(GLOBENC, stream_layer, norm_run=_pre_ln, capture=_post_ln),
+    default_in={"html": 3},
+)
 def globenc(trace: Trace) -> torch.Tensor:
     """GlobEnc N-Enc per layer: ‖LN2∘LN1 (attention + residual)‖ (Modarressi 2022); pre-LN models: ‖t_ij‖."""
     return n_enc(trace)
@@ -151,12 +191,13 @@ def globenc(trace: Trace) -> torch.Tensor:
     target_rows=True,
     explains=True,
     unnormalised=True,
+    stream=Stream(GLOBENC, stream_layer, whole=True, norm_run=_pre_ln, capture=_post_ln),
     options=(Option("normalize", bool, False, help="scale the rows of every layer's N-Enc to 1 before the product"),),
 )
 def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:
     """GlobEnc global attribution: rollout of N-Enc over layers 1..l (normalize=true: rows to 1 first)."""
     targets = targets_of(trace)
     if targets is not None:
-        layer_rows = kept_matrices(trace, "globenc") or (lambda m: _layer_rows(trace, m))
+        layer_rows = kept_matrices(trace, GLOBENC) or (lambda m: _layer_rows(trace, m))
         return rollout_rows(trace, layer_rows, targets, normalize=normalize)
     return rollout(n_enc(trace), normalize=normalize)

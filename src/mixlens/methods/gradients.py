@@ -151,8 +151,9 @@ def jacobian_norms(
     """
     get("hta").check({"input": input, "mode": mode, "probes": probes, "seed": seed})  # the declared options
     key = JacobianKey(input, mode, probes if mode == "estimate" else 0, seed, tuple(sources or ()))
-    if key in memo_of(trace).jacobian_norms:
-        return memo_of(trace).jacobian_norms[key]
+    hit: JacobianNorms | None = memo_of(trace).get(key)
+    if hit is not None:
+        return hit
     b, n, _ = trace.layers[0].x.shape
     cols = torch.tensor(sources if sources is not None else range(n), dtype=torch.long)
     d_in = input_dim(trace, input)
@@ -212,8 +213,7 @@ def jacobian_norms(
         None if se_h is None else arrange(se_h, False),
         None if se_o is None else arrange(se_o, True),
     )
-    memo_of(trace).jacobian_norms[key] = out
-    return out
+    return memo_of(trace).put(key, out)
 
 
 def shares(sq: torch.Tensor, se: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

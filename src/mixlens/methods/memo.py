@@ -1,25 +1,25 @@
-"""The results methods share on one trace (`Memo`), kept with the methods: the trace has an opaque slot for it
-(`Trace.memo`) and knows no method. `memo_of(trace)` gives a trace's memo, made on first use."""
+"""What methods share on one trace (`Memo`, a keyed cache) and what a streaming method's layer sink sees
+(`StreamLayer`). The trace has an opaque slot for the memo (`Trace.memo`) and knows no method; this module knows
+none either: each method module owns the keys of what it caches (`memo.cached(KEY, make)`).
+`memo_of(trace)` gives a trace's memo, made on first use."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from mixlens.trace import Trace
+from mixlens.trace import LayerTrace, Trace
 
 if TYPE_CHECKING:
-    from mixlens.methods.decompx import DecompXInput
-    from mixlens.methods.gradients import JacobianKey, JacobianNorms
-    from mixlens.methods.norms import BlockNorms, LayerState, NormRun
+    from mixlens.adapters import Family, Layer
 
-    NormStates = tuple[list[LayerState], NormRun]
-
+T = TypeVar("T")
 RowsFn = Callable[[torch.Tensor], torch.Tensor]  # positions [B, K'] → rows [B, K', n] of one layer's matrix
 LayerRowsFactory = Callable[[], RowsFn]  # builds a layer's RowsFn when a rollout reaches it (its work arrays then)
+Progress = Callable[[str, int, int], None]  # (phase, layers done, layers in the phase)
 
 
 def gathered(mat: torch.Tensor) -> LayerRowsFactory:
@@ -29,27 +29,33 @@ def gathered(mat: torch.Tensor) -> LayerRowsFactory:
 
 @dataclass
 class Memo:
-    """Intermediate results that methods share on one trace, computed once (None / empty: not yet).
-    Maps are [B, L, n(target), n(source)], padding 0."""
+    """What methods share on one trace, computed once. `rows`: the positions [B, K] of row mode
+    (`run_methods(targets=)`; None: every row). A streamed trace (`pipeline.stream_trace`) also holds what its layer
+    sinks kept: `streamed` (the methods they served; α is gone), `layer_rows` (quantity → per layer [B, K, n] rows;
+    `alpha`: [B, H, K, n]) and `layer_fns` (quantity → per layer a factory of the function positions [B, K'] →
+    rows [B, K', n] of the matrix a rollout propagates through); `progress(phase, done, total)` as layers finish.
+    Everything else is a keyed cache (`cached`, `get`, `put`) whose keys belong to the method modules."""
 
-    block_norms: BlockNorms | None = None  # the norm engine's result
-    alpha_mean: torch.Tensor | None = None  # head-mean α (a by-product of the norm engine)
-    globenc: torch.Tensor | None = None  # N-Enc per layer
-    alti: torch.Tensor | None = None  # ALTI per layer, rows normalised
-    value_zeroing: torch.Tensor | None = None  # value-zeroing per layer, rows normalised
-    decompx: dict[str, list[DecompXInput]] = field(default_factory=dict)  # value_bias → one per input
-    jacobian_norms: dict[JacobianKey, JacobianNorms] = field(default_factory=dict)
-    gradients: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # the
-    # target request (target, foil, position) → (∂g/∂e, e, g(e)) of `saliency.gradient`
-    targets: torch.Tensor | None = None  # [B, K] positions of target-row mode (`run_methods(targets=)`); None: all
-    norm_states: NormStates | None = None  # target-row mode: the engine's per-layer state, for `norms.pair_rows`
-    norm_run: NormRun | None = None  # streamed trace: the norm engine's passes, run during the forward pass
-    streamed: frozenset[str] = frozenset()  # streamed trace: the methods its layer sink served (α is gone)
-    layer_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # streamed: quantity → per layer
-    # [B, K, n] target rows (`alpha`: [B, H, K, n])
-    progress: Callable[[str, int, int], None] | None = None  # streamed: (phase, layers done, total), as they finish
-    layer_fns: dict[str, list[LayerRowsFactory]] = field(default_factory=dict)  # streamed: quantity → per layer
-    # a factory of the function positions [B, K'] → rows [B, K', n] of the matrix a rollout propagates through
+    rows: torch.Tensor | None = None
+    streamed: frozenset[str] = frozenset()
+    progress: Progress | None = None
+    layer_rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    layer_fns: dict[str, list[LayerRowsFactory]] = field(default_factory=dict)
+    values: dict[Hashable, Any] = field(default_factory=dict)
+
+    def cached(self, key: Hashable, make: Callable[[], T]) -> T:
+        """The value under `key`, made by `make()` on first use."""
+        if key not in self.values:
+            self.values[key] = make()
+        return cast(T, self.values[key])
+
+    def get(self, key: Hashable) -> Any:
+        """The value under `key`, or None."""
+        return self.values.get(key)
+
+    def put(self, key: Hashable, value: T) -> T:
+        self.values[key] = value
+        return value
 
 
 def memo_of(trace: Trace) -> Memo:
@@ -58,3 +64,37 @@ def memo_of(trace: Trace) -> Memo:
         trace.memo = Memo()
     memo: Memo = trace.memo
     return memo
+
+
+@dataclass
+class StreamLayer:
+    """What a method's layer sink (`registry.Stream.sink`) sees of layer `index` while the forward pass of a streamed
+    trace runs (its tensors alive in `lt`): the model's `layer` and `family`, the real-token `mask` [B, n], the
+    target `rows` [B, K], and, when a requested stream asked the norm engine for it (`Stream.norm_run` and
+    `whole`), the engine's N-Res rows of this layer (`n_res`). A sink keeps what its methods read afterwards with
+    `keep` (this layer's rows [B, K, n]) or `keep_fn` (a factory of any rows, for a rollout). A factory must not hold
+    `lt` or this object (the layer's tensors are freed after the sinks ran)."""
+
+    index: int
+    lt: LayerTrace
+    layer: Layer
+    family: Family
+    mask: torch.Tensor
+    rows: torch.Tensor
+    memo: Memo
+    n_res: RowsFn | None = None
+
+    @property
+    def row_mode(self) -> bool:
+        """The layer keeps q and K instead of α (`run_traced(qk_rows=True)`, causal LMs)."""
+        return self.lt.qk is not None
+
+    def keep(self, key: str, t: torch.Tensor) -> None:
+        got = self.memo.layer_rows.setdefault(key, [])
+        assert len(got) == self.index, f"layer {self.index} streamed out of order"
+        got.append(t)
+
+    def keep_fn(self, key: str, factory: LayerRowsFactory) -> None:
+        got = self.memo.layer_fns.setdefault(key, [])
+        assert len(got) == self.index, f"layer {self.index} streamed out of order"
+        got.append(factory)

@@ -31,7 +31,7 @@ from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods import _compiled, _torch_passes
 from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, TokenResults, kernel_args
 from mixlens.methods._torch_passes import quad_norm, quad_norms
-from mixlens.methods.attention import target_alpha, targets_of
+from mixlens.methods.attention import ALPHA_MEAN, target_alpha, targets_of
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import LHTS, norm_after_sum, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
@@ -476,6 +476,11 @@ def stream_layer(
     return lambda rows: mat.gather(1, rows[:, :, None].expand(-1, -1, n))
 
 
+BLOCK_NORMS = "block_norms"  # memo keys: the engine's result,
+NORM_RUN = "norm_run"  # a streamed trace's passes (run during the forward pass),
+NORM_STATES = "norm_states"  # target-row mode: the per-layer state, for `pair_rows`
+
+
 @torch.no_grad()
 def block_norms(trace: Trace) -> BlockNorms:
     """Compute (once per trace, then cached) every norm-based quantity of every layer, and check each layer's
@@ -484,8 +489,9 @@ def block_norms(trace: Trace) -> BlockNorms:
     attention rows; the per-token quantities (ratios, scale, f_norm) cover every token. A trace streamed in
     target-row mode (`pipeline.stream_trace`) had its passes run during the forward pass: only the check is left."""
     memo = memo_of(trace)
-    if memo.block_norms is None:
-        run = memo.norm_run
+    done: BlockNorms | None = memo.get(BLOCK_NORMS)
+    if done is None:
+        run: NormRun | None = memo.get(NORM_RUN)
         if run is None:
             targets = targets_of(trace)
             run = NormRun.start(trace.adapter, trace.mask, targets)
@@ -497,11 +503,11 @@ def block_norms(trace: Trace) -> BlockNorms:
             for i, lt in enumerate(trace.layers):
                 run.weight_ratios(lt, i)
             if targets is not None:  # kept for `pair_rows` (rollouts propagate through every row of each layer)
-                memo.norm_states = (layers, run)
+                memo.put(NORM_STATES, (layers, run))
         if not run.sandwich:
-            memo.alpha_mean = run.maps.alpha_mean
-        memo.block_norms = run.finish()
-    return memo.block_norms
+            memo.put(ALPHA_MEAN, run.maps.alpha_mean)
+        done = memo.put(BLOCK_NORMS, run.finish())
+    return done
 
 
 @torch.no_grad()
@@ -510,13 +516,20 @@ def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     token pass kept by `block_norms` in target-row mode: a Maps whose n, n_res, n_resln, alpha_mean are
     [B, 1, K', n] (other fields: the whole call's)."""
     block_norms(trace)
-    memo = memo_of(trace)
-    assert memo.norm_states is not None, "pair_rows needs a (not streamed) trace in target-row mode"
-    layers, run = memo.norm_states
+    states: tuple[list[LayerState], NormRun] | None = memo_of(trace).get(NORM_STATES)
+    assert states is not None, "pair_rows needs a (not streamed) trace in target-row mode"
+    layers, run = states
     return run.rows(layers[index], run.tok.with_targets(rows))
 
 
-@register("norm", head_dims=LHTS, engine=True, target_rows=True)
+@register(
+    "norm",
+    head_dims=LHTS,
+    engine=True,
+    target_rows=True,
+    default_in={"analyze": 1, "html": 2, "ratio": 0},
+    group="mixing-ratio",
+)
 def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """‖α f(x)‖ (Kobayashi 2020): per head α^h_ij‖f^h(x_j)‖, or ‖Σ_h α^h_ij f^h(x_j)‖ head-summed."""
     bn = block_norms(trace)
@@ -533,13 +546,20 @@ def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     return alpha * bn.f_norm[:, :, :, None, :] * trace.mask[:, None, None, :, None]
 
 
-@register("norm_res", engine=True, target_rows=True)
+@register("norm_res", engine=True, target_rows=True, default_in={"analyze": 2, "html": 1}, group="mixing-ratio")
 def norm_res(trace: Trace) -> torch.Tensor:
     """‖t_ij‖: attention plus residual (Kobayashi 2021, N-Res)."""
     return block_norms(trace).n_res
 
 
-@register("norm_resln", engine=True, target_rows=True, supports=norm_after_sum)
+@register(
+    "norm_resln",
+    engine=True,
+    target_rows=True,
+    supports=norm_after_sum,
+    default_in={"analyze": 3, "html": 0, "plot": 0},
+    group="mixing-ratio",
+)
 def norm_resln(trace: Trace) -> torch.Tensor:
     """‖g_i(t_ij)‖: attention, residual and LayerNorm (Kobayashi 2021, N-ResLN)."""
     return block_norms(trace).n_resln

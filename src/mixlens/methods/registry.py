@@ -4,8 +4,10 @@ The returned tensor has the axes `[batch, *dims]` (or `[batch, *head_dims]` with
 fixed order `[batch, layer, head, target, source]`; padded positions hold 0. A method may also return named
 secondary outputs (`MethodOutput.extras`, declared with their axes in `register`). Options are declared with
 types (`Option`) and checked here, in one place, before any model work: Python values by `Method.check`, the
-CLI's `METHOD.KEY=VALUE` strings by `parse_option`. The CLI, reports and the corpus runner only talk to this
-registry.
+CLI's `METHOD.KEY=VALUE` strings by `parse_option`. A method's declaration is everything the rest of mixlens knows
+of it: its capabilities, its layer sink when it streams (`Stream`), its explain form (`explain_options`,
+`Reference`) and display hints (`default_in`, `group`). The pipeline, explain, the views, the commands and the
+corpus runner read these and name no method.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import torch
 
 from mixlens.errors import MixlensError, did_you_mean
+from mixlens.methods.memo import StreamLayer
 from mixlens.trace import Trace
 
 if TYPE_CHECKING:
@@ -248,6 +251,43 @@ class Planned:
     token_counts: Callable[[], list[int]]
 
 
+def never(family: Family) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Stream:
+    """How a method computes its target rows layer by layer inside a streamed forward pass (`pipeline.stream_trace`):
+    `sink(layer, whole)` is called at every layer with a `StreamLayer` and keeps what the method reads afterwards
+    (`StreamLayer.keep` / `keep_fn` under `key`). Methods that read the same quantity name the same `key` and `sink`:
+    it runs once per layer, with `whole` true when one of them needs rows at any position (a rollout's backward
+    row propagation), not only the target rows. `norm_run(family)`: the stream also needs the norm engine's passes
+    (`norms.stream_layer`), whose N-Res rows of every position reach the sink (`StreamLayer.n_res`) when `whole`;
+    `capture(family)`: the pass also captures the FFN and runs to each layer's output (else it stops after the last
+    attention block)."""
+
+    key: str
+    sink: Callable[[StreamLayer, bool], None]
+    whole: bool = False
+    norm_run: Callable[[Family], bool] = never
+    capture: Callable[[Family], bool] = never
+
+
+@dataclass(frozen=True)
+class Reference:
+    """This method, run with `options`, is explain's agreement reference, labelled `label` (e.g. grad_x_input with
+    the L2 reduction: ‖∂g/∂e_j ⊙ e_j‖₂, the reference of the GlobEnc paper)."""
+
+    label: str
+    options: Mapping[str, object]
+
+
+VIEWS = ("analyze", "html", "plot", "ratio", "routes", "logit-layers", "saliency")  # where a method can be a default:
+# analyze: the default method set (`Lens.analyze`, `mixlens analyze / report`); html: the report opens on the first
+# present; plot: `mixlens plot`'s default method; ratio / routes / logit-layers: the method a figure of that view
+# runs; saliency: `mixlens saliency`'s default kind
+
+
 HEADS = (None, "any", "classifier", "causal")  # what `Method.head` may say
 EXPLAINED_KINDS = ("classifier", "causal", "masked", "encoder")  # model kinds (`mixlens.targets.model_kind`)
 
@@ -280,6 +320,14 @@ class Method:
     # for it keeps q, K and the softmax normaliser instead of α [B, H, n, n] (`mixlens.rowattn`)
     recommended: tuple[str, ...] = ()  # model kinds whose explanations it is recommended for (measured: docs/
     # evaluate.md); `explain` runs only these by default where a kind has any
+    stream: Stream | None = None  # its layer sink in a streamed trace (methods with `target_rows` that keep more
+    # than the target rows of α or what the norm engine streams)
+    explain_options: Mapping[str, object] = field(default_factory=dict)  # options `explain` runs it with (its
+    # signed form, e.g. reduction='sum')
+    reference: Reference | None = None  # explain's agreement reference is this method with these options
+    default_in: Mapping[str, int] = field(default_factory=dict)  # view (`VIEWS`) → its rank among that view's
+    # defaults (`defaults(view)`, lowest first)
+    group: str | None = None  # display group: 'mixing-ratio' (the methods the mixing-ratio table describes)
 
     def refusal(self, family: Family) -> str | None:
         """Why this method refuses the family (one line), or None."""
@@ -368,6 +416,11 @@ def register(
     precheck: Callable[[Planned], None] | None = None,
     qk_rows: bool = False,
     recommended: tuple[str, ...] = (),
+    stream: Stream | None = None,
+    explain_options: Mapping[str, object] | None = None,
+    reference: Reference | None = None,
+    default_in: Mapping[str, int] | None = None,
+    group: str | None = None,
 ) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
     `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
@@ -395,6 +448,13 @@ def register(
             raise RuntimeError(f"method '{name}' explains a target but its last axis is not 'source': {dims}")
         if inputs_only and (needs_ffn or engine or target_rows):
             raise RuntimeError(f"method '{name}': a method that reads only the inputs cannot need the trace")
+        if stream is not None and not target_rows:
+            raise RuntimeError(f"method '{name}' streams its layers but does not declare target_rows")
+        for key in (*(explain_options or {}), *(reference.options if reference else {})):
+            if key not in declared:
+                raise RuntimeError(f"method '{name}': explain option '{key}' is not one of its options")
+        if not set(default_in or {}) <= set(VIEWS):
+            raise RuntimeError(f"method '{name}': default_in views must be among {VIEWS}, got {dict(default_in or {})}")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
         REGISTRY[name] = Method(
             name,
@@ -417,6 +477,11 @@ def register(
             precheck,
             qk_rows,
             recommended,
+            stream,
+            dict(explain_options or {}),
+            reference,
+            dict(default_in or {}),
+            group,
         )
         return fn
 
@@ -445,6 +510,28 @@ def explainers(kind: str, *, defaults: bool = False, recommended: bool = False) 
         for m in REGISTRY.values()
         if m.reads(kind) and not (defaults and m.slow) and not (recommended and kind not in m.recommended)
     ]
+
+
+def defaults(view: str) -> list[str]:
+    """The methods that are a default of `view` (`VIEWS`; `Method.default_in`), by their declared rank, ties in
+    registry order."""
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}; views: {VIEWS}")
+    found = [m for m in REGISTRY.values() if view in m.default_in]
+    return [m.name for m in sorted(found, key=lambda m: m.default_in[view])]
+
+
+def in_group(group: str) -> list[str]:
+    """The methods of a display group (`Method.group`), in registry order."""
+    return [m.name for m in REGISTRY.values() if m.group == group]
+
+
+def reference() -> tuple[str, Reference]:
+    """(method, its `Reference`): explain's agreement reference (one method declares it)."""
+    found = [(m.name, m.reference) for m in REGISTRY.values() if m.reference is not None]
+    if len(found) != 1:
+        raise RuntimeError(f"exactly one method must declare explain's agreement reference, found {len(found)}")
+    return found[0]
 
 
 def refused_by(family: Family) -> list[str]:

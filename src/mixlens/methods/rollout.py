@@ -17,8 +17,8 @@ from scipy.sparse.csgraph import maximum_flow
 from mixlens.errors import MixlensError
 from mixlens.memory import release
 from mixlens.methods.attention import alpha_rows, stacked_alpha, targets_of
-from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import Planned, register
+from mixlens.methods.memo import StreamLayer, gathered, memo_of
+from mixlens.methods.registry import Planned, Stream, register
 from mixlens.trace import Trace
 
 FLOW_MAX_TOKENS = 32  # n² max-flows per layer on graphs of up to L·n² edges
@@ -166,12 +166,26 @@ def kept_matrices(trace: Trace, name: str) -> LayerRows | None:
     return lambda m: fns[m]()
 
 
-@register("attention_rollout", target_rows=True, explains=True)
+ROLLOUT = "attention_rollout"  # the key of what the layer sink keeps
+
+
+def stream_layer(s: StreamLayer, whole: bool) -> None:
+    """The layer sink of a streamed trace (`registry.Stream`): the factory of any rows of this layer's Â, from the
+    whole matrix, or in row mode from what rebuilds α's rows (q, K and the softmax normaliser)."""
+    mask = s.mask
+    if s.row_mode:
+        small = s.lt.for_rows()
+        s.keep_fn(ROLLOUT, lambda: lambda r: residual_of_rows(small.alpha_rows(r), mask, r))
+    else:
+        s.keep_fn(ROLLOUT, gathered(residual_rows(s.lt.alpha, mask, None)))
+
+
+@register("attention_rollout", target_rows=True, explains=True, stream=Stream(ROLLOUT, stream_layer, whole=True))
 def attention_rollout(trace: Trace) -> torch.Tensor:
     """Attention rollout (Abnar & Zuidema 2020): product of 0.5·mean attention + 0.5·I over layers 1..l."""
     targets = targets_of(trace)
     if targets is not None:
-        layer_rows = kept_matrices(trace, "attention_rollout") or (
+        layer_rows = kept_matrices(trace, ROLLOUT) or (
             lambda m: lambda rows: residual_rows(trace.layers[m].alpha, trace.mask, rows)
         )
         return rollout_rows(trace, layer_rows, targets)

@@ -21,7 +21,7 @@ import torch
 
 from mixlens.errors import MixlensError
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, get, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, Reference, get, register
 from mixlens.targets import Readout, Spec, model_kind, positions, readout
 from mixlens.trace import Trace, hooked
 
@@ -124,10 +124,10 @@ def gradient(
     """(∂g/∂e [B, n, d], the word embeddings e [B, n, d], g(e) [B]) for one target request: one forward and one
     backward pass per trace, kept in its memo, so that saliency, gradient × input (any reduction) and evaluate's
     agreement reference share them."""
-    key = (target, foil, position)
-    kept = memo_of(trace).gradients
+    key = ("gradient", target, foil, position)
+    memo = memo_of(trace)
     try:
-        hit = kept.get(key)
+        hit = memo.get(key)
         cacheable = True
     except TypeError:  # an unhashable Python target: computed each time
         hit, cacheable = None, False
@@ -138,7 +138,7 @@ def gradient(
         (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
     out = (grad, x.detach(), value.detach())
     if cacheable:
-        kept[key] = out
+        memo.put(key, out)
     return out
 
 
@@ -215,7 +215,7 @@ TARGET = (
 )
 
 
-@register("saliency", options=TARGET, **TARGET_SCORES)
+@register("saliency", options=TARGET, default_in={"saliency": 0}, **TARGET_SCORES)
 def saliency(
     trace: Trace,
     *,
@@ -230,7 +230,13 @@ def saliency(
     ).values
 
 
-@register("grad_x_input", options=TARGET, **TARGET_SCORES)
+@register(
+    "grad_x_input",
+    options=TARGET,
+    explain_options={"reduction": "sum"},  # explain reads the signed form
+    reference=Reference("grad_x_input_l2", {"reduction": "l2"}),  # ‖∂g/∂e_j ⊙ e_j‖₂, the GlobEnc paper's reference
+    **TARGET_SCORES,
+)
 def grad_x_input(
     trace: Trace,
     *,
@@ -248,6 +254,7 @@ def grad_x_input(
 @register(
     "integrated_gradients",
     extras={"delta": ()},
+    explain_options={"reduction": "sum"},  # explain reads the signed form
     **TARGET_SCORES,
     options=(
         *TARGET,

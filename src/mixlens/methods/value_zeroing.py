@@ -70,12 +70,13 @@ def _layer(trace: Trace, index: int) -> torch.Tensor:
 
 def value_zeroing_matrices(trace: Trace) -> torch.Tensor:
     """Per-layer value-zeroing matrices, rows normalised: [B, L, n, n] (cached on the trace)."""
-    memo = memo_of(trace)
-    if memo.value_zeroing is None:
+
+    def make() -> torch.Tensor:
         with torch.no_grad():
             mats = torch.stack([_layer(trace, i) for i in range(trace.adapter.n_layers)], dim=1)
-        memo.value_zeroing = row_normalize(mats.clamp_min(0) * pair_mask(trace.mask))
-    return memo.value_zeroing
+        return row_normalize(mats.clamp_min(0) * pair_mask(trace.mask))
+
+    return memo_of(trace).cached("value_zeroing", make)
 
 
 @register("value_zeroing", extra_passes=True)

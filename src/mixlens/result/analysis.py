@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from mixlens.errors import MixlensError
-from mixlens.result import loading
+from mixlens.result import loading, views
 from mixlens.result.attribution import Attribution
-from mixlens.result.files import ANALYSIS_FORMAT, _json_default, _read_manifest, _write
+from mixlens.result.files import ANALYSIS_FORMAT, json_default, read_manifest, write_store
 from mixlens.result.rows import InputBiasRows, InputRows
 
 
@@ -118,9 +118,7 @@ class Analysis:
 
     def _repr_html_(self) -> str:
         """Interactive report view in notebooks (offline; unique ids, so several outputs share a page)."""
-        from mixlens.viz.html import render_fragment
-
-        return render_fragment(self)
+        return str(views.view("analysis.notebook")(self))
 
     def to_json(self) -> dict[str, Any]:
         """The documented JSON contract (README, 'JSON output')."""
@@ -187,7 +185,7 @@ class Analysis:
             "reconstruction_error": self.reconstruction_error is not None,
             "explained": self.explained,
         }
-        _write(Path(path), tensors, manifest)
+        write_store(Path(path), tensors, manifest)
 
     @classmethod
     def load(cls, path: str | Path) -> Analysis:
@@ -195,7 +193,7 @@ class Analysis:
         see the class doc). Every field and tensor is checked (`MixlensError` on a bad or crafted file)."""
         path = Path(path)
         man_path = path if path.suffix == ".json" else path.with_suffix(".json")
-        man = _read_manifest(man_path)
+        man = read_manifest(man_path)
         if man.get("format") == ANALYSIS_FORMAT:
             return _typed(loading.from_saved(cls, man, man_path))
         if "inputs" in man and "format" not in man:
@@ -220,7 +218,7 @@ class Analysis:
                 {
                     k: (
                         x.dims,
-                        json.dumps(x.params, sort_keys=True, default=_json_default),
+                        json.dumps(x.params, sort_keys=True, default=json_default),
                         {e: s.dims for e, s in x.extra_store.items()},
                     )
                     for k, x in a.attributions.items()

@@ -9,16 +9,17 @@ from typing import Any
 import numpy as np
 
 from mixlens.errors import MixlensError
+from mixlens.result import views
 from mixlens.result.files import (
     ANALYSIS_FORMAT,
     ATTRIBUTION_FORMAT,
-    _check_save_id,
-    _read_manifest,
-    _read_tensors,
-    _write,
+    check_save_id,
+    read_manifest,
+    read_tensors,
+    write_store,
 )
 from mixlens.result.rows import TOKEN_AXES, InputRows
-from mixlens.result.validation import _dims, _get, _targets, _tokens, _words
+from mixlens.result.validation import checked_dims, checked_field, checked_targets, checked_tokens, checked_words
 
 
 class Attribution:
@@ -178,9 +179,7 @@ class Attribution:
 
     def _repr_html_(self) -> str:
         """Interactive view in notebooks (offline; unique ids, so several outputs share a page)."""
-        from mixlens.viz.html import render_fragment
-
-        return render_fragment(self)
+        return str(views.view("attribution.notebook")(self))
 
     def show(
         self,
@@ -194,9 +193,7 @@ class Attribution:
         """Print a readable terminal view (rich) of `inputs` (default: all): token × token maps as a shaded table
         of one layer (default the last) and one head (default: the mean over heads), per-token scores as
         tokens with their scores and bars. At most `max_tokens` tokens per axis are shown (said when cut)."""
-        from mixlens.viz.terminal import show_attribution
-
-        show_attribution(self, inputs, layer=layer, head=head, max_tokens=max_tokens, console=console)
+        views.view("attribution.show")(self, inputs, layer=layer, head=head, max_tokens=max_tokens, console=console)
 
     def to_json_dict(self, b: int) -> dict[str, Any]:
         out = {
@@ -226,30 +223,30 @@ class Attribution:
         tensors = self.store.tensors("")
         for k, s in self.extra_store.items():
             tensors |= s.tensors(f"extra.{k}.")
-        _write(Path(path), tensors, self.manifest())
+        write_store(Path(path), tensors, self.manifest())
 
     @classmethod
     def load(cls, path: str | Path) -> Attribution:
         """Read what `save` wrote; every field and tensor is checked (`MixlensError` on a bad or crafted file)."""
         path = Path(path)
         man_path = path.with_suffix(".json")
-        man = _read_manifest(man_path)
+        man = read_manifest(man_path)
         if man.get("format") == ANALYSIS_FORMAT:
             raise MixlensError(f"{man_path} is a saved analysis: use Analysis.load")
-        tokens = _tokens(man, man_path)
-        dims = _dims(_get(man, "dims", list, man_path), man_path, "'dims'")
+        tokens = checked_tokens(man, man_path)
+        dims = checked_dims(checked_field(man, "dims", list, man_path), man_path, "'dims'")
         if not dims or dims[0] != "batch":
             raise MixlensError(f"{man_path}: 'dims' must start with 'batch'")
         dims = dims[1:]
-        method, model = _get(man, "method", str, man_path), _get(man, "model", str, man_path)
-        params, words = _get(man, "params", dict, man_path), _words(man, tokens, man_path)
+        method, model = checked_field(man, "method", str, man_path), checked_field(man, "model", str, man_path)
+        params, words = checked_field(man, "params", dict, man_path), checked_words(man, tokens, man_path)
         extras_man = man.get("extras", {})
         if not isinstance(extras_man, dict) or not all(isinstance(e, dict) for e in extras_man.values()):
             raise MixlensError(f"{man_path}: 'extras' must map names to their axes and block counts")
-        targets = _targets(man, tokens, man_path)
+        targets = checked_targets(man, tokens, man_path)
         rows = None if targets is None else [len(r) for r in targets]
-        tensors, meta = _read_tensors(path.with_suffix(".safetensors"))
-        _check_save_id(man, meta, man_path)
+        tensors, meta = read_tensors(path.with_suffix(".safetensors"))
+        check_save_id(man, meta, man_path)
         lengths = [len(t) for t in tokens]
         what = f"{path.with_suffix('.safetensors')}"
         if "values" in tensors:  # one padded array (files of earlier versions)
@@ -262,7 +259,7 @@ class Attribution:
                 tensors,
                 f"extra.{k}.",
                 e.get("blocks"),
-                _dims(e.get("dims"), man_path, f"extra '{k}' axes"),
+                checked_dims(e.get("dims"), man_path, f"extra '{k}' axes"),
                 lengths,
                 what,
             )

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from mixlens.result import views
 from mixlens.result.analysis import Analysis
 
 
@@ -80,16 +81,10 @@ class Explanation(Analysis):
         return json.dumps(self.to_json())
 
     def html(self) -> str:
-        from mixlens.viz.highlight import render_page
-
-        return render_page(self)
+        return str(views.view("explanation.page")(self))
 
     def _repr_html_(self) -> str:
-        from mixlens.viz.highlight import render_fragment
-
-        return render_fragment(self)
+        return str(views.view("explanation.notebook")(self))
 
     def show(self, console: Any = None) -> None:
-        from mixlens.viz.terminal import show_explanation
-
-        show_explanation(self, console)
+        views.view("explanation.show")(self, console)

@@ -1,7 +1,7 @@
 """Result files: a safetensors file (the per-batch blocks, no pickles) plus a JSON manifest beside it, both written
 atomically and tied by a random save id; `atomic_write` is every command's way of writing a file.
 
-Reading: `_read_tensors` checks a safetensors header (its length, every tensor's dtype, shape and data range) before
+Reading: `read_tensors` checks a safetensors header (its length, every tensor's dtype, shape and data range) before
 the library parses it; the fields and arrays are then checked against the manifest and the tokens
 (`mixlens.result.validation`), so a crafted or damaged file gives one `MixlensError` line.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mixlens.errors import MixlensError
-from mixlens.result.validation import _is_int
+from mixlens.result.validation import is_int
 
 WRITTEN: list[Path] = []  # files `atomic_write` completed in this process (the CLI's Ctrl-C line names them)
 
@@ -62,13 +62,13 @@ MAX_HEADER = 100 << 20  # bytes of safetensors JSON header accepted
 _DTYPES = {"F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8}  # safetensors dtypes we read, with their sizes
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> dict[str, Any]:
     from mixlens import jsonio
 
     return jsonio.read(path)
 
 
-def _read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, metadata) of a safetensors file whose header is checked first: its length within the file, every
     tensor a known dtype with a shape whose byte size is exactly its data range inside the file."""
     try:
@@ -98,10 +98,10 @@ def _read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             isinstance(info, dict)
             and info.get("dtype") in _DTYPES
             and isinstance(info.get("shape"), list)
-            and all(_is_int(x) and x >= 0 for x in info["shape"])
+            and all(is_int(x) and x >= 0 for x in info["shape"])
             and isinstance(info.get("data_offsets"), list)
             and len(info["data_offsets"]) == 2
-            and all(_is_int(x) for x in info["data_offsets"])
+            and all(is_int(x) for x in info["data_offsets"])
         )
         if not ok:
             raise MixlensError(f"{what}: tensor '{name}' has a malformed entry")
@@ -121,22 +121,20 @@ def _read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     return tensors, meta
 
 
-def _check_save_id(man: dict[str, Any], meta: dict[str, str], path: Path) -> None:
+def check_save_id(man: dict[str, Any], meta: dict[str, str], path: Path) -> None:
     if man.get("save_id") != meta.get(SAVE_ID):
         raise MixlensError(f"{path}: the manifest and the tensor file come from different saves")
 
 
-def _json_default(x: object) -> str:
+def json_default(x: object) -> str:
     """Option values JSON cannot hold (a Python callable target) are recorded by name."""
     return f"<{getattr(x, '__qualname__', type(x).__name__)}>"
 
 
-def _write(path: Path, tensors: dict[str, np.ndarray], manifest: dict[str, Any]) -> None:
+def write_store(path: Path, tensors: dict[str, np.ndarray], manifest: dict[str, Any]) -> None:
     """The tensor file, then the manifest (the commit point), both atomically, tied by a fresh save id."""
     from safetensors.numpy import save
 
     save_id = uuid.uuid4().hex
     atomic_write(path.with_suffix(".safetensors"), save(tensors, metadata={SAVE_ID: save_id}))
-    atomic_write(
-        path.with_suffix(".json"), json.dumps({**manifest, "save_id": save_id}, default=_json_default).encode()
-    )
+    atomic_write(path.with_suffix(".json"), json.dumps({**manifest, "save_id": save_id}, default=json_default).encode())

@@ -11,17 +11,17 @@ import numpy as np
 
 from mixlens.errors import MixlensError
 from mixlens.result.attribution import Attribution
-from mixlens.result.files import _check_save_id, _read_tensors
+from mixlens.result.files import check_save_id, read_tensors
 from mixlens.result.rows import TOKEN_AXES, InputRows
 from mixlens.result.validation import (
-    _array,
-    _check_layers,
-    _dims,
-    _explained,
-    _get,
-    _json_targets,
-    _tokens,
-    _words,
+    check_layers,
+    checked_array,
+    checked_dims,
+    checked_explained,
+    checked_field,
+    checked_json_targets,
+    checked_tokens,
+    checked_words,
 )
 
 if TYPE_CHECKING:
@@ -30,15 +30,15 @@ if TYPE_CHECKING:
 
 def from_saved(cls: type[Analysis], man: dict[str, Any], path: Path) -> Analysis:
     """A saved analysis from its manifest `man` (read from `path`) and the tensor file beside it."""
-    tokens = _tokens(man, path)
-    words = _words(man, tokens, path)
-    texts = _get(man, "texts", list, path)
+    tokens = checked_tokens(man, path)
+    words = checked_words(man, tokens, path)
+    texts = checked_field(man, "texts", list, path)
     if len(texts) != len(tokens) or not all(isinstance(t, str) for t in texts):
         raise MixlensError(f"{path}: 'texts' must hold one string per input")
-    model, version = _get(man, "model", str, path), _get(man, "version", str, path)
-    methods, ratio_man = _get(man, "methods", dict, path), _get(man, "ratios", dict, path)
-    tensors, meta = _read_tensors(path.with_suffix(".safetensors"))
-    _check_save_id(man, meta, path)
+    model, version = checked_field(man, "model", str, path), checked_field(man, "version", str, path)
+    methods, ratio_man = checked_field(man, "methods", dict, path), checked_field(man, "ratios", dict, path)
+    tensors, meta = read_tensors(path.with_suffix(".safetensors"))
+    check_save_id(man, meta, path)
     lengths, what = [len(t) for t in tokens], str(path.with_suffix(".safetensors"))
     attributions = {}
     for name, m in methods.items():
@@ -48,7 +48,7 @@ def from_saved(cls: type[Analysis], man: dict[str, Any], path: Path) -> Analysis
             or not isinstance(m.get("extras", {}), dict)
         ):
             raise MixlensError(f"{path}: method '{name}' has a malformed entry")
-        dims = _dims(m.get("dims"), path, f"the axes of '{name}'")
+        dims = checked_dims(m.get("dims"), path, f"the axes of '{name}'")
         store = InputRows.from_tensors(tensors, f"method.{name}.", m.get("blocks"), dims, lengths, what)
         extras = {}
         for k, e in m.get("extras", {}).items():
@@ -58,7 +58,7 @@ def from_saved(cls: type[Analysis], man: dict[str, Any], path: Path) -> Analysis
                 tensors,
                 f"extra.{name}.{k}.",
                 e.get("blocks"),
-                _dims(e.get("dims"), path, f"the axes of '{name}.{k}'"),
+                checked_dims(e.get("dims"), path, f"the axes of '{name}.{k}'"),
                 lengths,
                 what,
             )
@@ -72,13 +72,13 @@ def from_saved(cls: type[Analysis], man: dict[str, Any], path: Path) -> Analysis
         if man.get("bias") is None
         else InputRows.from_tensors(tensors, "bias.", man["bias"], ("layer", "target", "hidden"), lengths, what)
     )
-    _check_layers(attributions, ratios, bias, str(path))
+    check_layers(attributions, ratios, bias, str(path))
     err = None
     if man.get("reconstruction_error"):
         err = tensors.get("reconstruction_error")
         if err is None or err.shape != (len(tokens),) or err.dtype.kind != "f":
             raise MixlensError(f"{what}: 'reconstruction_error' must hold one number per input")
-    explained = _explained(man.get("explained"), len(tokens), str(path))
+    explained = checked_explained(man.get("explained"), len(tokens), str(path))
     return cls(
         model,
         version,
@@ -126,15 +126,15 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
         for name, m in meth.items():
             if not isinstance(m, dict):
                 raise MixlensError(f"{at}: method '{name}' is not an object")
-            d = _dims(m.get("dims"), Path(where), f"the axes of '{name}'")
+            d = checked_dims(m.get("dims"), Path(where), f"the axes of '{name}'")
             if dims.setdefault(name, d) != d:
                 raise MixlensError(f"{at}: '{name}' has other axes than in input 1")
-            pos = _json_targets(m.get("targets"), d, len(toks), f"{at}: '{name}'")
+            pos = checked_json_targets(m.get("targets"), d, len(toks), f"{at}: '{name}'")
             if b and (pos is None) != (rows[name][0] is None):
                 raise MixlensError(f"{at}: '{name}' gives target rows for some inputs only")
             rows.setdefault(name, []).append(pos)
             values.setdefault(name, []).append(
-                _array(m.get("values"), d, len(toks), f"{at}: '{name}'", None if pos is None else len(pos))
+                checked_array(m.get("values"), d, len(toks), f"{at}: '{name}'", None if pos is None else len(pos))
             )
             ex = m.get("extras", {})
             if not isinstance(ex, dict) or (b and set(ex) != set(extras.get(name, {}))):
@@ -142,14 +142,14 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
             for k, e in ex.items():
                 if not isinstance(e, dict):
                     raise MixlensError(f"{at}: extra '{name}.{k}' is not an object")
-                ed = _dims(e.get("dims"), Path(where), f"the axes of '{name}.{k}'")
+                ed = checked_dims(e.get("dims"), Path(where), f"the axes of '{name}.{k}'")
                 if extra_dims.setdefault((name, k), ed) != ed:
                     raise MixlensError(f"{at}: extra '{name}.{k}' has other axes than in input 1")
                 extras.setdefault(name, {}).setdefault(k, []).append(
-                    _array(e.get("values"), ed, len(toks), f"{at}: '{name}.{k}'")
+                    checked_array(e.get("values"), ed, len(toks), f"{at}: '{name}.{k}'")
                 )
         for v, r in ratio.items():
-            means.setdefault(v, []).append(_array(r, ("layer",), len(toks), f"{at}: mixing ratio '{v}'"))
+            means.setdefault(v, []).append(checked_array(r, ("layer",), len(toks), f"{at}: mixing ratio '{v}'"))
         err = inp.get("reconstruction_error")
         if not (err is None or isinstance(err, (int, float)) and not isinstance(err, bool)):
             raise MixlensError(f"{at}: 'reconstruction_error' must be a number or null")
@@ -198,9 +198,9 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
         )
         for v, ms in means.items()
     }
-    _check_layers(attributions, ratios, None, where)
+    check_layers(attributions, ratios, None, where)
     err_arr = None if errors[0] is None else np.asarray(errors, np.float32)
-    targets = None if all(t is None for t in explained) else _explained(explained, len(tokens), where)
+    targets = None if all(t is None for t in explained) else checked_explained(explained, len(tokens), where)
     res = cls(model, version, texts, tokens, attributions, ratios, err_arr, None, True, targets)
     res._ratio_means = {v: np.stack(ms) for v, ms in means.items()}
     return res

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 MAX_LAYERS = 1024  # layers a saved file may hold (real models have at most a few hundred)
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -68,7 +68,7 @@ def check_rows(
         raise MixlensError(f"{what}: input {int(np.argmin(seen)) + 1} has no values")
 
 
-def _get(man: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
+def checked_field(man: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
     if key not in man:
         raise MixlensError(f"{path}: missing field '{key}'")
     if not isinstance(man[key], kind) or isinstance(man[key], bool) and kind is not bool:
@@ -76,14 +76,14 @@ def _get(man: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Pat
     return man[key]
 
 
-def _tokens(man: dict[str, Any], path: Path) -> list[list[str]]:
-    tokens = _get(man, "tokens", list, path)
+def checked_tokens(man: dict[str, Any], path: Path) -> list[list[str]]:
+    tokens = checked_field(man, "tokens", list, path)
     if not tokens or not all(isinstance(t, list) and t and all(isinstance(x, str) for x in t) for t in tokens):
         raise MixlensError(f"{path}: 'tokens' must be a non-empty list of non-empty token lists")
     return tokens
 
 
-def _words(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int | None]] | None:
+def checked_words(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int | None]] | None:
     words = man.get("words")
     if words is None:
         return None
@@ -91,7 +91,7 @@ def _words(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[lis
         not isinstance(words, list)
         or len(words) != len(tokens)
         or not all(
-            isinstance(w, list) and len(w) == len(t) and all(x is None or _is_int(x) for x in w)
+            isinstance(w, list) and len(w) == len(t) and all(x is None or is_int(x) for x in w)
             for w, t in zip(words, tokens, strict=False)
         )
     ):
@@ -99,13 +99,13 @@ def _words(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[lis
     return words
 
 
-def _dims(value: object, path: Path, what: str) -> tuple[str, ...]:
+def checked_dims(value: object, path: Path, what: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(d, str) for d in value) or len(set(value)) != len(value):
         raise MixlensError(f"{path}: {what} must be a list of distinct axis names")
     return tuple(value)
 
 
-def _targets(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int]] | None:
+def checked_targets(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int]] | None:
     """The target positions of target-row mode from a manifest, checked against the tokens (None: every row)."""
     targets = man.get("targets")
     if targets is None:
@@ -122,7 +122,7 @@ def _targets(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[l
     return targets
 
 
-def _explained(value: object, n: int, where: str) -> list[dict[str, Any]] | None:
+def checked_explained(value: object, n: int, where: str) -> list[dict[str, Any]] | None:
     """Each input's explained target (`Explanation`), checked: None, or n objects with a string 'kind' and 'label',
     a number (or null) 'score', optionally a string 'foil' and the integer ids 'index' / 'foil_index'."""
     if value is None:
@@ -154,7 +154,7 @@ def _explained(value: object, n: int, where: str) -> list[dict[str, Any]] | None
     return value
 
 
-def _array(value: object, dims: tuple[str, ...], n: int, what: str, rows: int | None = None) -> np.ndarray:
+def checked_array(value: object, dims: tuple[str, ...], n: int, what: str, rows: int | None = None) -> np.ndarray:
     """Nested lists of numbers → a float32 array with one axis per name in `dims`, token axes of length n (the
     `target` axis of target-row mode: `rows`). Only numbers are accepted (not strings, booleans or null)."""
     if isinstance(value, (str, bytes)):
@@ -177,7 +177,7 @@ def _array(value: object, dims: tuple[str, ...], n: int, what: str, rows: int | 
     return a
 
 
-def _check_layers(
+def check_layers(
     attributions: Mapping[str, Attribution], ratios: Mapping[str, InputRows], bias: InputRows | None, where: str
 ) -> None:
     """Every 'layer' axis of a loaded analysis (methods, extras, mixing ratios, bias) has the same length, at most
@@ -225,7 +225,7 @@ def _check_extras(attributions: Mapping[str, Attribution], where: str) -> None:
                     )
 
 
-def _json_targets(value: object, dims: tuple[str, ...], n: int, what: str) -> list[int] | None:
+def checked_json_targets(value: object, dims: tuple[str, ...], n: int, what: str) -> list[int] | None:
     """The `targets` of one method of one input in analyze's JSON (target-row mode): distinct integer positions
     inside the input's n tokens, for a method with a `target` axis; None when absent."""
     if value is None:
@@ -235,7 +235,7 @@ def _json_targets(value: object, dims: tuple[str, ...], n: int, what: str) -> li
     if (
         not isinstance(value, list)
         or not value
-        or not all(_is_int(p) and 0 <= p < n for p in value)
+        or not all(is_int(p) and 0 <= p < n for p in value)
         or len(set(value)) != len(value)
     ):
         raise MixlensError(

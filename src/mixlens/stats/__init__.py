@@ -1,5 +1,5 @@
 """Statistics over attribution maps (token-type mass, entropy, head types, syntax, agreement)."""
 
-from mixlens import submodule_getattr
+from mixlens.lazy import submodule_getattr
 
 __getattr__ = submodule_getattr(__name__)  # `mixlens.stats.<module>` imports on first use

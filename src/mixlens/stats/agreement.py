@@ -15,6 +15,7 @@ import torch
 
 from mixlens.methods.attention import stacked_alpha
 from mixlens.methods.gradients import head_attribution, jacobian_norms
+from mixlens.protocol import LensLike
 from mixlens.stats.tokens import TOKEN_TYPES, token_kinds, token_type_masses
 
 SCORES = ("js", "pearson", "spearman")
@@ -116,7 +117,7 @@ class LocalGlobal:
 
 
 def compare_local_global(
-    lens,
+    lens: LensLike,
     texts: Iterable,
     *,
     batch_size: int = 8,
@@ -138,6 +139,7 @@ def compare_local_global(
         nonlocal n_inputs, n_rows
         [bt] = lens.batches(batch, len(batch), max_length, trace=True)
         tr = bt.trace
+        assert tr is not None  # trace=True
         attn = stacked_alpha(tr)  # [B, L, H, n, n]
         if on_batch:  # the JVPs are most of the time: advance as their chunks finish, not once per batch
             share = len(batch) * 0.99

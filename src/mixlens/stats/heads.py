@@ -25,6 +25,7 @@ import torch
 from mixlens.errors import MixlensError
 from mixlens.methods.attention import stacked_alpha
 from mixlens.methods.engine import head_vectors
+from mixlens.protocol import LensLike
 from mixlens.stats.clustering import js_divergence_sums
 from mixlens.stats.tokens import TOKEN_TYPES, row_entropy, token_kinds, token_type_masses
 from mixlens.trace import Trace
@@ -114,7 +115,7 @@ class HeadReport:
 
 
 def head_statistics(
-    lens,
+    lens: LensLike,
     texts: Sequence,
     *,
     views: Sequence[str] = VIEWS,
@@ -135,6 +136,7 @@ def head_statistics(
     n_inputs = 0
     # longest first, less padding; the means do not care about order. JS on the first `cluster_limit` inputs only
     for bt in lens.batches(list(texts), max(1, batch_size), max_length, order="length", trace=["attention"]):
+        assert bt.trace is not None  # a traced batch
         mask = bt.trace.mask.cpu()
         kinds = token_kinds(lens, bt.enc.inputs["input_ids"], mask)
         sel = torch.as_tensor(bt.index) < cluster_limit
@@ -165,8 +167,8 @@ def head_statistics(
 
 @torch.no_grad()
 def attention_similarity(
-    lens_a,
-    lens_b,
+    lens_a: LensLike,
+    lens_b: LensLike,
     texts: Sequence,
     *,
     batch_size: int = 32,
@@ -185,6 +187,7 @@ def attention_similarity(
     total: torch.Tensor | None = None
     n_inputs = 0
     for bt in lens_a.batches(list(texts), max(1, batch_size), max_length, order="length", trace=["attention"]):
+        assert bt.trace is not None  # a traced batch
         ma = stacked_alpha(bt.trace).flatten(-2)  # [B, L, H, n·n]; pad rows/columns are 0 in both
         mb = stacked_alpha(lens_b.trace(bt.enc, to_output=False)).flatten(-2)
         s = torch.nn.functional.cosine_similarity(ma, mb, dim=-1).sum(0)

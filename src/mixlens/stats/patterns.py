@@ -24,6 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mixlens.protocol import LensLike
+from mixlens.stats.heads import view_maps
+from mixlens.stats.tokens import token_kinds
+
 PATTERNS = ("vertical", "diagonal", "vertical+diagonal", "block", "heterogeneous")
 
 
@@ -97,7 +101,7 @@ def pattern_shares(labels: np.ndarray) -> np.ndarray:
 
 
 def classify_inputs(
-    lens,
+    lens: LensLike,
     texts,
     *,
     view: str = "attn",
@@ -109,11 +113,9 @@ def classify_inputs(
     """Pattern type of every head on every input: → [inputs, L, H] of str (in input order)."""
     import torch
 
-    from mixlens.stats.heads import view_maps
-    from mixlens.stats.tokens import token_kinds
-
     out: list = [None] * len(texts)
     for bt in lens.batches(list(texts), max(1, batch_size), max_length, order="length", trace=["attention"]):
+        assert bt.trace is not None  # a traced batch
         with torch.no_grad():
             maps = view_maps(bt.trace, view).cpu().numpy()
         seps = token_kinds(lens, bt.enc.inputs["input_ids"], bt.trace.mask)["sep"].numpy()

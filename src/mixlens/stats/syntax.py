@@ -30,6 +30,8 @@ import pandas as pd
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.protocol import LensLike
+from mixlens.stats.heads import view_maps
 
 DIRECTIONS = ("dep→head", "head→dep")
 OFFSETS = tuple(k for k in range(-5, 6) if k)
@@ -136,7 +138,7 @@ class SyntaxReport:
 
 
 def syntax_heads(
-    lens,
+    lens: LensLike,
     sentences: list[UdSentence],
     *,
     view: str = "attn",
@@ -145,7 +147,6 @@ def syntax_heads(
     on_batch: Callable[[int], None] | None = None,
 ) -> SyntaxReport:
     """Dependency accuracy of every head (and offset baselines) over UD `sentences`."""
-    from mixlens.stats.heads import view_maps
 
     if not sentences:
         raise MixlensError("no sentences given")
@@ -153,6 +154,7 @@ def syntax_heads(
     base: dict[str, np.ndarray] = {}  # rel → [2, len(OFFSETS)]
     counts: dict[str, int] = {}
     for bt in lens.batches([s.words for s in sentences], max(1, batch_size), max_length, trace=["attention"]):
+        assert bt.trace is not None  # a traced batch
         batch, tokens, words = [sentences[k] for k in bt.index], bt.enc.tokens, bt.enc.words
         with torch.no_grad():
             maps = view_maps(bt.trace, view).cpu()

@@ -7,6 +7,8 @@ from functools import lru_cache
 
 import torch
 
+from mixlens.protocol import LensLike
+
 TOKEN_TYPES = ("cls", "sep", "punct", "self", "prev", "next")
 
 
@@ -17,7 +19,7 @@ def is_punct(token: str) -> bool:
     return bool(t) and all(unicodedata.category(c).startswith("P") for c in t)
 
 
-def token_kinds(lens, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def token_kinds(lens: LensLike, input_ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Boolean source masks [B, n] for 'cls' (or bos), 'sep' (or eos) and 'punct', found by role."""
     tok = lens.tokenizer
     cls_ids = {i for i in (tok.cls_token_id,) if i is not None} or {i for i in (tok.bos_token_id,) if i is not None}

@@ -24,7 +24,7 @@ _CSS = """
 """
 
 
-def _rgb(v: float) -> tuple[int, int, int]:
+def diverging_rgb(v: float) -> tuple[int, int, int]:
     """v in [-1, 1] → white-centred diverging colour (blue < 0 < red)."""
     v = max(-1.0, min(1.0, v))
     end = (178, 24, 43) if v >= 0 else (33, 102, 172)
@@ -32,7 +32,7 @@ def _rgb(v: float) -> tuple[int, int, int]:
     return tuple(round(255 + (c - 255) * a) for c in end)  # type: ignore[return-value]
 
 
-def _scaled(s: np.ndarray) -> np.ndarray:
+def scaled_scores(s: np.ndarray) -> np.ndarray:
     top = float(np.abs(s).max()) if s.size else 0.0
     return s / top if top > 0 else np.zeros_like(s)
 
@@ -63,7 +63,7 @@ def position_note(expl: Any) -> str:
     )
 
 
-def _header(e) -> str:
+def target_header(e) -> str:
     t = e.target
     what = f"{t.kind} '{t.label}'" + (f" vs foil '{t.foil_label}'" if t.foil is not None else "")
     name = "logit difference" if t.foil is not None else ("cosine" if t.kind == "embedding" else "probability")
@@ -92,12 +92,12 @@ def render_fragment(expl) -> str:
     for k, e in enumerate(expl.inputs):
         parts.append(
             f'<p class="mlx-text">{k + 1}. {html.escape(e.text)} — '
-            f'<span class="mlx-target">{html.escape(_header(e))}</span></p><table class="mlx-hl">'
+            f'<span class="mlx-target">{html.escape(target_header(e))}</span></p><table class="mlx-hl">'
         )
         for m, s in e.scores.items():
             cells = []
-            for tok, v, w in zip(map(token_text, e.tokens), s, _scaled(np.asarray(s, dtype=float)), strict=True):
-                r, g, b = _rgb(float(w))
+            for tok, v, w in zip(map(token_text, e.tokens), s, scaled_scores(np.asarray(s, dtype=float)), strict=True):
+                r, g, b = diverging_rgb(float(w))
                 fg = "#fff" if abs(w) > 0.6 else "#1d1d1f"
                 cells.append(
                     f'<span class="mlx-tok" style="background:rgb({r},{g},{b});color:{fg}" '

@@ -12,13 +12,14 @@ import hashlib
 import html
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mixlens import catalog
 from mixlens.result import Analysis, Attribution
 from mixlens.viz.labels import token_text
 
@@ -30,7 +31,6 @@ MAX_LINKS = 3000  # lines drawn in the bipartite view
 SIG_DIGITS = 4
 PRECISION = f"values rounded to {SIG_DIGITS} significant digits"
 NONFINITE = "#ff00ff"  # NaN and ±inf cells and tokens (magenta: in neither colour map)
-START_METHODS = ("norm_resln", "norm_res", "norm", "globenc", "alti")  # the view opens on the decomposition
 
 
 @cache
@@ -72,22 +72,6 @@ def _flat(a: np.ndarray) -> list[float | str | None]:
 def _lead(a: Attribution) -> tuple[int, ...]:
     """The sizes of the axes before the token axes, read from one input (never the padded `values`)."""
     return tuple(int(s) for s in a.input(0).shape[: len(a.dims) - 2])
-
-
-def analyze_for_view(
-    lens: Any, texts: list[str], methods: Sequence[str], *, heads: bool = True, **kwargs: Any
-) -> tuple[Analysis, dict[str, Attribution]]:
-    """Run `methods` on `texts` for a report: their own (head-summed) maps, plus — with `heads` — per-head maps
-    of the methods that have them (a second pass), for the head selector. Keyword args go to `lens.analyze`."""
-    from mixlens.methods import get
-
-    res = lens.analyze(texts, methods, **kwargs)
-    with_heads = [m for m in res.attributions if get(m).head_dims]
-    if not (heads and with_heads):
-        return res, {}
-    opts = {k: v for k, v in (kwargs.pop("options", None) or {}).items() if k in with_heads}
-    per_head = lens.analyze(texts, with_heads, heads=True, options=opts, **kwargs)
-    return res, dict(per_head.attributions)
 
 
 def build_payload(
@@ -200,7 +184,7 @@ def build_payload(
             "choose them with --method"
         )
     names = [m["name"] for m in methods]
-    start = next((names.index(m) for m in START_METHODS if m in names), 0)
+    start = next((names.index(m) for m in catalog.defaults("html") if m in names), 0)  # opens on a decomposition
     return {
         "title": title or "mixlens report",
         "start_method": start,

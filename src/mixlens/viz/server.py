@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 from mixlens.errors import MixlensError
-from mixlens.viz.html import analyze_for_view, asset, build_payload, page
+from mixlens.result import Analysis, Attribution
+from mixlens.viz.html import asset, build_payload, page
 
 MAX_CHARS = 1000  # characters per typed input
 MAX_TOKENS = 128  # tokens per typed input
@@ -48,11 +49,26 @@ def log(line: str) -> None:
     sys.stderr.flush()
 
 
+class Analyzer(Protocol):
+    """What the viewer runs on a typed text; the command that starts it builds one from a loaded model
+    (`commands.report.ModelAnalyzer`), so the viewer itself runs no model."""
+
+    @property
+    def name(self) -> str: ...  # the model's, for the page title
+
+    @property
+    def methods(self) -> Sequence[str]: ...
+
+    def count_tokens(self, text: str) -> int: ...
+
+    def analyze(self, text: str) -> tuple[Analysis, dict[str, Attribution]]:
+        """The text's analysis and its per-head maps (method → `Attribution`) for the report view."""
+        ...
+
+
 @dataclass
 class ViewerConfig:
-    lens: Any  # mixlens.Lens
-    methods: Sequence[str]
-    heads: bool = True
+    analyzer: Analyzer
     max_chars: int = MAX_CHARS
     max_tokens: int = MAX_TOKENS
     files: dict[str, Path] = field(default_factory=dict)  # URL name → the report file it was given
@@ -135,8 +151,8 @@ def viewer_page(cfg: ViewerConfig) -> str:
         f'<link rel="icon" href="data:,"><style>{asset("report.css")}\n'
         "body{font:14px system-ui,sans-serif;margin:16px} textarea{font:inherit;max-width:100%}"
         ".mlx-status[data-error='1']{color:#b00020;font-weight:600}</style>\n"
-        f"<h1 style='font-size:20px'>mixlens viewer — {html.escape(getattr(cfg.lens, 'name', ''))}</h1>\n"
-        f"<p>Methods: {html.escape(', '.join(cfg.methods))}. Runs locally; nothing leaves this machine.</p>\n"
+        f"<h1 style='font-size:20px'>mixlens viewer — {html.escape(cfg.analyzer.name)}</h1>\n"
+        f"<p>Methods: {html.escape(', '.join(cfg.analyzer.methods))}. Runs locally; nothing leaves this machine.</p>\n"
         + (f"<p>Reports:</p><ul>{files}</ul>\n" if files else "")
         + '<div id="mlx-viewer"></div>\n'
     )
@@ -267,7 +283,7 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
                     f"input has {len(text)} characters; the limit is {cfg.max_chars}",
                 )
             with self.server.analysis:  # no model code runs once `stop` holds the lock
-                n_tok = len(cfg.lens.tokenizer(text)["input_ids"])
+                n_tok = cfg.analyzer.count_tokens(text)
             if n_tok > cfg.max_tokens:
                 return self._error(
                     HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
@@ -275,7 +291,7 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
                 )
             try:
                 with self.server.analysis:
-                    res, head_maps = analyze_for_view(cfg.lens, [text], cfg.methods, heads=cfg.heads)
+                    res, head_maps = cfg.analyzer.analyze(text)
                     payload = build_payload(res, head_maps=head_maps, title="mixlens viewer")
             except MixlensError as e:
                 return self._error(HTTPStatus.BAD_REQUEST, str(e))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixlens import catalog
 from mixlens.viz.labels import token_text
 from mixlens.viz.terminal.tables import print_table
 
-NORM_FAMILY = ("attention", "norm", "norm_res", "norm_resln")  # the methods the mixing-ratio table describes
 TOP_SOURCES = 3  # sources listed per token for map methods
 
 
@@ -29,7 +29,7 @@ def print_results(res: Any, methods: list[str], dtype: str = "float32") -> None:
     from rich.console import Console
 
     console = Console()
-    if any(m in NORM_FAMILY for m in methods):
+    if any(m in catalog.in_group("mixing-ratio") for m in methods):  # the methods the mixing-ratio table describes
         print_ratios(res, dtype)
     for m in methods:
         attr = res[m]

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from mixlens.viz.highlight import _header, _rgb, _scaled, position_note
+from mixlens.viz.highlight import diverging_rgb, position_note, scaled_scores, target_header
 from mixlens.viz.labels import token_text
 
 
@@ -24,7 +24,7 @@ def show_explanation(expl: Any, console: Any = None) -> None:
     width = console.width
     for k, e in enumerate(expl.inputs):
         console.print(Text(f"{k + 1}. {e.text}", style="bold"))
-        console.print(f"   {_header(e)}")
+        console.print(f"   {target_header(e)}")
         label = max(len(m) for m in e.scores) + 2
         noted = False
         tokens = [token_text(t) for t in e.tokens]
@@ -43,9 +43,9 @@ def show_explanation(expl: Any, console: Any = None) -> None:
                 s, norm = display_rows(m, np.asarray(s, dtype=float))
                 noted |= norm
                 row = Text((m + ("*" if norm else "")).ljust(label))
-                scaled = _scaled(s)
+                scaled = scaled_scores(s)
                 for j in range(start, stop):
-                    r, g, b = _rgb(float(scaled[j]))
+                    r, g, b = diverging_rgb(float(scaled[j]))
                     fg = "white" if abs(scaled[j]) > 0.6 else "black"
                     cell = f"{float(s[j]):+.2g}"[: cols[j] - 1].rjust(cols[j] - 1)
                     row.append(cell, style=f"{fg} on rgb({r},{g},{b})")
