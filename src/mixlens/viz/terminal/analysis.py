@@ -125,8 +125,8 @@ def print_ratios(res: Any, dtype: str = "float32") -> None:
 
 def error_line(error: float, share: Any, dtype: str) -> str:
     """'reconstruction error: max abs 5.4e+01 = 0.3× the bfloat16 tolerance (...)': the check's tolerance is relative
-    to max(1, |output|) per layer (`mixlens.methods.norms.TOLERANCES`), so the bare number means little alone."""
-    from mixlens.methods.norms import TOLERANCES
+    to max(1, |output|) per layer (`mixlens.methods.engine.TOLERANCES`), so the bare number means little alone."""
+    from mixlens.methods.engine import TOLERANCES
 
     rel = {str(k).removeprefix("torch."): v for k, v in TOLERANCES.items()}.get(dtype)
     line = f"reconstruction error: max abs {error:.2g}"
