@@ -26,7 +26,9 @@ CHEAP = {  # options that keep the slow methods small on a tiny model (their exa
     "head_attribution": {"mode": "estimate", "probes": 2},
 }
 HEADS = {"base": "AutoModel", "classifier": "AutoModelForSequenceClassification", "causal": "AutoModelForCausalLM"}
-CASES = [(f, h) for f in FAMILIES for h in HEADS if has_head(f, HEADS[h])]  # encoders have no causal LM
+CASES = [  # encoders have no causal LM; Granite has no sequence classifier
+    (f, h) for f in FAMILIES for h in HEADS if (h != "causal" or f in DECODERS) and has_head(f, HEADS[h])
+]
 
 
 def expected_refusal(name: str, lens) -> str | None:
