@@ -342,3 +342,14 @@ def test_oom_and_actor_death_are_named(tmp_path):
     inner = RuntimeError("UDF failed")
     inner.__cause__ = MixlensError("model folder 'x' does not exist")
     assert explain_failure(inner, ray) == "model folder 'x' does not exist"
+
+
+def test_layout_is_part_of_the_identity_only_when_not_the_default():
+    from dataclasses import replace
+
+    from mixlens.corpus.job import Job
+
+    job = Job(None, "m", "d.tsv", None, "sentence", None, ("norm",))
+    assert "layout" not in job.identity()  # job ids of existing runs stay the same
+    other = replace(job, layout="index")
+    assert other.identity()["layout"] == "index" and other.job_id != job.job_id
