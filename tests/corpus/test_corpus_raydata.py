@@ -160,6 +160,11 @@ def test_two_nodes_match_local(cluster, local, tiny_model, tmp_path):
     assert res.manifest["complete"] and res.manifest["ray"]["actors"] == 2
     assert res.manifest["job"]["layout"] == "index"
     same_numbers(loc, res)
+    before = _shard_files(tmp_path / "rd")
+    again = run_corpus(data, tmp_path / "rd", METHODS, model=tiny_model, shard_size=8, store="full",
+                       backend="ray-data", address="127.0.0.1:1")  # fmt: skip  # finished: no Ray is contacted
+    assert again.manifest["resumed_shards"] == len(before) and _shard_files(tmp_path / "rd") == before
+    assert {**again.manifest, "resumed_shards": 0} == res.manifest
 
 
 def _shard_files(out: Path) -> dict[str, bytes]:
