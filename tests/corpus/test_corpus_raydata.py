@@ -160,6 +160,11 @@ def test_two_nodes_match_local(cluster, local, tiny_model, tmp_path):
     assert res.manifest["complete"] and res.manifest["ray"]["actors"] == 2
     assert res.manifest["job"]["layout"] == "index"
     same_numbers(loc, res)
+    before = _shard_files(tmp_path / "rd")
+    again = run_corpus(data, tmp_path / "rd", METHODS, model=tiny_model, shard_size=8, store="full",
+                       backend="ray-data", address="127.0.0.1:1")  # fmt: skip  # finished: no Ray is contacted
+    assert again.manifest["resumed_shards"] == len(before) and _shard_files(tmp_path / "rd") == before
+    assert {**again.manifest, "resumed_shards": 0} == res.manifest
 
 
 def _shard_files(out: Path) -> dict[str, bytes]:
@@ -342,3 +347,14 @@ def test_oom_and_actor_death_are_named(tmp_path):
     inner = RuntimeError("UDF failed")
     inner.__cause__ = MixlensError("model folder 'x' does not exist")
     assert explain_failure(inner, ray) == "model folder 'x' does not exist"
+
+
+def test_layout_is_part_of_the_identity_only_when_not_the_default():
+    from dataclasses import replace
+
+    from mixlens.corpus.job import Job
+
+    job = Job(None, "m", "d.tsv", None, "sentence", None, ("norm",))
+    assert "layout" not in job.identity()  # job ids of existing runs stay the same
+    other = replace(job, layout="index")
+    assert other.identity()["layout"] == "index" and other.job_id != job.job_id

@@ -384,92 +384,107 @@ def run(
         except OSError as e:
             raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
         sh.remove_stale_temps(out)
+        old = sh.read_manifest(out)
         done = sh.finished_shards(out, job.job_id)
         claimed = claimed_indexes(out, done)
         resumed = len(done)
-        ray_info: dict[str, Any] = {}
+        was_complete = bool(old and old.get("complete") and old.get("job_id") == job.job_id)
+        was_complete = was_complete and {int(i["shard"]) for i in old["shards"]} <= set(done)  # type: ignore[index]
+        ray_info: dict[str, Any] = dict(old.get("ray", {})) if was_complete and old else {}
 
         def manifest(complete: bool) -> dict:
             m = build_manifest(out, job, done, resumed, skipped_counts(out), params, complete)
             return {**m, "ray": ray_info} if ray_info else m
 
         sh.write_manifest(out, manifest(False))
-        ray, started, logs = start_ray(cluster.address)
-        try:
-            res = ray.cluster_resources()
-            gpus = cluster.num_gpus if cluster.num_gpus is not None else (1.0 if job.device.startswith("cuda") else 0.0)
-            cpus = cluster.num_cpus if cluster.num_cpus is not None else (0.0 if gpus else 1.0)
-            n = cluster.concurrency or max(
-                1, int(res.get("GPU", 0) / gpus if gpus else res.get("CPU", 1) / max(cpus, 1))
-            )
-            ray_info.update(
-                {"address": cluster.address or "local", "actors": n, "num_cpus": cpus, "num_gpus": gpus, "logs": logs}
-            )
-            total = (
-                sum(p.rows or 0 for p in parts)
-                if fmt == "parquet"
-                else (count_records(data, fmt) if not is_hf and "://" not in data and len(files) == 1 else None)
-            )
-            bar = _Progress(max(total - claimed.size, 0) if total is not None else None) if progress else None
-            from ray.data import Datasource, ReadTask
-            from ray.data.block import BlockMetadata
-
-            done_ref = ray.put(claimed)
-
-            class _Source(Datasource):
-                def estimate_inmemory_data_size(self) -> int | None:
-                    return None
-
-                def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list:
-                    return [
-                        ReadTask(
-                            functools.partial(
-                                read_part, p, fmt or "text", tcol, pcol, strict, done_ref, str(out), job.shard_size
-                            ),
-                            BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None),
-                        )
-                        for p in parts
-                    ]
-
-            # blocks of about one shard: each is one task of the actor pool, which spreads them over actors and nodes
-            with _data_context(max(256, int(job.shard_size * row_bytes))), bar or contextlib.nullcontext():
-                ds = ray.data.read_datasource(_Source(), override_num_blocks=len(parts), num_cpus=0)
-                ds = ds.map_batches(
-                    ShardWriter,
-                    fn_constructor_args=(job, str(out), max(1, int(cpus or 1))),
-                    batch_size=job.shard_size,
-                    batch_format="pyarrow",
-                    compute=ray.data.ActorPoolStrategy(size=n),
-                    num_cpus=cpus,
-                    num_gpus=gpus,
-                    max_restarts=RETRIES,
-                    max_task_retries=RETRIES,
+        if not was_complete:  # a finished run is only checked and its aggregate rewritten: no Ray is started
+            ray, started, logs = start_ray(cluster.address)
+            try:
+                res = ray.cluster_resources()
+                gpus = (
+                    cluster.num_gpus
+                    if cluster.num_gpus is not None
+                    else (1.0 if job.device.startswith("cuda") else 0.0)
                 )
-                for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                    for text in b["info"].to_pylist():
-                        info = json.loads(text)
-                        done[int(info["shard"])] = info
-                        if bar:
-                            bar.advance(info["examples"])
-                    sh.write_manifest(out, manifest(False))
-        except KeyboardInterrupt:  # the manifest names every shard written so far, then the CLI says how to resume
-            done.update(sh.finished_shards(out, job.job_id))
-            sh.write_manifest(out, manifest(False))
-            raise
-        except Exception as e:
-            from_ray = isinstance(e, ray.exceptions.RayError) or type(e).__module__.startswith("ray")
-            if not from_ray:
+                cpus = cluster.num_cpus if cluster.num_cpus is not None else (0.0 if gpus else 1.0)
+                n = cluster.concurrency or max(
+                    1, int(res.get("GPU", 0) / gpus if gpus else res.get("CPU", 1) / max(cpus, 1))
+                )
+                ray_info.update(
+                    {
+                        "address": cluster.address or "local",
+                        "actors": n,
+                        "num_cpus": cpus,
+                        "num_gpus": gpus,
+                        "logs": logs,
+                    }
+                )
+                total = (
+                    sum(p.rows or 0 for p in parts)
+                    if fmt == "parquet"
+                    else (count_records(data, fmt) if not is_hf and "://" not in data and len(files) == 1 else None)
+                )
+                bar = _Progress(max(total - claimed.size, 0) if total is not None else None) if progress else None
+                from ray.data import Datasource, ReadTask
+                from ray.data.block import BlockMetadata
+
+                done_ref = ray.put(claimed)
+
+                class _Source(Datasource):
+                    def estimate_inmemory_data_size(self) -> int | None:
+                        return None
+
+                    def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list:
+                        return [
+                            ReadTask(
+                                functools.partial(
+                                    read_part, p, fmt or "text", tcol, pcol, strict, done_ref, str(out), job.shard_size
+                                ),
+                                BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None),
+                            )
+                            for p in parts
+                        ]
+
+                # blocks of about one shard: each is one task of the actor pool, spread over actors and nodes
+                with _data_context(max(256, int(job.shard_size * row_bytes))), bar or contextlib.nullcontext():
+                    ds = ray.data.read_datasource(_Source(), override_num_blocks=len(parts), num_cpus=0)
+                    ds = ds.map_batches(
+                        ShardWriter,
+                        fn_constructor_args=(job, str(out), max(1, int(cpus or 1))),
+                        batch_size=job.shard_size,
+                        batch_format="pyarrow",
+                        compute=ray.data.ActorPoolStrategy(size=n),
+                        num_cpus=cpus,
+                        num_gpus=gpus,
+                        max_restarts=RETRIES,
+                        max_task_retries=RETRIES,
+                    )
+                    for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                        for text in b["info"].to_pylist():
+                            info = json.loads(text)
+                            done[int(info["shard"])] = info
+                            if bar:
+                                bar.advance(info["examples"])
+                        sh.write_manifest(out, manifest(False))
+            except KeyboardInterrupt:  # the manifest names every shard written so far, then the CLI says how to resume
+                done.update(sh.finished_shards(out, job.job_id))
+                sh.write_manifest(out, manifest(False))
                 raise
-            done.update(sh.finished_shards(out, job.job_id))
-            sh.write_manifest(out, manifest(False))
-            kept = sum(i["examples"] for i in done.values())
-            raise MixlensError(
-                f"the Ray Data run stopped: {explain_failure(e, ray)}; {len(done)} shards ({kept} examples) are kept "
-                f"in {out}, rerun the same command to compute the rest" + (f" (Ray logs: {logs})" if logs else "")
-            ) from None
-        finally:
-            if started:
-                ray.shutdown()
+            except Exception as e:
+                from_ray = isinstance(e, ray.exceptions.RayError) or type(e).__module__.startswith("ray")
+                if not from_ray:
+                    raise
+                done.update(sh.finished_shards(out, job.job_id))
+                sh.write_manifest(out, manifest(False))
+                kept = sum(i["examples"] for i in done.values())
+                raise MixlensError(
+                    f"the Ray Data run stopped: {explain_failure(e, ray)}; {len(done)} shards ({kept} examples) are "
+                    f"kept in {out}, rerun the same command to compute the rest"
+                    + (f" (Ray logs: {logs})" if logs else "")
+                ) from None
+            finally:
+                if started:
+                    ray.shutdown()
         done.update(sh.finished_shards(out, job.job_id))  # files the actors wrote (the info rows say the same)
         claimed_indexes(out, done)
         sh.write_aggregate(out, sh.merge_shards(out, list(done)))
