@@ -105,4 +105,4 @@ def test_reconstruction_error_is_said_against_the_dtypes_tolerance(bundled, dtyp
     )
     assert code == 0, errs
     line = next(ln for ln in out.splitlines() if ln.startswith("reconstruction error"))
-    assert f"× the {dtype} tolerance" in line and f"to {TOLERANCES[getattr(torch, dtype)]:g} × max(1, |output|)" in line
+    assert f"× the {dtype} tolerance" in line and f"to {TOLERANCES[getattr(torch, dtype)]:g} × max(1, |output|)" in out

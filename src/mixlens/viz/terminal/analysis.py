@@ -132,7 +132,7 @@ def error_line(error: float, share: Any, dtype: str) -> str:
     line = f"reconstruction error: max abs {error:.2g}"
     if share is None or rel is None:
         return line
-    return (
-        f"{line} = {float(share.max()):.2g}× the {dtype} tolerance (each layer's sum is checked against the model's "
-        f"own output to {rel:g} × max(1, |output|); above it the run stops)"
+    return (  # two lines that fit 80 columns
+        f"{line} = {float(share.max()):.2g}× the {dtype} tolerance\n"
+        f"  (each layer's sum vs the model's own output, to {rel:g} × max(1, |output|))"
     )
