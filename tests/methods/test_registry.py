@@ -205,3 +205,16 @@ def test_a_huge_count_option_is_refused_before_loading(option, words, monkeypatc
     method = option.split(".")[0]
     code, _, err = run_cli(["analyze", "A text.", "--method", method, "--option", option], capsys)
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_repeated_option_is_refused(monkeypatch, capsys):
+    """#45 item 24: `--option a.k=1 --option a.k=2` silently kept the last value."""
+    import mixlens.lens
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_model)
+    argv = ["analyze", "A text.", "--method", "hta", "--option", "hta.probes=4", "--option", "hta.probes=8"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and "hta.probes is given twice (4 and 8)" in err and len(err.splitlines()) == 1, err
