@@ -297,8 +297,11 @@ def readout(
         fo = none if foil is None else torch.full((bsz,), resolve_index(kind, model.config, tokenizer, foil))
     if foil is not None and bool((fo == idx).any()):
         same = int((fo == idx).int().argmax())
+        given = foil if not isinstance(foil, (tuple, list)) else foil[same]
+        word = given if kind == "classifier" or tokenizer is None else repr(tokenizer.decode([int(fo[same])]))
+        named = f"'{given}'" if word == given else f"{word} (id {int(fo[same])})"
         raise MixlensError(
-            f"the foil '{foil if not isinstance(foil, (tuple, list)) else foil[same]}' is the target itself"
+            f"the foil {named} is the target itself"
             f"{f' (input {same + 1})' if isinstance(foil, (tuple, list)) else ''}; a contrast needs two different "
             f"{'classes' if kind == 'classifier' else 'tokens'}"
         )

@@ -378,3 +378,17 @@ def test_cli_prune_save_sst2_classifier(classifier, tmp_path, capsys):
     )
     assert code == 0 and "Traceback" not in err, err
     assert "pruned forward" in out and (tmp_path / "pruned" / "model.safetensors").is_file()
+
+
+def test_cli_prune_on_a_nan_metric_writes_a_null_interval(classifier, tmp_path, capsys, monkeypatch):
+    """#45 item 24: a metric that is not a number (e.g. a correlation over constant scores) wrote ci95 [0.0, 0.0],
+    an interval it never computed; it is null, with a note."""
+    from mixlens.bertology import tasks
+
+    monkeypatch.setattr(tasks.ClassificationTask, "score", lambda self, parts: float("nan"))
+    model_dir, data = classifier
+    code, out, err = run_cli(_prune_argv(model_dir, data, tmp_path / "o"), capsys)
+    assert code == 0, err
+    doc = json.loads((tmp_path / "o" / "prune.json").read_text())
+    assert not doc["heads"], doc["heads"]
+    assert doc["ci95"] == [None, None], doc["ci95"]

@@ -469,3 +469,26 @@ def test_cli_ratio_table_in_variant_order(tmp_path, tiny, capsys):
     header = next(ln for ln in capsys.readouterr().err.splitlines() if "layer" in ln and "ResLN-N" in ln)
     cols = [c.strip() for c in header.replace("┃", "|").split("|") if c.strip()]
     assert cols == ["layer", "W", "N", "Res-W", "Res-N", "ResLN-N"]
+
+
+def test_a_folder_holding_another_files_run_says_so(tmp_path, tiny, capsys):
+    """#45 item 24: a run of B.tsv into a folder holding A.tsv's run said "B.tsv changed since the run began"."""
+    a, b = synth(tmp_path / "A.tsv", 8), synth(tmp_path / "B.tsv", 8, seed=1)
+    base = ["corpus", "--model", tiny, "--out", str(tmp_path / "o"), "--shard-size", "4", "--quiet"]
+    assert cli(*base, "--data", str(a), "--method", "attention") == 0
+    capsys.readouterr()
+    assert cli(*base, "--data", str(b), "--method", "attention") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "changed since" not in err, err
+    assert "holds a different run" in err and "A.tsv" in err and "B.tsv" in err, err
+
+
+def test_a_bad_row_is_named_by_its_line_in_the_file(tmp_path):
+    """#45 item 24: the TSV reader counted lines from after the header (and without undecodable lines), so it
+    named the wrong line."""
+    path = tmp_path / "d.tsv"
+    path.write_bytes(b"\n" + b"sentence\tlabel\n" + b"a fine film\t1\n" + b"caf\xe9\t0\n" + b"one\ttwo\tthree\n")
+    skipped: list[str] = []
+    rows = list(iter_examples(path, on_skip=lambda kind, where: skipped.append(where)))
+    assert [r.text for r in rows] == ["a fine film"]
+    assert skipped == ["line 4 is not valid UTF-8", "line 5 has 3 fields, the header 2"], skipped

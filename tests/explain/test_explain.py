@@ -308,3 +308,17 @@ def test_unicode_digits_are_not_class_indices(saved, spec, capsys):
         capsys,
     )
     assert rc == 2 and f"no label '{spec}'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_valid_methods_listed_are_those_the_family_runs():
+    """#45 item 24: MPNet's "valid methods" list named flow_routes_tokens, which the family then refused."""
+    from mixlens.adapters import FAMILIES
+    from mixlens.explain.attributions import check_methods
+
+    mpnet = next(f for f in FAMILIES if f.name == "mpnet")
+    with pytest.raises(MixlensError, match="does not explain an encoder's prediction; valid: ") as e:
+        check_methods("encoder", ["decompx_logit"], mpnet)
+    valid = str(e.value).split("valid: ")[1].split(", ")
+    assert "flow_routes_tokens" not in valid and "attention" in valid
+    for m in valid:
+        assert check_methods("encoder", [m], mpnet) == [m]

@@ -196,6 +196,8 @@ def test_bad_input_one_line(tokenizer, method):
     with pytest.raises(MixlensError, match="is the target itself") as e:
         lens.analyze(SENTENCES[:1], [method], options={method: {"target": 5, "foil": 5}})
     assert "\n" not in str(e.value)
+    word = tokenizer.decode([5])
+    assert f"the foil {word!r} (id 5)" in str(e.value)  # #45 item 24: the word, not only its id
     with pytest.raises(MixlensError, match="not a function"):
         lens.analyze(SENTENCES[:1], [method], options={method: {"target": lambda out, inputs: out.logits[:, -1, 0]}})
     encoder = random_lens("bert", tokenizer)

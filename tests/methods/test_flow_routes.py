@@ -228,8 +228,22 @@ def test_bad_tau_is_one_line(tokenizer):
         assert "\n" not in str(e.value)
     with pytest.raises(MixlensError, match=r"flow_routes_tokens.tau must be a number in"):
         lens.analyze(SENTENCES[:1], ["flow_routes_tokens"], options={"flow_routes_tokens": {"tau": 1.0}})
-    with pytest.raises(MixlensError, match=r"flow_routes.tau must be a number in \[0, 1\]"):
+    with pytest.raises(MixlensError, match=r"flow_routes.tau must be a number in \(0, 1\)"):
         lens.analyze(SENTENCES[:1], ["flow_routes"], options={"flow_routes": {"tau": -0.5}})
+
+
+@pytest.mark.parametrize("tau", ["0", "1", "1.0"])
+def test_tau_0_or_1_is_refused_before_the_model_loads(tau, capsys, monkeypatch):
+    """#45 item 24: τ = 0 or 1 was refused only after the model had loaded (the registry allowed [0, 1])."""
+    import mixlens.lens
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_model)
+    argv = ["analyze", "A text.", "--method", "flow_routes", "--option", f"flow_routes.tau={tau}"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and "flow_routes.tau must be a number in (0, 1)" in err and len(err.splitlines()) == 1, err
 
 
 def test_encoders_are_refused_in_one_line(tokenizer):

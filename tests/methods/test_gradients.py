@@ -126,7 +126,7 @@ def test_analyze_and_cli_errors(tokenizer, tmp_path, capsys):
         (["--option", "hta.mode=fast"], "hta.mode must be one of exact, estimate, got 'fast'"),
         (["--option", "hta.input=pos"], "hta.input must be one of word, embedding"),
         (["--option", "hta.output=stderr"], "method 'hta' has no option 'output'"),
-        (["--option", "hta.mode=estimate", "--option", "hta.probes=1"], "hta.probes must be an integer ≥ 2"),
+        (["--option", "hta.mode=estimate", "--option", "hta.probes=1"], "hta.probes must be an integer in [2, 256]"),
     ):
         with pytest.raises(SystemExit) as e:
             main(["analyze", "hi there", "--method", "hta", "-o", str(tmp_path / "x.json"), *argv])

@@ -63,8 +63,8 @@ def test_option_cli_strings():
     assert parse_option("saliency", "reduction", '"l1"') == "l1"
     for method, key, raw, msg in (
         ("globenc_rollout", "normalize", "maybe", "globenc_rollout.normalize must be true or false, got 'maybe'"),
-        ("integrated_gradients", "steps", "1", "integrated_gradients.steps must be an integer ≥ 2, got 1"),
-        ("integrated_gradients", "steps", "2.5", "must be an integer ≥ 2, got '2.5'"),
+        ("integrated_gradients", "steps", "1", "integrated_gradients.steps must be an integer in [2, 1024], got 1"),
+        ("integrated_gradients", "steps", "2.5", "must be an integer in [2, 1024], got '2.5'"),
         ("saliency", "target", "len", "saliency.target must be an integer ≥ 0 or 'pred'"),
         ("hta", "output", "stderr", "method 'hta' has no option 'output'; options: input, mode, probes, seed"),
         ("nope", "x", "1", "unknown method 'nope'"),
@@ -97,7 +97,7 @@ def test_check_options_refuses_before_work(tokenizer, monkeypatch):
         raise AssertionError("a forward pass ran before the options were checked")
 
     monkeypatch.setattr(lens, "trace", no_forward)
-    with pytest.raises(MixlensError, match=r"hta\.probes must be an integer ≥ 2, got 1"):
+    with pytest.raises(MixlensError, match=r"hta\.probes must be an integer in \[2, 256\], got 1"):
         lens.analyze(SENTENCES[:1], ["hta"], options={"hta": {"mode": "estimate", "probes": 1}})
     with pytest.raises(MixlensError, match=r"globenc_rollout\.normalize must be true or false"):
         lens.analyze(SENTENCES[:1], ["globenc_rollout"], options={"globenc_rollout": {"normalize": "yes"}})
@@ -111,7 +111,7 @@ def test_cli_validates_options_before_loading(monkeypatch, capsys):
 
     monkeypatch.setattr(mixlens.lens, "load", no_model)
     for argv, msg in (
-        (["--method", "hta", "--option", "hta.probes=1"], "option hta.probes must be an integer ≥ 2"),
+        (["--method", "hta", "--option", "hta.probes=1"], "option hta.probes must be an integer in [2, 256]"),
         (["--method", "decompx", "--option", "decompx.value_bias=x"], "one of values, absdot"),
         (["--method", "norm", "--option", "norm.heads=true"], "method 'norm' has no option 'heads'"),
     ):
@@ -126,7 +126,7 @@ def test_methods_lists_typed_options(capsys):
         main(["methods"])
     assert e.value.code in (0, None)
     out = capsys.readouterr().out
-    assert "--option integrated_gradients.steps: an integer ≥ 2 (default 50)" in out
+    assert "--option integrated_gradients.steps: an integer in [2, 1024] (default 50)" in out
     assert "--option saliency.reduction: one of l2, l1, sum (default 'l2')" in out
     assert "--option globenc_rollout.normalize: true or false (default false)" in out
     assert "extra delta: [batch]" in out and "extra stderr: [batch, layer, target, source]" in out
@@ -227,3 +227,47 @@ def test_engine_doc_example_adds_a_method(tokenizer, capsys, tmp_path):
             parse_option("attention_peak", "power", "0")
     finally:
         REGISTRY.pop("attention_peak", None)
+
+
+def test_every_count_option_has_an_upper_bound():
+    """#45 item 21: `integrated_gradients.steps=10000000` asked for 728 TiB, `hta.probes=1e8` for 1.5 TB; every
+    integer option that sizes the work (steps, probes, samples) declares a maximum, checked before the model loads."""
+    sizing = [(m.name, o) for m in REGISTRY.values() for o in m.options if o.name in ("steps", "probes", "samples")]
+    assert len(sizing) >= 4
+    for name, o in sizing:
+        assert o.max is not None, f"{name}.{o.name} has no upper bound"
+        assert o.default is None or o.default <= o.max
+
+
+@pytest.mark.parametrize(
+    "option, words",
+    [
+        ("integrated_gradients.steps=10000000", "integrated_gradients.steps must be an integer in [2, "),
+        ("hta.probes=100000000", "hta.probes must be an integer in [2, "),
+        ("gradient_shap.samples=100000000", "gradient_shap.samples must be an integer in [1, "),
+        ("lime.samples=100000000", "lime.samples must be an integer in [2, "),
+    ],
+)
+def test_a_huge_count_option_is_refused_before_loading(option, words, monkeypatch, capsys):
+    import mixlens.lens
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_model)
+    method = option.split(".")[0]
+    code, _, err = run_cli(["analyze", "A text.", "--method", method, "--option", option], capsys)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_repeated_option_is_refused(monkeypatch, capsys):
+    """#45 item 24: `--option a.k=1 --option a.k=2` silently kept the last value."""
+    import mixlens.lens
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(mixlens.lens, "load", no_model)
+    argv = ["analyze", "A text.", "--method", "hta", "--option", "hta.probes=4", "--option", "hta.probes=8"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and "hta.probes is given twice (4 and 8)" in err and len(err.splitlines()) == 1, err

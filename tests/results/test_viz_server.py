@@ -213,6 +213,7 @@ def probe(tmp_path):
         files=report_files([tmp_path / "big.html"]),
         read_timeout=1.0,
         max_connections=4,
+        max_per_client=4,
     )
     srv = make_server(cfg, "127.0.0.1", 0)
     t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -444,3 +445,33 @@ def test_ctrl_c_stops_the_viewer_cleanly(busy):
         proc.stderr.close()
     assert rc == 0 and "Traceback" not in err and elapsed < 4.0, err
     assert err.rstrip().endswith("stopped (the analysis in progress was abandoned)" if busy else "stopped"), err
+
+
+def test_one_client_cannot_take_every_connection(tmp_path, capsys):
+    """#45 item 24: 32 slow connections from one client locked every other client out with 503; one client holds
+    at most `max_per_client` connections (here 2 of 4), so another is still served."""
+    cfg = ViewerConfig(
+        SimpleNamespace(name="probe"), ["attention"], read_timeout=2.0, max_connections=4, max_per_client=2
+    )
+    srv = make_server(cfg, "127.0.0.1", 0)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    port = srv.server_address[1]
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+    try:
+        for s in slow:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
+            assert read_reply(third, 1.0).startswith(b"HTTP/1.0 503")
+        other = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.2", 0))
+        with other:
+            other.sendall(b"GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            assert read_reply(other, 1.5).startswith(b"HTTP/1.0 200")
+    finally:
+        for s in slow:
+            s.close()
+        srv.shutdown()
+        srv.server_close()
+        t.join(5)
+    assert "more than 2 connections from 127.0.0.1" in capsys.readouterr().err

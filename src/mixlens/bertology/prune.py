@@ -193,7 +193,10 @@ def prune(
             on_step(1)
     base = task_outputs(lens, heldout)
     new = task_outputs(lens, heldout, ablations_for(chosen)) if chosen else base
-    ci = paired_bootstrap(heldout, base, new, n_resamples, seed) if chosen else (0.0, 0.0)
+    if chosen:
+        ci = paired_bootstrap(heldout, base, new, n_resamples, seed)
+    else:  # nothing removed: the difference is exactly 0, unless the metric itself is not a number
+        ci = (0.0, 0.0) if np.isfinite(heldout.score(base)) else (float("nan"), float("nan"))
     return PruneResult(
         selection.metric,
         selection.higher_is_better,

@@ -202,8 +202,8 @@ def _evaluate_data(
     if task != "faithfulness":
         evidence.check_rows(data, skip, limit)  # a bad file fails before the model loads (read once, not kept)
         lens = load(model, gguf_file=gguf_file, head=head)
-        rows = evidence.iter_rows(data, skip, limit)  # streamed through the tokenizer in chunks
-        texts, contrasts, left_out = evidence.prepare(lens.tokenizer, rows, max_tokens=lens.max_length)
+        stream = evidence.iter_rows(data, skip, limit)  # through the tokenizer in chunks
+        texts, contrasts, left_out = evidence.prepare(lens.tokenizer, stream, max_tokens=lens.max_length)
         if not texts:
             raise MixlensError(f"no prompt of '{data}' is usable: {left_out}")
         _evaluate_and_write(

@@ -305,7 +305,10 @@ def parse_options(items: Sequence[str] | None) -> dict[str, dict[str, object]]:
         method, dot, key = name.partition(".")
         if not (eq and dot and method and key):
             raise MixlensError(f"bad --option '{item}'; expected METHOD.KEY=VALUE, e.g. globenc_rollout.normalize=true")
-        out.setdefault(method, {})[key] = parse_option(method, key, raw)
+        value = parse_option(method, key, raw)
+        if key in out.get(method, {}):
+            raise MixlensError(f"--option {method}.{key} is given twice ({out[method][key]} and {value}); give it once")
+        out.setdefault(method, {})[key] = value
     return out
 
 

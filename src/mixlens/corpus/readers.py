@@ -147,12 +147,14 @@ def _delimited(path: Source, fmt: str) -> tuple[list[str], Iterator[dict[str, An
 
     def rows() -> Iterator[dict[str, Any] | _Bad]:
         bad: list[_Bad] = []
+        at = [0]  # the file's line number of the last line the reader took (a row ends there)
 
         def good_lines() -> Iterator[str]:
-            for _, line in lines:
+            for no, line in lines:
                 if isinstance(line, _Bad):
                     bad.append(line)
                     continue
+                at[0] = no
                 yield line
 
         reader = csv.reader(good_lines(), **kw)
@@ -162,16 +164,14 @@ def _delimited(path: Source, fmt: str) -> tuple[list[str], Iterator[dict[str, An
             except StopIteration:
                 break
             except csv.Error as e:
-                yield _Bad("malformed", f"row near line {reader.line_num}: {e}")
+                yield _Bad("malformed", f"line {at[0]}: {e}")
                 continue
             while bad:  # undecodable lines met while reading this row keep their place in the numbering
                 yield bad.pop(0)
             if not values or values == [""]:
                 continue  # blank line
             if len(values) != len(header):
-                yield _Bad(
-                    "malformed", f"line near {reader.line_num} has {len(values)} fields, the header {len(header)}"
-                )
+                yield _Bad("malformed", f"line {at[0]} has {len(values)} fields, the header {len(header)}")
                 continue
             yield dict(zip(header, values, strict=True))
         yield from bad

@@ -146,7 +146,8 @@ def _check_out(out: Path, job: Job, overwrite: bool) -> None:
     old = sh.read_manifest(out) if out.is_dir() and not overwrite else None
     if old is not None:
         was, now = old.get("job", {}).get("data_file"), job.identity()["data_file"]
-        if was is not None and now is not None and was != now:
+        same_file = old.get("job", {}).get("data") == job.identity()["data"]  # else: another file's run (below)
+        if same_file and was is not None and now is not None and was != now:
             raise MixlensError(
                 f"{job.data} changed since the run in {out} began (size, modification time or content "
                 "differ); use --overwrite to start afresh"

@@ -51,7 +51,8 @@ def check_methods(kind: str, methods: list[str], family: Any = None) -> list[str
             what = {"classifier": "a classifier's", "causal": "a causal LM's", "masked": "a masked LM's"}.get(
                 kind, "an encoder's"
             )
-            raise MixlensError(f"method '{m}' does not explain {what} prediction; valid: {', '.join(ok)}")
+            runs = [v for v in ok if family is None or get(v).refusal(family) is None]  # those the family runs
+            raise MixlensError(f"method '{m}' does not explain {what} prediction; valid: {', '.join(runs)}")
         why = None if family is None else spec.refusal(family)
         if why is not None:
             raise MixlensError(why)

@@ -89,6 +89,7 @@ TAU_OPTION = Option(
     TAU,
     min=0.0,
     max=1.0,
+    open=True,
     help="importance threshold τ in (0, 1): an edge is kept when its importance exceeds τ (0.04 as in the paper)",
 )
 POSITION_OPTION = Option(

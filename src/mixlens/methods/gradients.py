@@ -26,6 +26,8 @@ from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import LHTS, LTS, MethodOutput, Option, get, register
 from mixlens.trace import Edit, Trace, hooked
 
+MAX_PROBES = 256  # estimate mode keeps every probe's sample ([n, probes, ...]): memory grows with them
+
 INPUTS = ("word", "embedding")
 INPUT_POINTS = {"word": "embed", "embedding": "blocks.0.resid_pre"}  # the edit point that adds δ [B, n, d_in]
 MODES = ("exact", "estimate")
@@ -38,7 +40,7 @@ OPTIONS = (
         help="differentiate w.r.t. the word-piece embeddings or the embedding-layer output",
     ),
     Option("mode", str, "exact", choices=MODES, help="exact: n·d_in JVPs; estimate: Hutchinson probes (with stderr)"),
-    Option("probes", int, 16, min=2, help="Rademacher probes per source token (estimate mode)"),
+    Option("probes", int, 16, min=2, max=MAX_PROBES, help="Rademacher probes per source token (estimate mode)"),
     Option("seed", int, 0, min=0, help="probe seed (estimate mode)"),
 )
 _CHUNK_BUDGET = 2**22  # floats of one tangent activation [chunk, batch, tokens, 4·d] per vmapped call

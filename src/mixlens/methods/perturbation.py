@@ -26,6 +26,9 @@ from mixlens.methods.saliency import Target, scalar_fn
 from mixlens.targets import model_kind
 from mixlens.trace import Trace
 
+MAX_SHAP_SAMPLES = 1024  # expected-gradient samples (chunked: memory flat; time grows with them)
+MAX_LIME_SAMPLES = 10_000  # LIME keeps every sample's subset and output for its ridge fit
+
 TOKEN_BUDGET = 4096  # at most this many tokens per forward pass of the perturbations
 ACTIVATION_FLOATS = 1 << 28  # and about this many floats kept for the backward pass (1 GiB in float32)
 SEED = Option("seed", int, 0, help="seed of the samples")
@@ -95,7 +98,11 @@ def deeplift(trace: Trace, *, target: Target = "pred", foil: int | None = None, 
 
 @register(
     "gradient_shap",
-    options=(*TARGET_OPTIONS, Option("samples", int, 16, min=1, help="samples of expected gradients"), SEED),
+    options=(
+        *TARGET_OPTIONS,
+        Option("samples", int, 16, min=1, max=MAX_SHAP_SAMPLES, help="samples of expected gradients"),
+        SEED,
+    ),
     **TARGET_SCORES,
 )
 def gradient_shap(
@@ -135,7 +142,11 @@ def gradient_shap(
 
 @register(
     "lime",
-    options=(*TARGET_OPTIONS, Option("samples", int, 100, min=2, help="sampled token subsets per input"), SEED),
+    options=(
+        *TARGET_OPTIONS,
+        Option("samples", int, 100, min=2, max=MAX_LIME_SAMPLES, help="sampled token subsets per input"),
+        SEED,
+    ),
     **TARGET_SCORES,
 )
 def lime(

@@ -51,9 +51,10 @@ F = TypeVar("F", bound=MethodFn)  # a method function keeps its own signature th
 class Option:
     """One keyword option of a method: its type (bool, int, float or str), default and allowed values.
 
-    `min`/`max` bound numbers, `choices` lists the allowed strings, `optional` also allows None, `words` are
-    strings allowed besides an int (e.g. `target='pred'`), `python_callable` also allows a callable (Python API),
-    `per_input` also a tuple of values, one per input of the batch (Python API; e.g. each prompt's own target)."""
+    `min`/`max` bound numbers (`open`: themselves excluded), `choices` lists the allowed strings, `optional` also
+    allows None, `words` are strings allowed besides an int (e.g. `target='pred'`), `python_callable` also allows a
+    callable (Python API), `per_input` also a tuple of values, one per input of the batch (Python API; e.g. each
+    prompt's own target)."""
 
     name: str
     type: type
@@ -66,6 +67,7 @@ class Option:
     words: tuple[str, ...] = ()
     python_callable: bool = False
     per_input: bool = False
+    open: bool = False  # min and max themselves excluded: (min, max)
 
     def __post_init__(self) -> None:
         if self.type not in OPTION_TYPES:
@@ -78,7 +80,8 @@ class Option:
         else:
             kinds = [{bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.type]]
         if self.type in (int, float) and self.min is not None and self.max is not None:
-            kinds[0] += f" in [{_num(self.min)}, {_num(self.max)}]"
+            low, high = "()" if self.open else "[]"
+            kinds[0] += f" in {low}{_num(self.min)}, {_num(self.max)}{high}"
         elif self.type in (int, float) and self.min is not None:
             kinds[0] += f" ≥ {_num(self.min)}"
         elif self.type in (int, float) and self.max is not None:
@@ -127,6 +130,7 @@ class Option:
             ok = isinstance(value, str) and (self.choices is None or value in self.choices)
         if ok and self.type in (int, float):
             ok = (self.min is None or value >= self.min) and (self.max is None or value <= self.max)  # type: ignore
+            ok = ok and not (self.open and value in (self.min, self.max))
         if not ok:
             raise MixlensError(f"option {method}.{self.name} must be {self.expected()}, got {value!r}")
         return value

@@ -25,6 +25,8 @@ from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput
 from mixlens.targets import Readout, Spec, model_kind, positions, readout
 from mixlens.trace import Trace, hooked
 
+MAX_STEPS = 1024  # integration steps: chunked (memory stays flat), but the time grows with them
+
 REDUCTIONS = ("l2", "l1", "sum")
 KINDS = ("saliency", "grad_x_input", "integrated_gradients")
 BASELINES = ("zero", "pad")
@@ -259,7 +261,7 @@ def grad_x_input(
     options=(
         *TARGET,
         Option("baseline", str, "zero", choices=BASELINES, help="the embeddings integrated from: zeros or [PAD]s"),
-        Option("steps", int, 50, min=2, help="integration steps"),
+        Option("steps", int, 50, min=2, max=MAX_STEPS, help="integration steps"),
         Option(
             "internal_batch_size",
             int,

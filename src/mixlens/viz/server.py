@@ -3,8 +3,9 @@
 Standard library only (ThreadingHTTPServer), bound to 127.0.0.1 by default. It serves fixed routes and the
 report files it was given by name — it never maps a request path onto the file system — checks the Host
 header (DNS rebinding), accepts only same-origin JSON posts, and refuses oversize input with a clear message.
-Reading a request (headers and body) has one deadline in all, at most `max_connections` are served at once (the
-rest get 503 at once), and a failed request is one line on stderr, never a traceback.
+Reading a request (headers and body) has one deadline in all, at most `max_connections` are served at once and
+`max_per_client` from one client address (the rest get 503 at once), and a failed request is one line on stderr,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ MAX_CHARS = 1000  # characters per typed input
 MAX_TOKENS = 128  # tokens per typed input
 READ_TIMEOUT = 10.0  # seconds a client may take to send a whole request (headers and body)
 MAX_CONNECTIONS = 32  # connections served at once; more are answered 503 and closed
+MAX_PER_CLIENT = 8  # of them from one client address (slow connections of one client never lock out the others)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?")  # a Host header: name or [IPv6], port
 CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
@@ -74,6 +76,7 @@ class ViewerConfig:
     files: dict[str, Path] = field(default_factory=dict)  # URL name → the report file it was given
     read_timeout: float = READ_TIMEOUT  # seconds a client may take to send a whole request (headers and body)
     max_connections: int = MAX_CONNECTIONS  # connections served at once
+    max_per_client: int = MAX_PER_CLIENT  # of them from one client address
 
 
 class DeadlineReader(io.RawIOBase):
@@ -101,33 +104,54 @@ class ViewerServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int, max_per_client: int) -> None:
         self.slots = threading.BoundedSemaphore(max_connections)
-        self.max_connections = max_connections
+        self.max_connections, self.max_per_client = max_connections, max_per_client
+        self.clients: dict[str, int] = {}  # client address → connections it holds
+        self.counting = threading.Lock()
         self.analysis = threading.Lock()  # one model, one analysis at a time
         super().__init__(address, handler)
 
+    def _refuse(self, request: Any, client_address: Any, why: str) -> None:
+        try:
+            request.settimeout(0)  # never block the accepting thread
+            request.send(BUSY)
+        except OSError:
+            pass
+        log(f"{client_address[0]}: refused: {why}")
+        self.shutdown_request(request)
+
+    def _leave(self, client: str) -> None:
+        with self.counting:
+            self.clients[client] -= 1
+            if not self.clients[client]:
+                del self.clients[client]
+        self.slots.release()
+
     def process_request(self, request: Any, client_address: Any) -> None:
+        client = client_address[0]
         if not self.slots.acquire(blocking=False):
-            try:
-                request.settimeout(0)  # never block the accepting thread
-                request.send(BUSY)
-            except OSError:
-                pass
-            log(f"{client_address[0]}: refused: more than {self.max_connections} connections at once")
-            self.shutdown_request(request)
+            self._refuse(request, client_address, f"more than {self.max_connections} connections at once")
+            return
+        with self.counting:
+            mine = self.clients.get(client, 0)
+            if mine < self.max_per_client:
+                self.clients[client] = mine + 1
+        if mine >= self.max_per_client:
+            self.slots.release()
+            self._refuse(request, client_address, f"more than {self.max_per_client} connections from {client}")
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            self._leave(client)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._leave(client_address[0])
 
     def handle_error(self, request: Any, client_address: Any) -> None:  # one line, not a traceback
         e = sys.exc_info()[1]
@@ -299,7 +323,7 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
                 return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"analysis failed: {type(e).__name__}: {e}")
             self._send(HTTPStatus.OK, json.dumps(payload, allow_nan=False).encode(), "application/json")
 
-    return ViewerServer((host, port), Handler, cfg.max_connections)
+    return ViewerServer((host, port), Handler, cfg.max_connections, cfg.max_per_client)
 
 
 def report_files(paths: Sequence[Path]) -> dict[str, Path]:
