@@ -42,7 +42,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from mixlens import inplace
 from mixlens.adapters import Adapter, get_path
 from mixlens.errors import MixlensError
-from mixlens.memory import LONG_TOKENS, release
+from mixlens.memory import LONG_TOKENS, attention_bytes, check_fits, release
 from mixlens.rowattn import LazyMask, QKRows, attend, dense_mask, mask_interface
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
@@ -678,6 +678,15 @@ def run_traced(
         else:
             release(n_tokens)  # a long input: the layer's freed transients back to the system (`mixlens.memory`)
 
+    if not qk_rows and "input_ids" in inputs:  # α of every layer (one with a sink) is kept: does it fit?
+        batch, heads = int(inputs["input_ids"].shape[0]), adapter.n_heads
+        kept = 1 if sink is not None else adapter.n_layers
+        check_fits(
+            attention_bytes(batch, n_tokens, adapter.n_layers, heads, kept),
+            f"a trace of {batch} × {n_tokens} tokens ({kept} layer(s) × {heads} heads of [n, n] attention kept)",
+            "use fewer or shorter inputs, or the row mode (--targets last: no [n, n] attention kept)",
+            inputs["input_ids"].device,
+        )
     on_layer = layer_done if sink is not None or n_tokens >= LONG_TOKENS else None
     call = {**inputs, "use_cache": False} if adapter.family.causal else inputs  # one pass: no key / value cache
     with hooked(
