@@ -39,3 +39,23 @@ def test_the_command_line_says_it_in_one_line_with_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 1000)
     code, _, err = run_cli(["analyze", "A short input.", "--method", "attention"], capsys)
     assert code == 2 and "are available" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_attention_on_a_decoder_traces_in_row_mode(family, tokenizer):
+    """`attention` reads α by rows: on a causal LM its trace keeps q and K, no [B, H, n, n] per layer (what explain
+    and evaluate run for a long input); its target rows, and all rows when asked, equal the eager trace's."""
+    from mixlens.pipeline import run_methods
+    from tests.conftest import SENTENCES
+
+    lens = random_lens(family, tokenizer, head="AutoModelForCausalLM")
+    enc = lens.encode(SENTENCES)
+    with torch.no_grad():
+        rows = lens.trace_for(enc, ["attention"])
+        full = lens.trace(enc)
+    assert all(lt.qk is not None and lt.alpha.numel() == 0 for lt in rows.layers)
+    for heads in (False, True):
+        for targets in ("last", None):
+            got = run_methods(rows, ["attention"], heads=heads, targets=targets).values["attention"]
+            want = run_methods(full, ["attention"], heads=heads, targets=targets).values["attention"]
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
