@@ -75,3 +75,16 @@ def check_fits(need: int, what: str, hint: str, device: object = "cpu") -> None:
     have = available_bytes(device)
     if have is not None and need > have:
         raise MixlensError(f"{what} needs about {need / 1e9:.1f} GB but {have / 1e9:.1f} GB are available; {hint}")
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """One line for an allocation failure that got past `check_fits` (a method's own n × n results, another
+    process taking the memory meanwhile), or None when `e` is not one."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text:
+        detail = text.split(":", 1)[-1].strip() if "allocate" in text else type(e).__name__
+        return (
+            f"out of memory ({detail}); use fewer or shorter inputs, fewer methods, or the row mode "
+            "(--targets last) on a long decoder input"
+        )
+    return None

@@ -59,3 +59,17 @@ def test_attention_on_a_decoder_traces_in_row_mode(family, tokenizer):
             got = run_methods(rows, ["attention"], heads=heads, targets=targets).values["attention"]
             want = run_methods(full, ["attention"], heads=heads, targets=targets).values["attention"]
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_an_allocation_failure_is_one_line_with_exit_2(monkeypatch, capsys):
+    """An allocation that fails past the estimate (a method's own n × n results) ends in one line, exit code 2."""
+    from mixlens import trace
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 76204032000 bytes.")
+
+    monkeypatch.setattr(trace, "check_fits", fail)
+    code, _, err = run_cli(["analyze", "A short input.", "--method", "attention"], capsys)
+    assert code == 2 and "out of memory" in err and "76204032000 bytes" in err
+    assert len(err.strip().splitlines()) == 1
+    assert memory.out_of_memory(RuntimeError("shape mismatch")) is None  # other errors stay errors
