@@ -7,7 +7,8 @@ Cases (each in its own process, after loading the model; peak minus the loaded m
   floor any gradient method needs;
 - `attnlrp`: AttnLRP as mixlens runs it (attention through the fused kernels, the rules as hooks);
 - `attnlrp_eager`: the same with eager attention (each layer's [H, n, n] kept for the backward: the old path);
-- `explain3`: `explain` with alti_logit + attnlrp + logit_attn together (the shared trace plus each method).
+- `explain3`: `explain`'s alti_logit + attnlrp + logit_attn together (the shared trace plus each method);
+  `trace3`: that shared trace alone; `alti_logit`, `logit_attn`: each alone on its own trace.
 
 Targets (#45): AttnLRP at 8,192 tokens < 4 GB and ≤ 3× `fwd_bwd` (memory and time); `explain3` ≤ the largest method
 alone plus the shared trace.
@@ -70,6 +71,10 @@ if case == "fwd_bwd":
 elif case in ("attnlrp", "attnlrp_eager"):
     saliency.FUSED_ATTENTION = case == "attnlrp"
     get("attnlrp").fn(lens.trace_for(enc, ["attnlrp"]))
+elif case == "trace3":
+    tr = lens.trace_for(enc, ["alti_logit", "attnlrp", "logit_attn"])  # the shared trace alone
+elif case in ("alti_logit", "logit_attn"):
+    get(case).fn(lens.trace_for(enc, [case]))
 else:
     tr = lens.trace_for(enc, ["alti_logit", "attnlrp", "logit_attn"])  # the shared trace
     for m in ("alti_logit", "attnlrp", "logit_attn"):
