@@ -20,6 +20,7 @@ import typer
 from typer._click import exceptions as tx  # typer vendors click
 
 from mixlens.errors import MixlensError, ReconstructionError
+from mixlens.memory import out_of_memory
 
 app = typer.Typer(
     add_completion=False,
@@ -143,4 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print(f"mixlens: interrupted; {interrupted_note()}", file=sys.stderr)
         rc = 130
+    except (MemoryError, RuntimeError) as e:  # an allocation failure: one line, not a traceback
+        line = out_of_memory(e)
+        if line is None:
+            raise
+        print(f"mixlens: error: {line}", file=sys.stderr)
+        rc = 2
     sys.exit(rc if isinstance(rc, int) else 0)

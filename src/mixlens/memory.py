@@ -6,6 +6,10 @@ numba's threads, so the resident memory of a streamed 4,096-token pass grew by a
 live tensors grew by 4 MB (measured on SmolLM2-135M; docs/performance.md). `release()` asks glibc to return its free
 pages (`malloc_trim(0)`) once per layer of an input of at least `LONG_TOKENS` tokens; elsewhere (another C library,
 another system) it does nothing. It changes no setting: only memory already freed is returned.
+
+`check_fits` says before a pass starts when its attention matrices cannot fit the memory available (estimated from
+the batch, n, the layers and heads: `attention_bytes`), in one line instead of an allocation error or the kernel's
+out-of-memory kill.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+
+from mixlens.errors import MixlensError
 
 LONG_TOKENS = 1024  # inputs from this length on release freed memory after each layer
 
@@ -36,3 +42,49 @@ def release(n_tokens: int) -> None:
         fn = _trim()
         if fn is not None:
             fn(0)  # type: ignore[operator]
+
+
+ATTENTION_COPIES = 3  # an eager layer's transient [B, H, n, n] beyond the kept α: scores, softmax, its float32 copy
+
+
+def available_bytes(device: object = "cpu") -> int | None:
+    """Memory a request may still take: the system's MemAvailable (Linux), or a CUDA device's free memory; None
+    when unknown (no check)."""
+    if str(device).startswith("cuda"):
+        import torch  # start-up speed: this module is imported by the command modules
+
+        return int(torch.cuda.mem_get_info(str(device))[0]) if torch.cuda.is_available() else None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def attention_bytes(batch: int, n: int, layers: int, heads: int, kept_layers: int) -> int:
+    """Bytes of a traced pass's attention matrices: `kept_layers` layers' float32 α [B, H, n, n] held, plus the
+    transients of the layer running (`ATTENTION_COPIES`)."""
+    return 4 * batch * heads * n * n * (kept_layers + ATTENTION_COPIES)
+
+
+def check_fits(need: int, what: str, hint: str, device: object = "cpu") -> None:
+    """MixlensError, before the work starts, when `need` bytes exceed what the machine has available."""
+    have = available_bytes(device)
+    if have is not None and need > have:
+        raise MixlensError(f"{what} needs about {need / 1e9:.1f} GB but {have / 1e9:.1f} GB are available; {hint}")
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """One line for an allocation failure that got past `check_fits` (a method's own n × n results, another
+    process taking the memory meanwhile), or None when `e` is not one."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text:
+        detail = text.split(":", 1)[-1].strip() if "allocate" in text else type(e).__name__
+        return (
+            f"out of memory ({detail}); use fewer or shorter inputs, fewer methods, or the row mode "
+            "(--targets last) on a long decoder input"
+        )
+    return None

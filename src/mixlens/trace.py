@@ -42,8 +42,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from mixlens import inplace
 from mixlens.adapters import Adapter, Layer, get_path
 from mixlens.errors import MixlensError
-from mixlens.memory import LONG_TOKENS, release
-from mixlens.rowattn import QKRows, attend, dense_mask, mask_interface
+from mixlens.memory import LONG_TOKENS, attention_bytes, check_fits, release
+from mixlens.rowattn import LazyMask, QKRows, attend, dense_mask, mask_interface
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 LayerSink = Callable[[int, "LayerTrace"], None]  # (layer index, that layer's complete record) → None
@@ -152,10 +152,20 @@ class _Stop(Exception):
 class _Session:
     """One hooked forward pass: the edits, the layers run (start..stop), the layer running now, the record."""
 
-    def __init__(self, adapter: Adapter, edits: dict[str, Edit], start: int, stop: int, qk_rows: bool = False):
+    def __init__(
+        self,
+        adapter: Adapter,
+        edits: dict[str, Edit],
+        start: int,
+        stop: int,
+        qk_rows: bool = False,
+        fused: bool = False,
+    ):
         self.edits = edits
         # attention rows from q and K (`mixlens.rowattn`): no [B, H, n, n] α; not where α takes a per-head bias (ALiBi)
         self.qk_rows = qk_rows and adapter.family.row_mode
+        # attention through torch's fused kernels, nothing recorded: no [B, H, n, n] α kept (not MPNet's own route)
+        self.fused = fused and adapter.family.probs is None
         self.inplace = adapter.family.inplace_attention
         self.causal = adapter.family.causal
         self.start, self.stop = start, stop
@@ -244,6 +254,8 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     layer = s.layer
     value = s.edit(f"blocks.{layer}.attn.v", value)
     p_name, z_name = f"blocks.{layer}.attn.pattern", f"blocks.{layer}.attn.z"
+    if s.fused and p_name not in s.edits and z_name not in s.edits and kwargs.get("softcap") is None:
+        return _fused_attention(query, key, value, attention_mask, kwargs.get("scaling"), module.training, kwargs)
     if s.qk_rows and p_name not in s.edits and z_name not in s.edits and not module.training:
         scaling = kwargs.get("scaling")
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -264,10 +276,37 @@ def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     return out, alpha
 
 
+def _fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: Any,
+    scaling: float | None,
+    training: bool,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """softmax(q kᵀ · scaling + mask) v through `torch.nn.functional.scaled_dot_product_attention` (its flash /
+    memory-efficient kernels: the forward keeps no [B, H, n, n] α and the backward recomputes it blockwise; the
+    gradient is the attention's own, as eager autograd gives it). query [B, H, n, d_h], key and value
+    [B, H_kv, n, d_h], mask additive [B, 1, n, n], a `rowattn.LazyMask` or None → ([B, n, H, d_h], None), the layout
+    eager attention returns."""
+    heads = query.shape[1]
+    key, value = repeat_kv(key, heads), repeat_kv(value, heads)
+    causal = isinstance(mask, LazyMask) and mask.causal_only
+    dense = None if causal or mask is None else dense_mask(mask).to(query.dtype)
+    if dense is not None and dense.shape[-1] != key.shape[-2]:
+        dense = dense[..., : key.shape[-2]]  # as eager attention slices it
+    p = float(kwargs.get("dropout", 0.0)) if training else 0.0
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=dense, dropout_p=p, is_causal=causal, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _mask(*args: Any, **kwargs: Any) -> Any:
-    """transformers' eager mask, or in a row-mode session a `rowattn.LazyMask` (no [B, 1, n, n] floats)."""
+    """transformers' eager mask, or in a row-mode or fused session a `rowattn.LazyMask` (no [B, 1, n, n] floats)."""
     s = _SESSION.get()
-    if s is not None and s.qk_rows:
+    if s is not None and (s.qk_rows or s.fused):
         return mask_interface(*args, **kwargs)
     return eager_mask(*args, **kwargs)
 
@@ -462,6 +501,7 @@ def hooked(
     stop_at_mix: bool = False,
     on_layer: Callable[[int], None] | None = None,
     qk_rows: bool = False,
+    fused_attention: bool = False,
 ) -> Iterator[dict[str, list[torch.Tensor]]]:
     """Capture hooks and `edits` (edit point name → fn, see the module docstring) for ONE model call.
 
@@ -478,11 +518,15 @@ def hooked(
       for a pass stopped there (the record may be thinned in it, e.g. α dropped).
     - `qk_rows`: attention through `ALL_ATTENTION_FUNCTIONS` records a `rowattn.QKRows` in `alpha` instead of α
       (no [B, H, n, n] tensor; not with attention edits of that layer). The family's own route (MPNet) records α.
+    - `fused_attention`: attention through `ALL_ATTENTION_FUNCTIONS` runs in torch's fused kernels
+      (`scaled_dot_product_attention`) and records neither α nor v: a gradient pass (saliency, AttnLRP) then keeps no
+      [B, H, n, n] per layer for its backward. Not for layers with attention edits, nor with a logit soft-cap
+      (Gemma 2: eager, as without it); the family's own route (MPNet) is unchanged.
     """
     edits = dict(edits or {})
     stop = _check(adapter, edits, start, stop_after, resid_pre)
     edits = _with_defaults(adapter, edits, start, stop)
-    s = _Session(adapter, edits, start, stop, qk_rows)
+    s = _Session(adapter, edits, start, stop, qk_rows, fused_attention)
     rec = s.rec
     halt_out = stop_after is not None and not stop_at_mix
     modules = list({id(lay.module): lay.module for lay in adapter.layers}.values())  # ALBERT shares them
@@ -696,6 +740,15 @@ def run_traced(
         else:
             release(n_tokens)  # a long input: the layer's freed transients back to the system (`mixlens.memory`)
 
+    if not qk_rows and "input_ids" in inputs:  # α of every layer (one with a sink) is kept: does it fit?
+        batch, heads = int(inputs["input_ids"].shape[0]), adapter.n_heads
+        kept = 1 if sink is not None else adapter.n_layers
+        check_fits(
+            attention_bytes(batch, n_tokens, adapter.n_layers, heads, kept),
+            f"a trace of {batch} × {n_tokens} tokens ({kept} layer(s) × {heads} heads of [n, n] attention kept)",
+            "use fewer or shorter inputs, or the row mode (--targets last: no [n, n] attention kept)",
+            inputs["input_ids"].device,
+        )
     on_layer = layer_done if sink is not None or n_tokens >= LONG_TOKENS else None
     call = {**inputs, "use_cache": False} if adapter.family.causal else inputs  # one pass: no key / value cache
     with hooked(

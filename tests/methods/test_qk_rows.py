@@ -39,6 +39,6 @@ def test_qk_traces_give_the_values_of_alpha_traces(family, tokenizer):
 def test_an_encoder_or_another_method_keeps_alpha(tokenizer):
     lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM")
     enc = lens.encode(SENTENCES[:1])
-    assert lens.trace_for(enc, ["alti_logit", "attention"], output=True).layers[0].alpha.numel() > 0
+    assert lens.trace_for(enc, ["alti_logit", "alti"], output=True).layers[0].alpha.numel() > 0
     bert = random_lens("bert", tokenizer)
     assert bert.trace_for(bert.encode(SENTENCES[:1]), ["flow_routes"]).layers[0].qk is None

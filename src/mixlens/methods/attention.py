@@ -6,7 +6,7 @@ import torch
 
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import LHTS, register
-from mixlens.trace import Trace
+from mixlens.trace import LayerTrace, Trace
 
 ALPHA_MEAN = "alpha_mean"  # memo key: the head-mean α [B, L, n, n] (also a by-product of the norm engine)
 
@@ -29,7 +29,7 @@ def target_alpha(trace: Trace, index: int) -> torch.Tensor:
         return kept[index]
     rows = targets_of(trace)
     assert rows is not None, "target rows of a trace in target-row mode"
-    return alpha_rows(trace.layers[index].alpha.float(), rows)
+    return trace.layers[index].alpha_rows(rows)  # from α, or in row mode from q and K (no [B, H, n, n])
 
 
 def stacked_alpha(trace: Trace) -> torch.Tensor:
@@ -38,11 +38,27 @@ def stacked_alpha(trace: Trace) -> torch.Tensor:
     rows = targets_of(trace)
     if rows is not None:
         return torch.stack([target_alpha(trace, i) for i in range(len(trace.layers))], dim=1)
-    a = torch.stack([lt.alpha for lt in trace.layers], dim=1).float()
+    a = torch.stack([_full_alpha(trace, lt) for lt in trace.layers], dim=1).float()
     return a * trace.mask[:, None, None, :, None]
 
 
-@register("attention", head_dims=LHTS, target_rows=True, explains=True, default_in={"analyze": 0}, group="mixing-ratio")
+def _full_alpha(trace: Trace, lt: LayerTrace) -> torch.Tensor:
+    """α [B, H, n, n] of one layer: as traced, or (a row-mode trace, asked for every row) rebuilt from q and K."""
+    if lt.qk is None:
+        return lt.alpha
+    bsz, n = trace.mask.shape
+    return lt.alpha_rows(torch.arange(n, device=trace.mask.device).expand(bsz, n))
+
+
+@register(
+    "attention",
+    head_dims=LHTS,
+    target_rows=True,
+    explains=True,
+    qk_rows=True,
+    default_in={"analyze": 0},
+    group="mixing-ratio",
+)
 def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """Attention weights α (head mean unless heads=True)."""
     if heads:
@@ -53,5 +69,5 @@ def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
         if targets_of(trace) is not None:
             return stacked_alpha(trace).mean(2)
         pair = trace.mask[:, :, None] & trace.mask[:, None, :]
-        kept = memo.put(ALPHA_MEAN, torch.stack([lt.alpha.float().mean(1) * pair for lt in trace.layers], dim=1))
+        kept = memo.put(ALPHA_MEAN, torch.stack([_full_alpha(trace, lt).float().mean(1) * pair for lt in trace.layers], dim=1))
     return kept

@@ -31,6 +31,7 @@ REDUCTIONS = ("l2", "l1", "sum")
 KINDS = ("saliency", "grad_x_input", "integrated_gradients")
 BASELINES = ("zero", "pad")
 IG_TOKENS_PER_CHUNK = 2048  # default tokens per integrated-gradients chunk (input × step rows × tokens)
+FUSED_ATTENTION = True  # gradient passes through torch's fused attention (no [B, H, n, n] kept for the backward)
 Target = Spec
 
 
@@ -89,8 +90,9 @@ class LogitRows:
 
 
 def _forward(trace: Trace, emb: torch.Tensor, inputs: dict[str, torch.Tensor], kwargs: dict[str, torch.Tensor]):
-    """The model's output with the word embeddings replaced by `emb` [B, n, d] (edit point `embed`, no capture)."""
-    with hooked(trace.adapter, {"embed": lambda _: emb}):
+    """The model's output with the word embeddings replaced by `emb` [B, n, d] (edit point `embed`, no capture;
+    attention in torch's fused kernels when `FUSED_ATTENTION`: its backward keeps no [B, H, n, n] per layer)."""
+    with hooked(trace.adapter, {"embed": lambda _: emb}, fused_attention=FUSED_ATTENTION):
         return trace.model(**inputs, **kwargs)
 
 

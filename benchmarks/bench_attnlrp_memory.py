@@ -1,0 +1,124 @@
+"""AttnLRP's memory on a long decoder input: peak RSS of a fresh process per case, on SmolLM2-135M (the real
+checkpoint when fetched into ~/.cache/mixlens/models/smollm2-135m-instruct, else a random model of its size).
+
+Cases (each in its own process, after loading the model; peak minus the loaded model is the work's own memory;
+`--device cuda`: peak allocated GPU memory instead of RSS):
+- `fwd_bwd`: the model's plain forward + backward of the target logit through torch's fused attention (SDPA), the
+  floor any gradient method needs;
+- `attnlrp`: AttnLRP as mixlens runs it (attention through the fused kernels, the rules as hooks);
+- `attnlrp_eager`: the same with eager attention (each layer's [H, n, n] kept for the backward: the old path);
+- `explain3`: `explain`'s alti_logit + attnlrp + logit_attn together (the shared trace plus each method);
+  `trace3`: that shared trace alone; `alti_logit`, `logit_attn`: each alone on its own trace.
+
+Targets (#45): AttnLRP at 8,192 tokens < 4 GB and ≤ 3× `fwd_bwd` (memory and time); `explain3` ≤ the largest method
+alone plus the shared trace.
+
+    python benchmarks/bench_attnlrp_memory.py [--tokens 8192] [--dtype float32] [--cases attnlrp,fwd_bwd]
+        [--device cuda] [--random]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from rss import HERE
+
+CODE = """
+import sys, time, torch
+sys.path.insert(0, {here!r})
+from pathlib import Path
+from rss import peak_gib
+from transformers.utils import logging
+logging.set_verbosity_error()
+import transformers as T, mixlens
+from mixlens.methods import get, saliency
+torch.set_num_threads(int({threads}))
+dtype = getattr(torch, {dtype!r})
+path = Path.home() / ".cache/mixlens/models/smollm2-135m-instruct"
+dev = {device!r}
+if (path / "config.json").is_file() and not {random}:
+    lens = mixlens.load(str(path), dtype={dtype!r}, device=dev)
+    weights = "real"
+else:
+    tok = T.AutoTokenizer.from_pretrained(mixlens.lens.default_model_path())
+    cfg = T.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                        num_key_value_heads=3, vocab_size=tok.vocab_size, max_position_embeddings=16384,
+                        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(dtype).to(dev).eval()
+    lens = mixlens.Lens(model, tok, name="random-smollm2")
+    weights = "random"
+n, case = int({n}), {case!r}
+ids = [[(7 * i) % 1000 + 100 for i in range(n)]]
+enc = lens.encode_ids(ids)
+enc.inputs.pop("token_type_ids", None)
+cuda = dev.startswith("cuda")
+if cuda:
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() / 2**30
+else:
+    base = peak_gib()
+t0 = time.perf_counter()
+if case == "fwd_bwd":
+    lens.model.set_attn_implementation("sdpa")
+    emb = lens.model.get_input_embeddings()(enc.inputs["input_ids"]).detach().requires_grad_(True)
+    logit = lens.model(inputs_embeds=emb, attention_mask=enc.inputs["attention_mask"], logits_to_keep=1).logits
+    (g,) = torch.autograd.grad(logit[0, -1].max(), emb)
+elif case in ("attnlrp", "attnlrp_eager"):
+    saliency.FUSED_ATTENTION = case == "attnlrp"
+    get("attnlrp").fn(lens.trace_for(enc, ["attnlrp"]))
+elif case == "trace3":
+    tr = lens.trace_for(enc, ["alti_logit", "attnlrp", "logit_attn"])  # the shared trace alone
+elif case in ("alti_logit", "logit_attn"):
+    get(case).fn(lens.trace_for(enc, [case]))
+else:
+    tr = lens.trace_for(enc, ["alti_logit", "attnlrp", "logit_attn"])  # the shared trace
+    for m in ("alti_logit", "attnlrp", "logit_attn"):
+        get(m).fn(tr)
+if cuda:
+    torch.cuda.synchronize()
+dt = time.perf_counter() - t0
+print(weights, base, torch.cuda.max_memory_allocated() / 2**30 if cuda else peak_gib(), dt)
+"""
+
+
+def run(case: str, n: int, dtype: str, threads: int, device: str, random: bool) -> dict:
+    code = CODE.format(here=HERE, n=n, case=case, dtype=dtype, threads=threads, device=device, random=random)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        return {"case": case, "tokens": n, "error": out.stderr.strip().splitlines()[-1][:200]}
+    weights, base, peak, dt = out.stdout.split()[-4:]
+    return {
+        "case": case,
+        "tokens": n,
+        "dtype": dtype,
+        "device": device,
+        "weights": weights,
+        "model_loaded_gib": round(float(base), 3),
+        "peak_gib": round(float(peak), 3),
+        "work_gib": round(float(peak) - float(base), 3),
+        "seconds": round(float(dt), 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cases", default="fwd_bwd,attnlrp,attnlrp_eager,explain3")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (peak allocated GPU memory)")
+    ap.add_argument("--random", action="store_true", help="a random SmolLM2-sized model even when the real one is here")
+    a = ap.parse_args()
+    rows = [run(c, a.tokens, a.dtype, a.threads, a.device, a.random) for c in a.cases.split(",")]
+    for r in rows:
+        print(json.dumps(r))
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other work on the machine slows the times)")
+
+
+if __name__ == "__main__":
+    main()
