@@ -69,5 +69,6 @@ def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
         if targets_of(trace) is not None:
             return stacked_alpha(trace).mean(2)
         pair = trace.mask[:, :, None] & trace.mask[:, None, :]
-        kept = memo.put(ALPHA_MEAN, torch.stack([_full_alpha(trace, lt).float().mean(1) * pair for lt in trace.layers], dim=1))
+        means = [_full_alpha(trace, lt).float().mean(1) * pair for lt in trace.layers]
+        kept = memo.put(ALPHA_MEAN, torch.stack(means, dim=1))
     return kept
