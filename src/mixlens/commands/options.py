@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -140,6 +141,9 @@ def check_method_names(given: Sequence[str]) -> None:
     from mixlens.errors import did_you_mean
 
     valid = [m["name"] for m in load()]
+    registry = sys.modules.get("mixlens.methods.registry")  # already imported: methods registered in this process
+    if registry is not None:  # (a plug-in's, not in the shipped catalog) count too; a fresh CLI process has none
+        valid += [n for n in registry.REGISTRY if n not in valid]
     for name in given:
         if name not in valid and name != "all":
             raise MixlensError(f"unknown method '{name}'{did_you_mean(name, valid)}; valid methods: {', '.join(valid)}")

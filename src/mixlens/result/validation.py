@@ -202,8 +202,8 @@ def check_layers(
 
 
 def _check_extras(attributions: Mapping[str, Attribution], where: str) -> None:
-    """The extras of a method the registry knows have the axes it declares (the shipped catalog: no torch), and
-    `flow_routes`' position is an integer inside its input."""
+    """The extras of a method the registry knows have the axes it declares (the shipped catalog: no torch), and an
+    extra named `position` (the explained token, e.g. the flow routes') is an integer inside its input."""
     from mixlens.catalog import load
 
     declared = {m["name"]: m["extras"] for m in load()}
@@ -214,13 +214,13 @@ def _check_extras(attributions: Mapping[str, Attribution], where: str) -> None:
                 raise MixlensError(
                     f"{where}: extra '{name}.{k}' has the axes {list(st.dims)}; {name} writes {list(want)}"
                 )
-        if name == "flow_routes" and "position" in a.extra_store:
+        if "position" in a.extra_store:
             st = a.extra_store["position"]
             for b, toks in enumerate(a.tokens):
                 p = float(st.row(b))
                 if not (p == int(p) if np.isfinite(p) else False) or not 0 <= p < len(toks):
                     raise MixlensError(
-                        f"{where}: input {b + 1}: 'flow_routes.position' is {p:g}, not a token position of its "
+                        f"{where}: input {b + 1}: '{name}.position' is {p:g}, not a token position of its "
                         f"{len(toks)} tokens"
                     )
 
