@@ -1,6 +1,6 @@
 """Every experiments script the documentation names runs (issue 45, item 5: `python experiments/real_models.py`, the
-command of docs/models.md, crashed on a keyword renamed in `Lens.trace`). The scripts named in README.md and
-docs/*.md are exactly those below; each documented flag is one the script takes; each script runs on a tiny input
+command of docs/findings/models.md, crashed on a keyword renamed in `Lens.trace`). The scripts named in README.md and
+docs/**/*.md are exactly those below; each documented flag is one the script takes; each script runs on a tiny input
 (the SST-2 / STS-B files of ../shared/data, skipped when absent; real_models.py on a small random model saved as a
 checkpoint folder)."""
 
@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import data_file, random_model
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 NAMED = re.compile(r"experiments/([\w.-]+\.(?:py|sh))([^`\n]*)")
 # script → its tiny run (argv after the script; {sst2}, {stsb}, {out}, {models} filled in), or why it is not run here
 TINY: dict[str, list[str] | str] = {

@@ -1,4 +1,4 @@
-"""The data model and metrics of `evaluate` (docs/evaluate.md): an `Evaluation` holds the scored `Example`s and
+"""The data model and metrics of `evaluate` (docs/findings/evaluate.md): an `Evaluation` holds the scored `Example`s and
 computes every metric from them; it is what evaluation.json saves and loads.
 
 f(x) is the target's probability (classifiers, causal LMs) or the cosine of the pooled embedding to the

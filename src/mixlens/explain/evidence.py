@@ -1,4 +1,4 @@
-"""Contrastive tasks with evidence for `mixlens evaluate --task blimp` (docs/evaluate.md): does an explanation of a
+"""Contrastive tasks with evidence for `mixlens evaluate --task blimp` (docs/findings/evaluate.md): does an explanation of a
 causal LM's next-token choice point at the words that decide it?
 
 Data: the BLiMP / IOI prompts of Ferrando et al. (ACL 2023, "Explaining How Transformers Use Context to Build
