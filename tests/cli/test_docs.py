@@ -44,7 +44,7 @@ STSB = [
 ]
 
 
-def name(path: Path) -> str:
+def rel(path: Path) -> str:
     """The doc's path relative to the repository (README.md, docs/guides/corpus.md, ...)."""
     return path.relative_to(ROOT).as_posix()
 
@@ -68,11 +68,11 @@ def commands(code: str) -> list[list[str]]:
 
 
 def test_every_doc_has_blocks_found():
-    found = {name(p): blocks(p) for p in DOCS}
+    found = {rel(p): blocks(p) for p in DOCS}
     assert found["README.md"] and found["docs/guides/corpus.md"] and found["docs/guides/bertology.md"]
-    for name, bs in found.items():
+    for doc, bs in found.items():
         for line, _, _, skip in bs:
-            assert skip is None or skip.strip(), f"{name}:{line}: a skip marker must say why"
+            assert skip is None or skip.strip(), f"{doc}:{line}: a skip marker must say why"
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def given():
     return {"texts": ["A first text.", "A second, longer text."], "hf_model": lens.model, "tokenizer": lens.tokenizer}
 
 
-@pytest.mark.parametrize("path", DOCS, ids=[name(p) for p in DOCS])
+@pytest.mark.parametrize("path", DOCS, ids=[rel(p) for p in DOCS])
 def test_doc_blocks_run(path, tmp_path, monkeypatch, given, checkpoint, capsys):
     work = tmp_path / "repo"
     data = work / "data"
@@ -121,7 +121,7 @@ def test_doc_blocks_run(path, tmp_path, monkeypatch, given, checkpoint, capsys):
     for line, lang, code, skip in blocks(path):
         if skip is not None:
             continue
-        where = f"{name(path)}:{line}"
+        where = f"{rel(path)}:{line}"
         if lang == "python":
             for old, new in PLACEHOLDERS.items():
                 code = code.replace(old, repr(str(default_model_path())) if new == "MODEL" else new)
@@ -135,7 +135,7 @@ def test_doc_blocks_run(path, tmp_path, monkeypatch, given, checkpoint, capsys):
                 )
         ran += 1
     if not ran:
-        pytest.skip(f"{name(path)} has no runnable code block")
+        pytest.skip(f"{rel(path)} has no runnable code block")
 
 
 def test_submodules_load_on_attribute_access():
