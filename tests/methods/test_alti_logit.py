@@ -1,5 +1,5 @@
-"""ALTI-Logit and Logit (Ferrando et al. 2023; docs/reference/global.md): exact sums on every decoder family, equality with
-the authors' code (mt-upc/logit-explanations) on a random GPT-2, the carry-back, and bad input."""
+"""ALTI-Logit and Logit (Ferrando et al. 2023; docs/reference/global.md): exact sums on every decoder family, equality
+with the authors' code (mt-upc/logit-explanations) on a random GPT-2, the carry-back, and bad input."""
 
 from __future__ import annotations
 
