@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Full-data runs of docs/bertology.md §5, §5a and §10: the bundled model on all 1,500 STS-B dev pairs — the uniform
+# Full-data runs of docs/guides/bertology.md §5, §5a and §10: the bundled model on all 1,500 STS-B dev pairs — the uniform
 # sweep (timed: benchmarks/bench_sweep.py), the zero sweep, the pruning study, mixing vs. disabling (from the two
 # sweeps) — and their figures copied into docs/figures/. About 20 min on a quiet 2-core machine.
 #

@@ -1,6 +1,6 @@
 """Mixing explains disabling? Per layer the ResLN-N mixing ratio beside the STS-B cost of disabling that
 layer's attention (uniform and zero), per head the share of the attention output norm beside the cost of
-disabling that head; Spearman ρ over layers and over heads (docs/bertology.md §10).
+disabling that head; Spearman ρ over layers and over heads (docs/guides/bertology.md §10).
 
     python experiments/mixing_disabling.py [--model DIR] [--limit 0] [--out DIR] [--sweep uniform=DIR/sweep.csv ...]
 

@@ -1,4 +1,4 @@
-"""Unknown model types, tried safely (docs/models.md, "Bring your own model").
+"""Unknown model types, tried safely (docs/guides/your-model.md, "Families").
 
 A `model_type` outside the family table (`mixlens.adapters.FAMILIES`) is read under each known layout whose module
 paths its layers have, in table order. A probe forward pass then rebuilds every piece of every layer from what the

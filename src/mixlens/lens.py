@@ -96,9 +96,9 @@ def load(
 
     `dtype`: the dtype the forward pass runs in: 'float32', 'bfloat16', 'float16', or 'auto' (the checkpoint's own,
     from its config; float32 when it names none); the decompositions accumulate in float32 either way, and their
-    exactness checks allow the rounding of that dtype (docs/models.md). `family`: read the model under that family's
-    layout (`mixlens families`), checked on a probe input; by default its model type's, or for a model type outside
-    the table the first known layout that passes the check (`mixlens.layouts`; a note on stderr says which).
+    exactness checks allow the rounding of that dtype (docs/guides/your-model.md). `family`: read the model under that
+    family's layout (`mixlens families`), checked on a probe input; by default its model type's, or for a model type
+    outside the table the first known layout that passes the check (`mixlens.layouts`; a note on stderr says which).
     `device`: 'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available). None for either: the enclosing `runtime(...)`
     context's, else float32 on the CPU. A device this machine lacks, or a dtype it cannot run there, is a
     `MixlensError` before any weights load.

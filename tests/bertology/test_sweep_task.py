@@ -1,4 +1,4 @@
-"""The custom-task example of docs/bertology.md runs with `sweep` and scores what it says."""
+"""The custom-task example of docs/guides/bertology.md runs with `sweep` and scores what it says."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from mixlens.interventions import Ablation, merged_edits
 from mixlens.trace import hooked
 from tests.conftest import random_lens
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "bertology.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "guides" / "bertology.md"
 PAIRS = [
     ("A man is playing a guitar.", "A man plays the guitar."),
     ("A woman is slicing an onion.", "Someone is cutting an onion."),
@@ -24,7 +24,7 @@ PAIRS = [
 
 def _example_task_class() -> type:
     block = re.search(r"<!-- task-example -->\n```python\n(.*?)```", DOC.read_text(), re.S)
-    assert block, "the task example block is missing from docs/bertology.md"
+    assert block, "the task example block is missing from docs/guides/bertology.md"
     namespace: dict = {}
     exec(block.group(1), namespace)
     return namespace["ParaphraseMargin"]

@@ -1,4 +1,4 @@
-"""Every ```python and ```bash block of README.md and docs/*.md runs, so the documentation cannot drift.
+"""Every ```python and ```bash block of README.md and docs/**/*.md runs, so the documentation cannot drift.
 
 Python blocks of one file run in order in one shared namespace; bash blocks run each `mixlens ...` command
 (continuation lines joined, comments dropped) through the in-process CLI and expect exit code 0. Each file runs
@@ -24,7 +24,7 @@ from mixlens.cli import main
 from mixlens.lens import default_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(
     r"^(?:<!-- docs-test: skip: (?P<skip>.+?) -->\n)?```(?P<lang>python|bash)\n(?P<code>.*?)^```", re.M | re.S
 )
@@ -42,6 +42,11 @@ STSB = [
     "A man is playing a guitar.\tA man plays the guitar.\t4.8",
     "A woman is slicing an onion.\tSomeone is cutting a tomato.\t1.2",
 ]
+
+
+def rel(path: Path) -> str:
+    """The doc's path relative to the repository (README.md, docs/guides/corpus.md, ...)."""
+    return path.relative_to(ROOT).as_posix()
 
 
 def blocks(path: Path) -> list[tuple[int, str, str, str | None]]:
@@ -63,11 +68,11 @@ def commands(code: str) -> list[list[str]]:
 
 
 def test_every_doc_has_blocks_found():
-    found = {p.name: blocks(p) for p in DOCS}
-    assert found["README.md"] and found["corpus.md"] and found["bertology.md"]
-    for name, bs in found.items():
+    found = {rel(p): blocks(p) for p in DOCS}
+    assert found["README.md"] and found["docs/guides/corpus.md"] and found["docs/guides/bertology.md"]
+    for doc, bs in found.items():
         for line, _, _, skip in bs:
-            assert skip is None or skip.strip(), f"{name}:{line}: a skip marker must say why"
+            assert skip is None or skip.strip(), f"{doc}:{line}: a skip marker must say why"
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +99,7 @@ def given():
     return {"texts": ["A first text.", "A second, longer text."], "hf_model": lens.model, "tokenizer": lens.tokenizer}
 
 
-@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+@pytest.mark.parametrize("path", DOCS, ids=[rel(p) for p in DOCS])
 def test_doc_blocks_run(path, tmp_path, monkeypatch, given, checkpoint, capsys):
     work = tmp_path / "repo"
     data = work / "data"
@@ -116,7 +121,7 @@ def test_doc_blocks_run(path, tmp_path, monkeypatch, given, checkpoint, capsys):
     for line, lang, code, skip in blocks(path):
         if skip is not None:
             continue
-        where = f"{path.name}:{line}"
+        where = f"{rel(path)}:{line}"
         if lang == "python":
             for old, new in PLACEHOLDERS.items():
                 code = code.replace(old, repr(str(default_model_path())) if new == "MODEL" else new)
@@ -130,7 +135,7 @@ def test_doc_blocks_run(path, tmp_path, monkeypatch, given, checkpoint, capsys):
                 )
         ran += 1
     if not ran:
-        pytest.skip(f"{path.name} has no runnable code block")
+        pytest.skip(f"{rel(path)} has no runnable code block")
 
 
 def test_submodules_load_on_attribute_access():

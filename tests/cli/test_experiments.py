@@ -1,6 +1,6 @@
 """Every experiments script the documentation names runs (issue 45, item 5: `python experiments/real_models.py`, the
-command of docs/models.md, crashed on a keyword renamed in `Lens.trace`). The scripts named in README.md and
-docs/*.md are exactly those below; each documented flag is one the script takes; each script runs on a tiny input
+command of docs/findings/models.md, crashed on a keyword renamed in `Lens.trace`). The scripts named in README.md and
+docs/**/*.md are exactly those below; each documented flag is one the script takes; each script runs on a tiny input
 (the SST-2 / STS-B files of ../shared/data, skipped when absent; real_models.py on a small random model saved as a
 checkpoint folder)."""
 
@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import data_file, random_model
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 NAMED = re.compile(r"experiments/([\w.-]+\.(?:py|sh))([^`\n]*)")
 # script → its tiny run (argv after the script; {sst2}, {stsb}, {out}, {models} filled in), or why it is not run here
 TINY: dict[str, list[str] | str] = {
@@ -83,10 +83,11 @@ def test_script_runs_on_a_tiny_input(script, tmp_path, tokenizer):
 
 
 def test_every_documented_data_path_says_where_it_comes_from():
-    """Issue 45 item 7: `data/sst2/dev.tsv` does not exist in a clone; README's Data list names each data folder the
-    docs use, with its source."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    data_list = readme[readme.index("- **Data**") :].split("\n\n")[0]
+    """Issue 45 item 7: `data/sst2/dev.tsv` does not exist in a clone; the Data list of docs/guides/your-model.md (which
+    README points to) names each data folder the docs use, with its source."""
+    guide = (ROOT / "docs" / "guides" / "your-model.md").read_text(encoding="utf-8")
+    assert "docs/guides/your-model.md#data" in (ROOT / "README.md").read_text(encoding="utf-8")
+    data_list = guide[guide.index("- **Data**") :].split("\n\n")[0]
     used = set()
     for path in DOCS:
         used |= set(re.findall(r"(?<![\w/.])(?:\.\./shared/)?data/([\w.-]+)/", path.read_text(encoding="utf-8")))
@@ -94,5 +95,5 @@ def test_every_documented_data_path_says_where_it_comes_from():
     entries = data_list.split("\n  - ")[1:]  # one entry per data file or folder
     for folder in used:
         entry = next((e for e in entries if f"data/{folder}/" in e), None)
-        assert entry is not None, f"README's Data list does not say where data/{folder}/ comes from"
+        assert entry is not None, f"the Data list does not say where data/{folder}/ comes from"
         assert "github.com" in entry or "GLUE" in entry, entry

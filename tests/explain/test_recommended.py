@@ -26,14 +26,14 @@ def lm(tmp_path_factory, tokenizer):
 
 
 def test_recommended_methods_are_the_docs_recommendation():
-    """The registry's declaration is what docs/evaluate.md's decoder findings recommend, and README says it."""
+    """The registry's declaration is what docs/findings/evaluate.md's decoder findings recommend, and README says it."""
     picked = registry.explainers("causal", recommended=True)
     assert picked and all(get(m).explains for m in picked)
-    docs = (ROOT / "docs" / "evaluate.md").read_text(encoding="utf-8")
+    docs = (ROOT / "docs" / "findings" / "evaluate.md").read_text(encoding="utf-8")
     advice = re.search(r"\*\*Reach for (.*?)\*\*", docs)
     assert advice is not None and set(re.findall(r"`(\w+)`", advice[1])) == set(picked)
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "docs/evaluate.md" in readme and "--task blimp" in readme
+    assert "docs/findings/evaluate.md" in readme and "--task blimp" in readme
     assert all(f"`{m}`" in readme for m in picked)
     assert registry.explainers("classifier", recommended=True) == []  # classifiers keep every method
 

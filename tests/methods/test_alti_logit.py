@@ -1,5 +1,5 @@
-"""ALTI-Logit and Logit (Ferrando et al. 2023; docs/decoders.md): exact sums on every decoder family, equality with
-the authors' code (mt-upc/logit-explanations) on a random GPT-2, the carry-back, and bad input."""
+"""ALTI-Logit and Logit (Ferrando et al. 2023; docs/reference/global.md): exact sums on every decoder family, equality
+with the authors' code (mt-upc/logit-explanations) on a random GPT-2, the carry-back, and bad input."""
 
 from __future__ import annotations
 
@@ -250,7 +250,7 @@ def _ref_alti(layer_alti_data) -> torch.Tensor:
 def _run_reference(ref, model, enc, tokens, pairwise_eps: float | None):
     """The authors' decomposition of a float64 copy of `model` (their float32 ALTI loses ≈ 1e-5 to cancellation).
     `pairwise_eps` replaces the eps of their `F.pairwise_distance` (torch's default 1e-6 is added to every component
-    of y_i − T_i(x_j), docs/decoders.md); None keeps their code as is."""
+    of y_i − T_i(x_j), docs/reference/global.md); None keeps their code as is."""
     fn = ref.F
     if pairwise_eps is not None:
         ref.F = types.SimpleNamespace(**{k: getattr(fn, k) for k in dir(fn) if not k.startswith("__")})

@@ -26,7 +26,7 @@ from mixlens.viz.html import render_report
 from mixlens.viz.terminal.analysis import print_results
 from tests.conftest import SENTENCES, random_lens, random_model, run_cli
 
-ENGINE = Path(__file__).parents[2] / "docs" / "ENGINE.md"
+ENGINE = Path(__file__).parents[2] / "docs" / "contributing.md"
 
 
 def test_option_python_values():
@@ -171,7 +171,7 @@ def test_memo_lives_with_the_methods(tokenizer):
 
 
 def test_engine_doc_example_adds_a_method(tokenizer, capsys, tmp_path):
-    """The "How to add a method" example of docs/ENGINE.md, run as written: a streaming method registered from
+    """The "How to add a method" example of docs/contributing.md, run as written: a streaming method registered from
     here alone (no other source file knows it) runs through analyze (full maps; target rows on an ordinary trace;
     a streamed trace in row mode, where the trace never holds α and the method reads what its own sink kept),
     explain, the HTML report, the terminal tables and the CLI, equal to max_h α^h computed from the model's own

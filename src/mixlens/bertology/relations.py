@@ -1,7 +1,7 @@
 """Relation heads from annotated word pairs (Clark et al. 2019 style, with a matched positional baseline).
 
 Input: records of pre-split words with labelled word pairs (`RelationRecord`; JSONL format in
-docs/bertology.md). For every head, view (`attn` = α^h, `norm` = α^h_ij ‖f^h(x_j)‖ row-normalised, as
+docs/guides/bertology.md). For every head, view (`attn` = α^h, `norm` = α^h_ij ‖f^h(x_j)‖ row-normalised, as
 `mixlens.stats.heads.view_maps`) and relation, the weight from the `from` word to the `to` word at word
 level (to a word = sum over its pieces, from a word = mean, as `Attribution.to_words`).
 

@@ -40,8 +40,8 @@ def register(app: typer.Typer) -> None:
             None,
             "--method",
             help="Method (repeatable); default: the methods recommended for the model's kind where the registry "
-            "declares some (causal LMs: logit_attn and attnlrp, docs/evaluate.md), else every applicable method but "
-            "exact HTA; 'all': every applicable method but exact HTA.",
+            "declares some (causal LMs: logit_attn and attnlrp, docs/findings/evaluate.md), else every applicable "
+            "method but exact HTA; 'all': every applicable method but exact HTA.",
         ),
         target: str | None = typer.Option(
             None,
@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
             "faithfulness",
             "--task",
             help="faithfulness (remove top tokens; the model's prediction) or blimp (causal LMs: each prompt's "
-            "target vs foil word, alignment with the evidence words; docs/evaluate.md).",
+            "target vs foil word, alignment with the evidence words; docs/guides/explain-and-evaluate.md).",
         ),
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
@@ -329,7 +329,8 @@ def chosen_methods(lens, given: list[str] | None) -> list[str] | None:
         return None
     others = [m for m in default_methods(kind, family) if m not in picked]
     typer.echo(
-        f"explaining with {', '.join(picked)}, the methods recommended for this kind of model (docs/evaluate.md); "
+        f"explaining with {', '.join(picked)}, the methods recommended for this kind of model "
+        "(docs/findings/evaluate.md); "
         f"others: {', '.join(others)} (--method NAME, or --method all)",
         err=True,
     )

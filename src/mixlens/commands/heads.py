@@ -1,5 +1,5 @@
 """Head statistics commands: `heads` (per-head token-type masses, column maxima, entropy, clustering) and
-`head-diff` (attention change between two checkpoints) (docs/bertology.md)."""
+`head-diff` (attention change between two checkpoints) (docs/guides/bertology.md)."""
 
 from __future__ import annotations
 

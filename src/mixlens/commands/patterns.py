@@ -1,4 +1,4 @@
-"""`mixlens patterns`: Kovaleva pattern types of the heads per layer over a dataset (docs/bertology.md)."""
+"""`mixlens patterns`: Kovaleva pattern types of the heads per layer over a dataset (docs/guides/bertology.md)."""
 
 from __future__ import annotations
 

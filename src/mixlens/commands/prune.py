@@ -1,5 +1,5 @@
 """`mixlens prune` (heads whose removal helps, confirmed on held-out data) and `mixlens ablate-patterns` (disable
-every head of one Kovaleva type at once vs random heads) (docs/bertology.md)."""
+every head of one Kovaleva type at once vs random heads) (docs/guides/bertology.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""BERTology study commands: `relations`, `frequency`, `identify` (docs/bertology.md §7–9)."""
+"""BERTology study commands: `relations`, `frequency`, `identify` (docs/guides/bertology.md §7–9)."""
 
 from __future__ import annotations
 

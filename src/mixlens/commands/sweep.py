@@ -1,4 +1,5 @@
-"""`mixlens sweep`: disable every head and every layer, report the change of a task metric (docs/bertology.md)."""
+"""`mixlens sweep`: disable every head and every layer, report the change of a task metric
+(docs/guides/bertology.md)."""
 
 from __future__ import annotations
 

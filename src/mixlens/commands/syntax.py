@@ -1,4 +1,4 @@
-"""`mixlens syntax`: dependency-head accuracy of every head against UD trees (docs/bertology.md)."""
+"""`mixlens syntax`: dependency-head accuracy of every head against UD trees (docs/guides/bertology.md)."""
 
 from __future__ import annotations
 

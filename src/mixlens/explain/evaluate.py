@@ -1,4 +1,4 @@
-"""`evaluate`: which explanation to trust, by removing the tokens it ranks highest (docs/evaluate.md).
+"""`evaluate`: which explanation to trust, by removing the tokens it ranks highest (docs/findings/evaluate.md).
 
 f(x) is the target's probability (classifiers, causal LMs) or the cosine of the pooled embedding to the
 unperturbed one (encoders); the target is the model's prediction on the unperturbed input. Special tokens are

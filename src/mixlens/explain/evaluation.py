@@ -1,5 +1,5 @@
-"""The data model and metrics of `evaluate` (docs/evaluate.md): an `Evaluation` holds the scored `Example`s and
-computes every metric from them; it is what evaluation.json saves and loads.
+"""The data model and metrics of `evaluate` (docs/guides/explain-and-evaluate.md): an `Evaluation` holds the scored
+`Example`s and computes every metric from them; it is what evaluation.json saves and loads.
 
 f(x) is the target's probability (classifiers, causal LMs) or the cosine of the pooled embedding to the
 unperturbed one (encoders); the target is the model's prediction on the unperturbed input. Special tokens are

@@ -1,5 +1,5 @@
-"""Contrastive tasks with evidence for `mixlens evaluate --task blimp` (docs/evaluate.md): does an explanation of a
-causal LM's next-token choice point at the words that decide it?
+"""Contrastive tasks with evidence for `mixlens evaluate --task blimp` (docs/guides/explain-and-evaluate.md): does an
+explanation of a causal LM's next-token choice point at the words that decide it?
 
 Data: the BLiMP / IOI prompts of Ferrando et al. (ACL 2023, "Explaining How Transformers Use Context to Build
 Predictions"; their repository mt-upc/logit-explanations, folders data/blimp_with_targets and data/ioi_with_targets):

@@ -1,6 +1,6 @@
 """ALTI-Logit and its direct variant (Ferrando et al., ACL 2023, "Explaining How Transformers Use Context to Build
-Predictions"; docs/global.md "Decoders"): a causal LM's next-token logit — or, with a foil, the logit difference — split
-into one score per context token, per layer and summed.
+Predictions"; docs/reference/global.md "Decoders"): a causal LM's next-token logit — or, with a foil, the logit
+difference — split into one score per context token, per layer and summed.
 
 Scalar. At the target position p the final norm is linear once its scale s_f (of the real final state h_L[p]) is
 fixed: logit_w = h_L[p] · u + β_f · w + b_U[w], with w = W_U[target] (− W_U[foil]) and u = C(γ_f ⊙ w) / s_f
@@ -260,7 +260,7 @@ def _check_sum(name: str, values: torch.Tensor, direct: torch.Tensor, trace: Tra
     head="causal",
     explains=True,
     qk_rows=True,
-    recommended=("causal",),  # level with attnlrp on BLiMP, one forward pass and exact (docs/evaluate.md)
+    recommended=("causal",),  # level with attnlrp on BLiMP, one forward pass and exact (docs/findings/evaluate.md)
 )
 def logit_attn(
     trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None

@@ -1,5 +1,5 @@
 """Information-flow routes (Ferrando & Voita 2024, "Information Flow Routes: Automatically Interpreting Language
-Models at Scale"): the subgraph of important edges that built one prediction, found top-down (docs/global.md,
+Models at Scale"): the subgraph of important edges that built one prediction, found top-down (docs/reference/global.md,
 "Information-flow routes").
 
 The graph of a pre-LN decoder. Nodes are residual-stream vectors: x^l_i (after layer l at position i; x^{-1}_i the
@@ -24,7 +24,7 @@ a node are renormalised to sum to 1 (`renormalize`, the tool's default; a token 
 kept edges); without `renormalize` the threshold is the tool's graph filter: on the token edge j → i summed over
 heads, and for j = i on that edge plus the residual (the tool's graph holds them as one edge). A node is kept when
 a kept edge leaves it; only the kept nodes' edges are computed. Reference: facebookresearch/llm-transparency-tool
-(docs/global.md).
+(docs/reference/global.md).
 
 Shapes at the boundary (B batch, L layers, H heads, n tokens; padding and edges outside the graph are 0):
 

@@ -58,7 +58,8 @@ __all__ = [
 
 RATIO_VARIANTS = ("W", "N", "Res-W", "Res-N", "ResLN-N")
 TOLERANCE = 1e-4  # max abs error, relative to max(1, |real output|), of a forward pass in float32
-# ... and of a forward pass in another dtype (`mixlens.load(dtype=...)`): its own rounding, measured in docs/models.md
+# ... and of a forward pass in another dtype (`mixlens.load(dtype=...)`): its own rounding, measured in
+# docs/guides/your-model.md
 TOLERANCES = {torch.float32: TOLERANCE, torch.bfloat16: 2e-2, torch.float16: 2.5e-3}
 # ... and, in those dtypes, the error of the attention output's decomposition relative to its own size (the stream
 # dwarfs a wrong attention output: W_O scaled by 1.1 moves the check above by less than bfloat16's rounding)

@@ -54,7 +54,7 @@ def in_range(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return x / torch.where(out, torch.exp2(torch.ceil(torch.log2(top))), torch.ones_like(top))
 
 
-DISPLAY_NOTE = "rows scaled to sum to 1 for display (the JSON holds the plain products; docs/global.md)"
+DISPLAY_NOTE = "rows scaled to sum to 1 for display (the JSON holds the plain products; docs/reference/global.md)"
 
 
 def display_rows(method: str, rows: np.ndarray) -> tuple[np.ndarray, bool]:

@@ -14,7 +14,7 @@ summing to 1). Three scores, each rescaled so that a uniform map scores 0 and a 
 Rules, in order (default thresholds in `Thresholds`): vertical+diagonal if diagonal ≥ `mix_diag` and
 vertical ≥ `mix_vert`; diagonal if diagonal ≥ `diag`; vertical if vertical ≥ `vert`; block if block ≥
 `block`; else heterogeneous. The thresholds were set on the labelled real maps of tests/data (see
-docs/bertology.md for the agreement), the rules on synthetic maps of known type.
+docs/guides/bertology.md for the agreement), the rules on synthetic maps of known type.
 """
 
 from __future__ import annotations
