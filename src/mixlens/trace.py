@@ -446,7 +446,7 @@ def _taking(scale: float = 1.0, half: int | None = None) -> Callable[[tuple, Any
 
 def _unit_mix(mix: Callable[[nn.Module, tuple, torch.Tensor], None], unit: nn.Module) -> Callable[..., None]:
     """The `mix` capture at the input of the module that the attention residual sum feeds, where no norm follows the
-    sum (OLMo 2): the norm's output is the adapter's unit norm of it, computed here in float32."""
+    sum (OLMo 2): the norm's output is the adapter's identity map of it (`identity_norm`), in float32."""
 
     def hook(m: nn.Module, args: tuple, out: Any) -> None:
         mix(m, args, unit(args[0].float()))
@@ -629,7 +629,7 @@ def hooked(
                 seen.add((id(fed), "mix"))
                 if lay.mix_at is None:
                     handles.append(fed.register_forward_hook(mix))
-                else:  # no norm after the sum (OLMo 2): the unit norm of the sum, applied here
+                else:  # no norm after the sum (OLMo 2): the sum itself, as a parallel block's
                     handles.append(fed.register_forward_hook(_unit_mix(mix, lay.ln_mix.module)))
             if adapter.family.parallel:
                 handles.append(lay.o_proj.register_forward_hook(lambda m, a, o, lay=lay: parallel_sum(lay, _first(o))))

@@ -55,8 +55,8 @@ class Family:
     check: Callable[[Any], str | None] | None = None  # config → why this family's layout is outside the adapter's
     # math (one line; e.g. mixing outside attention), or None
     ln_mix_unit: bool = False  # no norm follows the attention residual sum (OLMo 2: h = x + g^post(Attn(x))):
-    # `ln_mix` names the module the sum feeds (the FFN) and the engine's ln_mix is a unit RMSNorm (γ = 1, the model's
-    # eps) that mixlens applies to the captured sum itself, so N-ResLN = N-Res / s_i (refused) and ResLN-N = Res-N
+    # `ln_mix` names the module the sum feeds (the FFN); the trace captures the sum at its input and the engine's
+    # ln_mix is the identity (`identity_norm`, as in a parallel block), so N-ResLN = N-Res and ResLN-N = Res-N
     final_proj: str | None = None  # a bias-free linear map after the final norm, before the head (OPT's project_out)
     parallel: bool = False  # x + Attn(ln_in(x)) + FFN(ln_ffn(x)) (NeoX, Falcon): no norm after the attention residual
     # sum, so `ln_mix` is the identity (docs/DESIGN.md §3.6, "Parallel blocks")
@@ -518,7 +518,7 @@ class Norm:
 
 
 class NoNorm(nn.Module):
-    """The identity where a block has no norm after the attention residual sum (parallel blocks): the trace passes
+    """The identity where a block has no norm after the attention residual sum (parallel blocks, OLMo 2): the trace passes
     that sum, x + attention output, through it, so its hooks record `mix_in` = `mix_out` as for a real norm. It is
     mixlens's own object, never a submodule of the model."""
 
@@ -531,8 +531,10 @@ class NoNorm(nn.Module):
         return x
 
 
-def identity_norm(d: int) -> Norm:
-    return Norm(NoNorm(d), rms=True, identity=True)
+def identity_norm(d: int, device: torch.device | None = None) -> Norm:
+    """The engine's `ln_mix` where no norm follows the attention residual sum (parallel blocks, OLMo 2): the
+    identity, so N-ResLN = N-Res and the ResLN-N ratio equals Res-N (docs/DESIGN.md §3.6)."""
+    return Norm(NoNorm(d).to(device), rms=True, identity=True)
 
 
 def final_norm(adapter: Adapter) -> Norm | None:
@@ -673,8 +675,7 @@ def resolve(model: Any, family: Family | None = None) -> Adapter:
         ln_post = norm(mod, fam.ln_post)
         mix_at, ln_mix = None, None
         if fam.ln_mix_unit:
-            mix_at, unit = get_path(mod, fam.ln_mix), nn.RMSNorm(w_o.shape[1], eps=float(cfg.rms_norm_eps))
-            ln_mix = Norm(unit.requires_grad_(False).to(w_o.device), rms=True)
+            mix_at, ln_mix = get_path(mod, fam.ln_mix), identity_norm(w_o.shape[1], w_o.device)
         if ln_post is not None:  # g^post_i(Σ α f) = Σ (α / s_i) (γ_post ⊙ f): γ_post goes into W_O, 1/s_i into α
             if b_o is not None:
                 raise MixlensError(
@@ -695,7 +696,7 @@ def resolve(model: Any, family: Family | None = None) -> Adapter:
                 raw_b_v=b_v,
                 ln_mix=ln_mix
                 or (
-                    identity_norm(w_o.shape[1])
+                    identity_norm(w_o.shape[1], w_o.device)
                     if fam.parallel
                     else Norm(get_path(mod, fam.ln_mix), fam.rms, fam.norm_offset)
                 ),

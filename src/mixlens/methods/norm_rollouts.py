@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mixlens.methods.engine import block_norms
-from mixlens.methods.registry import norm_after_sum, register
+from mixlens.methods.registry import register
 from mixlens.methods.rollout import rollout
 from mixlens.trace import Trace
 
@@ -30,7 +30,7 @@ def norm_res_rollout(trace: Trace) -> torch.Tensor:
     return rollout(block_norms(trace).n_res)
 
 
-@register("norm_resln_rollout", engine=True, explains=True, unnormalised=True, supports=norm_after_sum)
+@register("norm_resln_rollout", engine=True, explains=True, unnormalised=True)
 def norm_resln_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N-ResLN = ‖g_i(t_ij)‖ (attention, residual, LayerNorm) over layers 1..l (plain product)."""
     return rollout(block_norms(trace).n_resln)

@@ -33,7 +33,7 @@ from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, To
 from mixlens.methods._torch_passes import quad_norm, quad_norms
 from mixlens.methods.attention import ALPHA_MEAN, target_alpha, targets_of
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import LHTS, norm_after_sum, register
+from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
 __all__ = [
@@ -557,7 +557,6 @@ def norm_res(trace: Trace) -> torch.Tensor:
     "norm_resln",
     engine=True,
     target_rows=True,
-    supports=norm_after_sum,
     default_in={"analyze": 3, "html": 0, "plot": 0},
     group="mixing-ratio",
 )

@@ -217,16 +217,6 @@ def vector_block(family: Family) -> str | None:
     return None
 
 
-def norm_after_sum(family: Family) -> str | None:
-    """Methods that pass the attention residual sum through the norm that follows it (N-ResLN)."""
-    if family.ln_mix_unit:
-        return (
-            f"the {family.name} family has no norm after the attention residual sum (its norms follow each branch), so "
-            "N-ResLN would be N-Res rescaled per row; use norm_res"
-        )
-    return None
-
-
 def dense_ffn(family: Family) -> str | None:
     """Methods that need the FFN as one set of linear maps and an activation per token (DecompX's linearisation,
     AttnLRP's rules): a routed mixture of experts (router softmax, top-k choice, a weighted sum of experts) is outside
