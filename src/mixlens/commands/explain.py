@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
     @app.command("explain")
     @runtime_options
     def explain_cmd(
-        text: list[str] = typer.Argument(..., help="One or more texts."),
+        text: list[str] = typer.Argument(None, help="One or more texts (none with --chat)."),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
         model_head: str | None = model_head_option(),
@@ -63,8 +63,22 @@ def register(app: typer.Typer) -> None:
             callback=writable_file,
         ),
         seed: int = typer.Option(0, "--seed", help="Seed of the sampling methods (gradient_shap, lime)."),
+        chat: str | None = typer.Option(
+            None,
+            "--chat",
+            help="A conversation (JSON list of role/content messages, or a file of one) rendered with the model's "
+            "chat template and explained in place of TEXT; each message is a segment.",
+        ),
+        span: list[str] = typer.Option(
+            None, "--span", help="A segment given as the character range START:END of each text (repeatable)."
+        ),
+        marker: list[str] = typer.Option(
+            None, "--marker", help="Each occurrence of this string starts a segment (repeatable)."
+        ),
+        separator: str | None = typer.Option(None, "--separator", help="Segments: the passages between these."),
     ) -> None:
-        """Explain a prediction: each token's score for the target, per method."""
+        """Explain a prediction: each token's score for the target, per method; with segments (--chat, --span,
+        --marker, --separator) also each segment's score (the sum of its tokens' scores), ranked (table format)."""
         from mixlens.commands.output import check_writable, progress
         from mixlens.explain import explain
         from mixlens.lens import load
@@ -74,7 +88,12 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
         if out is not None or fmt == "html":
             check_writable(out or Path("mixlens-explain.html"))  # before any work
+        messages = segment_request(text, chat, span, marker, separator, generate)
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
+        if messages is not None:
+            from mixlens.explain.segments import chat as chat_segments
+
+            text = [chat_segments(lens.tokenizer, messages).text]
         warn_unspaced(lens, text[0], target, foil)
         chosen = chosen_methods(lens, method)
         with progress(len(text), "explain") as step:
@@ -91,6 +110,8 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"wrote {out}", err=True)
         else:
             res.show()
+            if messages is not None or span or marker or separator is not None:
+                show_segments(lens, res, messages, span, marker, separator)
             if out is not None:
                 atomic_write(out, res.dumps().encode())
                 typer.echo(f"wrote {out}", err=True)
@@ -335,6 +356,67 @@ def chosen_methods(lens, given: list[str] | None) -> list[str] | None:
         err=True,
     )
     return picked
+
+
+def segment_request(
+    text: list[str] | None,
+    chat: str | None,
+    span: list[str] | None,
+    marker: list[str] | None,
+    separator: str | None,
+    generate: int,
+) -> list[dict[str, str]] | None:
+    """Check explain's texts and segment options before the model loads; the conversation of --chat, if given."""
+    from mixlens.explain.segments import read_chat
+
+    kinds = [k for k, v in (("--chat", chat), ("--span", span), ("--marker", marker), ("--separator", separator)) if v]
+    if len(kinds) > 1:
+        raise MixlensError(f"give one kind of segments, not {' and '.join(kinds)}")
+    if kinds and generate:
+        raise MixlensError(f"{kinds[0]} explains the given input; drop --generate")
+    if chat is not None:
+        if text:
+            raise MixlensError("--chat explains the conversation: give no TEXT")
+        return read_chat(chat)
+    if not text:
+        raise MixlensError("give one or more texts (or --chat)")
+    for s in span or []:
+        start, _, end = s.partition(":")
+        if not (start.strip().isdigit() and end.strip().isdigit()):
+            raise MixlensError(f"--span '{s}' must be START:END character positions, e.g. 0:120")
+    return None
+
+
+def show_segments(lens, res, messages, span, marker, separator) -> None:
+    """Each input's segments ranked by score, per method (the sum of the segment's tokens' scores; the tokens in
+    no segment are summed as 'outside')."""
+    from mixlens.explain import segments as S
+
+    for b, ex in enumerate(res.inputs):
+        if messages is not None:
+            seg = S.chat(lens.tokenizer, messages)
+            labelled = [(s.label, s.char_start, s.char_end) for s in seg.segments]
+            seg = S.segmentation(lens.tokenizer, seg.text, labelled)  # tokenized as explain tokenized it
+        elif span:
+            cuts = [s.split(":") for s in span]
+            seg = S.spans(lens.tokenizer, ex.text, [(int(a), int(b)) for a, b in cuts])
+        elif marker:
+            seg = S.markers(lens.tokenizer, ex.text, marker)
+        else:
+            seg = S.passages(lens.tokenizer, ex.text, separator)
+        if len(seg.input_ids) != len(ex.tokens):
+            raise MixlensError(
+                f"input {b + 1} was explained over {len(ex.tokens)} tokens (truncated?), its segments cover "
+                f"{len(seg.input_ids)}"
+            )
+        typer.echo(f"\nsegments of input {b + 1} (score = sum of the segment's token scores), highest first:")
+        for m, scores in ex.scores.items():
+            ranked = seg.ranked(scores)
+            width = max(len(label) for label, _ in ranked)
+            typer.echo(f"  {m}:")
+            for label, value in ranked:
+                typer.echo(f"    {label:<{width}}  {value:+.4g}")
+            typer.echo(f"    {'(outside)':<{width}}  {float(seg.outside_score(scores)):+.4g}")
 
 
 SPACE_ODDS = 10.0  # the spaced form this many times likelier than the word as typed: warn
