@@ -518,9 +518,9 @@ class Norm:
 
 
 class NoNorm(nn.Module):
-    """The identity where a block has no norm after the attention residual sum (parallel blocks, OLMo 2): the trace passes
-    that sum, x + attention output, through it, so its hooks record `mix_in` = `mix_out` as for a real norm. It is
-    mixlens's own object, never a submodule of the model."""
+    """The identity where a block has no norm after the attention residual sum (parallel blocks, OLMo 2): the trace
+    passes that sum, x + attention output, through it, so its hooks record `mix_in` = `mix_out` as for a real norm. It
+    is mixlens's own object, never a submodule of the model."""
 
     def __init__(self, d: int):
         super().__init__()
