@@ -1,14 +1,17 @@
 """Corpus runs on Ray Data (`--backend ray-data`): the cluster reads, computes and writes; the driver only keeps
 the books.
 
-    read    one Ray Data read task per file, or per range of Parquet row groups (a file or folder, local or any
-            pyarrow filesystem URI, or `hf:`), parsed by the mixlens readers: the same examples, source indexes and
-            bad-record counts as a local run; rows some finished shard already holds are dropped here
-    compute an actor pool (`concurrency` actors, `num_cpus` / `num_gpus` each): every actor loads the job's model
-            once and turns each batch of ≤ `shard_size` examples into one shard with `compute_shard` (the local
-            path: the same `Lens`, methods and statistics), written straight to DIR/shards/shard-<first index>
-    driver  streams the shards' small info rows (manifest, progress), then merges the partial sums exactly as a
-            local run does
+    read     one Ray Data read task per file, or per range of Parquet row groups (a file or folder, local or any
+             pyarrow filesystem URI, or `hf:`), parsed by the mixlens readers: the same examples, source indexes and
+             bad-record counts as a local run; rows some finished shard already holds are dropped here
+    tokenise Ray Data tasks (fused with the read tasks) load the model's tokenizer and config once per worker
+             process, no weights, and add each row's token ids, types, word ids and lengths (`tokenize_block`)
+    compute  an actor pool (`concurrency` actors, `num_cpus` / `num_gpus` each): every actor loads the job's model
+             once and turns each batch of ≤ `shard_size` examples into one shard with `compute_shard` (the local
+             path: the same `Lens`, methods and statistics, packing the given token ids as it packs texts),
+             written straight to DIR/shards/shard-<first index>
+    driver   streams the shards' small info rows (manifest, progress), then merges the partial sums exactly as a
+             local run does
 
 A shard is named by the first source index it holds (layout "index" of the job), so a rerun of the same command
 reads the shards' `index` columns and computes only the source indexes no shard holds: no duplicated and no
