@@ -99,6 +99,24 @@ class Tokenized:
         self.truncated = [0] * len(self.ids)
         return self
 
+    @classmethod
+    def restore(
+        cls,
+        ids: Sequence[Sequence[int]],
+        types: Sequence[Sequence[int]] | None,
+        words: Sequence[Sequence[int | None]],
+        truncated: Sequence[int],
+    ) -> Tokenized:
+        """Inputs tokenized elsewhere (a corpus run's tokenizing stage): the `ids`, `types`, `words` and `truncated`
+        lists a `Tokenized` built from texts holds, so that batches of it are the same."""
+        self = cls.__new__(cls)
+        self.ids = [list(x) for x in ids]
+        self.types = [list(x) for x in types] if types is not None else None
+        self.words = [list(x) for x in words]
+        self.lengths = [len(x) for x in self.ids]
+        self.truncated = list(truncated)
+        return self
+
     def batch(self, tokenizer: Any, device: torch.device, rows: Sequence[int]) -> Encoded:
         """The inputs `rows` as one right-padded batch on `device` (the model's)."""
         n = max(self.lengths[b] for b in rows)

@@ -115,6 +115,18 @@ def load(
     return Lens(net, tok, name=name, dtype=torch_dtype, family=family)
 
 
+def input_limit(config: Any, tokenizer: Any) -> int:
+    """The longest input a model of this config accepts with this tokenizer (position embeddings, or the tokenizer's
+    limit); needs no weights (a corpus run's tokenizing stage reads it from the config alone)."""
+    limits = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions")]
+    if config.model_type in ("roberta", "xlm-roberta"):  # positions start after the padding index
+        limits = [m - config.pad_token_id - 1 if m else m for m in limits]
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    limits.append(tok_max if tok_max and tok_max < 1_000_000 else None)
+    found = [m for m in limits if m]
+    return min(found) if found else 512
+
+
 class Lens:
     """A model ready for analysis. Build with `mixlens.load(...)` or `Lens(model, tokenizer)`."""
 
@@ -170,14 +182,7 @@ class Lens:
     @property
     def max_length(self) -> int:
         """The longest input the model accepts (position embeddings, or the tokenizer's limit)."""
-        cfg = self.model.config
-        limits = [getattr(cfg, k, None) for k in ("max_position_embeddings", "n_positions")]
-        if cfg.model_type in ("roberta", "xlm-roberta"):  # positions start after the padding index
-            limits = [m - cfg.pad_token_id - 1 if m else m for m in limits]
-        tok_max = getattr(self.tokenizer, "model_max_length", None)
-        limits.append(tok_max if tok_max and tok_max < 1_000_000 else None)
-        found = [m for m in limits if m]
-        return min(found) if found else 512
+        return input_limit(self.model.config, self.tokenizer)
 
     def special_roles(self, ids: Iterable[int]) -> list[str | None]:
         """Role of each token id ('cls', 'sep', 'bos', 'eos', 'pad', 'mask', 'unk') or None; by id, never

@@ -358,3 +358,36 @@ def test_layout_is_part_of_the_identity_only_when_not_the_default():
     assert "layout" not in job.identity()  # job ids of existing runs stay the same
     other = replace(job, layout="index")
     assert other.identity()["layout"] == "index" and other.job_id != job.job_id
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_tokenizing_stage_gives_the_shard_the_compute_step_gives(tiny_model, pair):
+    """The CPU stage's token ids (truncation included), restored in the actor, make the same shard as tokenizing
+    inside the compute step: same packing, same padding, same bytes (no Ray needed)."""
+    import json
+
+    from mixlens.batching import Tokenized
+    from mixlens.corpus.compute import compute_shard
+    from mixlens.corpus.job import Job
+    from mixlens.corpus.raydata import _block, tokenize_block
+    from mixlens.corpus.readers import Example
+    from mixlens.lens import load
+
+    words = "the cat sat on a mat , and then it ran far away from the big dog".split()
+    texts = [" ".join(words[: 3 + (7 * k) % 15]) for k in range(11)]
+    examples = [Example(10 + k, (t, texts[-k - 1]) if pair else t, {"label": k % 2}) for k, t in enumerate(texts)]
+    job = Job(
+        tiny_model, "tiny", "d", None, "a", "b" if pair else None, ("norm_resln", "attention_rollout"),
+        store="full", max_length=12, batch_size=4,
+    )  # fmt: skip
+    rows = tokenize_block(_block(examples, pair), job).to_pydict()
+    assert max(rows["n_tokens"]) == 12 and max(rows["truncated_from"]) > 12  # some inputs were cut to the limit
+    types = rows["types"] if all(x is not None for x in rows["types"]) else None
+    tok = Tokenized.restore(rows["ids"], types, rows["words"], rows["truncated_from"])
+    lens = load(tiny_model)
+    staged, info = compute_shard(lens, job, 10, examples, tokenized=tok)
+    inline, info2 = compute_shard(lens, job, 10, examples)
+    assert info == info2
+    a, b = pq.read_table(pa.BufferReader(staged)), pq.read_table(pa.BufferReader(inline))
+    assert a.equals(b)
+    assert json.loads(a.schema.metadata[b"mixlens.sums"]) == json.loads(b.schema.metadata[b"mixlens.sums"])

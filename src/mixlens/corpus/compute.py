@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from mixlens.batching import Batch, Tokenized
 from mixlens.corpus import shards as sh
 from mixlens.corpus.job import Job
 from mixlens.corpus.readers import Example
 from mixlens.methods import get as get_method
-from mixlens.pipeline import run_methods
+from mixlens.pipeline import plan_batches, run_methods
 from mixlens.stats.tokens import row_entropy, token_kinds, token_type_masses
 
 
@@ -35,8 +36,31 @@ def _has_maps(dims: tuple[str, ...]) -> bool:
     return dims[:1] == ("layer",) and dims[-2:] == ("target", "source")
 
 
+def _batches(lens, job: Job, examples: list[Example], tokenized: Tokenized | None) -> Iterator[Batch]:
+    """The shard's batches, longest first: `Lens.batches(order="length")` of the texts, or, for inputs tokenized
+    already (`tokenized`, the Ray Data tokenizing stage), the same packing and trace of those token ids."""
+    if tokenized is None:
+        yield from lens.batches(
+            [e.text for e in examples],
+            job.batch_size,
+            job.max_length,
+            order="length",
+            max_tokens=job.max_tokens,
+            trace=job.methods,
+        )
+        return
+    for rows in plan_batches(tokenized.lengths, job.batch_size, job.max_tokens):
+        enc = tokenized.batch(lens.tokenizer, lens.device, rows)
+        yield Batch(list(rows), enc, lens.trace_for(enc, job.methods))
+
+
 def compute_shard(
-    lens, job: Job, shard_id: int, examples: list[Example], on_batch: Callable[[int], None] | None = None
+    lens,
+    job: Job,
+    shard_id: int,
+    examples: list[Example],
+    on_batch: Callable[[int], None] | None = None,
+    tokenized: Tokenized | None = None,
 ) -> tuple[bytes, dict]:
     """Run the job's methods over one shard; returns (Parquet bytes with partial sums in metadata, info).
 
@@ -44,7 +68,7 @@ def compute_shard(
     per variant [L], reconstruction error [L] (both when a method used the norm engine), and per method with
     [layer, (head,) target, source] maps the per-layer entropy and token-type masses of the row-normalised |map|
     ([L], or [L][H] under `<method>.heads.*`); store=full adds the tokens and each method's matrix flattened with
-    its shape.
+    its shape. `tokenized`: the examples' tokens, when a tokenizing stage made them (else they are tokenized here).
     """
     specs = [get_method(m) for m in job.methods]
     firsts = [e.text[0] if isinstance(e.text, tuple) else e.text for e in examples]
@@ -64,22 +88,17 @@ def compute_shard(
         summary[column][pos] = values
         samples.setdefault((stat, method, values.ndim), []).append(values)
 
-    for bt in lens.batches(
-        [e.text for e in examples],
-        job.batch_size,
-        job.max_length,
-        order="length",
-        max_tokens=job.max_tokens,
-        trace=job.methods,
-    ):
-        batch, enc, mask = bt.index, bt.enc, bt.trace.mask
+    for bt in _batches(lens, job, examples, tokenized):
+        trace = bt.trace
+        assert trace is not None  # asked for: trace=job.methods
+        batch, enc, mask = bt.index, bt.enc, trace.mask
         n_tok = mask.sum(1)
         n_tokens[batch] = n_tok.cpu().numpy()
         trunc_from[batch] = enc.truncated
-        step = run_methods(bt.trace, job.methods, heads=job.heads, options=job.options)
+        step = run_methods(trace, job.methods, heads=job.heads, options=job.options)
         outs = step.values
         summed = (
-            run_methods(bt.trace, per_head, options={k: v for k, v in job.options.items() if k in per_head}).values
+            run_methods(trace, per_head, options={k: v for k, v in job.options.items() if k in per_head}).values
             if per_head
             else {}
         )

@@ -1,14 +1,17 @@
 """Corpus runs on Ray Data (`--backend ray-data`): the cluster reads, computes and writes; the driver only keeps
 the books.
 
-    read    one Ray Data read task per file, or per range of Parquet row groups (a file or folder, local or any
-            pyarrow filesystem URI, or `hf:`), parsed by the mixlens readers: the same examples, source indexes and
-            bad-record counts as a local run; rows some finished shard already holds are dropped here
-    compute an actor pool (`concurrency` actors, `num_cpus` / `num_gpus` each): every actor loads the job's model
-            once and turns each batch of ≤ `shard_size` examples into one shard with `compute_shard` (the local
-            path: the same `Lens`, methods and statistics), written straight to DIR/shards/shard-<first index>
-    driver  streams the shards' small info rows (manifest, progress), then merges the partial sums exactly as a
-            local run does
+    read     one Ray Data read task per file, or per range of Parquet row groups (a file or folder, local or any
+             pyarrow filesystem URI, or `hf:`), parsed by the mixlens readers: the same examples, source indexes and
+             bad-record counts as a local run; rows some finished shard already holds are dropped here
+    tokenise Ray Data tasks (fused with the read tasks) load the model's tokenizer and config once per worker
+             process, no weights, and add each row's token ids, types, word ids and lengths (`tokenize_block`)
+    compute  an actor pool (`concurrency` actors, `num_cpus` / `num_gpus` each): every actor loads the job's model
+             once and turns each batch of ≤ `shard_size` examples into one shard with `compute_shard` (the local
+             path: the same `Lens`, methods and statistics, packing the given token ids as it packs texts),
+             written straight to DIR/shards/shard-<first index>
+    driver   streams the shards' small info rows (manifest, progress), then merges the partial sums exactly as a
+             local run does
 
 A shard is named by the first source index it holds (layout "index" of the job), so a rerun of the same command
 reads the shards' `index` columns and computes only the source indexes no shard holds: no duplicated and no
@@ -33,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mixlens.batching import Tokenized
 from mixlens.corpus import shards as sh
 from mixlens.corpus.compute import compute_shard
 from mixlens.corpus.job import Job
@@ -195,6 +199,44 @@ def skipped_counts(out: Path) -> dict[str, int]:
     return total
 
 
+@functools.cache
+def _tokenizer(model: str | None, gguf_file: str | None, max_length: int | None) -> tuple[Any, int]:
+    """(the job model's tokenizer, the token limit of the job): loaded once per worker process from the tokenizer
+    files and the config alone, no weights (what `mixlens.load` and `Lens.limit` give)."""
+    import transformers
+
+    from mixlens.lens import input_limit, resolve_source
+
+    src, _ = resolve_source(model, gguf_file)
+    gguf = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
+    limit = input_limit(transformers.AutoConfig.from_pretrained(src, **gguf), tok)
+    return tok, limit if max_length is None else min(max_length, limit)
+
+
+def tokenize_block(batch: pa.Table, job: Job) -> pa.Table:
+    """The tokenizing stage (CPU tasks): each text row gains its token ids as the model's batching makes them
+    (`ids`, `types` when the tokenizer has token types, `words`), `n_tokens` after truncation and `truncated_from`
+    (its length before, 0 if not cut); the compute actors pack and pad these without tokenizing again."""
+    from mixlens.batching import Tokenized, check_texts
+
+    tok, limit = _tokenizer(job.model, job.gguf_file, job.max_length)
+    first = batch["text"].to_pylist()
+    pairs = batch["text_pair"].to_pylist() if "text_pair" in batch.column_names else None
+    texts = list(zip(first, pairs, strict=True)) if pairs is not None else first
+    t = Tokenized(tok, check_texts(texts), limit, True, limit)
+    cols = {
+        "ids": pa.array(t.ids, pa.list_(pa.int64())),
+        "types": pa.array(t.types if t.types is not None else [None] * len(t.ids), pa.list_(pa.int64())),
+        "words": pa.array(t.words, pa.list_(pa.int64())),
+        "n_tokens": pa.array(t.lengths, pa.int64()),
+        "truncated_from": pa.array(t.truncated, pa.int64()),
+    }
+    for name, col in cols.items():
+        batch = batch.append_column(name, col)
+    return batch
+
+
 class ShardWriter:
     """An actor of the pool: holds one loaded model; each batch becomes one shard file written to DIR/shards."""
 
@@ -216,7 +258,11 @@ class ShardWriter:
         texts = list(zip(rows["text"], rows["text_pair"], strict=True)) if "text_pair" in rows else rows["text"]
         examples = [Example(i, t, json.loads(f)) for i, t, f in zip(rows["index"], texts, rows["fields"], strict=True)]
         shard_id = examples[0].index
-        payload, info = compute_shard(self.lens, self.job, shard_id, examples)
+        tokenized = None
+        if "ids" in rows:  # tokenized by the CPU stage
+            types = rows["types"] if all(x is not None for x in rows["types"]) else None
+            tokenized = Tokenized.restore(rows["ids"], types, rows["words"], rows["truncated_from"])
+        payload, info = compute_shard(self.lens, self.job, shard_id, examples, tokenized=tokenized)
         atomic_write(sh.shard_path(self.out, shard_id), payload)
         return pa.table({"info": [json.dumps(info)]})
 
@@ -334,6 +380,9 @@ class Cluster:
     concurrency: int | None = None
     num_cpus: float | None = None
     num_gpus: float | None = None
+    # CPUs each tokenizing task asks for: 0 by default, since the default actor pool takes every cluster CPU (the
+    # tasks then run next to the read tasks, Ray Data fuses the two); give them CPUs when the pool leaves some free
+    tokenize_cpus: float = 0.0
 
 
 def run(
@@ -448,6 +497,13 @@ def run(
                 # blocks of about one shard: each is one task of the actor pool, spread over actors and nodes
                 with _data_context(max(256, int(job.shard_size * row_bytes))), bar or contextlib.nullcontext():
                     ds = ray.data.read_datasource(_Source(), override_num_blocks=len(parts), num_cpus=0)
+                    ds = ds.map_batches(  # CPU tasks: one block (≤ one shard) at a time, tokenizer cached per worker
+                        tokenize_block,
+                        fn_args=(job,),
+                        batch_size=None,
+                        batch_format="pyarrow",
+                        num_cpus=cluster.tokenize_cpus,
+                    )
                     ds = ds.map_batches(
                         ShardWriter,
                         fn_constructor_args=(job, str(out), max(1, int(cpus or 1))),
