@@ -12,6 +12,7 @@ import importlib
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     options.INVOCATION[:] = args
     if "mixlens.result" in sys.modules:  # in-process calls (tests, notebooks): count only this command's files
         sys.modules["mixlens.result"].WRITTEN.clear()
+    shown = warnings.showwarning
+    warnings.showwarning = one_line_warning  # a library's warning (numpy, scipy, transformers): one line, no source
     try:
         options.check_argv(args)
         rc = cmd.main(args=args, prog_name="mixlens", standalone_mode=False)
@@ -150,4 +153,15 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"mixlens: error: {line}", file=sys.stderr)
         rc = 2
+    finally:
+        warnings.showwarning = shown
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def one_line_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None
+) -> None:
+    """How the CLI shows a warning: `mixlens: warning: MESSAGE` on stderr, one line, without the source path and line
+    that Python's default format adds (they point into numpy's or scipy's code, not at anything the user did)."""
+    text = " ".join(str(message).split())
+    print(f"mixlens: warning: {text} ({category.__name__})", file=sys.stderr if file is None else file)

@@ -365,3 +365,27 @@ def test_shared_syntax_file_still_reads():
 
     sents = list(read_conllu(data_file("ud_ewt", "en_ewt-ud-dev.conllu"), 5))
     assert len(sents) == 5 and all(s.words for s in sents)
+
+
+def test_a_library_warning_is_one_line_without_its_source_path(monkeypatch, capsys):
+    """#45 item 24: numpy / scipy warnings reached stderr with their source file and line (and the code line)."""
+    import warnings
+
+    import numpy as np
+
+    import mixlens.lens
+
+    real = mixlens.lens.Lens.analyze
+
+    def noisy(self, *args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            np.log(np.zeros(1))  # numpy's RuntimeWarning: divide by zero encountered in log
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(mixlens.lens.Lens, "analyze", noisy)
+    code, _, err = run_cli(["analyze", "A fine film.", "--method", "attention"], capsys)
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if "divide by zero" in ln]
+    assert lines == ["mixlens: warning: divide by zero encountered in log (RuntimeWarning)"], err
+    assert ".py" not in "".join(lines)
