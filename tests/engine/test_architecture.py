@@ -11,7 +11,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mixlens"
 LAYERS = (  # lowest first; a module belongs to the layer of its longest listed prefix
-    ("errors", "version", "lazy", "jsonio", "memory", "catalog"),
+    ("errors", "version", "lazy", "jsonio", "memory", "catalog", "runlock"),
     ("adapters",),
     ("inplace", "rowattn", "trace"),
     ("methods.memo", "methods.registry"),  # what methods share: knows no method

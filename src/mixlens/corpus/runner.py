@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import shlex
-from collections.abc import Iterator
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +28,7 @@ from mixlens.errors import MixlensError
 from mixlens.methods import check_options
 from mixlens.methods import get as get_method
 from mixlens.pipeline import plan_batches
+from mixlens.runlock import run_lock
 
 if TYPE_CHECKING:
     from mixlens.lens import Lens
@@ -93,51 +94,14 @@ def _check_model(
 LOCK = ".mixlens-corpus.lock"  # in --out: held (flock) by the run writing there; holds its pid and command
 
 
-@contextlib.contextmanager
-def _locked(out: Path) -> Iterator[None]:
+def _locked(out: Path) -> contextlib.AbstractContextManager[None]:
     """Hold an exclusive lock on the output directory for the whole run: a second run into the same --out (another
     job or the same one) is refused with one line naming the running one. A folder this run created is removed
     again when the run fails before writing its manifest (nothing is left behind)."""
-    import fcntl
-    import os
-    import sys
+    from mixlens.commands.options import INVOCATION
 
-    made: list[Path] = []
-    for p in [out, *out.parents]:
-        if p.exists() or p.is_symlink():
-            break
-        made.append(p)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown process"
-            raise MixlensError(
-                f"{out} is in use by another mixlens corpus run ({holder}); wait for it to finish or use another --out"
-            ) from None
-        from mixlens.commands.options import INVOCATION
-
-        os.ftruncate(fd, 0)
-        os.pwrite(
-            fd, f"pid {os.getpid()}: {shlex.join(['mixlens', *INVOCATION]) if INVOCATION else sys.argv[0]}".encode(), 0
-        )
-        try:
-            yield
-        finally:
-            if made and not (out / sh.MANIFEST).exists():  # failed before anything was written: leave nothing
-                (out / LOCK).unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    (out / sh.SHARD_DIR).rmdir()
-                for p in made:
-                    with contextlib.suppress(OSError):
-                        p.rmdir()
-    finally:
-        os.close(fd)  # releases the lock
+    command = shlex.join(["mixlens", *INVOCATION]) if INVOCATION else sys.argv[0]
+    return run_lock(out, LOCK, command, "corpus", (out / sh.MANIFEST).exists)
 
 
 def _check_out(out: Path, job: Job, overwrite: bool) -> None:

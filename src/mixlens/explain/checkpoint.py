@@ -14,10 +14,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import os
 import shlex
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from mixlens import jsonio
 from mixlens.errors import MixlensError
 from mixlens.explain.evaluation import KS, LEVELS, NO_REMOVAL, REMOVALS, Contrast, Evaluation
 from mixlens.lens import dtype_name
+from mixlens.runlock import run_lock
 
 CHECKPOINT_EVERY = 60.0  # seconds between saves of the finished examples (a run killed without warning resumes)
 LOCK = ".mixlens-evaluate.lock"  # in --out: held (flock) by the run writing there; holds its pid and command
@@ -130,44 +130,11 @@ def resumed(
     return kept or 0
 
 
-@contextlib.contextmanager
-def locked(out: Path, command: str | None = None) -> Iterator[None]:
+def locked(out: Path, command: str | None = None) -> contextlib.AbstractContextManager[None]:
     """Hold an exclusive lock on the output folder for the whole run: a second run into the same --out is refused
     with one line naming the running one (its pid and `command`). A folder this run created is removed again when
     the run ends without writing evaluation.json (nothing is left behind)."""
-    import fcntl
-
-    made: list[Path] = []
-    for p in [out, *out.parents]:
-        if p.exists() or p.is_symlink():
-            break
-        made.append(p)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown process"
-            raise MixlensError(
-                f"{out} is in use by another mixlens evaluate run ({holder}); wait for it to finish or use another "
-                "--out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}: {command or shlex.join(sys.argv)}".encode(), 0)
-        try:
-            yield
-        finally:
-            if not (out / FILE).exists():  # nothing written: leave no lock file, and no folder this run made
-                (out / LOCK).unlink(missing_ok=True)
-                for p in made:
-                    with contextlib.suppress(OSError):
-                        p.rmdir()
-    finally:
-        os.close(fd)  # releases the lock
+    return run_lock(out, LOCK, command or shlex.join(sys.argv), "evaluate", (out / FILE).exists)
 
 
 # ------------------------------------------------------------------------------------ a saved evaluation, checked
