@@ -164,8 +164,9 @@ class _Session:
         self.edits = edits
         # attention rows from q and K (`mixlens.rowattn`): no [B, H, n, n] α; not where α takes a per-head bias (ALiBi)
         self.qk_rows = qk_rows and adapter.family.row_mode
-        # attention through torch's fused kernels, nothing recorded: no [B, H, n, n] α kept (not MPNet's own route)
-        self.fused = fused and adapter.family.probs is None
+        # attention through torch's fused kernels, nothing recorded: no [B, H, n, n] α kept (not MPNet's or BLOOM's
+        # own route, nor where the family adds a per-head bias to the mask itself: ALiBi needs the dense mask)
+        self.fused = fused and adapter.family.probs is None and adapter.family.row_mode
         self.inplace = adapter.family.inplace_attention
         self.causal = adapter.family.causal
         self.start, self.stop = start, stop

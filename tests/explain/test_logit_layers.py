@@ -133,5 +133,5 @@ def test_logit_layers_is_documented():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    for doc in ("reports.md", "cli.md"):
+    for doc in ("guides/reports.md", "reference/cli.md"):
         assert "--view logit-layers" in (root / "docs" / doc).read_text(encoding="utf-8"), doc

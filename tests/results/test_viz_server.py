@@ -451,7 +451,7 @@ def test_one_client_cannot_take_every_connection(tmp_path, capsys):
     """#45 item 24: 32 slow connections from one client locked every other client out with 503; one client holds
     at most `max_per_client` connections (here 2 of 4), so another is still served."""
     cfg = ViewerConfig(
-        SimpleNamespace(name="probe"), ["attention"], read_timeout=2.0, max_connections=4, max_per_client=2
+        SimpleNamespace(name="probe", methods=["attention"]), read_timeout=2.0, max_connections=4, max_per_client=2
     )
     srv = make_server(cfg, "127.0.0.1", 0)
     t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
