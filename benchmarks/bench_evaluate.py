@@ -74,8 +74,8 @@ def consecutive(parts: list[Evaluation]) -> list[Evaluation]:
 
 
 def markdown(ev: Evaluation, timed: int) -> str:
-    """The ranked table of docs/findings/evaluate.md: each metric's mean [95 % interval], attribution seconds per example
-    (the timings are those of the first `timed` examples)."""
+    """The ranked table of docs/findings/evaluate.md: each metric's mean [95 % interval], attribution seconds per
+    example (the timings are those of the first `timed` examples)."""
     met, n = ev.metrics(), timed
     rows = ["| method | AOPC | comprehensiveness | sufficiency ↓ | Spearman with ‖G×I‖ | attribution s/example |",
             "|---|---|---|---|---|---|"]

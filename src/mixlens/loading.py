@@ -17,6 +17,7 @@ import torch
 from mixlens import jsonio
 from mixlens.adapters import family_for, family_named, known_family
 from mixlens.errors import MixlensError
+from mixlens.gguf_weights import check_fits, check_gguf, load_gguf_model, safetensors_bytes
 
 HEADS = {  # `load(head=...)` → the transformers AutoModel class
     "base": "AutoModel",
@@ -202,13 +203,24 @@ class RandomHeadError(MixlensError):
 
 
 def pretrained_without_random_weights(cls: Any, src: str, head: str, allow_random_head: bool, **kwargs: Any) -> Any:
-    """`cls.from_pretrained(src)`; newly initialised weights (missing or size-mismatched in the checkpoint) are a
-    `MixlensError` naming them, unless `allow_random_head`: explaining a random head explains noise."""
+    """`cls.from_pretrained(src)` (a GGUF file: `gguf_weights.load_gguf_model`, tensor by tensor into the dtype);
+    newly initialised weights (missing or size-mismatched in the checkpoint) are a `MixlensError` naming them, unless
+    `allow_random_head`: explaining a random head explains noise."""
     kwargs.setdefault("dtype", torch.float32)
-    net, info = cls.from_pretrained(src, attn_implementation="eager", output_loading_info=True, **kwargs)
-    new = sorted(
-        {*info.get("missing_keys", ()), *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))}
-    )
+    if kwargs.get("gguf_file") is not None:
+        net, missing = load_gguf_model(cls, Path(src), kwargs["gguf_file"], kwargs["config"], kwargs["dtype"])
+        if missing and allow_random_head:  # left on the meta device: give them (random) storage
+            net.to_empty(device="cpu")
+        new = sorted(missing)
+    else:
+        kwargs.pop("config", None)
+        net, info = cls.from_pretrained(src, attn_implementation="eager", output_loading_info=True, **kwargs)
+        new = sorted(
+            {
+                *info.get("missing_keys", ()),
+                *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ())),
+            }
+        )
     if new and not allow_random_head:
         shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
         raise RandomHeadError(
@@ -242,6 +254,8 @@ def pretrained(
     gguf = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if head is not None and head not in HEADS:
         raise MixlensError(f"unknown head '{head}'; valid: {', '.join(HEADS)}")
+    if gguf_file is not None:  # an unreadable architecture or tensor type, or too large: one line, before loading
+        check_gguf(Path(src) / gguf_file, DTYPES.get(want_dtype, torch.float32))
     try:
         config = transformers.AutoConfig.from_pretrained(src, local_files_only=local, **gguf)
         check_model_type(config.model_type, bool(getattr(config, "is_encoder_decoder", False)))  # fail fast
@@ -250,12 +264,22 @@ def pretrained(
             known.layout(config)
         torch_dtype = DTYPES[checkpoint_dtype(config) if want_dtype == "auto" else want_dtype]
         check_dtype_on(torch_dtype, device)
+        if local and gguf_file is None:
+            stored = None if want_dtype == "auto" else torch_dtype
+            check_fits(safetensors_bytes(Path(src), stored), f"'{src}'", stored)
+        tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)  # before the weights: its GGUF parse is transient
         chosen = head or head_for(config)
         if head is None and gguf_file is not None and chosen == "base" and known is not None and known.causal:
             chosen = "causal-lm"  # a GGUF file names no head class; a decoder's file holds its LM head
         try:
             net = pretrained_without_random_weights(
-                getattr(transformers, HEADS[chosen]), src, chosen, allow_random_head, dtype=torch_dtype, **gguf
+                getattr(transformers, HEADS[chosen]),
+                src,
+                chosen,
+                allow_random_head,
+                dtype=torch_dtype,
+                config=config,
+                **gguf,
             )
         except RandomHeadError:
             if head is not None or chosen == "base":
@@ -266,9 +290,8 @@ def pretrained(
                 file=sys.stderr,
             )
             net = pretrained_without_random_weights(
-                transformers.AutoModel, src, "base", allow_random_head, dtype=torch_dtype, **gguf
+                transformers.AutoModel, src, "base", allow_random_head, dtype=torch_dtype, config=config, **gguf
             )
-        tok = transformers.AutoTokenizer.from_pretrained(src, **gguf)
     except MixlensError:
         raise
     except Exception as e:

@@ -18,7 +18,7 @@ LAYERS = (  # lowest first; a module belongs to the layer of its longest listed 
     ("methods", "targets", "layouts"),  # layouts: probes a model under the known layouts (engine tolerances)
     ("pipeline",),
     ("result",),
-    ("batching", "loading"),
+    ("batching", "loading", "gguf_weights"),
     ("protocol",),  # `LensLike`: what the layers above use of a lens
     ("lens",),
     ("interventions", "explain", "stats", "bertology", "corpus"),
