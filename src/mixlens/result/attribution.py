@@ -64,6 +64,7 @@ class Attribution:
 
     @property
     def values(self) -> np.ndarray:
+        """All inputs as one array `[batch, *dims]` (token axes zero-padded; built on first use)."""
         return self.store.full()
 
     @property
@@ -78,6 +79,7 @@ class Attribution:
 
     @property
     def lengths(self) -> list[int]:
+        """Each input's token count."""
         return [len(t) for t in self.tokens]
 
     def __len__(self) -> int:
@@ -196,6 +198,7 @@ class Attribution:
         views.view("attribution.show")(self, inputs, layer=layer, head=head, max_tokens=max_tokens, console=console)
 
     def to_json_dict(self, b: int) -> dict[str, Any]:
+        """Input `b` as JSON: its axes, values without padding, extras and (when set) its target rows."""
         out = {
             "dims": list(self.dims),
             "values": self.input(b).tolist(),
@@ -204,6 +207,8 @@ class Attribution:
         return out if self.targets is None else {**out, "targets": self.targets[b]}
 
     def manifest(self) -> dict[str, Any]:
+        """The JSON manifest saved next to the tensors: format, method, model, axes `[batch, *dims]`, tokens and
+        parameters."""
         return {
             "format": ATTRIBUTION_FORMAT,
             "method": self.method,
