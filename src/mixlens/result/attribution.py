@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from mixlens.result.files import (
 )
 from mixlens.result.rows import TOKEN_AXES, InputRows
 from mixlens.result.validation import checked_dims, checked_field, checked_targets, checked_tokens, checked_words
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 class Attribution:
@@ -160,7 +163,7 @@ class Attribution:
             extras,
         )
 
-    def to_dataframe(self):  # -> pandas.DataFrame
+    def to_dataframe(self) -> pd.DataFrame:
         """Long table of real (non-pad) entries: one column per axis, token strings, and `value`."""
         import pandas as pd
 
