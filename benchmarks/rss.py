@@ -11,5 +11,5 @@ HERE = str(Path(__file__).resolve().parent)  # this folder, for a spawned proces
 def peak_gib() -> float:
     """Peak RSS of this process in GiB: VmHWM, not ru_maxrss (on Linux a spawned child's ru_maxrss starts at its
     parent's peak)."""
-    with open("/proc/self/status") as fh:
+    with Path("/proc/self/status").open() as fh:
         return int(next(x for x in fh if x.startswith("VmHWM")).split()[1]) / 2**20

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 
@@ -46,13 +47,13 @@ def main() -> None:
     args = ap.parse_args()
     keep = None
     if args.same_as:
-        with open(args.same_as, encoding="utf-8") as fh:
+        with Path(args.same_as).open(encoding="utf-8") as fh:
             keep = {_key(ex) for ex in json.load(fh)["examples"]}
     ranks: dict[str, list[tuple[bool, bool, float]]] = {}
     right: dict[str, list[tuple[bool, float]]] = {}
     by_group: dict[str, dict[str, list[float]]] = {}
     for path in args.files:
-        with open(path, encoding="utf-8") as fh:
+        with Path(path).open(encoding="utf-8") as fh:
             run = json.load(fh)
         for ex in run["examples"]:
             if keep is not None and _key(ex) not in keep:

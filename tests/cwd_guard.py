@@ -4,7 +4,6 @@ still leaves a new file or folder in the directory pytest was started from fails
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,9 @@ CACHES = {".pytest_cache", "__pycache__", ".mypy_cache", ".ruff_cache", ".hypoth
 @pytest.fixture(autouse=True)
 def _working_directory_untouched(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
     cwd = Path.cwd()
-    before = set(os.listdir(cwd))
+    before = {p.name for p in cwd.iterdir()}
     monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
     yield
-    left = sorted(set(os.listdir(cwd)) - before - CACHES)
+    left = sorted({p.name for p in cwd.iterdir()} - before - CACHES)
     if left:
         pytest.fail(f"the test left {', '.join(left)} in the working directory {cwd}; write under tmp_path")

@@ -133,7 +133,7 @@ class Lens:
     def __init__(
         self,
         model: Any,
-        tokenizer,
+        tokenizer: Any,
         name: str | None = None,
         dtype: str | torch.dtype | None = None,
         family: str | None = None,

@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+from pathlib import Path
 
 from mixlens.errors import MixlensError
 
@@ -55,7 +56,7 @@ def available_bytes(device: object = "cpu") -> int | None:
 
         return int(torch.cuda.mem_get_info(str(device))[0]) if torch.cuda.is_available() else None
     try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
+        with Path("/proc/meminfo").open(encoding="ascii") as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024

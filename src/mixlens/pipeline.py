@@ -180,6 +180,8 @@ class LayerStream:
         self.every_row = any(st.whole and st.norm_run(family) for st in streams)  # N-Res of every row, for a sink
 
     def __call__(self, index: int, lt: LayerTrace) -> None:
+        """Take layer `index`'s trace: keep the target rows' attention, run the norm engine's layer step when
+        needed and hand the layer to each method's sink."""
         layer = StreamLayer(index, lt, self.adapter.layers[index], self.adapter.family, self.mask, self.rows, self.memo)
         layer.keep("alpha", lt.alpha_rows(self.rows))
         run = self.memo.get(NORM_RUN)

@@ -245,7 +245,14 @@ def repeat_kv(v: torch.Tensor, n_heads: int) -> torch.Tensor:
     return v if rep == 1 else v.repeat_interleave(rep, dim=1)
 
 
-def _attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Wraps the family's own `eager_attention_forward` (or its in-place equal, `inplace.softmax_attention`); records
     α and v and applies the attention edits."""
     eager = sys.modules[type(module).__module__].eager_attention_forward

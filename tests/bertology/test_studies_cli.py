@@ -68,3 +68,27 @@ def test_cli_studies_read_the_base_model(tmp_path, capsys):
         args = [cmd, "-d", str(f), "--model", str(model_dir), "--limit", "4", "-o", str(tmp_path / cmd)]
         code, _, err = run_cli(args, capsys)
         assert code == 0, err
+
+
+def test_a_missing_extra_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """wordfreq is the `studies` extra: without it the study stops before loading anything, with the pip line."""
+    import sys
+
+    import pytest
+
+    from mixlens.bertology.frequency import zipf
+    from mixlens.errors import MixlensError
+
+    assert zipf("the") > 5  # installed: the real word list
+    monkeypatch.setitem(sys.modules, "wordfreq", None)  # `import wordfreq` now raises ImportError
+    with pytest.raises(
+        MixlensError, match=r'^wordfreq is not installed; install it with: pip install "mixlens\[studies\]"$'
+    ):
+        zipf("the")
+    args = ["frequency", "-d", str(data_file("sst2", "dev.tsv")), "--limit", "2", "-o", str(tmp_path)]
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        'mixlens: error: wordfreq is not installed; install it with: pip install "mixlens[studies]"'
+    ]
+    assert not list(tmp_path.iterdir())

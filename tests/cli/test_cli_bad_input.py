@@ -412,7 +412,7 @@ def test_stdout_on_a_full_disk_is_one_line(fx, capsys, monkeypatch):
     from mixlens.commands.output import write_stdout
     from mixlens.errors import MixlensError
 
-    full = open("/dev/full", "w")  # noqa: SIM115 (closed below, whatever the buffer still holds)
+    full = Path("/dev/full").open("w")  # noqa: SIM115 (closed below, whatever the buffer still holds)
     try:
         monkeypatch.setattr(sys, "stdout", full)
         with pytest.raises(MixlensError, match="cannot write to stdout: No space left on device"):

@@ -6,6 +6,7 @@ fixture's teardown), so a block read on one node is computed by an actor on the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -81,10 +82,8 @@ def cluster(tmp_path_factory):
             with _suppress():
                 os.killpg(p.pid, signal.SIGTERM)
         for p in reversed(procs):
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
             with _suppress():
                 os.killpg(p.pid, signal.SIGKILL)
         for k, v in saved.items():

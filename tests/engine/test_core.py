@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -227,11 +228,10 @@ def test_openmp_team_is_torchs_with_a_second_runtime_loaded():
     """Another library's GNU OpenMP runtime in the process (a system libgomp) does not hide torch's."""
     import ctypes
     import ctypes.util
-    import os
 
-    ours = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    ours = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
     other = ctypes.util.find_library("gomp")
-    if mixlens.methods._compiled._TEAM["gomp"] is None or not os.path.exists(ours) or other is None:
+    if mixlens.methods._compiled._TEAM["gomp"] is None or not ours.exists() or other is None:
         pytest.skip("needs torch's bundled libgomp and a system one")
     ctypes.CDLL(other)
     fn = mixlens.methods._compiled._openmp_team()

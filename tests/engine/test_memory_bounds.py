@@ -24,9 +24,8 @@ def test_a_trace_too_large_for_the_machine_is_refused_before_it_runs(tokenizer, 
     monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 1000)
     calls: list[int] = []
     lens.model.register_forward_pre_hook(lambda m, a: calls.append(1))
-    with pytest.raises(MixlensError, match=r"needs about .* GB but .* GB are available") as e:
-        with torch.no_grad():
-            lens.trace(enc)
+    with pytest.raises(MixlensError, match=r"needs about .* GB but .* GB are available") as e, torch.no_grad():
+        lens.trace(enc)
     assert "\n" not in str(e.value) and calls == []  # refused before the model ran
     with torch.no_grad():
         lens.trace(enc, qk_rows=True)  # the row mode keeps no [n, n]: it runs

@@ -231,15 +231,15 @@ def test_scoped_hooks_hold_the_model_and_are_removed_on_error(tokenizer):
             lens.trace(enc)
         traced.set()
 
-    with pytest.raises(RuntimeError, match="stop"):
-        with scoped_hooks(lens.adapter, [(lay.ffn_out, lambda m, a, o: calls.append(1))]):
-            with torch.no_grad():
-                lens.trace(enc)  # the same thread may trace inside
-            assert calls == [1]
-            other = threading.Thread(target=trace_in_thread)
-            other.start()
-            assert not traced.wait(0.5)  # the other thread's trace waits for the model
-            raise RuntimeError("stop")
+    hook = (lay.ffn_out, lambda m, a, o: calls.append(1))
+    with pytest.raises(RuntimeError, match="stop"), scoped_hooks(lens.adapter, [hook]):
+        with torch.no_grad():
+            lens.trace(enc)  # the same thread may trace inside
+        assert calls == [1]
+        other = threading.Thread(target=trace_in_thread)
+        other.start()
+        assert not traced.wait(0.5)  # the other thread's trace waits for the model
+        raise RuntimeError("stop")
     other.join(60)
     assert traced.is_set() and calls == [1]  # removed: the other thread's pass did not call it
     assert not lay.ffn_out._forward_hooks

@@ -322,9 +322,9 @@ def test_equals_the_authors_tool(family, tokenizer, monkeypatch):
     root = os.environ.get(TOOL_ENV)
     if not root:
         pytest.skip(f"set {TOOL_ENV} to a folder with the authors' routes/contributions.py (and deps/) to compare")
-    monkeypatch.setattr(sys, "path", [*sys.path, os.path.join(root, "deps")])
+    monkeypatch.setattr(sys, "path", [*sys.path, str(Path(root) / "deps")])
     spec = importlib.util.spec_from_file_location(
-        "lltt_contributions", os.path.join(root, "llm_transparency_tool", "routes", "contributions.py")
+        "lltt_contributions", Path(root) / "llm_transparency_tool" / "routes" / "contributions.py"
     )
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)

@@ -165,8 +165,8 @@ def test_memo_lives_with_the_methods(tokenizer):
     import mixlens.methods.memo
     import mixlens.trace
 
-    assert "Memo" not in vars(mixlens.trace) and "from mixlens.methods" not in open(mixlens.trace.__file__).read()
-    memo_source = open(mixlens.methods.memo.__file__).read()
+    assert "Memo" not in vars(mixlens.trace) and "from mixlens.methods" not in Path(mixlens.trace.__file__).read_text()
+    memo_source = Path(mixlens.methods.memo.__file__).read_text()
     assert not [m for m in REGISTRY if f'"{m}"' in memo_source or f"methods.{m} " in memo_source]
 
 

@@ -111,8 +111,7 @@ def _opt_layout(cfg: Any) -> dict[str, Any]:
         raise MixlensError("'opt' with layer_norm_elementwise_affine=False (norms without γ, β) is not supported")
     if cfg.do_layer_norm_before:
         return {} if not getattr(cfg, "_remove_final_layer_norm", False) else {"final_norm": None}
-    post = dict(pre_ln=False, ln_in=None, ln_mix="self_attn_layer_norm", ln_out="final_layer_norm", final_norm=None)
-    return post
+    return dict(pre_ln=False, ln_in=None, ln_mix="self_attn_layer_norm", ln_out="final_layer_norm", final_norm=None)
 
 
 def _bloom_layout(cfg: Any) -> dict[str, Any]:

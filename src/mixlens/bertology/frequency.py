@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mixlens.errors import MixlensError
+from mixlens.errors import MixlensError, optional_import
 from mixlens.trace import Trace
 
 if TYPE_CHECKING:
@@ -35,9 +35,7 @@ QUANTITIES = ("ratio", "self", "context")
 
 def zipf(word: str, lang: str = "en") -> float:
     """Zipf frequency of a word from `wordfreq` (0 for unknown words)."""
-    from wordfreq import zipf_frequency
-
-    return float(zipf_frequency(word, lang))
+    return float(optional_import("wordfreq", "studies").zipf_frequency(word, lang))
 
 
 def _traces(lens, texts: Sequence[str], batch_size: int, max_length: int | None) -> Iterator[tuple[Encoded, Trace]]:

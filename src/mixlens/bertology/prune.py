@@ -339,12 +339,12 @@ def write_checkpoint(model: Any, tokenizer: Any, path: str | Path) -> None:
             path.rmdir()
         elif path.is_dir():  # an earlier pruned checkpoint: moved aside, removed once the new one is in place
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old.", suffix=".tmp"))
-            os.rename(path, old / "checkpoint")
-        os.rename(tmp, path)
+            path.rename(old / "checkpoint")
+        tmp.rename(path)
         tmp = None
     except (OSError, SafetensorError) as e:
         if old is not None and not path.exists():
-            os.rename(old / "checkpoint", path)  # put the earlier checkpoint back
+            (old / "checkpoint").rename(path)  # put the earlier checkpoint back
         raise MixlensError(
             f"cannot save the pruned checkpoint to '{path}': {getattr(e, 'strerror', None) or e}"
         ) from None

@@ -18,7 +18,7 @@ from typing import Any
 import typer
 
 from mixlens.commands.output import TableFormat, check_writable
-from mixlens.errors import MixlensError
+from mixlens.errors import MixlensError, optional_import
 
 
 def model_option() -> Any:
@@ -438,12 +438,11 @@ def quiet_libraries() -> None:
 
 def check_wordfreq_lang(lang: str) -> str:
     """A language `wordfreq` has a word list for (its lists are cached: the study reads the same one)."""
-    from wordfreq import available_languages, get_frequency_list
-
+    wordfreq = optional_import("wordfreq", "studies")
     try:
-        get_frequency_list(lang)
+        wordfreq.get_frequency_list(lang)
     except LookupError:
-        langs = ", ".join(sorted(available_languages()))
+        langs = ", ".join(sorted(wordfreq.available_languages()))
         raise MixlensError(f"wordfreq has no word list for language '{lang}'; available: {langs}") from None
     return lang
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from mixlens.batching import Batch
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
 from mixlens.methods import get as get_method
@@ -25,6 +26,7 @@ from mixlens.targets import (
     token_label,
     trace_output,
 )
+from mixlens.trace import Trace
 
 
 def explain(
@@ -178,7 +180,7 @@ def _input_extras(method: str, extras: dict[str, torch.Tensor], b: int, n: int) 
     return out
 
 
-def probabilities(trace, ro: Readout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def probabilities(trace: Trace, ro: Readout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The target's and the foil's probability at each input's target position (softmax over the classes or the
     vocabulary), [B] each; None where the model has no logits (encoders) or no foil was given."""
     out = trace_output(trace)
@@ -191,7 +193,7 @@ def probabilities(trace, ro: Readout) -> tuple[torch.Tensor | None, torch.Tensor
     return p_t, p_f
 
 
-def explained_kind(model) -> str:
+def explained_kind(model: torch.nn.Module) -> str:
     """The model kind explain and evaluate take: 'classifier', 'causal' or 'encoder'."""
     kind = model_kind(model)
     if kind == "masked":
@@ -212,7 +214,7 @@ def request_of(
 
 
 def read_targets(
-    lens: LensLike, trace, target: attr.Request, foil: attr.Foil
+    lens: LensLike, trace: Trace, target: attr.Request, foil: attr.Foil
 ) -> tuple[list[Target], Readout, torch.Tensor]:
     """The targets of a traced batch, read from its forward pass: (targets, readout, f(x) [B], or the contrast g(x)
     when a foil is given)."""
@@ -222,7 +224,7 @@ def read_targets(
     return targets, ro, (g if foil is not None else f).detach().float().cpu()
 
 
-def report_truncated(batch, offset: int = 0) -> None:
+def report_truncated(batch: Batch, offset: int = 0) -> None:
     """Say on stderr which inputs were cut to the model's limit (their `text` stays whole in the output); input
     numbers count from 1, plus `offset`."""
     for k, n in enumerate(batch.enc.truncated):

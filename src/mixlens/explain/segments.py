@@ -44,6 +44,7 @@ class Segmentation:
 
     @property
     def outside(self) -> np.ndarray:
+        """Indices of the tokens in no segment, ascending."""
         inside = np.zeros(len(self.input_ids), bool)
         for s in self.segments:
             inside[s.start : s.end] = True
@@ -51,6 +52,7 @@ class Segmentation:
 
     @property
     def labels(self) -> list[str]:
+        """The segments' labels, in order."""
         return [s.label for s in self.segments]
 
     def membership(self) -> np.ndarray:

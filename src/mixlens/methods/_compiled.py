@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -150,10 +151,10 @@ def _openmp_team() -> Callable[[Any, Any, int, int], None] | None:
     if not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info():
         return None
     try:
-        with open("/proc/self/maps") as fh:
+        with Path("/proc/self/maps").open() as fh:
             paths = {line.split()[-1] for line in fh if "libgomp" in line and "/" in line}
         if len(paths) > 1:  # another library brought its own: torch's is the one in torch's folder
-            paths = {p for p in paths if p.startswith(os.path.dirname(torch.__file__))}
+            paths = {p for p in paths if p.startswith(str(Path(torch.__file__).parent))}
         lib = ctypes.CDLL(paths.pop()) if len(paths) == 1 else None
         fn = lib.GOMP_parallel if lib is not None else None
     except (OSError, AttributeError):

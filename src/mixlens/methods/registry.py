@@ -12,6 +12,7 @@ corpus runner read these and name no method.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -147,15 +148,11 @@ class Option:
         elif self.type is bool and low in ("true", "false"):
             value = low == "true"
         elif self.type is int:
-            try:
+            with contextlib.suppress(ValueError):
                 value = int(text)
-            except ValueError:
-                pass
         elif self.type is float:
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(text)
-            except ValueError:
-                pass
         elif self.type is str and len(text) >= 2 and text[0] == text[-1] == '"':
             value = text[1:-1]  # a JSON-style quoted string
         return self.check(method, value)
@@ -246,6 +243,7 @@ class Planned:
 
 
 def never(family: Family) -> bool:
+    """A `Stream` predicate that holds for no family (the default of `norm_run` and `capture`)."""
     return False
 
 
@@ -288,6 +286,9 @@ EXPLAINED_KINDS = ("classifier", "causal", "masked", "encoder")  # model kinds (
 
 @dataclass(frozen=True)
 class Method:
+    """A registered method: its function, output axes after batch, what the trace must hold, its options and how
+    it streams; `REGISTRY` maps names to these (`register`)."""
+
     name: str
     fn: MethodFn
     dims: tuple[str, ...]  # axes after batch
@@ -347,6 +348,7 @@ class Method:
         return self.head is not None and not self.inputs_only
 
     def option(self, key: str) -> Option:
+        """The declared option `key` (`MixlensError` naming the valid ones when there is none)."""
         for opt in self.options:
             if opt.name == key:
                 return opt
@@ -355,6 +357,7 @@ class Method:
         )
 
     def defaults(self) -> dict[str, object]:
+        """Each option's default value, by name."""
         return {o.name: o.default for o in self.options}
 
     def check(self, options: Mapping[str, object] | None) -> dict[str, object]:
@@ -384,6 +387,7 @@ class Method:
         return self.run(trace, heads, **options).values
 
     def dims_for(self, heads: bool) -> tuple[str, ...]:
+        """The output axes after batch: `head_dims` when `heads` and the method has a per-head variant, else `dims`."""
         return self.head_dims if heads and self.head_dims else self.dims
 
 
@@ -483,6 +487,7 @@ def register(
 
 
 def get(name: str) -> Method:
+    """The registered method `name` (`MixlensError` with a close match and the valid names when unknown)."""
     try:
         return REGISTRY[name]
     except KeyError:
@@ -492,6 +497,7 @@ def get(name: str) -> Method:
 
 
 def names() -> list[str]:
+    """Every registered method name, in registry order."""
     return list(REGISTRY)
 
 

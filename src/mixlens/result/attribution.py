@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from mixlens.result.files import (
 )
 from mixlens.result.rows import TOKEN_AXES, InputRows
 from mixlens.result.validation import checked_dims, checked_field, checked_targets, checked_tokens, checked_words
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 class Attribution:
@@ -64,6 +67,7 @@ class Attribution:
 
     @property
     def values(self) -> np.ndarray:
+        """All inputs as one array `[batch, *dims]` (token axes zero-padded; built on first use)."""
         return self.store.full()
 
     @property
@@ -78,6 +82,7 @@ class Attribution:
 
     @property
     def lengths(self) -> list[int]:
+        """Each input's token count."""
         return [len(t) for t in self.tokens]
 
     def __len__(self) -> int:
@@ -158,7 +163,7 @@ class Attribution:
             extras,
         )
 
-    def to_dataframe(self):  # -> pandas.DataFrame
+    def to_dataframe(self) -> pd.DataFrame:
         """Long table of real (non-pad) entries: one column per axis, token strings, and `value`."""
         import pandas as pd
 
@@ -196,6 +201,7 @@ class Attribution:
         views.view("attribution.show")(self, inputs, layer=layer, head=head, max_tokens=max_tokens, console=console)
 
     def to_json_dict(self, b: int) -> dict[str, Any]:
+        """Input `b` as JSON: its axes, values without padding, extras and (when set) its target rows."""
         out = {
             "dims": list(self.dims),
             "values": self.input(b).tolist(),
@@ -204,6 +210,8 @@ class Attribution:
         return out if self.targets is None else {**out, "targets": self.targets[b]}
 
     def manifest(self) -> dict[str, Any]:
+        """The JSON manifest saved next to the tensors: format, method, model, axes `[batch, *dims]`, tokens and
+        parameters."""
         return {
             "format": ATTRIBUTION_FORMAT,
             "method": self.method,

@@ -42,10 +42,12 @@ class Explanation(Analysis):
 
     @property
     def methods(self) -> list[str]:
+        """The methods explained, in the order they ran."""
         return list(self.attributions)
 
     @property
     def inputs(self) -> list[Explained]:
+        """One `Explained` per input: its target and each method's `[source]` scores."""
         from mixlens.targets import Target
 
         out = []
@@ -78,13 +80,16 @@ class Explanation(Analysis):
         return doc
 
     def dumps(self) -> str:
+        """The explanation as a JSON string (`to_json`)."""
         return json.dumps(self.to_json())
 
     def html(self) -> str:
+        """A self-contained HTML page of the explanation."""
         return str(views.view("explanation.page")(self))
 
     def _repr_html_(self) -> str:
         return str(views.view("explanation.notebook")(self))
 
     def show(self, console: Any = None) -> None:
+        """Print the explanation in the terminal (rich): each input's tokens with their scores per method."""
         views.view("explanation.show")(self, console)

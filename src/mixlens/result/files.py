@@ -44,8 +44,8 @@ def atomic_write(path: str | Path, data: bytes) -> None:
             os.fsync(fh.fileno())
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the user's usual mode
-        os.replace(tmp, path)
+        Path(tmp).chmod(0o666 & ~umask)  # mkstemp creates 0600; give the file the user's usual mode
+        Path(tmp).replace(path)  # atomic (os.replace): a reader sees the old file or the new one, never a part
         WRITTEN.append(path)
     except BaseException as e:
         if tmp is not None:
@@ -63,6 +63,7 @@ _DTYPES = {"F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8}  # safetensors dtyp
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
+    """The JSON manifest at `path` (`MixlensError` when it cannot be read)."""
     from mixlens import jsonio
 
     return jsonio.read(path)
@@ -122,6 +123,7 @@ def read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 
 
 def check_save_id(man: dict[str, Any], meta: dict[str, str], path: Path) -> None:
+    """Refuse a manifest and tensor file whose save ids differ (written by different saves)."""
     if man.get("save_id") != meta.get(SAVE_ID):
         raise MixlensError(f"{path}: the manifest and the tensor file come from different saves")
 

@@ -62,6 +62,7 @@ class InputRows:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by the stored blocks."""
         return sum(a.nbytes for _, a in self.parts)
 
     def row(self, b: int) -> np.ndarray:
@@ -136,13 +137,16 @@ class InputBiasRows(InputRows):
 
     @property
     def parts(self) -> list[tuple[np.ndarray, np.ndarray]]:  # type: ignore[override]
+        """The blocks as (input numbers, `[rows, layer, target, hidden]` bias), built from the scales."""
         return [(i, self._bias(s)) for i, s in self.scale.parts]
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by the scales and the per-layer terms."""
         return self.scale.nbytes + self.terms.nbytes
 
     def row(self, b: int) -> np.ndarray:
+        """Input b without padding: `[layer, target, hidden]` bias."""
         return self._bias(self.scale.row(b)[None])[0]
 
     @classmethod

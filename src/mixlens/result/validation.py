@@ -22,6 +22,7 @@ MAX_LAYERS = 1024  # layers a saved file may hold (real models have at most a fe
 
 
 def is_int(x: object) -> bool:
+    """True for an int that is not a bool."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -69,6 +70,7 @@ def check_rows(
 
 
 def checked_field(man: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
+    """The manifest field `key`, checked to be present and of type `kind` (a bool is not an int)."""
     if key not in man:
         raise MixlensError(f"{path}: missing field '{key}'")
     if not isinstance(man[key], kind) or isinstance(man[key], bool) and kind is not bool:
@@ -77,6 +79,7 @@ def checked_field(man: dict[str, Any], key: str, kind: type | tuple[type, ...], 
 
 
 def checked_tokens(man: dict[str, Any], path: Path) -> list[list[str]]:
+    """The manifest's tokens: a non-empty list of non-empty lists of strings."""
     tokens = checked_field(man, "tokens", list, path)
     if not tokens or not all(isinstance(t, list) and t and all(isinstance(x, str) for x in t) for t in tokens):
         raise MixlensError(f"{path}: 'tokens' must be a non-empty list of non-empty token lists")
@@ -84,6 +87,7 @@ def checked_tokens(man: dict[str, Any], path: Path) -> list[list[str]]:
 
 
 def checked_words(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int | None]] | None:
+    """The manifest's token → word indices (None where absent), one list per input as long as its tokens."""
     words = man.get("words")
     if words is None:
         return None
@@ -100,6 +104,7 @@ def checked_words(man: dict[str, Any], tokens: list[list[str]], path: Path) -> l
 
 
 def checked_dims(value: object, path: Path, what: str) -> tuple[str, ...]:
+    """`value` as axis names: a list of distinct strings (`what` names it in the error)."""
     if not isinstance(value, list) or not all(isinstance(d, str) for d in value) or len(set(value)) != len(value):
         raise MixlensError(f"{path}: {what} must be a list of distinct axis names")
     return tuple(value)

@@ -259,7 +259,7 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
                     except OSError:
                         return self._error(HTTPStatus.NOT_FOUND, f"report '{name}' can no longer be read")
                     return self._send(HTTPStatus.OK, data, "text/html; charset=utf-8")
-            self._error(HTTPStatus.NOT_FOUND, "not found")
+            return self._error(HTTPStatus.NOT_FOUND, "not found")
 
         do_HEAD = do_GET
 
@@ -321,7 +321,7 @@ def make_server(cfg: ViewerConfig, host: str = "127.0.0.1", port: int = 8765) ->
                 return self._error(HTTPStatus.BAD_REQUEST, str(e))
             except Exception as e:  # never drop the connection: one line, the viewer shows it
                 return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"analysis failed: {type(e).__name__}: {e}")
-            self._send(HTTPStatus.OK, json.dumps(payload, allow_nan=False).encode(), "application/json")
+            return self._send(HTTPStatus.OK, json.dumps(payload, allow_nan=False).encode(), "application/json")
 
     return ViewerServer((host, port), Handler, cfg.max_connections, cfg.max_per_client)
 
