@@ -130,7 +130,7 @@ def safetensors_bytes(folder: Path, dtype: torch.dtype | None) -> int:
     total = 0
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
-            for k in st.keys():
+            for k in st.keys():  # noqa: SIM118  (safetensors' handle is not a mapping)
                 sl = st.get_slice(k)
                 n = int(np.prod(sl.get_shape()))
                 stored = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
@@ -142,7 +142,7 @@ def safetensors_bytes(folder: Path, dtype: torch.dtype | None) -> int:
 def available_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (None where there is no such file)."""
     try:
-        with open("/proc/meminfo") as fh:
+        with Path("/proc/meminfo").open() as fh:
             line = next((x for x in fh if x.startswith("MemAvailable:")), None)
     except OSError:
         return None

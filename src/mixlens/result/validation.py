@@ -170,7 +170,8 @@ def checked_array(value: object, dims: tuple[str, ...], n: int, what: str, rows:
         raise MixlensError(f"{what}: values are not a regular array of numbers") from None
     if a.dtype.kind not in "iuf":  # strings, objects (ragged lists, null) and booleans
         raise MixlensError(f"{what}: values are not a regular array of numbers")
-    a = a.astype(np.float32)
+    with np.errstate(over="ignore"):  # a value past float32's range becomes ±inf, which the checks name
+        a = a.astype(np.float32)
     if a.ndim != len(dims):
         raise MixlensError(f"{what}: values have {a.ndim} axes, the dims name {len(dims)}")
     for s, d in zip(a.shape, dims, strict=True):
