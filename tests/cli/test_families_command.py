@@ -34,7 +34,8 @@ def test_traits_come_from_the_declaration():
     assert "mixture-of-experts FFN" in by_name["moe"]["traits"]
     assert "no norm after the attention residual sum" in by_name["olmo2"]["traits"]
     assert "post-LN blocks" in by_name["bert"]["traits"] and "encoder" in by_name["bert"]["traits"]
-    assert "norm_resln" in by_name["olmo2"]["refuses"] and "attnlrp" in by_name["moe"]["refuses"]
+    assert "alti" in by_name["olmo2"]["refuses"] and "attnlrp" in by_name["moe"]["refuses"]
+    assert "norm_resln" in by_name["olmo2"]["runs"]  # no norm after the sum: the ResLN map is the identity
 
 
 @pytest.mark.slow  # starts a fresh process
