@@ -3,17 +3,23 @@ processes, and a local Ray cluster with 2 actors (skipped when Ray is not instal
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from mixlens.corpus.runner import run_corpus
+from mixlens.corpus.runner import CorpusResult, run_corpus
 from tests.conftest import random_model
 from tests.corpus.test_corpus import synth
 
 pytestmark = pytest.mark.slow  # Ray workers and worker processes: tens of seconds each
 
 METHODS = ["attention", "norm_resln"]
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +54,22 @@ def test_worker_processes_match_local(setup, tmp_path):
 
 
 def test_ray_backend_matches_local(setup, tmp_path):
-    ray = pytest.importorskip("ray")
+    """Run in a child process: a local Ray session in this process would stay in Ray's process-wide state and break
+    the Ray Data cluster tests that follow (an actor pool whose constructor arguments were freed)."""
+    pytest.importorskip("ray")
     data, model, local = setup
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        res = run_corpus(
-            data, tmp_path / "r", METHODS, model=model, shard_size=3, store="full", backend="ray", workers=2
-        )
-    finally:
-        ray.shutdown()
-    _same_run(local, res)
+    out = tmp_path / "r"
+    code = (
+        "import ray, sys\n"
+        "from mixlens.corpus.runner import run_corpus\n"
+        "ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)\n"
+        "try:\n"
+        f"    run_corpus({str(data)!r}, {str(out)!r}, {METHODS!r}, model={model!r}, shard_size=3, store='full',\n"
+        "               backend='ray', workers=2)\n"
+        "finally:\n"
+        "    ray.shutdown()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _same_run(local, CorpusResult.open(out))

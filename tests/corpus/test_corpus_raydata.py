@@ -47,7 +47,7 @@ def cluster(tmp_path_factory):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    common = ["--block", "--num-cpus", "1", "--disable-usage-stats"]
+    common = ["--block", "--num-cpus", "1", "--disable-usage-stats", "--node-ip-address", "127.0.0.1"]  # loopback only
     procs: list[subprocess.Popen] = []
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
     os.environ.update({k: env[k] for k in saved})
