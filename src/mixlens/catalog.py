@@ -60,6 +60,11 @@ def load() -> list[dict[str, Any]]:
     return json.loads(PATH.read_text(encoding="utf-8"))
 
 
+def option_names() -> dict[str, set[str]]:
+    """Each method's option names, from the shipped catalog (no torch): e.g. which methods take a `target`."""
+    return {m["name"]: {o.split(":")[0] for o in m["options"]} for m in load()}
+
+
 def defaults(view: str) -> list[str]:
     """The registry's `defaults(view)` from the shipped catalog (no torch): what the commands and views offer by
     default (a method registered at run time, outside the package, is a default of no view)."""

@@ -86,13 +86,13 @@ def load(
 ) -> Lens:
     """Load a model for analysis: None = the bundled all-MiniLM-L6-v2, else a local dir or hub id.
 
-    `gguf_file`: a GGUF file inside the directory `model`, de-quantised to float32 by transformers (needs the
-    `gguf` and `accelerate` packages). `head` picks the AutoModel class ('base', 'masked-lm',
-    'sequence-classification', 'causal-lm'); by default it follows `config.architectures` (a GGUF decoder: its causal
-    LM head), and where the checkpoint lacks that head's weights (e.g. a sentence-transformers folder whose config
-    names a masked-LM class) the base model loads instead, with a warning: nothing random is loaded unasked. Always
-    eager attention, eval mode. Weights missing from the checkpoint for a head asked for with `head` (a head
-    transformers would initialise at random) are refused unless `allow_random_head`.
+    `gguf_file`: a GGUF file inside the directory `model`, de-quantised tensor by tensor into `dtype`
+    (`mixlens.gguf_weights`; needs the `gguf` and `accelerate` packages). `head` picks the AutoModel class ('base',
+    'masked-lm', 'sequence-classification', 'causal-lm'); by default it follows `config.architectures` (a GGUF
+    decoder: its causal LM head), and where the checkpoint lacks that head's weights (e.g. a sentence-transformers
+    folder whose config names a masked-LM class) the base model loads instead, with a warning: nothing random is
+    loaded unasked. Always eager attention, eval mode. Weights missing from the checkpoint for a head asked for with
+    `head` (a head transformers would initialise at random) are refused unless `allow_random_head`.
 
     `dtype`: the dtype the forward pass runs in: 'float32', 'bfloat16', 'float16', or 'auto' (the checkpoint's own,
     from its config; float32 when it names none); the decompositions accumulate in float32 either way, and their

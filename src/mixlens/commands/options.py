@@ -1,7 +1,7 @@
 """Options and input handling shared by the commands.
 
-Only the standard library, typer and `mixlens.errors` load here: every command's signature is built from
-these at start-up, and `mixlens --help` must not pay for torch.
+Only the standard library, typer, `mixlens.errors` and the shipped catalog (JSON) load here: every command's
+signature is built from these at start-up, and `mixlens --help` must not pay for torch.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import typer
 
+from mixlens import catalog
 from mixlens.commands.output import TableFormat, check_writable
 from mixlens.errors import MixlensError, optional_import
 
@@ -137,10 +138,9 @@ def check_fast(values: dict[str, Any]) -> None:
 
 def check_method_names(given: Sequence[str]) -> None:
     """Unknown method names (`all` aside: explain's word for every method), with the closest valid name."""
-    from mixlens.catalog import load
     from mixlens.errors import did_you_mean
 
-    valid = [m["name"] for m in load()]
+    valid = [m["name"] for m in catalog.load()]
     registry = sys.modules.get("mixlens.methods.registry")  # already imported: methods registered in this process
     if registry is not None:  # (a plug-in's, not in the shipped catalog) count too; a fresh CLI process has none
         valid += [n for n in registry.REGISTRY if n not in valid]

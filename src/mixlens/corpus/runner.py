@@ -228,17 +228,18 @@ def run_corpus(
     if heads and not any(s.head_dims for s in specs):
         raise MixlensError(f"--heads: none of {', '.join(methods)} has per-head matrices")
 
-    if backend == "ray-data":
-        from mixlens.corpus import raydata
+    model_name = lens.name if lens is not None else (str(model) if model else "all-MiniLM-L6-v2")  # as load()
+    params = {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict}
 
-        model_name = str(model) if model else "all-MiniLM-L6-v2"  # as load()
-        template = Job(
+    def job_for(data_name: str, tcol: str, pcol: str | None, data_file: dict[str, object] | None = None) -> Job:
+        """The run's identity over `data_name` (the model, methods and batching are the same on every backend)."""
+        return Job(
             model,
             model_name,
-            str(data),
+            data_name,
             fmt,
-            "",
-            None,
+            tcol,
+            pcol,
             methods,
             heads,
             options,
@@ -251,9 +252,14 @@ def run_corpus(
             device=device,
             allow_random_head=allow_random_head,
             dtype=dtype,
+            data_file=data_file,
             gguf_file=gguf_file,
         )
-        params = {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict}
+
+    if backend == "ray-data":
+        from mixlens.corpus import raydata
+
+        template = job_for(str(data), "", None)
         cluster = raydata.Cluster(address, workers, num_cpus, num_gpus)
         return raydata.run(
             str(data), Path(out), template, fmt, text_column, pair_column, strict, overwrite, cluster, params, progress
@@ -267,29 +273,7 @@ def run_corpus(
     examples = itertools.chain([next(examples)], examples)  # examples_from raises rather than end without a row
     is_file = not (isinstance(data, str) and data.startswith("hf:"))
     path = Path(data).expanduser().resolve() if is_file else None
-    model_name = lens.name if lens is not None else (str(model) if model else "all-MiniLM-L6-v2")  # as load()
-    job = Job(
-        model,
-        model_name,
-        str(path or data),
-        fmt,
-        tcol,
-        pcol,
-        methods,
-        heads,
-        options,
-        store,
-        shard_size,
-        max_length,
-        batch_size,
-        max_tokens,
-        head=head,
-        device=device,
-        allow_random_head=allow_random_head,
-        dtype=dtype,
-        data_file=file_stamp(path) if path else None,
-        gguf_file=gguf_file,
-    )
+    job = job_for(str(path or data), tcol, pcol, file_stamp(path) if path else None)
     out = Path(out)
     _check_model(model, gguf_file, lens, max_length, pcol is not None)
     if out.exists() and not out.is_dir():
@@ -305,8 +289,6 @@ def run_corpus(
         sh.remove_stale_temps(out)
         done = sh.finished_shards(out, job.job_id)
         resumed = len(done)
-
-        params = {"batch_size": batch_size, "max_tokens": max_tokens, "strict": strict}
 
         def manifest(complete: bool) -> dict:
             counts = {k: v for k, v in stats.as_dict().items() if k != "read"}

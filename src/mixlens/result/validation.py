@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mixlens import catalog
 from mixlens.errors import MixlensError
 from mixlens.result.rows import TOKEN_AXES
 
@@ -210,9 +211,7 @@ def check_layers(
 def _check_extras(attributions: Mapping[str, Attribution], where: str) -> None:
     """The extras of a method the registry knows have the axes it declares (the shipped catalog: no torch), and an
     extra named `position` (the explained token, e.g. the flow routes') is an integer inside its input."""
-    from mixlens.catalog import load
-
-    declared = {m["name"]: m["extras"] for m in load()}
+    declared = {m["name"]: m["extras"] for m in catalog.load()}
     for name, a in attributions.items():
         for k, st in a.extra_store.items():
             want = declared.get(name, {}).get(k)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from mixlens import catalog
 from mixlens.viz.labels import token_text
 
 _CSS = """
@@ -41,14 +42,12 @@ def position_only(expl: Any) -> list[str]:
     """The methods of an explanation with a requested target or a foil that read neither: the registry declares no
     `target` option for them (maps read at the prediction's row, `flow_routes_tokens`), so their scores explain the
     predicted position, the same for any target or foil (read from the shipped catalog: no torch)."""
-    from mixlens.catalog import load
-
     requested = any(
         a.params.get("target", "pred") != "pred" or a.params.get("foil") is not None for a in expl.attributions.values()
     )
     if not requested:
         return []
-    takes = {m["name"]: {o.split(":")[0] for o in m["options"]} for m in load()}
+    takes = catalog.option_names()
     return [m for m in expl.attributions if m in takes and "target" not in takes[m]]
 
 

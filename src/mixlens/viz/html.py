@@ -205,10 +205,8 @@ def explains_note(attrs: dict[str, Attribution], label: Callable[[Any], str] | N
     """What the scores of the methods that take a target (their declared `target` option, read from the shipped
     catalog) explain, from the target and foil in their parameters: the prediction, or a named target, minus a
     foil; None when no method takes a target."""
-    from mixlens.catalog import load
-
     name = label or (lambda v: f"id {v}")
-    takes = {m["name"]: {o.split(":")[0] for o in m["options"]} for m in load()}
+    takes = catalog.option_names()
     groups: dict[tuple[str, str | None], list[str]] = {}
     for m, a in attrs.items():
         if "target" in takes.get(m, ()):

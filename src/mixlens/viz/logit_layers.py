@@ -17,6 +17,7 @@ from matplotlib import rc_context
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
+from mixlens import catalog
 from mixlens.errors import MixlensError
 from mixlens.viz.labels import token_text
 from mixlens.viz.static import STYLE
@@ -27,9 +28,7 @@ MAX_TOKENS = 60
 def layered_methods() -> list[str]:
     """The methods this view draws: those whose registry entry declares an extra `layers` [layer, source] (read from
     the shipped catalog, so drawing needs no torch)."""
-    from mixlens.catalog import load
-
-    return [m["name"] for m in load() if m["extras"].get("layers") == ["layer", "source"]]
+    return [m["name"] for m in catalog.load() if m["extras"].get("layers") == ["layer", "source"]]
 
 
 def layered(e: Any) -> list[str]:
