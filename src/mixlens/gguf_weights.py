@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -211,9 +212,16 @@ def load_gguf_model(cls: Any, folder: Path, gguf_file: str, config: Any, dtype: 
     processor = (TENSOR_PROCESSORS.get(arch, TensorProcessor))(config=cfg)
     names = get_gguf_hf_weights_map(net, processor)
     parsed: dict[str, Any] = {"config": cfg, "tensors": {}}
+    from rich.console import Console  # rich and its bar only where a GGUF file loads
+    from rich.progress import Progress
+
     fd = os.open(path, os.O_RDONLY)
+    bar = Progress(console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty())  # a terminal only
     try:
+        bar.start()
+        task = bar.add_task(f"loading {gguf_file} ({len(infos)} tensors)", total=len(infos))
         for tensor in infos:
+            bar.advance(task)
             if tensor.name in ROW_SLICED and tensor.name in names:
                 name, weights = names[tensor.name], _dequantized_rows(fd, tensor, dtype)
             else:
@@ -228,6 +236,7 @@ def load_gguf_model(cls: Any, folder: Path, gguf_file: str, config: Any, dtype: 
                 name, weights = names[result.name], torch.from_numpy(np.ascontiguousarray(result.weights)).to(dtype)
             _assign(net, {name: weights}, dtype)  # one de-quantised tensor at a time
     finally:
+        bar.stop()
         os.close(fd)
     _assign(net, parsed["tensors"], dtype)  # what a processor gathered itself (experts stacked across tensors)
     if getattr(net.config, "tie_word_embeddings", False):
