@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from mixlens.result import views
+from mixlens.result import segmented, views
 from mixlens.result.analysis import Analysis
+from mixlens.result.segmented import Segment
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Explained:
     probability: float | None = None  # the target's probability (classes or vocabulary), when the model has logits
     foil_probability: float | None = None
     extras: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # method → its secondary outputs
+    segments: list[Segment] | None = None  # its segments (explain --chat / --span / --marker / --separator)
 
 
 class Explanation(Analysis):
@@ -35,6 +37,9 @@ class Explanation(Analysis):
     self-contained page, `_repr_html_` the notebook view. `timings`: seconds per method (not saved)."""
 
     timings: dict[str, float]
+    # per input, its segments (`mixlens.result.segmented`): None where none were asked for; saved, loaded and
+    # written to JSON with the explanation, their scores derived from the token scores (exact sums)
+    segments: list[list[Segment]] | None = None
 
     def __init__(self, *args: Any, timings: dict[str, float] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -67,6 +72,7 @@ class Explanation(Analysis):
                     t.get("probability"),
                     t.get("foil_probability"),
                     {m: e for m, e in extras.items() if e},
+                    None if self.segments is None else self.segments[b],
                 )
             )
         return out
@@ -77,6 +83,10 @@ class Explanation(Analysis):
         doc = super().to_json()
         for b, inp in enumerate(doc["inputs"]):
             inp["scores"] = {m: [float(v) for v in a.input(b)] for m, a in self.attributions.items()}
+        if self.segments is not None:
+            for b, (inp, segs) in enumerate(zip(doc["inputs"], self.segments, strict=True)):
+                scores = {m: a.input(b) for m, a in self.attributions.items()}
+                inp["segments"] = segmented.to_json(segs, len(self.tokens[b])) | segmented.scores_json(segs, scores)
         return doc
 
     def dumps(self) -> str:

@@ -10,6 +10,7 @@ import numpy as np
 
 from mixlens.viz.highlight import diverging_rgb, position_note, scaled_scores, target_header
 from mixlens.viz.labels import token_text
+from mixlens.viz.segments import print_segments
 
 
 def show_explanation(expl: Any, console: Any = None) -> None:
@@ -57,3 +58,5 @@ def show_explanation(expl: Any, console: Any = None) -> None:
         if position_note(expl):
             console.print(f"   note: {position_note(expl)}", style="dim")
         console.print()
+    if getattr(expl, "segments", None) is not None:
+        print_segments(expl, console)
