@@ -57,11 +57,13 @@ def answer_matrices(e: Any) -> dict[str, tuple[list[str], np.ndarray]]:
     """method → (answer tokens, matrix [answer, source]) of one explained input (`Explained`). An explanation of one
     target gives answer = 1: the target's label and the method's token scores as the one row. (An explanation of a
     whole answer gives its [answer, source] matrices here.)"""
+    t = e.target
+    row = t.label if t.foil is None else f"{t.label} − {t.foil_label}"  # a contrast: logit(target) − logit(foil)
     out = {}
     for m, s in e.scores.items():
         s = np.asarray(s, dtype=np.float64)
         if s.ndim == 1:
-            out[m] = ([e.target.label], s[None])
+            out[m] = ([row], s[None])
         elif s.ndim == 2:  # [answer, source]
             out[m] = ([f"answer {a + 1}" for a in range(len(s))], s)
     return out
