@@ -9,6 +9,7 @@ import copy
 import io
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from mixlens.explain import segments as S
 from mixlens.result import Analysis, Explanation
 from mixlens.result import segmented as R
 from mixlens.result.segmented import Segment
+from mixlens.targets import Target
 from mixlens.viz import segments as V
 from tests.conftest import random_lens, run_cli
 
@@ -255,3 +257,57 @@ def test_plot_segments_needs_a_file_with_segments(expl, tmp_path, capsys):
     ):
         code, _, err = run_cli(argv, capsys)
         assert code == 2 and word in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- an explained answer: one row per answer token (the hook `answer_matrices` reads) ----
+
+
+def answered(rng: np.random.Generator):
+    """An explained input of a 3-token answer after a 10-token prompt (two segments), as the views read it: each
+    method's [answer, source] matrix over prompt + answer (row a: 0 from source p + a on, a causal LM's rows)."""
+    p, m = 10, 3
+    mat = rng.standard_normal((m, p + m))
+    for a in range(m):
+        mat[a, p + a :] = 0.0
+    segs = [Segment("1 user", 0, 8, 1, 4), Segment("2 user", 9, 20, 5, 9)]
+    answer = {"text": " in London", "tokens": [" in", " Lon", "don"], "start": p, "ids": [1, 2, 3], "logprobs": []}
+    e = SimpleNamespace(
+        text="x" * 20,
+        target=Target("answer", -1, " in London"),
+        scores={"logit_attn": mat.sum(0), "saliency": np.abs(mat).sum(0)},
+        matrix={"logit_attn": mat},
+        answer=answer,
+        segments=segs,
+    )
+    return e, mat, p
+
+
+def test_an_answers_matrix_gives_one_row_per_answer_token():
+    e, mat, p = answered(np.random.default_rng(0))
+    views = {v.method: v for v in V.input_views(e)}
+    v = views["logit_attn"]
+    assert v.answer == [" in", " Lon", "don"] and v.labels == ["1 user", "2 user", R.ANSWER, R.OUTSIDE]
+    for a in range(3):
+        assert v.matrix[a, 0] == pytest.approx(math.fsum(mat[a, 1:4].tolist()))
+        assert v.matrix[a, 1] == pytest.approx(math.fsum(mat[a, 5:9].tolist()))
+        assert v.matrix[a, 2] == pytest.approx(math.fsum(mat[a, p:].tolist()))  # the earlier answer tokens
+        assert v.matrix[a, 3] == pytest.approx(mat[a, 0] + mat[a, 4] + mat[a, 9])  # prompt tokens in no segment
+        assert v.matrix[a].sum() == pytest.approx(math.fsum(mat[a].tolist()))
+    assert v.matrix[0, 2] == 0.0  # the first answer token has no earlier answer token
+    ranked = v.ranked()
+    assert [x for x, _ in ranked[-2:]] == [R.ANSWER, R.OUTSIDE]
+    assert ranked[0][1] >= ranked[1][1]
+    # a method without a matrix: its answer-level scores as one row
+    s = views["saliency"]
+    assert s.answer == [" in London (sum)"] and s.matrix.shape == (1, 4) and not s.signed
+    expl = SimpleNamespace(inputs=[e], model="m", segments=[e.segments])
+    console = Console(file=io.StringIO(), width=200)
+    V.print_segments(expl, console)
+    shown = console.file.getvalue()
+    assert "logit_attn: answer tokens × segments" in shown and R.ANSWER in shown and " Lon" in shown
+    page = V.render_html(expl)
+    assert page.count("answer tokens × segments") == 2 and "don</td>" in page
+    fig = V.segments_figure(expl)
+    heat = [ax for ax in fig.axes if ax.get_title() == "answer tokens × segments"]
+    assert heat[0].images[0].get_array().shape == (3, 4) and heat[0].images[0].get_cmap().name == "RdBu_r"
+    assert heat[1].images[0].get_cmap().name == "viridis"

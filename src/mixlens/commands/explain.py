@@ -429,10 +429,11 @@ def segment_inputs(lens, res, messages, span, marker, separator) -> list:
             seg = S.markers(lens.tokenizer, ex.text, marker)
         else:
             seg = S.passages(lens.tokenizer, ex.text, separator)
-        if len(seg.input_ids) != len(ex.tokens):
+        answer = getattr(ex, "answer", None)  # an explained answer: the segments are of its prompt's tokens
+        n = len(ex.tokens) if answer is None else int(answer["start"])
+        if len(seg.input_ids) != n if answer is None else any(s.end > n for s in seg.segments):
             raise MixlensError(
-                f"input {b + 1} was explained over {len(ex.tokens)} tokens (truncated?), its segments cover "
-                f"{len(seg.input_ids)}"
+                f"input {b + 1} was explained over {n} tokens (truncated?), its segments cover {len(seg.input_ids)}"
             )
         found.append(seg.segments)
     return found

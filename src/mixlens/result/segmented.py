@@ -18,6 +18,7 @@ import numpy as np
 from mixlens.errors import MixlensError
 
 OUTSIDE = "(outside)"  # the label of the tokens in no segment
+ANSWER = "(answer)"  # the label of an explained answer's own tokens as sources (the earlier answer tokens)
 
 
 @dataclass(frozen=True)
@@ -57,20 +58,29 @@ def segment_scores(segments: Sequence[Segment], token_scores: np.ndarray) -> np.
     return np.stack(cols, axis=-1)
 
 
-def answer_segment_matrix(scores: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
-    """The answer tokens × segments matrix: scores [answer, source] @ membership [source, segment], with the
-    'outside' column last → [answer, segment + 1] (float64; each row sums to the row of token scores). A single
-    target is the case answer = 1 ([source] is taken as [1, source])."""
+def answer_segment_matrix(
+    scores: np.ndarray, segments: Sequence[Segment], answer_start: int | None = None
+) -> np.ndarray:
+    """The answer tokens × segments matrix: scores [answer, source] @ membership [source, segment], then — where the
+    sources run on into the answer itself (`answer_start`: the position of its first token) — the answer's own
+    tokens ('(answer)'), then the other tokens in no segment ('outside', last) → [answer, segment + 1 (+ 1)]
+    (float64; each row sums to the row of token scores). A single target is the case answer = 1 ([source] is taken
+    as [1, source])."""
     x = np.asarray(scores, dtype=np.float64)
     if x.ndim == 1:
         x = x[None]
     if x.ndim != 2:
         raise MixlensError(f"an answer matrix is [answer, source]; got {x.ndim} axes")
     n = x.shape[1]
-    if any(s.end > n for s in segments):
-        raise MixlensError(f"the segments reach past the {n} source tokens of the answer matrix")
-    inside = x @ membership(segments, n)
-    return np.concatenate([inside, x[:, outside(segments, n)].sum(-1, keepdims=True)], axis=1)
+    cut = n if answer_start is None else answer_start
+    if any(s.end > cut for s in segments) or not 0 <= cut <= n:
+        raise MixlensError(f"the segments reach past the {cut} context tokens of the answer matrix")
+    rest = outside(segments, cut)
+    cols = [x @ membership(segments, n)]
+    if answer_start is not None:
+        cols.append(x[:, cut:].sum(-1, keepdims=True))
+    cols.append(x[:, rest].sum(-1, keepdims=True))
+    return np.concatenate(cols, axis=1)
 
 
 def ranked(labels: Sequence[str], values: np.ndarray) -> list[tuple[str, float]]:

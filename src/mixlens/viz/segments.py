@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from mixlens.result.segmented import OUTSIDE, Segment, answer_segment_matrix, is_signed, ranked
+from mixlens.result.segmented import ANSWER, OUTSIDE, Segment, answer_segment_matrix, is_signed
+from mixlens.result.segmented import ranked as rank_segments
 from mixlens.viz.highlight import diverging_rgb
 from mixlens.viz.labels import model_label, token_text
 
@@ -40,38 +41,56 @@ class AnswerSegments:
 
     @property
     def totals(self) -> np.ndarray:
-        """[segment + 1] the answer-level segment scores (the sum over the answer's tokens)."""
+        """[column] the answer-level segment scores (the sum over the answer's tokens)."""
         return self.matrix.sum(0)
 
+    @property
+    def segment_count(self) -> int:
+        """The columns that are segments (the rest: '(answer)', '(outside)')."""
+        return sum(label not in (ANSWER, OUTSIDE) for label in self.labels)
 
-def answer_segments(method: str, answer: list[str], scores: np.ndarray, segments: list[Segment]) -> AnswerSegments:
+    def ranked(self) -> list[tuple[str, float]]:
+        """(label, answer-level score) of the segments, highest first, then '(answer)' and '(outside)'."""
+        k = self.segment_count
+        rest = [(label, float(x)) for label, x in zip(self.labels[k:], self.totals[k:], strict=True)]
+        return rank_segments(self.labels[:k], self.totals[:k]) + rest
+
+
+def answer_segments(
+    method: str, answer: list[str], scores: np.ndarray, segments: list[Segment], answer_start: int | None = None
+) -> AnswerSegments:
     """The view of one method's answer matrix `scores` [answer, source] (or [source] for one target) over
-    `segments`."""
-    matrix = answer_segment_matrix(scores, segments)
+    `segments`; `answer_start`: where the sources run on into the answer, the position of its first token."""
+    matrix = answer_segment_matrix(scores, segments, answer_start)
     if len(answer) != matrix.shape[0]:
         raise ValueError(f"{len(answer)} answer tokens for a matrix of {matrix.shape[0]} rows")
-    return AnswerSegments(method, list(answer), [*(s.label for s in segments), OUTSIDE], matrix)
+    extra = [] if answer_start is None else [ANSWER]
+    return AnswerSegments(method, list(answer), [*(s.label for s in segments), *extra, OUTSIDE], matrix)
 
 
-def answer_matrices(e: Any) -> dict[str, tuple[list[str], np.ndarray]]:
-    """method → (answer tokens, matrix [answer, source]) of one explained input (`Explained`). An explanation of one
-    target gives answer = 1: the target's label and the method's token scores as the one row. (An explanation of a
-    whole answer gives its [answer, source] matrices here.)"""
+def answer_matrices(e: Any) -> dict[str, tuple[list[str], np.ndarray, int | None]]:
+    """method → (answer tokens, matrix [answer, source], the answer's first position or None) of one explained input
+    (`Explained`). An explained answer (`e.answer`: its tokens and `start`; `e.matrix`: method → [answer, source] over
+    prompt + answer) gives one row per answer token, a method without a matrix its answer-level scores as one row;
+    an explanation of one target gives answer = 1: the target (− the foil) and the method's token scores."""
+    answer, matrix = getattr(e, "answer", None), getattr(e, "matrix", None) or {}
     t = e.target
     row = t.label if t.foil is None else f"{t.label} − {t.foil_label}"  # a contrast: logit(target) − logit(foil)
+    start = None if answer is None else int(answer["start"])
     out = {}
     for m, s in e.scores.items():
+        if m in matrix:
+            out[m] = (list(answer["tokens"]), np.asarray(matrix[m], dtype=np.float64), start)
+            continue
         s = np.asarray(s, dtype=np.float64)
         if s.ndim == 1:
-            out[m] = ([row], s[None])
-        elif s.ndim == 2:  # [answer, source]
-            out[m] = ([f"answer {a + 1}" for a in range(len(s))], s)
+            out[m] = ([row if answer is None else f"{answer['text']} (sum)"], s[None], start)
     return out
 
 
 def input_views(e: Any) -> list[AnswerSegments]:
     """One `AnswerSegments` per method of an explained input with segments."""
-    return [answer_segments(m, a, x, e.segments) for m, (a, x) in answer_matrices(e).items()]
+    return [answer_segments(m, a, x, e.segments, start) for m, (a, x, start) in answer_matrices(e).items()]
 
 
 # ---- terminal ----
@@ -92,12 +111,10 @@ def print_segments(expl: Any, console: Any = None) -> None:
             soft_wrap=True,
         )
         for v in input_views(e):
-            order = ranked(v.labels[:-1], v.totals[:-1])
             width = max(len(label) for label in v.labels)
             console.print(Text(f"  {v.method}:"), soft_wrap=True)
-            for label, value in order:
+            for label, value in v.ranked():
                 console.print(Text(f"    {label:<{width}}  {value:+.4g}"), soft_wrap=True)
-            console.print(Text(f"    {OUTSIDE:<{width}}  {float(v.totals[-1]):+.4g}"), soft_wrap=True)
             if len(v.answer) > 1:
                 console.print(heatmap_table(v))
 
@@ -141,11 +158,10 @@ def _cell(x: float, lim: float) -> str:
 
 
 def _ranked_html(v: AnswerSegments, text: str, segments: list[Segment]) -> str:
-    order = ranked(v.labels[:-1], v.totals[:-1])
     lim = float(np.abs(v.totals).max()) or 1.0
-    where = {s.label: text[s.char_start : s.char_end] for s in segments}
+    where = {s.label: text[s.char_start : s.char_end] for s in segments} | {ANSWER: "the answer's earlier tokens"}
     rows = []
-    for label, value in [*order, (OUTSIDE, float(v.totals[-1]))]:
+    for label, value in v.ranked():
         r, g, b = diverging_rgb(value / lim)
         bar = f'<span class="mlx-bar" style="width:{abs(value) / lim * 120:.0f}px;background:rgb({r},{g},{b})"></span>'
         snippet = where.get(label, "tokens in no segment")
@@ -225,11 +241,10 @@ def segments_figure(expl: Any, inputs: list[int] | None = None) -> Any:
 
 
 def _bars(ax: Any, v: AnswerSegments, title: str) -> None:
-    order = ranked(v.labels[:-1], v.totals[:-1])
-    labels = [label for label, _ in order] + [OUTSIDE]
-    values = np.array([x for _, x in order] + [float(v.totals[-1])])
-    colors = ["#b2182b" if x >= 0 else "#2166ac" for x in values]
-    colors[-1] = "#999999"
+    order = v.ranked()
+    labels = [label for label, _ in order]
+    values = np.array([x for _, x in order])
+    colors = ["#999999" if k >= v.segment_count else "#b2182b" if x >= 0 else "#2166ac" for k, x in enumerate(values)]
     y = np.arange(len(values))
     ax.barh(y, values, color=colors)
     ax.set_yticks(y, [_short(x) for x in labels])
