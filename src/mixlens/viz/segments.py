@@ -79,7 +79,7 @@ def answer_matrices(e: Any) -> dict[str, tuple[list[str], np.ndarray, int | None
     start = None if answer is None else int(answer["start"])
     out = {}
     for m, s in e.scores.items():
-        if m in matrix:
+        if m in matrix and answer is not None:
             out[m] = (list(answer["tokens"]), np.asarray(matrix[m], dtype=np.float64), start)
             continue
         s = np.asarray(s, dtype=np.float64)
