@@ -311,3 +311,34 @@ def test_an_answers_matrix_gives_one_row_per_answer_token():
     heat = [ax for ax in fig.axes if ax.get_title() == "answer tokens × segments"]
     assert heat[0].images[0].get_array().shape == (3, 4) and heat[0].images[0].get_cmap().name == "RdBu_r"
     assert heat[1].images[0].get_cmap().name == "viridis"
+
+
+def test_a_real_answers_heatmap_and_its_files(lens, tmp_path):
+    """`explain(..., answer=)` on the random GPT-2: one heatmap row per answer token, each row the exact sums of
+    the method's [answer, source] row; saved and read back with the answer and the segments."""
+    res = explain(lens, TEXTS[:1], METHODS, answer=" and more birds")
+    e = res.inputs[0]
+    seg = S.passages(lens.tokenizer, e.text, "||")
+    start = e.answer["start"]
+    assert all(s.end <= start for s in seg.segments)
+    res.segments = [seg.segments]
+    e = res.inputs[0]
+    for v in V.input_views(e):
+        mat = np.asarray(e.matrix[v.method], dtype=np.float64)  # [answer, prompt + answer]
+        assert v.answer == e.answer["tokens"] and v.matrix.shape == (len(mat), len(seg.segments) + 2)
+        assert v.labels[-2:] == [R.ANSWER, R.OUTSIDE]
+        for a, row in enumerate(mat):
+            for j, s in enumerate(seg.segments):
+                assert v.matrix[a, j] == pytest.approx(math.fsum(row[s.start : s.end].tolist()), abs=1e-12)
+            assert v.matrix[a, -2] == pytest.approx(math.fsum(row[start:].tolist()), abs=1e-12)
+            assert v.matrix[a].sum() == pytest.approx(math.fsum(row.tolist()), abs=1e-9)
+        np.testing.assert_allclose(v.totals, R.answer_segment_matrix(mat, seg.segments, start).sum(0))
+    doc = json.loads(res.dumps())
+    got = doc["inputs"][0]["segments"]["scores"]["decompx_logit"]  # of the answer-level scores
+    want = R.segment_scores(seg.segments, np.asarray(e.scores["decompx_logit"]))[:-1]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    f = tmp_path / "a.json"
+    f.write_text(res.dumps())
+    again = Analysis.load(f)
+    assert again.segments == res.segments and again.inputs[0].answer == e.answer  # type: ignore[attr-defined]
+    assert [v.matrix.shape for v in V.input_views(again.inputs[0])] == [v.matrix.shape for v in V.input_views(e)]

@@ -187,6 +187,13 @@ def checked_all(
     ]
 
 
+def token_scores(attribution: Any, b: int) -> np.ndarray:
+    """Input b's token scores [source] of an explanation's method: an explained answer's matrix [answer, source]
+    (axes target × source) summed over the answer, as `Explanation.inputs` reads them."""
+    x = attribution.input(b)
+    return x.sum(0) if tuple(attribution.dims) == ("target", "source") else x
+
+
 def saved(res: Any) -> list[dict[str, Any]] | None:
     """An analysis's segments for its manifest (`Analysis.save`): each input's `to_json`, or None."""
     segs = getattr(res, "segments", None)
@@ -203,6 +210,7 @@ def attach(res: Any, values: Sequence[object] | None, where: str, scores: bool =
         raise MixlensError(f"{where}: segments belong to an explanation; this file explains no target")
     if scores:
         for b, (v, s) in enumerate(zip(values or [], segs, strict=True)):
-            check_scores(v, s, {m: a.input(b) for m, a in res.attributions.items()}, f"{where}: input {b + 1}")
+            tokens = {m: token_scores(a, b) for m, a in res.attributions.items()}
+            check_scores(v, s, tokens, f"{where}: input {b + 1}")
     res.segments = segs
     return res
