@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from mixlens.result import Analysis
+from mixlens.viz.segments import input_views
 from tests.conftest import run_cli
 
 SMOLLM = Path.home() / ".cache" / "mixlens" / "models" / "smollm2-135m-instruct"
@@ -65,7 +67,6 @@ def test_separator_segments_are_sums_of_the_token_scores(capsys, tmp_path):
         (["explain", "--chat", "missing-chat.json"], "does not exist"),
         (["explain", "--chat", '[{"role": "user", "content": "hi"}]'], "no chat template"),
         (["explain", "hi there", "--span", "0:2", "--separator", "x"], "one kind of segments"),
-        (["explain", "hi there", "--separator", "x", "--generate", "2"], "drop --generate"),
         (["explain"], "give one or more texts"),
         # #43 item 6: each bad chat or segment request is one line, before the model loads
         (["explain", "--chat", "[{"], "not valid JSON"),
@@ -159,3 +160,31 @@ def test_chat_segments_on_smollm2(capsys, tmp_path):
     assert inp["text"].startswith("<|im_start|>system") and inp["text"].endswith("<|im_start|>assistant\n")
     total = math.fsum(inp["scores"]["logit_attn"])  # the segments and the template's tokens add up to it
     assert math.isclose(math.fsum(shown.values()), total, rel_tol=1e-3, abs_tol=1e-3)
+
+
+def test_a_generated_answers_segments_on_smollm2(capsys, tmp_path):
+    """--chat with --generate: one answer, its tokens × the conversation's messages in the JSON, the HTML and the
+    figure; each heatmap row adds up to the answer token's row of token scores."""
+    if not (SMOLLM / "model.safetensors").is_file():
+        pytest.skip("smollm2-135m-instruct not fetched (python scripts/fetch_models.py smollm2-135m-instruct)")
+    chat = [
+        {"role": "user", "content": "Tom lives in London."},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Where does Tom live?"},
+    ]
+    base = ["explain", "--model", str(SMOLLM), "--chat", json.dumps(chat), "--generate", "3", "--method", "logit_attn"]
+    code, _, err = run_cli([*base, "-f", "json", "-o", str(tmp_path / "a.json")], capsys)
+    assert code == 0, err
+    inp = json.loads((tmp_path / "a.json").read_text())["inputs"][0]
+    assert inp["segments"]["labels"] == ["1 user", "2 assistant", "3 user"]
+    start = inp["target"]["answer"]["start"]
+    assert all(b <= start for _, b in inp["segments"]["token_ranges"])
+    (v,) = input_views(Analysis.load(tmp_path / "a.json").inputs[0])
+    assert len(v.answer) == 3 and v.labels[-2:] == ["(answer)", "(outside)"]
+    rows = inp["methods"]["logit_attn"]["values"]  # [answer, source]
+    for a in range(3):
+        assert math.isclose(float(v.matrix[a].sum()), math.fsum(rows[a]), rel_tol=1e-9, abs_tol=1e-9)
+    code, _, err = run_cli(
+        ["plot", "--view", "segments", "--from", str(tmp_path / "a.json"), "-o", str(tmp_path / "a.png")], capsys
+    )
+    assert code == 0, err

@@ -390,8 +390,6 @@ def segment_request(
     kinds = [k for k, v in (("--chat", chat), ("--span", span), ("--marker", marker), ("--separator", separator)) if v]
     if len(kinds) > 1:
         raise MixlensError(f"give one kind of segments, not {' and '.join(kinds)}")
-    if kinds and generate:
-        raise MixlensError(f"{kinds[0]} explains the given input; drop --generate")
     if chat is not None:
         if text:
             raise MixlensError("--chat explains the conversation: give no TEXT")
