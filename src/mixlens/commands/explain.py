@@ -46,13 +46,20 @@ def register(app: typer.Typer) -> None:
         target: str | None = typer.Option(
             None,
             "--target",
-            help="Class index or label name (classifiers), or a token (causal LMs); default: the prediction.",
+            help="Class index or label name (classifiers), or a token or phrase (causal LMs); default: the "
+            "prediction.",
         ),
         foil: str | None = typer.Option(
-            None, "--foil", help="Contrast token/class: explain logit(target) − logit(foil)."
+            None, "--foil", help="Contrast token/class/phrase: explain score(target) − score(foil)."
+        ),
+        answer: str | None = typer.Option(
+            None,
+            "--answer",
+            help="Causal LMs: explain every token of this answer after the text at once ([answer × context] per "
+            "method, docs/reference/answers.md).",
         ),
         generate: int = typer.Option(
-            0, "--generate", min=0, help="Causal LMs: generate N tokens greedily and explain each."
+            0, "--generate", min=0, help="Causal LMs: generate N tokens greedily and explain them as the answer."
         ),
         fmt: str = typer.Option("table", "--format", "-f", help="table (terminal), json or html."),
         out: Path | None = typer.Option(
@@ -88,6 +95,8 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
         if out is not None or fmt == "html":
             check_writable(out or Path("mixlens-explain.html"))  # before any work
+        if answer is not None and target is not None:
+            raise MixlensError("--answer explains the answer's tokens; drop --target")
         messages = segment_request(text, chat, span, marker, separator, generate)
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
         if messages is not None:
@@ -97,7 +106,17 @@ def register(app: typer.Typer) -> None:
         warn_unspaced(lens, text[0], target, foil)
         chosen = chosen_methods(lens, method)
         with progress(len(text), "explain") as step:
-            res = explain(lens, text, chosen, target=target, foil=foil, generate=generate, seed=seed, progress=step)
+            res = explain(
+                lens,
+                text,
+                chosen,
+                target=target,
+                foil=foil,
+                answer=answer,
+                generate=generate,
+                seed=seed,
+                progress=step,
+            )
         if fmt == "html":
             dest = out or Path("mixlens-explain.html")
             atomic_write(dest, res.html().encode())
