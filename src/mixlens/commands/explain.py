@@ -46,8 +46,7 @@ def register(app: typer.Typer) -> None:
         target: str | None = typer.Option(
             None,
             "--target",
-            help="Class index or label name (classifiers), or a token or phrase (causal LMs); default: the "
-            "prediction.",
+            help="Class index or label name (classifiers), or a token or phrase (causal LMs); default: the prediction.",
         ),
         foil: str | None = typer.Option(
             None, "--foil", help="Contrast token/class/phrase: explain score(target) − score(foil)."
