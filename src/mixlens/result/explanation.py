@@ -30,6 +30,8 @@ class Explained:
     # matrix [answer, source]; `scores` are then the answer-level scores, the matrix summed over the answer
     answer: dict[str, Any] | None = None
     matrix: dict[str, np.ndarray] = field(default_factory=dict)
+    # a multi-token target (and foil) of a causal LM: each phrase (as an answer) and the part on its own tokens
+    phrase: dict[str, Any] | None = None
 
 
 ANSWER_AXES = ("target", "source")  # an answer's attribution: answer tokens × every token of prompt + answer
@@ -77,6 +79,7 @@ class Explanation(Analysis):
                     {m: e for m, e in extras.items() if e},
                     t.get("answer"),
                     matrix if "answer" in t else {},
+                    t.get("phrase"),
                 )
             )
         return out
