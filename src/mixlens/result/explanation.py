@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from mixlens.result import views
+from mixlens.result import segmented, views
 from mixlens.result.analysis import Analysis
+from mixlens.result.segmented import Segment
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Explained:
     matrix: dict[str, np.ndarray] = field(default_factory=dict)
     # a multi-token target (and foil) of a causal LM: each phrase (as an answer) and the part on its own tokens
     phrase: dict[str, Any] | None = None
+    segments: list[Segment] | None = None  # its segments (explain --chat / --span / --marker / --separator)
 
 
 ANSWER_AXES = ("target", "source")  # an answer's attribution: answer tokens × every token of prompt + answer
@@ -44,6 +46,9 @@ class Explanation(Analysis):
     self-contained page, `_repr_html_` the notebook view. `timings`: seconds per method (not saved)."""
 
     timings: dict[str, float]
+    # per input, its segments (`mixlens.result.segmented`): None where none were asked for; saved, loaded and
+    # written to JSON with the explanation, their scores derived from the token scores (exact sums)
+    segments: list[list[Segment]] | None = None
 
     def __init__(self, *args: Any, timings: dict[str, float] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -80,6 +85,7 @@ class Explanation(Analysis):
                     t.get("answer"),
                     matrix if "answer" in t else {},
                     t.get("phrase"),
+                    None if self.segments is None else self.segments[b],
                 )
             )
         return out
@@ -93,6 +99,10 @@ class Explanation(Analysis):
                 m: [float(v) for v in (a.input(b).sum(0) if a.dims == ANSWER_AXES else a.input(b))]
                 for m, a in self.attributions.items()
             }
+        if self.segments is not None:  # segment scores of the token scores above (an answer's: answer-level)
+            for b, (inp, segs) in enumerate(zip(doc["inputs"], self.segments, strict=True)):
+                scores = {m: np.asarray(v) for m, v in inp["scores"].items()}
+                inp["segments"] = segmented.to_json(segs, len(self.tokens[b])) | segmented.scores_json(segs, scores)
         return doc
 
     def dumps(self) -> str:

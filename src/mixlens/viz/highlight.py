@@ -76,7 +76,7 @@ def target_header(e) -> str:
 
 def render_fragment(expl) -> str:
     """An HTML fragment (own CSS) with one table per input: one row per method, tokens coloured by score."""
-    from mixlens.viz import logit_layers
+    from mixlens.viz import logit_layers, segments
 
     parts = [
         f'<div class="mlx-report"><style>{_CSS}{logit_layers.css()}</style>',
@@ -111,6 +111,7 @@ def render_fragment(expl) -> str:
         parts.append("</table>")
         for m in logit_layers.layered(e):  # ALTI-Logit's per-layer view: one row per layer, the sum last
             parts.append(logit_layers.render_html(e, m))
+    parts.append(segments.render_html(expl))  # the segments, where explain was given some
     parts.append("</div>")
     return "\n".join(parts)
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from mixlens.viz.highlight import diverging_rgb, position_note, scaled_scores, target_header
 from mixlens.viz.labels import token_text
+from mixlens.viz.segments import print_segments
 
 
 def show_explanation(expl: Any, console: Any = None) -> None:
@@ -76,3 +77,5 @@ def show_answer_rows(e: Any, console: Any) -> None:
             top = np.argsort(-np.abs(row), kind="stable")[:TOP_SOURCES]
             listed = ", ".join(f"{tokens[j]!r} {row[j]:+.2g}" for j in top if row[j] != 0)
             console.print(f"     {m}: {listed}")
+    if getattr(expl, "segments", None) is not None:
+        print_segments(expl, console)
