@@ -26,6 +26,7 @@ Data: the JSONL of `scripts/context_task.py` (or any file of the same fields): p
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import time
@@ -229,12 +230,44 @@ def without_passage(prompt: str, span: tuple[int, int]) -> str:
 
 def leave_one_out(lens, p: Prompt, tokens: Tokens, base: float) -> np.ndarray:
     """Per passage the drop of the answer's summed log-probability (`base` − with the passage removed, the same
-    answer tokens teacher-forced): N forward passes [N]."""
-    drops = []
-    for span in p.passages:
-        ids = prompt_tokens(lens.tokenizer, without_passage(p.prompt, span))[0]
-        drops.append(base - float(answer_logprobs(lens, ids, tokens.answer)[0].sum()))
-    return np.array(drops)
+    answer tokens teacher-forced) [N]. The N forward passes share the prompt's key/value cache up to where each
+    shortened prompt's tokens first differ from the prompt's (causal attention: those positions are the same), so
+    each pass runs only from there: the prefix is computed once, in order, and copied for each passage."""
+    model, a_len = lens.model, len(tokens.answer)
+    removed = [prompt_tokens(lens.tokenizer, without_passage(p.prompt, span))[0] for span in p.passages]
+    starts = [min(_common(tokens.prompt, ids), len(ids) - 1) for ids in removed]  # ≥ 1 token runs
+
+    def tensor(ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], device=lens.device)
+
+    drops = np.zeros(len(removed))
+    cache, done = None, 0
+    want = torch.tensor(tokens.answer, device=lens.device)
+    with torch.no_grad(), sdpa(model):
+        for k in sorted(range(len(removed)), key=lambda k: starts[k]):
+            if starts[k] > done:  # extend the shared prefix
+                cache = model(
+                    input_ids=tensor(tokens.prompt[done : starts[k]]),
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).cache
+                done = starts[k]
+            rest = removed[k][done:] + tokens.answer[:-1]
+            out = model(input_ids=tensor(rest), cache=copy.deepcopy(cache), use_cache=True, logits_to_keep=a_len)
+            logp = out.logits[0, -a_len:].float().log_softmax(-1).gather(1, want[:, None])[:, 0]
+            drops[k] = base - float(logp.double().sum())
+    return drops
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _one_pass(name: str) -> bool:
