@@ -166,8 +166,9 @@ def register(app: typer.Typer) -> None:
         task: str = typer.Option(
             "faithfulness",
             "--task",
-            help="faithfulness (remove top tokens; the model's prediction) or blimp (causal LMs: each prompt's "
-            "target vs foil word, alignment with the evidence words; docs/guides/explain-and-evaluate.md).",
+            help="faithfulness (remove top tokens; the model's prediction), blimp (causal LMs: each prompt's "
+            "target vs foil word, alignment with the evidence words) or context (causal LMs: which passage of a "
+            "long prompt holds the answer; a JSONL of scripts/context_task.py; docs/guides/explain-and-evaluate.md).",
         ),
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
@@ -212,8 +213,21 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"unknown format '{fmt}'; valid: table, json")
         if removal not in REMOVALS:
             raise MixlensError(f"unknown removal '{removal}'; valid: {', '.join(REMOVALS)}")
+        if task == "context":  # its own data, run and output (`commands.context`)
+            if text_column is not None or removal != "delete":
+                raise MixlensError(
+                    "--task context reads its own JSONL fields and removes no tokens; drop --text-column and --removal"
+                )
+            from mixlens.commands.context import evaluate_context_cmd
+
+            dest = out or Path("mixlens-evaluation")
+            check_writable(dest, directory=True)
+            evaluate_context_cmd(
+                data, model, gguf_file, pick_model_head(model_head, head), method, skip, limit, seed, dest, fmt
+            )
+            return
         if task not in evidence.TASKS:
-            raise MixlensError(f"unknown task '{task}'; valid: {', '.join(evidence.TASKS)}")
+            raise MixlensError(f"unknown task '{task}'; valid: {', '.join(evidence.TASKS)}, context")
         if task != "faithfulness" and text_column is not None:
             raise MixlensError(f"--task {task} reads its own columns (one_prefix_prefix, ...); drop --text-column")
         if task == "faithfulness":
