@@ -26,7 +26,8 @@ conserved up to what biases, the softmax rule's bias term, position embeddings a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,8 +37,10 @@ from torch.overrides import TorchFunctionMode
 
 from mixlens.adapters import Adapter, Norm, get_path, linear_xw
 from mixlens.errors import MixlensError
+from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, dense_ffn, register
-from mixlens.methods.saliency import Target, scalar_fn
+from mixlens.methods.saliency import ROW_PASSES, Target, row_gradients, scalar_fn
+from mixlens.targets import Request
 from mixlens.trace import ForwardHook, Trace, scoped_hooks
 
 IDENTITY_EPS = 1e-10  # the identity rule's out / (in + ε), as lxt
@@ -214,6 +217,11 @@ def attnlrp(
     """AttnLRP relevance of each token for a target scalar (logit, or logit difference with a foil): [B, source].
 
     Extra `conservation` [B]: Σ_j R_j − g(x), what the rules did not conserve (biases, softmax, positions)."""
+    if isinstance(target, Request) and target.logprob:  # AttnLRP relevance is of the logit (answers' rows too)
+        target = dataclasses.replace(target, logprob=False)
+    hit = memo_of(trace).get(("attnlrp", target, variant)) if isinstance(target, Request) else None
+    if hit is not None:  # computed with the other rows of an answer (`rows`)
+        return hit
     with lrp_rules(trace.adapter, trace.model, variant):
         _, emb, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)
     with torch.enable_grad():
@@ -221,3 +229,18 @@ def attnlrp(
     mask = trace.mask.to(torch.float32)
     rel = (grad * emb.detach()).float().sum(-1) * mask
     return MethodOutput(rel, {"conservation": rel.sum(-1) - value.detach().float()})
+
+
+def rows(trace: Trace, requests: Sequence[Request], variant: str = "attnlrp") -> None:
+    """AttnLRP of several requests on one input (the tokens of an answer): one forward under the rules, one
+    backward per request (`saliency.row_gradients`), each result kept in the trace's memo for `attnlrp`'s call."""
+    reqs = [dataclasses.replace(r, logprob=False) for r in requests]
+    memo = memo_of(trace)
+    for req, (grad, emb, value) in zip(
+        reqs, row_gradients(trace, reqs, lrp_rules(trace.adapter, trace.model, variant)), strict=True
+    ):
+        rel = (grad * emb).float().sum(-1) * trace.mask.to(torch.float32)
+        memo.put(("attnlrp", req, variant), MethodOutput(rel, {"conservation": rel.sum(-1) - value.float()}))
+
+
+ROW_PASSES["attnlrp"] = rows

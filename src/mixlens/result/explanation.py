@@ -26,6 +26,13 @@ class Explained:
     probability: float | None = None  # the target's probability (classes or vocabulary), when the model has logits
     foil_probability: float | None = None
     extras: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # method → its secondary outputs
+    # an explained answer (`explain(..., answer=)`): the answer (text, ids, tokens, start, logprobs), each method's
+    # matrix [answer, source]; `scores` are then the answer-level scores, the matrix summed over the answer
+    answer: dict[str, Any] | None = None
+    matrix: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+ANSWER_AXES = ("target", "source")  # an answer's attribution: answer tokens × every token of prompt + answer
 
 
 class Explanation(Analysis):
@@ -55,7 +62,8 @@ class Explanation(Analysis):
             foil = t.get("foil_index", -1) if "foil" in t else None
             target = Target(t["kind"], t.get("index", -1), t["label"], foil, t.get("foil"))
             score = float("nan") if t.get("score") is None else float(t["score"])
-            scores = {m: a.input(b) for m, a in self.attributions.items()}
+            matrix = {m: a.input(b) for m, a in self.attributions.items() if a.dims == ANSWER_AXES}
+            scores = {m: matrix[m].sum(0) if m in matrix else a.input(b) for m, a in self.attributions.items()}
             extras = {m: {k: s.row(b) for k, s in a.extra_store.items()} for m, a in self.attributions.items()}
             out.append(
                 Explained(
@@ -67,6 +75,8 @@ class Explanation(Analysis):
                     t.get("probability"),
                     t.get("foil_probability"),
                     {m: e for m, e in extras.items() if e},
+                    t.get("answer"),
+                    matrix if "answer" in t else {},
                 )
             )
         return out
@@ -76,7 +86,10 @@ class Explanation(Analysis):
         (method → one number per token), the short form `explain` has always written."""
         doc = super().to_json()
         for b, inp in enumerate(doc["inputs"]):
-            inp["scores"] = {m: [float(v) for v in a.input(b)] for m, a in self.attributions.items()}
+            inp["scores"] = {  # an answer's: the answer-level scores (its matrix summed over the answer)
+                m: [float(v) for v in (a.input(b).sum(0) if a.dims == ANSWER_AXES else a.input(b))]
+                for m, a in self.attributions.items()
+            }
         return doc
 
     def dumps(self) -> str:

@@ -146,7 +146,9 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
                 if extra_dims.setdefault((name, k), ed) != ed:
                     raise MixlensError(f"{at}: extra '{name}.{k}' has other axes than in input 1")
                 extras.setdefault(name, {}).setdefault(k, []).append(
-                    checked_array(e.get("values"), ed, len(toks), f"{at}: '{name}.{k}'")
+                    checked_array(
+                        e.get("values"), ed, len(toks), f"{at}: '{name}.{k}'", None if pos is None else len(pos)
+                    )
                 )
         for v, r in ratio.items():
             means.setdefault(v, []).append(checked_array(r, ("layer",), len(toks), f"{at}: mixing ratio '{v}'"))
