@@ -5,27 +5,28 @@ LM (SmolLM2-135M-Instruct by default, float32), in one run:
 
   (a) one plain forward pass of prompt + answer (the model's own forward, all logits), and one backward pass: a
       forward with the word embeddings requiring grad and the backward of one logit at the last position;
-  (b) mixlens `logit_attn` of every answer token (the answer's [answer, source] matrix); target: ≤ 2 × (a);
-  (c) mixlens gradient × input of every answer token (the logit of each answer token under teacher forcing, signed
-      sum over the hidden dims); target: ≤ one forward + one backward pass per answer token;
-  (d) inseq's `input_x_gradient` of the same answer (`attributed_fn="logit"`, the answer forced with
-      `generated_texts`, its granular attributions summed over the hidden dims with inseq's own aggregator), run by
-      another Python (`--inseq-python`, default `$MIXLENS_INSEQ_PYTHON`: a virtual environment with inseq and the
-      same torch), timed inside that process; goal: (c) ≤ 0.5 × (d). The matrices of (c) and (d) are asserted
-      equal where both define a value (inseq leaves the tokens after each step's prefix NaN): `same` (≤ 1e-5 of
-      the largest value, float32).
+  (b) mixlens `logit_attn` of every answer token (its logit; the answer's [answer, source] matrix); target:
+      ≤ 2 × one forward;
+  (c) mixlens gradient × input of every answer token (its log-probability under teacher forcing, the signed sum
+      over the hidden dims: what `explain` computes for an answer); target: ≤ one forward + one backward pass per
+      answer token;
+  (d) inseq's `input_x_gradient` of the same answer tokens and the same scalar (`attributed_fn="probability"` with
+      `logprob=True`, the answer forced with `generated_texts`, its granular attributions summed over the hidden
+      dims by inseq's own `sum` aggregator, normalisation off), run by another Python (`--inseq-python`, default
+      `$MIXLENS_INSEQ_PYTHON`: a virtual environment with inseq and the same torch), timed inside that process;
+      goal: (c) ≤ 0.5 × (d). The matrices of (c) and (d) are asserted equal where both define a value (inseq leaves
+      the tokens after each step's prefix NaN): `same` (≤ 1e-5 of the largest value, float32).
 
-mixlens runs through the public answer API, `explain(lens, prompt, [method], answer=ANSWER)`, where this mixlens has
-it; otherwise through the single-token `explain` once per answer token (teacher forcing: the text of prompt +
-answer[:a], target answer[a]) — printed as "per-token loop". Model loading is excluded on both sides, and both
-sides first run once on a short input (warm-up). Times are wall clock, the process CPU time in brackets (the steadier
-one on a shared machine), with the load average; each side runs once (`--repeats` for more, the median is kept).
+mixlens runs through the public answer API, `explain(lens, prompt, [method], answer=ANSWER)`. Model loading is
+excluded on both sides, and both sides first run once on a short input (warm-up). Times are wall clock, the process
+CPU time in brackets (the steadier one on a shared machine), with the load average; each side runs once
+(`--repeats` for more, the median is kept).
 
-`--steps K` (< answer tokens) explains only the first K answer tokens with the gradient methods and inseq (and the
-per-token loops): a quick run, both sides doing the same K tokens; the ratio at K tokens is then an upper bound of
-the ratio at the whole answer (mixlens' one forward pass is shared by fewer tokens) and the 64-token times are
-printed as estimates scaled by answer/K. Threads: `--threads` (default 1) for torch in both processes, the child's
-OMP_NUM_THREADS too (the machine in docs/performance.md has 2 cores shared with other jobs).
+`--steps K` (< answer tokens) explains only the first K answer tokens with gradient × input and inseq (the answer
+given to both is then its first K tokens): a quick run, both sides doing the same K tokens. The ratio at K tokens is
+an upper bound of the ratio at the whole answer (mixlens' one forward pass is shared by fewer tokens); the 64-token
+times are printed as estimates scaled by answer/K. Threads: `--threads` (default 1) for torch in both processes,
+the child's OMP_NUM_THREADS too (the machine of docs/performance.md has 2 cores shared with other jobs).
 
     python benchmarks/bench_answers_vs_inseq.py [--model PATH] [--prompt-tokens 1024] [--answer-tokens 64]
         [--steps K] [--threads 1] [--inseq-python PATH] [--skip forward logit_attn grad_x_input inseq]
@@ -34,7 +35,6 @@ OMP_NUM_THREADS too (the machine in docs/performance.md has 2 cores shared with 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import statistics
@@ -72,8 +72,8 @@ model = inseq.load_model(spec["model"], "input_x_gradient", model_kwargs={"dtype
 
 def run(prompt, answer, steps):
     n = len(model.encode(prompt).input_ids[0])
-    return model.attribute(prompt, prompt + answer, attributed_fn="logit", show_progress=False,
-                           attr_pos_end=n + steps)
+    fn = {"logit": {"attributed_fn": "logit"}, "logprob": {"attributed_fn": "probability", "logprob": True}}
+    return model.attribute(prompt, prompt + answer, show_progress=False, attr_pos_end=n + steps, **fn[spec["fn"]])
 
 
 run(spec["warmup"][0], spec["warmup"][1], 1)  # lazy initialisation, untimed
@@ -95,16 +95,24 @@ print(json.dumps(res))
 
 
 def inseq_attributions(
-    python: str, model: str, prompt: str, answer: str, steps: int, threads: int = 1, repeats: int = 1
+    python: str,
+    model: str,
+    prompt: str,
+    answer: str,
+    steps: int,
+    fn: str = "logprob",
+    threads: int = 1,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """inseq's input_x_gradient of the first `steps` tokens of `answer` after `prompt`, run by `python` (another
-    interpreter with inseq): {'wall', 'cpu': seconds per repeat, 'ids': the token ids of prompt + answer, 'sum',
-    'l2': [steps, tokens] arrays (NaN after each step's prefix), versions}."""
+    """inseq's input_x_gradient of the first `steps` tokens of `answer` after `prompt` for the scalar `fn` ('logit'
+    or 'logprob' of each answer token), run by `python` (another interpreter with inseq): {'wall', 'cpu': seconds per
+    repeat, 'ids': the token ids of prompt + answer, 'sum', 'l2': [steps, tokens] arrays (NaN after each step's
+    prefix), versions}."""
     with tempfile.TemporaryDirectory(prefix="mixlens-inseq-") as tmp:
         script, request = Path(tmp) / "inseq_side.py", Path(tmp) / "request.json"
         script.write_text(INSEQ_SCRIPT)
         warmup = (" ".join(PASSAGE[:12]), " " + " ".join(PASSAGE[12:14]))
-        spec = {"model": model, "prompt": prompt, "answer": answer, "steps": steps, "threads": threads}
+        spec = {"model": model, "prompt": prompt, "answer": answer, "steps": steps, "threads": threads, "fn": fn}
         request.write_text(json.dumps(spec | {"repeats": repeats, "warmup": warmup}))
         env = os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
         env.pop("PYTHONPATH", None)  # inseq's environment, not this one's
@@ -149,35 +157,12 @@ def prompt_and_answer(lens, prompt_tokens: int, answer_tokens: int) -> tuple[str
     return prompt, answer, p_ids, both[len(p_ids) :]
 
 
-def has_answer_api() -> bool:
-    """Whether this mixlens explains whole answers (`explain(..., answer=TEXT)`)."""
+def answer_matrix(lens, method: str, prompt: str, answer: str) -> np.ndarray:
+    """mixlens' [answer token, source] scores of `method` for `answer` after `prompt`, through the public answer API
+    (`explain(lens, prompt, [method], answer=answer)`)."""
     from mixlens.explain import explain
 
-    return "answer" in inspect.signature(explain).parameters
-
-
-def answer_matrix(lens, method: str, prompt: str, answer: str, p_ids: list[int], a_ids: list[int]) -> np.ndarray:
-    """mixlens' [answer token, source] scores of `method` for the answer after the prompt: the public answer API, or
-    the single-token `explain` once per answer token (teacher forcing) where this mixlens has no answer API."""
-    from mixlens.explain import explain
-
-    n = len(p_ids) + len(a_ids)
-    if has_answer_api():
-        res = explain(lens, prompt, [method], answer=answer)
-        mat = np.asarray(res.attributions[method].input(0), dtype=np.float64)
-        assert mat.shape[0] == len(a_ids), (mat.shape, len(a_ids))
-        out = np.zeros((len(a_ids), n))
-        out[:, : mat.shape[1]] = mat[:, :n]
-        return out
-    out = np.zeros((len(a_ids), n))
-    for a, tid in enumerate(a_ids):
-        text = lens.tokenizer.decode(p_ids + a_ids[:a], skip_special_tokens=True)
-        res = explain(lens, text, [method], target=int(tid))
-        row = np.asarray(res.attributions[method].input(0), dtype=np.float64)
-        if len(row) != len(p_ids) + a:
-            raise RuntimeError(f"answer token {a}: the prefix re-tokenized to {len(row)} tokens, not {len(p_ids) + a}")
-        out[a, : len(row)] = row
-    return out
+    return np.asarray(explain(lens, prompt, [method], answer=answer).attributions[method].input(0), dtype=np.float64)
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> tuple[Any, float, float, float]:
@@ -235,17 +220,14 @@ def main() -> None:
     prompt, answer, p_ids, a_ids = prompt_and_answer(lens, a.prompt_tokens, a.answer_tokens)
     steps = min(a.steps or len(a_ids), len(a_ids))
     part = lens.tokenizer.decode(a_ids[:steps])  # the explained part of the answer
-    api = has_answer_api()
     scale = len(a_ids) / steps
     print(
         f"{lens.name}: prompt {len(p_ids)} tokens + answer {len(a_ids)} tokens; "
-        f"{'answer API' if api else 'per-token loop (no answer API in this mixlens)'}; torch threads {a.threads}; "
+        f"torch threads {a.threads}; "
         f"gradient sides explain {steps} of {len(a_ids)} answer tokens; load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     short = (" ".join(PASSAGE[:12]), " " + " ".join(PASSAGE[12:14]))
-    sp = lens.encode([short[0]]).inputs["input_ids"][0].tolist()
-    sa = lens.encode([short[0] + short[1]]).inputs["input_ids"][0].tolist()[len(sp) :]
     fwd = bwd = None
     if "forward" not in a.skip:
         fwd, fwd_cpu, bwd, bwd_cpu = forward_and_backward(lens, p_ids + a_ids, max(2, a.repeats))
@@ -258,10 +240,11 @@ def main() -> None:
     for method in ("logit_attn", "grad_x_input"):
         if method in a.skip:
             continue
-        k = len(a_ids) if method == "logit_attn" and api else steps  # logit_attn: the whole answer from one forward
-        answer_matrix(lens, method, short[0], short[1], sp, sa)  # warm-up
+        k = len(a_ids) if method == "logit_attn" else steps  # logit_attn: the whole answer from one forward
+        answer_matrix(lens, method, *short)  # warm-up
         text = lens.tokenizer.decode(a_ids[:k])
-        mat, wall, cpu, load = timed(partial(answer_matrix, lens, method, prompt, text, p_ids, a_ids[:k]), a.repeats)
+        mat, wall, cpu, load = timed(partial(answer_matrix, lens, method, prompt, text), a.repeats)
+        assert mat.shape == (k, len(p_ids) + k), mat.shape
         est = wall * len(a_ids) / k
         label = "(b)" if method == "logit_attn" else "(c)"
         line = f"{label} mixlens {method}, {k} answer tokens: {wall:.2f} s [{cpu:.2f}]"
@@ -281,7 +264,7 @@ def main() -> None:
     if not a.inseq_python:
         print("(d) inseq: skipped (give --inseq-python or set MIXLENS_INSEQ_PYTHON)")
         return
-    res = inseq_attributions(a.inseq_python, a.model, prompt, part, steps, a.threads, a.repeats)
+    res = inseq_attributions(a.inseq_python, a.model, prompt, part, steps, "logprob", a.threads, a.repeats)
     if res["ids"] != p_ids + a_ids[:steps]:
         raise RuntimeError("inseq tokenized prompt + answer differently")
     wall, cpu = statistics.median(res["wall"]), statistics.median(res["cpu"])

@@ -58,7 +58,9 @@ def _cases(bench, lens):
 
 
 @pytest.mark.parametrize("case", [0, 1])
-def test_gradient_x_input_equals_inseq(lens, case):
+def test_single_token_gradient_x_input_equals_inseq(lens, case):
+    """The logit of each answer token: mixlens' single-token gradient × input (`target` = the token, `position` = the
+    one before it, on the text prompt + answer) per answer token, both reductions, against inseq step by step."""
     exe = _inseq_python()
     bench = _bench()
     prompt, answer = list(_cases(bench, lens))[case]
@@ -66,7 +68,7 @@ def test_gradient_x_input_equals_inseq(lens, case):
     ids = lens.encode([prompt + answer]).inputs["input_ids"][0].tolist()
     a_ids = ids[len(p_ids) :]
     assert ids[: len(p_ids)] == p_ids and len(a_ids) >= 6
-    theirs = bench.inseq_attributions(exe, str(_smollm2()), prompt, answer, len(a_ids))
+    theirs = bench.inseq_attributions(exe, str(_smollm2()), prompt, answer, len(a_ids), fn="logit")
     assert theirs["ids"] == ids  # the same tokens
     n = len(ids)
     for reduction in ("sum", "l2"):
@@ -84,7 +86,24 @@ def test_gradient_x_input_equals_inseq(lens, case):
         ok, diff, scale = bench.same(ours, mat)
         assert ok, (reduction, diff, scale)
         assert np.abs(mat[~np.isnan(mat)]).max() > 0.1  # not trivially equal
-    if bench.has_answer_api():  # the whole answer at once: the same matrix
-        whole = bench.answer_matrix(lens, "grad_x_input", prompt, answer, p_ids, a_ids)
-        ok, diff, scale = bench.same(whole, theirs["sum"])
-        assert ok, ("answer API", diff, scale)
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_answer_gradient_x_input_equals_inseq(lens, case):
+    """The whole answer at once: `explain(lens, prompt, ["grad_x_input"], answer=...)` (each answer token's
+    log-probability, the signed sum) equals inseq's input_x_gradient of log p (`attributed_fn="probability"`,
+    `logprob=True`) — the comparison benchmarks/bench_answers_vs_inseq.py times."""
+    exe = _inseq_python()
+    bench = _bench()
+    prompt, answer = list(_cases(bench, lens))[case]
+    ids = lens.encode([prompt + answer]).inputs["input_ids"][0].tolist()
+    n_answer = len(ids) - len(lens.encode([prompt]).inputs["input_ids"][0])
+    theirs = bench.inseq_attributions(exe, str(_smollm2()), prompt, answer, n_answer, fn="logprob")
+    ours = bench.answer_matrix(lens, "grad_x_input", prompt, answer)
+    assert theirs["ids"] == ids
+    assert theirs["sum"].shape == ours.shape == (n_answer, len(theirs["ids"]))
+    ok, diff, scale = bench.same(ours, theirs["sum"])
+    assert ok, (diff, scale)
+    start = len(theirs["ids"]) - n_answer
+    assert all((ours[k, start + k :] == 0).all() for k in range(n_answer))  # nothing from the tokens after
+    assert np.abs(ours).max() > 0.1
