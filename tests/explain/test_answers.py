@@ -205,3 +205,46 @@ def test_smollm2_answer_rows():
         for r, tok in enumerate(answer["ids"]):
             single = _single(lens, ids[: len(head) + r], name, tok)
             np.testing.assert_allclose(mat[r, : len(head) + r], single, rtol=1e-4, atol=1e-4)
+
+
+def _forced(lens, prompt_ids: list[int], phrase: list[int]) -> tuple[float, float]:
+    """(Σ logit, Σ log p) of `phrase` teacher-forced after `prompt_ids`, from one plain forward."""
+    inputs = lens.encode_ids([prompt_ids + phrase]).inputs
+    with torch.no_grad():
+        logits = lens.model(**inputs).logits[0].float()
+    pos = [len(prompt_ids) - 1 + a for a in range(len(phrase))]
+    return float(logits[pos, phrase].sum()), float(logits.log_softmax(-1)[pos, phrase].sum())
+
+
+@pytest.mark.parametrize("foil", [None, " is under the bed"])
+def test_phrase_target_explains_the_summed_log_probability(causal, foil):
+    ex = explain(causal, [PROMPT], ["logit_attn", "alti_logit", "grad_x_input"], target=ANSWER, foil=foil)
+    t = ex.explained[0]
+    head = answer_prompt(causal, PROMPT)
+    phrase = t["phrase"]
+    logit_t, logp_t = _forced(causal, head, phrase["target"]["ids"])
+    logit_f, logp_f = (0.0, 0.0) if foil is None else _forced(causal, head, phrase["foil"]["ids"])
+    assert t["kind"] == "phrase" and len(phrase["target"]["ids"]) == 4
+    assert t["score"] == pytest.approx(logp_t - logp_f, rel=1e-5, abs=1e-5)
+    assert len(ex.tokens[0]) == len(head)  # one score per prompt token
+    for name in ("logit_attn", "alti_logit"):
+        total = ex[name].input(0).sum() + phrase["within"][name] + float(ex[name].extra_store["remainder"].row(0))
+        assert total == pytest.approx(logit_t - logit_f, rel=1e-4, abs=1e-4), name
+    back = Explanation.from_json(json.loads(ex.dumps()))
+    assert back.explained == ex.explained
+
+
+def test_phrase_scalar_of_the_gradient_methods_is_the_log_probability(causal):
+    ex = explain(causal, [PROMPT], ["grad_x_input"], target=ANSWER)
+    head = answer_prompt(causal, PROMPT)
+    phrase = ex.explained[0]["phrase"]["target"]["ids"]
+    inputs = dict(causal.encode_ids([head + phrase]).inputs)
+    emb = causal.model.get_input_embeddings()(inputs.pop("input_ids")).detach().requires_grad_(True)
+    logp = causal.model(inputs_embeds=emb, **inputs).logits[0].float().log_softmax(-1)
+    total = sum(logp[len(head) - 1 + a, t] for a, t in enumerate(phrase))
+    (g,) = torch.autograd.grad(total, emb)
+    gx = (g * emb.detach())[0].sum(-1).numpy()
+    np.testing.assert_allclose(ex["grad_x_input"].input(0), gx[: len(head)], rtol=1e-4, atol=1e-6)
+    assert ex.explained[0]["phrase"]["within"]["grad_x_input"] == pytest.approx(
+        float(gx[len(head) :].sum()), rel=1e-4, abs=1e-6
+    )

@@ -47,13 +47,19 @@ def register(app: typer.Typer) -> None:
         target: str | None = typer.Option(
             None,
             "--target",
-            help="Class index or label name (classifiers), or a token (causal LMs); default: the prediction.",
+            help="Class index or label name (classifiers), or a token or phrase (causal LMs); default: the prediction.",
         ),
         foil: str | None = typer.Option(
-            None, "--foil", help="Contrast token/class: explain logit(target) − logit(foil)."
+            None, "--foil", help="Contrast token/class/phrase: explain score(target) − score(foil)."
+        ),
+        answer: str | None = typer.Option(
+            None,
+            "--answer",
+            help="Causal LMs: explain every token of this answer after the text at once ([answer × context] per "
+            "method, docs/reference/answers.md).",
         ),
         generate: int = typer.Option(
-            0, "--generate", min=0, help="Causal LMs: generate N tokens greedily and explain each."
+            0, "--generate", min=0, help="Causal LMs: generate N tokens greedily and explain them as the answer."
         ),
         fmt: str = typer.Option(
             "table", "--format", "-f", help="table (terminal), json, html or png (the segments' figure)."
@@ -90,6 +96,8 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in FORMATS:
             raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
+        if answer is not None and target is not None:
+            raise MixlensError("--answer explains the answer's tokens; drop --target")
         if fmt == "png" and not (chat or span or marker or separator):
             raise MixlensError(
                 "--format png draws the segments: give --chat, --span, --marker or --separator "
@@ -108,7 +116,17 @@ def register(app: typer.Typer) -> None:
         warn_unspaced(lens, text[0], target, foil)
         chosen = chosen_methods(lens, method)
         with progress(len(text), "explain") as step:
-            res = explain(lens, text, chosen, target=target, foil=foil, generate=generate, seed=seed, progress=step)
+            res = explain(
+                lens,
+                text,
+                chosen,
+                target=target,
+                foil=foil,
+                answer=answer,
+                generate=generate,
+                seed=seed,
+                progress=step,
+            )
         if messages is not None or span or marker or separator is not None:
             res.segments = segment_inputs(lens, res, messages, span, marker, separator)
         if fmt == "html":
@@ -148,8 +166,9 @@ def register(app: typer.Typer) -> None:
         task: str = typer.Option(
             "faithfulness",
             "--task",
-            help="faithfulness (remove top tokens; the model's prediction) or blimp (causal LMs: each prompt's "
-            "target vs foil word, alignment with the evidence words; docs/guides/explain-and-evaluate.md).",
+            help="faithfulness (remove top tokens; the model's prediction), blimp (causal LMs: each prompt's "
+            "target vs foil word, alignment with the evidence words) or context (causal LMs: which passage of a "
+            "long prompt holds the answer; a JSONL of scripts/context_task.py; docs/guides/explain-and-evaluate.md).",
         ),
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
@@ -194,8 +213,21 @@ def register(app: typer.Typer) -> None:
             raise MixlensError(f"unknown format '{fmt}'; valid: table, json")
         if removal not in REMOVALS:
             raise MixlensError(f"unknown removal '{removal}'; valid: {', '.join(REMOVALS)}")
+        if task == "context":  # its own data, run and output (`commands.context`)
+            if text_column is not None or removal != "delete":
+                raise MixlensError(
+                    "--task context reads its own JSONL fields and removes no tokens; drop --text-column and --removal"
+                )
+            from mixlens.commands.context import evaluate_context_cmd
+
+            dest = out or Path("mixlens-evaluation")
+            check_writable(dest, directory=True)
+            evaluate_context_cmd(
+                data, model, gguf_file, pick_model_head(model_head, head), method, skip, limit, seed, dest, fmt
+            )
+            return
         if task not in evidence.TASKS:
-            raise MixlensError(f"unknown task '{task}'; valid: {', '.join(evidence.TASKS)}")
+            raise MixlensError(f"unknown task '{task}'; valid: {', '.join(evidence.TASKS)}, context")
         if task != "faithfulness" and text_column is not None:
             raise MixlensError(f"--task {task} reads its own columns (one_prefix_prefix, ...); drop --text-column")
         if task == "faithfulness":

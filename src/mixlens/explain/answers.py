@@ -39,6 +39,7 @@ from mixlens.result import TOKEN_AXES
 from mixlens.targets import Request, token_label
 
 KIND = "answer"  # the `Target.kind` of an explained answer
+PHRASE = "phrase"  # the `Target.kind` of a multi-token target (and foil) of a causal LM
 
 
 @dataclass
@@ -227,3 +228,82 @@ def logprobs(lens: LensLike, trace: Any, ids: list[int], answer: Answer) -> list
         logits = lens.model(**lens.encode_ids([ids]).inputs).logits
     rows = logits[0, answer.positions].float().log_softmax(-1)
     return rows[torch.arange(len(answer.ids)), torch.tensor(answer.ids, device=rows.device)].cpu().tolist()
+
+
+def is_phrase(lens: LensLike, spec: object) -> bool:
+    """Whether a causal LM's `--target` / `--foil` is a phrase of several tokens (not an id, not one vocabulary
+    entry, not a text of one token)."""
+    if not isinstance(spec, str) or not spec.strip() or spec.strip().isdigit() or spec in lens.tokenizer.get_vocab():
+        return False
+    return len(lens.tokenizer(spec, add_special_tokens=False)["input_ids"]) > 1
+
+
+@dataclass
+class Phrase:
+    """A phrase target (and foil) explained on one prompt: `scores` per method over the prompt's tokens (Σ over the
+    target phrase's rows minus Σ over the foil phrase's), `within` per method the part on the phrases' own earlier
+    tokens (target's minus foil's), `remainder` per method the decompositions' remainders summed likewise, and the
+    phrases (`Answer`s, each teacher-forced on its own continuation of the prompt)."""
+
+    prompt: list[int]
+    target: Answer
+    foil: Answer | None
+    scores: dict[str, np.ndarray]
+    within: dict[str, float]
+    remainder: dict[str, float]
+
+    @property
+    def score(self) -> float:
+        """Σ log p(target phrase) − Σ log p(foil phrase) (teacher forcing)."""
+        return float(sum(self.target.logprobs) - (sum(self.foil.logprobs) if self.foil is not None else 0.0))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target.to_json(),
+            "foil": None if self.foil is None else self.foil.to_json(),
+            "within": {m: float(v) for m, v in self.within.items()},
+        }
+
+
+def explain_phrase(
+    lens: LensLike,
+    prompt: str,
+    target: str,
+    foil: str | None,
+    methods: Sequence[str],
+    *,
+    seed: int = 0,
+    timings: dict[str, float] | None = None,
+    where: str = "",
+) -> Phrase:
+    """A multi-token target (minus a foil phrase) on one prompt: each phrase explained as an answer of the prompt
+    (`explain_answer`: row a teacher-forced on prompt + phrase[:a]), its rows summed. The two phrases share only
+    the prompt's tokens as sources, so the contrast's per-token scores are over the prompt; what each phrase's rows
+    put on the phrase's own earlier tokens is kept as `within`. For the decompositions Σ scores + within +
+    remainder is exactly Σ logit(target phrase) − Σ logit(foil phrase)."""
+    parts = []
+    for spec in (target, foil):
+        if spec is None:
+            continue
+        ids, ans = tokenized(lens, prompt, spec, where)
+        check_length(lens, len(ids), where)
+        extras: dict[str, dict[str, np.ndarray]] = {}
+        mats = explain_answer(lens, ids, ans, methods, seed=seed, timings=timings, extras=extras)
+        parts.append((ids, ans, mats, extras))
+    start = parts[0][1].start
+    if any(p[1].start != start for p in parts):
+        raise MixlensError(
+            f"the target and foil phrases{where} merge differently with the prompt's end; start both with a space"
+        )
+    scores: dict[str, np.ndarray] = {}
+    within: dict[str, float] = {}
+    rest: dict[str, float] = {}
+    for m in methods:
+        signs = zip((1.0, -1.0), parts, strict=False)
+        terms = [(s, p[2][m], p[3].get(m, {}).get("remainder")) for s, p in signs]
+        scores[m] = np.sum([s * mat[:, :start].sum(0) for s, mat, _ in terms], axis=0)
+        within[m] = float(sum(s * float(mat[:, start:].sum()) for s, mat, _ in terms))
+        remainders = [(s, r) for s, _, r in terms if r is not None]
+        if len(remainders) == len(terms):
+            rest[m] = float(sum(s * float(np.sum(r)) for s, r in remainders))
+    return Phrase(parts[0][0][:start], parts[0][1], parts[1][1] if foil is not None else None, scores, within, rest)

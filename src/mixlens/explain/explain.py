@@ -77,6 +77,10 @@ def explain(
         if answers is not None and len(answers) != len(texts):
             raise MixlensError(f"{len(answers)} answers given for {len(texts)} inputs; give one per input")
         return answers_explanation(lens, texts, methods, answers, generate, seed, progress, __version__)
+    if kind == "causal" and (ans.is_phrase(lens, target) or ans.is_phrase(lens, foil)):
+        if target is None:
+            raise MixlensError("a foil phrase needs a target phrase to contrast: give --target")
+        return phrases_explanation(lens, texts, methods, str(target), foil, seed, progress, __version__)
     request = request_of(lens, kind, target, foil)
     timings: dict[str, float] = {}
     done: list[Explained] = []
@@ -177,6 +181,42 @@ def answers_explanation(
     return as_explanation(lens.name, version, done, (ans.KIND, None), timings)
 
 
+def phrases_explanation(
+    lens: LensLike,
+    texts: list[str],
+    methods: list[str],
+    target: str,
+    foil: str | int | None,
+    seed: int,
+    progress: Callable[[float], None] | None,
+    version: str,
+) -> Explanation:
+    """A multi-token target (and foil) on each text (`answers.explain_phrase`): one score per prompt token and
+    method, the target `phrase` with the phrases and their log-probabilities."""
+    timings: dict[str, float] = {}
+    done: list[Explained] = []
+    foil_text = None if foil is None else foil if isinstance(foil, str) else lens.tokenizer.decode([int(foil)])
+    for k, text in enumerate(texts):
+        where = f" of input {k + 1}" if len(texts) > 1 else ""
+        ph = ans.explain_phrase(lens, text, target, foil_text, methods, seed=seed, timings=timings, where=where)
+        fo = None if ph.foil is None else ph.foil.text
+        done.append(
+            Explained(
+                text,
+                [token_label(lens.tokenizer, t) for t in ph.prompt],
+                Target(ans.PHRASE, -1, ph.target.text, None if fo is None else -1, fo),
+                ph.score,
+                ph.scores,
+                extras={m: {"remainder": np.asarray(v, np.float32)} for m, v in ph.remainder.items()},
+                answer=None,
+                phrase=ph.to_json(),
+            )
+        )
+        if progress:
+            progress(1.0)
+    return as_explanation(lens.name, version, done, (target, None if foil is None else str(foil)), timings)
+
+
 def answer_rows(answer: dict[str, Any] | None) -> list[int]:
     """The positions of an explained answer's tokens in its input (the target axis of its attributions)."""
     assert answer is not None
@@ -184,7 +224,11 @@ def answer_rows(answer: dict[str, Any] | None) -> list[int]:
 
 
 def as_explanation(
-    model: str, version: str, done: list[Explained], request: tuple[int | str, int | None], timings: dict[str, float]
+    model: str,
+    version: str,
+    done: list[Explained],
+    request: tuple[int | str, int | str | None],
+    timings: dict[str, float],
 ) -> Explanation:
     """The explained inputs as an `Explanation` (an `Analysis`): each method's scores [batch, source], one block per
     input; the request (target, foil) in each method's parameters."""
@@ -241,6 +285,7 @@ def as_explanation(
                 else {"probability": e.probability, "foil_probability": e.foil_probability}
             ),
             **({} if e.answer is None else {"answer": e.answer}),
+            **({} if e.phrase is None else {"phrase": e.phrase}),
         }
         for e in done
     ]

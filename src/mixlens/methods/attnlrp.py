@@ -22,13 +22,18 @@ and whose gradient is the one of a surrogate s):
 Relevance R_j = Σ_d e_jd ∂̃g/∂e_jd at the word embeddings e (the edit point `embed`, as the gradient methods). It is
 conserved up to what biases, the softmax rule's bias term, position embeddings and masked terms absorb:
 Σ_j R_j ≈ g(x); the difference Σ_j R_j − g(x) is returned as the extra `conservation` [B].
+
+Memory: the pass runs attention in torch's fused kernels (no [B, H, n, n] kept) and each layer under activation
+checkpointing (`trace.recomputed_layers`): the forward keeps only every layer's input [B, n, d], the backward runs
+each layer again with the rules' hooks live, so a long input needs one layer's activations at a time. The rules are
+gradient × input with stop-gradients, so the recomputed layer gives the same modified gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -41,13 +46,14 @@ from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, dense_ffn, register
 from mixlens.methods.saliency import ROW_PASSES, Target, row_gradients, scalar_fn
 from mixlens.targets import Request
-from mixlens.trace import ForwardHook, Trace, scoped_hooks
+from mixlens.trace import ForwardHook, Trace, recomputed_layers, scoped_hooks
 
 IDENTITY_EPS = 1e-10  # the identity rule's out / (in + ε), as lxt
 NORM_RTOL = 1e-3  # a norm's surrogate must reproduce its output (else its form is not the one assumed)
 _ACTIVATIONS = (nn.GELU, nn.SiLU, nn.Tanh, nn.ReLU, nn.Sigmoid, nn.Mish, nn.LeakyReLU, nn.Softplus)
 _TANH = (torch.tanh, torch.Tensor.tanh, nn.functional.tanh)
 VARIANTS = ("attnlrp", "cp")
+RECOMPUTE_LAYERS = True  # each layer recomputed in the backward (False: all kept, the previous path; tests' oracle)
 
 
 def _swap(out: torch.Tensor, surrogate: torch.Tensor) -> torch.Tensor:
@@ -222,10 +228,11 @@ def attnlrp(
     hit = memo_of(trace).get(("attnlrp", target, variant)) if isinstance(target, Request) else None
     if hit is not None:  # computed with the other rows of an answer (`rows`)
         return hit
-    with lrp_rules(trace.adapter, trace.model, variant):
+    recompute: AbstractContextManager[None] = recomputed_layers(_TanhIdentity) if RECOMPUTE_LAYERS else nullcontext()
+    with lrp_rules(trace.adapter, trace.model, variant), recompute:  # the backward inside: it reruns the layers
         _, emb, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)
-    with torch.enable_grad():
-        (grad,) = torch.autograd.grad(value.sum(), emb)  # inputs are independent: row b is ∂̃g_b/∂e
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(value.sum(), emb)  # inputs are independent: row b is ∂̃g_b/∂e
     mask = trace.mask.to(torch.float32)
     rel = (grad * emb.detach()).float().sum(-1) * mask
     return MethodOutput(rel, {"conservation": rel.sum(-1) - value.detach().float()})
@@ -236,9 +243,10 @@ def rows(trace: Trace, requests: Sequence[Request], variant: str = "attnlrp") ->
     backward per request (`saliency.row_gradients`), each result kept in the trace's memo for `attnlrp`'s call."""
     reqs = [dataclasses.replace(r, logprob=False) for r in requests]
     memo = memo_of(trace)
-    for req, (grad, emb, value) in zip(
-        reqs, row_gradients(trace, reqs, lrp_rules(trace.adapter, trace.model, variant)), strict=True
-    ):
+    recompute: AbstractContextManager[None] = recomputed_layers(_TanhIdentity) if RECOMPUTE_LAYERS else nullcontext()
+    with lrp_rules(trace.adapter, trace.model, variant), recompute:  # the backwards inside: they rerun the layers
+        grads = row_gradients(trace, reqs)
+    for req, (grad, emb, value) in zip(reqs, grads, strict=True):
         rel = (grad * emb).float().sum(-1) * trace.mask.to(torch.float32)
         memo.put(("attnlrp", req, variant), MethodOutput(rel, {"conservation": rel.sum(-1) - value.float()}))
 

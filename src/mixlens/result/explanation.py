@@ -31,6 +31,8 @@ class Explained:
     # matrix [answer, source]; `scores` are then the answer-level scores, the matrix summed over the answer
     answer: dict[str, Any] | None = None
     matrix: dict[str, np.ndarray] = field(default_factory=dict)
+    # a multi-token target (and foil) of a causal LM: each phrase (as an answer) and the part on its own tokens
+    phrase: dict[str, Any] | None = None
     segments: list[Segment] | None = None  # its segments (explain --chat / --span / --marker / --separator)
 
 
@@ -82,6 +84,7 @@ class Explanation(Analysis):
                     {m: e for m, e in extras.items() if e},
                     t.get("answer"),
                     matrix if "answer" in t else {},
+                    t.get("phrase"),
                     None if self.segments is None else self.segments[b],
                 )
             )

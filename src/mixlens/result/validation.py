@@ -156,6 +156,27 @@ def checked_answer(value: object, what: str) -> None:
         raise MixlensError(f"{what} must hold its text, ids, tokens, start and one log-probability per token")
 
 
+EXPLAINED_KEYS = {"kind", "label", "score", "foil", "index", "foil_index", "probability", "foil_probability"} | {
+    "answer",
+    "phrase",
+}
+
+
+def checked_phrase(value: object, what: str) -> None:
+    """An explained multi-token target (`explain.answers.Phrase.to_json`): the target phrase, the foil phrase or
+    null (each as an answer), and per method the finite part on the phrases' own tokens."""
+    if not isinstance(value, dict) or set(value) != {"target", "foil", "within"}:
+        raise MixlensError(f"{what} must hold its target, foil and within")
+    checked_answer(value["target"], f"{what}'s target")
+    if value["foil"] is not None:
+        checked_answer(value["foil"], f"{what}'s foil")
+    within = value["within"]
+    if not isinstance(within, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in within.values()
+    ):
+        raise MixlensError(f"{what}'s within must map methods to numbers")
+
+
 def checked_explained(value: object, n: int, where: str) -> list[dict[str, Any]] | None:
     """Each input's explained target (`Explanation`), checked: None, or n objects with a string 'kind' and 'label',
     a number (or null) 'score', optionally a string 'foil' and the integer ids 'index' / 'foil_index'."""
@@ -177,13 +198,14 @@ def checked_explained(value: object, n: int, where: str) -> list[dict[str, Any]]
                 isinstance(t.get(k, 0.0), (int, float)) and not isinstance(t.get(k), bool)
                 for k in ("probability", "foil_probability")
             )
-            and set(t)
-            <= {"kind", "label", "score", "foil", "index", "foil_index", "probability", "foil_probability", "answer"}
+            and set(t) <= EXPLAINED_KEYS
         )
         if not ok:
             raise MixlensError(f"{where}: input {b + 1}'s target must have a string kind and label and a number score")
         if "answer" in t:
             checked_answer(t["answer"], f"{where}: input {b + 1}'s answer")
+        if "phrase" in t:
+            checked_phrase(t["phrase"], f"{where}: input {b + 1}'s phrase")
         for k in ("probability", "foil_probability"):
             p = t.get(k)
             if p is not None and not 0 <= p <= 1:  # also NaN

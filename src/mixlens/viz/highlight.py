@@ -64,7 +64,12 @@ def position_note(expl: Any) -> str:
 
 def target_header(e) -> str:
     t = e.target
+    if getattr(e, "answer", None) is not None:  # an explained answer: scores summed over its tokens
+        n = len(e.answer["ids"])
+        return f"answer: '{t.label}' ({n} token{'s' * (n != 1)}), log-probability {e.score:.4f}; scores summed over it"
     what = f"{t.kind} '{t.label}'" + (f" vs foil '{t.foil_label}'" if t.foil is not None else "")
+    if t.kind == "phrase":  # a multi-token target: Σ log p over its tokens (minus the foil phrase's)
+        return f"target: {what}, summed log-probability{' difference' if t.foil is not None else ''} {e.score:.4f}"
     name = "logit difference" if t.foil is not None else ("cosine" if t.kind == "embedding" else "probability")
     return f"target: {what}, {name} {e.score:.4f}"
 

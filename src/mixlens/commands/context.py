@@ -1,0 +1,101 @@
+"""CLI: `mixlens evaluate --task context` (which passage of a long context holds the answer; `explain.context`)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import typer
+
+from mixlens.commands.options import INVOCATION
+from mixlens.errors import MixlensError
+
+
+def evaluate_context_cmd(
+    data: Path,
+    model: str | None,
+    gguf_file: str | None,
+    head: str | None,
+    method: list[str] | None,
+    skip: int,
+    limit: int,
+    seed: int,
+    dest: Path,
+    fmt: str,
+) -> None:
+    """The context task's run into `dest` (held by the lock; an interrupted run there resumes), its
+    evaluation.json and its table (or the JSON on stdout)."""
+    from mixlens.commands.output import progress, write_stdout
+    from mixlens.explain import checkpoint
+    from mixlens.explain import context as C
+    from mixlens.lens import load
+
+    prompts = C.read_prompts(data, skip, limit)  # a bad file fails before the model loads
+    run = {"data": checkpoint.data_stamp(data), "skip": skip}
+    command = shlex.join(["mixlens", *INVOCATION])
+    with checkpoint.locked(dest, command):
+        saved = C.read_saved(dest / checkpoint.FILE)
+        resume = None
+        if saved is not None:
+            ev, interrupted = saved
+            if interrupted:
+                resume = ev
+            elif ev.run.get("data") != run["data"] or ev.run.get("skip") != skip:
+                raise MixlensError(
+                    f"{dest / checkpoint.FILE} holds a finished evaluation of other data; use another --out or "
+                    "delete it"
+                )
+        lens = load(model, gguf_file=gguf_file, head=head)
+        try:
+            with progress(len(prompts), "evaluate", done=float(len(resume.examples) if resume else 0)) as step:
+                ev = C.evaluate_context(
+                    lens,
+                    prompts,
+                    method or None,
+                    seed=seed,
+                    run=run,
+                    resume=resume,
+                    checkpoint=lambda part: _write(dest, part, interrupted=True),
+                    progress=step,
+                    on_resume=lambda k: typer.echo(
+                        f"resuming the interrupted evaluation in {dest} ({k} prompts done)", err=True
+                    ),
+                )
+        except KeyboardInterrupt:
+            typer.echo(
+                f"mixlens: interrupted; the prompts finished so far are in {dest / checkpoint.FILE}. Resume with "
+                f"the same command: {command}",
+                err=True,
+            )
+            raise typer.Exit(130) from None
+        payload = _write(dest, ev, interrupted=False)
+    if fmt == "json":
+        write_stdout(payload + "\n")
+    else:
+        typer.echo(ev.table())
+        for note in ev.notes:
+            typer.echo(f"note: {note}")
+    typer.echo(f"wrote {dest / checkpoint.FILE}", err=True)
+
+
+def _write(dest: Path, ev, interrupted: bool) -> str:
+    """evaluation.json into `dest` (an interrupted run's with its marker); a folder this call created is removed
+    again when writing fails."""
+    from mixlens.result import atomic_write
+
+    payload = ev.dumps()
+    if interrupted:
+        doc = json.loads(payload)
+        doc["interrupted"] = {"examples": len(ev.examples), "of": ev.total}
+        payload = json.dumps(doc, allow_nan=False)
+    created = not dest.exists()
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        atomic_write(dest / "evaluation.json", payload.encode())
+    except OSError as e:
+        if created:
+            shutil.rmtree(dest, ignore_errors=True)
+        raise MixlensError(f"cannot write to '{dest}': {e.strerror or e}") from None
+    return payload
