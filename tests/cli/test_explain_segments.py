@@ -188,3 +188,19 @@ def test_a_generated_answers_segments_on_smollm2(capsys, tmp_path):
         ["plot", "--view", "segments", "--from", str(tmp_path / "a.json"), "-o", str(tmp_path / "a.png")], capsys
     )
     assert code == 0, err
+
+
+def test_a_given_answers_segments_in_html_and_png_on_smollm2(capsys, tmp_path):
+    """explain --answer TEXT --chat: the HTML page and the figure hold one heatmap row per answer token."""
+    if not (SMOLLM / "model.safetensors").is_file():
+        pytest.skip("smollm2-135m-instruct not fetched (python scripts/fetch_models.py smollm2-135m-instruct)")
+    chat = [{"role": "user", "content": "Tom lives in London."}, {"role": "user", "content": "Where does Tom live?"}]
+    base = ["explain", "--model", str(SMOLLM), "--chat", json.dumps(chat), "--answer", "In London.", "--method"]
+    code, _, err = run_cli([*base, "logit_attn", "-f", "html", "-o", str(tmp_path / "a.html")], capsys)
+    assert code == 0, err
+    page = (tmp_path / "a.html").read_text()
+    heat = page[page.index("logit_attn: answer tokens × segments") :]
+    heat = heat[: heat.index("</table>")]
+    assert heat.count("<tr>") == 1 + 3 and "<th>(answer)</th>" in heat  # the header, 'In', ' London', '.'
+    code, _, err = run_cli([*base, "logit_attn", "-f", "png", "-o", str(tmp_path / "a.png")], capsys)
+    assert code == 0 and (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG", err
