@@ -1,10 +1,12 @@
-"""An explanation's segments as part of the result: each input's segments (label, character range, token range;
-`mixlens.explain.segments.Segment`) and the segment scores derived from the token scores — exact sums, so they are
-never stored as numbers of their own; their JSON form, the check of a loaded one, and the answer × segment matrix.
+"""An explanation's segments as part of the result: each input's segments (`Segment`: label, character range,
+token range; built by `mixlens.explain.segments`) and the segment scores derived from the token scores — exact sums,
+recomputed from the token scores wherever they are shown; their JSON form, the check of a loaded one, and the
+answer × segment matrix.
 
-Shapes: token scores `[..., source]` → segment scores `[..., segment]`; an answer matrix `[answer, source]` (row a:
-the context tokens' scores for answer token a) → `[answer, segment + 1]`, the last column the tokens in no segment
-('outside'), so that every row sums to the row of token scores.
+Shapes: token scores `[..., source]` → segment scores `[..., segment + 1]`, the last column the tokens in no segment
+('outside'); an answer matrix `[answer, source]` (row a: the context tokens' scores for answer token a) →
+`[answer, segment + 2]`: the segments, the answer's own earlier tokens ('(answer)') and 'outside', so that every row
+sums to the row of token scores.
 """
 
 from __future__ import annotations
