@@ -351,3 +351,25 @@ def test_a_real_answers_heatmap_and_its_files(lens, tmp_path):
     again = Analysis.load(f)
     assert again.segments == res.segments and again.inputs[0].answer == e.answer  # type: ignore[attr-defined]
     assert [v.matrix.shape for v in V.input_views(again.inputs[0])] == [v.matrix.shape for v in V.input_views(e)]
+
+
+def test_a_nonfinite_cell_is_grey_not_a_colour_of_the_scale():
+    segs = [Segment("a", 0, 2, 0, 2), Segment("b", 3, 5, 2, 4)]
+    v = V.answer_segments("m", ["x", "y"], np.array([[1.0, np.nan, 2.0, -1.0], [0.5, 0.5, -4.0, 0.0]]), segs)
+    assert V.limit(v.matrix) == 4.0
+    markup = V.heatmap_html(v)
+    assert markup.count("background:rgb(120,120,120)") == 1 and "nan</td>" in markup
+    console = Console(file=io.StringIO(), width=200)
+    console.print(V.heatmap_table(v))
+    assert "nan" in console.file.getvalue()
+
+
+def test_the_matrix_equals_scores_at_membership_and_keeps_a_nan_in_its_segment():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 20))
+    segs = random_segments(rng, 20)
+    m = R.answer_segment_matrix(x, segs)
+    np.testing.assert_allclose(m[:, :-1], x @ R.membership(segs, 20), atol=1e-12)
+    x[1, segs[0].start] = np.nan
+    m = R.answer_segment_matrix(x, segs)
+    assert np.isnan(m[1, 0]) and np.isfinite(np.delete(m, [(1 * m.shape[1])], None)).all()

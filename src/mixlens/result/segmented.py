@@ -78,7 +78,8 @@ def answer_segment_matrix(
     if any(s.end > cut for s in segments) or not 0 <= cut <= n:
         raise MixlensError(f"the segments reach past the {cut} context tokens of the answer matrix")
     rest = outside(segments, cut)
-    cols = [x @ membership(segments, n)]
+    # scores @ membership, as sums over each segment's token range (a NaN score stays in its own segment's column)
+    cols = [np.array([x[:, s.start : s.end].sum(-1) for s in segments]).reshape(len(segments), len(x)).T]
     if answer_start is not None:
         cols.append(x[:, cut:].sum(-1, keepdims=True))
     cols.append(x[:, rest].sum(-1, keepdims=True))

@@ -24,6 +24,8 @@ from mixlens.result.segmented import ranked as rank_segments
 from mixlens.viz.highlight import diverging_rgb
 from mixlens.viz.labels import model_label, token_text
 
+NONFINITE_RGB = (120, 120, 120)  # a NaN or ±inf cell: grey, never a colour of the scale
+
 
 @dataclass(frozen=True)
 class AnswerSegments:
@@ -88,6 +90,18 @@ def answer_matrices(e: Any) -> dict[str, tuple[list[str], np.ndarray, int | None
     return out
 
 
+def colour(x: float, lim: float) -> tuple[int, int, int]:
+    """The cell colour of x on the scale [-lim, lim] (grey where x is not finite)."""
+    return diverging_rgb(x / lim) if np.isfinite(x) else NONFINITE_RGB
+
+
+def limit(x: np.ndarray) -> float:
+    """The colour scale's end: the largest finite |value| (1 where there is none, or it is 0)."""
+    a = np.abs(np.asarray(x, dtype=np.float64))
+    a = a[np.isfinite(a)]
+    return float(a.max()) if a.size and a.max() > 0 else 1.0
+
+
 def input_views(e: Any) -> list[AnswerSegments]:
     """One `AnswerSegments` per method of an explained input with segments."""
     return [answer_segments(m, a, x, e.segments, start) for m, (a, x, start) in answer_matrices(e).items()]
@@ -129,12 +143,12 @@ def heatmap_table(v: AnswerSegments) -> Any:
     table.add_column("answer")
     for label in v.labels:
         table.add_column(Text(label), justify="right")
-    lim = float(np.abs(v.matrix).max()) or 1.0
+    lim = limit(v.matrix)
     for tok, row in zip(v.answer, v.matrix, strict=True):
         cells = []
         for x in row:
-            r, g, b = diverging_rgb(float(x) / lim)
-            fg = "white" if abs(x) / lim > 0.6 else "black"
+            r, g, b = colour(float(x), lim)
+            fg = "white" if not np.isfinite(x) or abs(x) / lim > 0.6 else "black"
             cells.append(Text(f"{float(x):+.3g}", style=f"{fg} on rgb({r},{g},{b})"))
         table.add_row(Text(token_text(tok)), *cells)
     return table
@@ -152,18 +166,19 @@ CSS = """
 
 
 def _cell(x: float, lim: float) -> str:
-    r, g, b = diverging_rgb(x / lim if lim else 0.0)
-    fg = "#fff" if lim and abs(x) / lim > 0.6 else "#1d1d1f"
+    r, g, b = colour(x, lim)
+    fg = "#fff" if not np.isfinite(x) or abs(x) / lim > 0.6 else "#1d1d1f"
     return f'<td style="background:rgb({r},{g},{b});color:{fg}" title="{x:.6g}">{x:+.3g}</td>'
 
 
 def _ranked_html(v: AnswerSegments, text: str, segments: list[Segment]) -> str:
-    lim = float(np.abs(v.totals).max()) or 1.0
+    lim = limit(v.totals)
     where = {s.label: text[s.char_start : s.char_end] for s in segments} | {ANSWER: "the answer's earlier tokens"}
     rows = []
     for label, value in v.ranked():
-        r, g, b = diverging_rgb(value / lim)
-        bar = f'<span class="mlx-bar" style="width:{abs(value) / lim * 120:.0f}px;background:rgb({r},{g},{b})"></span>'
+        r, g, b = colour(value, lim)
+        width = min(abs(value) / lim, 1.0) * 120 if np.isfinite(value) else 120
+        bar = f'<span class="mlx-bar" style="width:{width:.0f}px;background:rgb({r},{g},{b})"></span>'
         snippet = where.get(label, "tokens in no segment")
         rows.append(
             f'<tr><td class="mlx-seg-label" title="{html.escape(snippet)}">{html.escape(label)}</td>'
@@ -177,7 +192,7 @@ def _ranked_html(v: AnswerSegments, text: str, segments: list[Segment]) -> str:
 
 def heatmap_html(v: AnswerSegments) -> str:
     """The answer × segments matrix as an HTML table (rows: answer tokens; columns: segments, 'outside' last)."""
-    lim = float(np.abs(v.matrix).max()) or 1.0
+    lim = limit(v.matrix)
     head = "".join(f"<th>{html.escape(label)}</th>" for label in v.labels)
     rows = "".join(
         f"<tr><td>{html.escape(token_text(t))}</td>{''.join(_cell(float(x), lim) for x in row)}</tr>"
@@ -255,7 +270,7 @@ def _bars(ax: Any, v: AnswerSegments, title: str) -> None:
 
 
 def _heatmap(fig: Any, ax: Any, v: AnswerSegments, n_ans: int) -> None:
-    lim = float(np.abs(v.matrix).max()) or 1.0
+    lim = limit(v.matrix)
     im = ax.imshow(
         v.matrix,
         cmap="RdBu_r" if v.signed else "viridis",
