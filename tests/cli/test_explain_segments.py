@@ -65,7 +65,6 @@ def test_separator_segments_are_sums_of_the_token_scores(capsys, tmp_path):
         (["explain", "--chat", "missing-chat.json"], "does not exist"),
         (["explain", "--chat", '[{"role": "user", "content": "hi"}]'], "no chat template"),
         (["explain", "hi there", "--span", "0:2", "--separator", "x"], "one kind of segments"),
-        (["explain", "hi there", "--separator", "x", "--generate", "2"], "drop --generate"),
         (["explain"], "give one or more texts"),
         # #43 item 6: each bad chat or segment request is one line, before the model loads
         (["explain", "--chat", "[{"], "not valid JSON"),
@@ -159,3 +158,20 @@ def test_chat_segments_on_smollm2(capsys, tmp_path):
     assert inp["text"].startswith("<|im_start|>system") and inp["text"].endswith("<|im_start|>assistant\n")
     total = math.fsum(inp["scores"]["logit_attn"])  # the segments and the template's tokens add up to it
     assert math.isclose(math.fsum(shown.values()), total, rel_tol=1e-3, abs_tol=1e-3)
+
+
+def test_segments_of_a_generated_answer(capsys):
+    """--generate N explains the generated answer as a whole, so segments of its prompt work with it: the JSON
+    holds the answer and each passage's score, the sum of its prompt tokens' answer-level scores."""
+    if not (SMOLLM / "model.safetensors").is_file():
+        pytest.skip("smollm2-135m-instruct not fetched (python scripts/fetch_models.py smollm2-135m-instruct)")
+    text = "The code of the red door is 41. || The code of the blue door is 73. || The code of the red door is"
+    args = ["explain", text, "--model", str(SMOLLM), "--separator", "||", "--generate", "2", "--method", "logit_attn"]
+    code, out, err = run_cli([*args, "--format", "json"], capsys)
+    assert code == 0, err
+    inp = json.loads(out)["inputs"][0]
+    assert len(inp["target"]["answer"]["ids"]) == 2
+    seg, scores = inp["segments"], inp["scores"]["logit_attn"]
+    assert seg["labels"] == ["passage 1", "passage 2", "passage 3"]
+    for (a, b), value in zip(seg["token_ranges"], seg["scores"]["logit_attn"], strict=True):
+        assert math.isclose(value, math.fsum(scores[a:b]), rel_tol=1e-6, abs_tol=1e-9)

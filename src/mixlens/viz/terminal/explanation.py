@@ -60,6 +60,8 @@ def show_explanation(expl: Any, console: Any = None) -> None:
         if position_note(expl):
             console.print(f"   note: {position_note(expl)}", style="dim")
         console.print()
+    if getattr(expl, "segments", None) is not None:
+        print_segments(expl, console)
 
 
 TOP_SOURCES = 3  # sources listed per answer token
@@ -77,5 +79,3 @@ def show_answer_rows(e: Any, console: Any) -> None:
             top = np.argsort(-np.abs(row), kind="stable")[:TOP_SOURCES]
             listed = ", ".join(f"{tokens[j]!r} {row[j]:+.2g}" for j in top if row[j] != 0)
             console.print(f"     {m}: {listed}")
-    if getattr(expl, "segments", None) is not None:
-        print_segments(expl, console)
