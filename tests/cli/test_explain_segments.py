@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from mixlens.result import Analysis
+from mixlens.viz.segments import input_views
 from tests.conftest import run_cli
 
 SMOLLM = Path.home() / ".cache" / "mixlens" / "models" / "smollm2-135m-instruct"
@@ -175,3 +177,47 @@ def test_segments_of_a_generated_answer(capsys):
     assert seg["labels"] == ["passage 1", "passage 2", "passage 3"]
     for (a, b), value in zip(seg["token_ranges"], seg["scores"]["logit_attn"], strict=True):
         assert math.isclose(value, math.fsum(scores[a:b]), rel_tol=1e-6, abs_tol=1e-9)
+
+
+def test_a_generated_answers_segments_on_smollm2(capsys, tmp_path):
+    """--chat with --generate: one answer, its tokens × the conversation's messages in the JSON, the HTML and the
+    figure; each heatmap row adds up to the answer token's row of token scores."""
+    if not (SMOLLM / "model.safetensors").is_file():
+        pytest.skip("smollm2-135m-instruct not fetched (python scripts/fetch_models.py smollm2-135m-instruct)")
+    chat = [
+        {"role": "user", "content": "Tom lives in London."},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Where does Tom live?"},
+    ]
+    base = ["explain", "--model", str(SMOLLM), "--chat", json.dumps(chat), "--generate", "3", "--method", "logit_attn"]
+    code, _, err = run_cli([*base, "-f", "json", "-o", str(tmp_path / "a.json")], capsys)
+    assert code == 0, err
+    inp = json.loads((tmp_path / "a.json").read_text())["inputs"][0]
+    assert inp["segments"]["labels"] == ["1 user", "2 assistant", "3 user"]
+    start = inp["target"]["answer"]["start"]
+    assert all(b <= start for _, b in inp["segments"]["token_ranges"])
+    (v,) = input_views(Analysis.load(tmp_path / "a.json").inputs[0])
+    assert len(v.answer) == 3 and v.labels[-2:] == ["(answer)", "(outside)"]
+    rows = inp["methods"]["logit_attn"]["values"]  # [answer, source]
+    for a in range(3):
+        assert math.isclose(float(v.matrix[a].sum()), math.fsum(rows[a]), rel_tol=1e-9, abs_tol=1e-9)
+    code, _, err = run_cli(
+        ["plot", "--view", "segments", "--from", str(tmp_path / "a.json"), "-o", str(tmp_path / "a.png")], capsys
+    )
+    assert code == 0, err
+
+
+def test_a_given_answers_segments_in_html_and_png_on_smollm2(capsys, tmp_path):
+    """explain --answer TEXT --chat: the HTML page and the figure hold one heatmap row per answer token."""
+    if not (SMOLLM / "model.safetensors").is_file():
+        pytest.skip("smollm2-135m-instruct not fetched (python scripts/fetch_models.py smollm2-135m-instruct)")
+    chat = [{"role": "user", "content": "Tom lives in London."}, {"role": "user", "content": "Where does Tom live?"}]
+    base = ["explain", "--model", str(SMOLLM), "--chat", json.dumps(chat), "--answer", "In London.", "--method"]
+    code, _, err = run_cli([*base, "logit_attn", "-f", "html", "-o", str(tmp_path / "a.html")], capsys)
+    assert code == 0, err
+    page = (tmp_path / "a.html").read_text()
+    heat = page[page.index("logit_attn: answer tokens × segments") :]
+    heat = heat[: heat.index("</table>")]
+    assert heat.count("<tr>") == 1 + 3 and "<th>(answer)</th>" in heat  # the header, 'In', ' London', '.'
+    code, _, err = run_cli([*base, "logit_attn", "-f", "png", "-o", str(tmp_path / "a.png")], capsys)
+    assert code == 0 and (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG", err

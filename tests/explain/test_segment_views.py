@@ -337,7 +337,16 @@ def test_a_real_answers_heatmap_and_its_files(lens, tmp_path):
     got = doc["inputs"][0]["segments"]["scores"]["decompx_logit"]  # of the answer-level scores
     want = R.segment_scores(seg.segments, np.asarray(e.scores["decompx_logit"]))[:-1]
     np.testing.assert_allclose(got, want, rtol=1e-12)
+    seg_doc = doc["inputs"][0]["segments"]
+    assert seg_doc["answer_columns"] == [*seg.labels, R.ANSWER, R.OUTSIDE]
+    for v in V.input_views(e):  # the heatmap's numbers are in the JSON
+        np.testing.assert_allclose(seg_doc["answer_scores"][v.method], v.matrix, rtol=1e-12)
     f = tmp_path / "a.json"
+    crafted = copy.deepcopy(doc)
+    crafted["inputs"][0]["segments"]["answer_scores"]["grad_x_input"][1][0] += 0.5
+    f.write_text(json.dumps(crafted))
+    with pytest.raises(MixlensError, match="'answer_scores' of 'grad_x_input' are not the sums of its answer rows"):
+        Analysis.load(f)
     f.write_text(res.dumps())
     again = Analysis.load(f)
     assert again.segments == res.segments and again.inputs[0].answer == e.answer  # type: ignore[attr-defined]

@@ -461,7 +461,8 @@ def segment_inputs(lens, res, messages, span, marker, separator) -> list:
             seg = S.passages(lens.tokenizer, ex.text, separator)
         answer = getattr(ex, "answer", None)  # an explained answer: the segments are of its prompt's tokens
         n = len(ex.tokens) if answer is None else int(answer["start"])
-        if len(seg.input_ids) != n if answer is None else any(s.end > n for s in seg.segments):
+        fits = len(seg.input_ids) == n if answer is None else all(s.end <= n for s in seg.segments)
+        if not fits:
             raise MixlensError(
                 f"input {b + 1} was explained over {n} tokens (truncated?), its segments cover {len(seg.input_ids)}"
             )

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mixlens.errors import MixlensError
+from mixlens.result import segmented
 from mixlens.result.segmented import Segment
 
 
@@ -34,10 +35,7 @@ class Segmentation:
     @property
     def outside(self) -> np.ndarray:
         """Indices of the tokens in no segment, ascending."""
-        inside = np.zeros(len(self.input_ids), bool)
-        for s in self.segments:
-            inside[s.start : s.end] = True
-        return np.flatnonzero(~inside)
+        return segmented.outside(self.segments, len(self.input_ids))
 
     @property
     def labels(self) -> list[str]:
@@ -46,10 +44,7 @@ class Segmentation:
 
     def membership(self) -> np.ndarray:
         """[source, segment] 0/1: token i belongs to segment j (each row has at most one 1)."""
-        m = np.zeros((len(self.input_ids), len(self.segments)))
-        for j, s in enumerate(self.segments):
-            m[s.start : s.end, j] = 1.0
-        return m
+        return segmented.membership(self.segments, len(self.input_ids))
 
     def scores(self, token_scores: np.ndarray) -> np.ndarray:
         """Token scores [..., source] (source = this segmentation's tokens) → segment scores [..., segment]: each

@@ -103,6 +103,7 @@ class Explanation(Analysis):
             for b, (inp, segs) in enumerate(zip(doc["inputs"], self.segments, strict=True)):
                 scores = {m: np.asarray(v) for m, v in inp["scores"].items()}
                 inp["segments"] = segmented.to_json(segs, len(self.tokens[b])) | segmented.scores_json(segs, scores)
+                inp["segments"] |= segmented.answer_json(segs, self.attributions, b, (self.explained or [{}])[b])
         return doc
 
     def dumps(self) -> str:

@@ -1,10 +1,12 @@
-"""An explanation's segments as part of the result: each input's segments (label, character range, token range;
-`mixlens.explain.segments.Segment`) and the segment scores derived from the token scores — exact sums, so they are
-never stored as numbers of their own; their JSON form, the check of a loaded one, and the answer × segment matrix.
+"""An explanation's segments as part of the result: each input's segments (`Segment`: label, character range,
+token range; built by `mixlens.explain.segments`) and the segment scores derived from the token scores — exact sums,
+recomputed from the token scores wherever they are shown; their JSON form, the check of a loaded one, and the
+answer × segment matrix.
 
-Shapes: token scores `[..., source]` → segment scores `[..., segment]`; an answer matrix `[answer, source]` (row a:
-the context tokens' scores for answer token a) → `[answer, segment + 1]`, the last column the tokens in no segment
-('outside'), so that every row sums to the row of token scores.
+Shapes: token scores `[..., source]` → segment scores `[..., segment + 1]`, the last column the tokens in no segment
+('outside'); an answer matrix `[answer, source]` (row a: the context tokens' scores for answer token a) →
+`[answer, segment + 2]`: the segments, the answer's own earlier tokens ('(answer)') and 'outside', so that every row
+sums to the row of token scores.
 """
 
 from __future__ import annotations
@@ -115,6 +117,21 @@ def scores_json(segments: Sequence[Segment], token_scores: dict[str, np.ndarray]
     }
 
 
+def answer_json(segments: Sequence[Segment], attributions: dict[str, Any], b: int, target: dict) -> dict[str, Any]:
+    """An explained answer's tokens × segments per method with an [answer, source] matrix: `answer_columns` (the
+    segment labels, '(answer)', '(outside)') and `answer_scores` (method → [answer, column], the exact sums of each
+    row's token scores, `answer_segment_matrix`); {} for an explanation of one target."""
+    answer = target.get("answer")
+    rows = {m: a.input(b) for m, a in attributions.items() if tuple(a.dims) == ("target", "source")}
+    if answer is None or not rows:
+        return {}
+    start = int(answer["start"])
+    return {
+        "answer_columns": [*(s.label for s in segments), ANSWER, OUTSIDE],
+        "answer_scores": {m: answer_segment_matrix(x, segments, start).tolist() for m, x in rows.items()},
+    }
+
+
 def _pairs(value: object) -> bool:
     return isinstance(value, list) and all(
         isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
@@ -152,6 +169,26 @@ def checked(value: object, text: str, n: int, where: str) -> list[Segment]:
     if given is not None and given != [int(i) for i in outside(segs, n)]:
         raise MixlensError(f"{where}: the segments' 'outside' tokens are not the tokens in no segment")
     return segs
+
+
+def check_answer_scores(value: Any, segments: Sequence[Segment], res: Any, b: int, where: str) -> None:
+    """A loaded file's answer × segment scores (where given) against the sums of its [answer, source] rows."""
+    given = value.get("answer_scores")
+    if given is None:
+        return
+    want = answer_json(segments, res.attributions, b, (res.explained or [{}])[b])
+    if not want or not isinstance(given, dict) or set(given) != set(want["answer_scores"]):
+        raise MixlensError(f"{where}: the segments' 'answer_scores' must map each answer matrix's method to rows")
+    if value.get("answer_columns") != want["answer_columns"]:
+        raise MixlensError(f"{where}: the segments' 'answer_columns' are not its labels, '{ANSWER}' and '{OUTSIDE}'")
+    for m, v in given.items():
+        try:
+            got = np.asarray(v, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise MixlensError(f"{where}: the segments' 'answer_scores' of '{m}' are not numbers") from None
+        w = np.asarray(want["answer_scores"][m])
+        if got.shape != w.shape or not np.allclose(got, w, rtol=1e-5, atol=1e-6, equal_nan=True):
+            raise MixlensError(f"{where}: the segments' 'answer_scores' of '{m}' are not the sums of its answer rows")
 
 
 def check_scores(value: Any, segments: Sequence[Segment], token_scores: dict[str, np.ndarray], where: str) -> None:
@@ -212,5 +249,6 @@ def attach(res: Any, values: Sequence[object] | None, where: str, scores: bool =
         for b, (v, s) in enumerate(zip(values or [], segs, strict=True)):
             tokens = {m: token_scores(a, b) for m, a in res.attributions.items()}
             check_scores(v, s, tokens, f"{where}: input {b + 1}")
+            check_answer_scores(v, s, res, b, f"{where}: input {b + 1}")
     res.segments = segs
     return res

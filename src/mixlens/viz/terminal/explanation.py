@@ -60,7 +60,7 @@ def show_explanation(expl: Any, console: Any = None) -> None:
         if position_note(expl):
             console.print(f"   note: {position_note(expl)}", style="dim")
         console.print()
-    if getattr(expl, "segments", None) is not None:
+    if getattr(expl, "segments", None) is not None:  # ranked, and an answer's tokens × segments
         print_segments(expl, console)
 
 
