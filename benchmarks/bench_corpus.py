@@ -85,6 +85,7 @@ def ray_data(args: argparse.Namespace, lens: mixlens.Lens, data: Path, tmp: Path
     torch.set_num_threads(cores)  # the local run uses every core, as the actors together do
     kw = {"batch_size": args.batch_size, "max_tokens": args.max_tokens, "shard_size": args.shard_size}
     rows = []
+    load0 = os.getloadavg()
 
     def timed(name: str, **extra: object) -> None:
         out = tmp / name.replace(" ", "-")
@@ -100,8 +101,11 @@ def ray_data(args: argparse.Namespace, lens: mixlens.Lens, data: Path, tmp: Path
             timed(f"ray-data, {cores} actors", backend="ray-data", workers=cores, num_cpus=1)
     finally:
         ray.shutdown()
+    load1 = os.getloadavg()
     print(f"SST-2 dev x{args.copies}, {n} examples, bundled {lens.name}, shard {args.shard_size}, batch "
           f"{args.batch_size}, {cores} cores, local Ray; {args.repeats} run(s) each, interleaved")
+    print(f"load average (1, 5, 15 min) before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; after: "
+          f"{load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     print(f"{'run':28s} {'wall s':>8s} {'ex/s (wall)':>12s} {'ex/s (steady)':>14s}")
     best: dict[str, tuple[float, float]] = {}
     for name, wall, rate, steady in rows:

@@ -9,8 +9,10 @@ later exactly as the eager softmax forms them:
 
 `QKRows.rows(positions)` gives those rows [B, H, K, n] in O(K · n) memory, `QKRows.diagonal()` the α^h_ii the per-token
 quantities need. The output: on the CPU, torch's flash-attention kernel (it returns the log-normaliser); elsewhere,
-or with a softcap, the eager formula in row blocks (`ROW_BLOCK_ELEMENTS` scores at a time). α is rounded to the model's
-dtype as the eager code rounds it, then upcast to float32 for the methods.
+or with a softcap, the eager formula in row blocks (`ROW_BLOCK_ELEMENTS` scores at a time). The scores are formed in
+float32 on both paths and when rows are formed again (as the flash kernel accumulates them, whatever the model's
+dtype); α is rounded to the model's dtype as the eager code rounds it, then upcast to float32 for the methods. So the
+rows of α a method gets are the ones the output was computed from, to the model dtype's rounding of α itself.
 
 Memory per layer kept: q [B, H, n, d_h] + K [B, H_kv, n, d_h] (the model's dtype) + lse [B, H, n] (float32).
 
@@ -186,13 +188,16 @@ class QKRows:
 
     def _scores(self, q: torch.Tensor, rows: torch.Tensor, end: int | None = None, start: int = 0) -> torch.Tensor:
         """Scores of query rows q [B, H, K, d_h] (at positions rows [B, K]) against the keys start..end-1 (end None:
-        all), as eager computes them, masked: [B, H, K, end − start]. Grouped-query heads are matched to their key
-        head by a view, not a copy."""
+        all), masked: [B, H, K, end − start] float32. Products and sums in float32 whatever the model's dtype, as the
+        flash kernel forms them: scores rounded to bfloat16 (eager's matmul in the model's dtype) would be off by up
+        to 2⁻⁹ of their size, which in the exponent makes α's rows miss the output the kernel computed (by a quarter
+        of the attention output on Qwen2.5's first layer, whose scores reach the hundreds). Grouped-query heads are
+        matched to their key head by a view, not a copy."""
         end = self.key.shape[2] if end is None else end
-        key = self.key[:, :, start:end]
+        key = self.key[:, :, start:end].float()
         b, h, k, dh = q.shape
         kv = key.shape[1]
-        s = torch.matmul(q.reshape(b, kv, (h // kv) * k, dh), key.transpose(2, 3)).view(b, h, k, -1)
+        s = torch.matmul(q.float().reshape(b, kv, (h // kv) * k, dh), key.transpose(2, 3)).view(b, h, k, -1)
         s.mul_(self.scaling)  # in place: the block of scores is the largest tensor here
         if self.softcap is not None:
             s = torch.tanh(s.div_(self.softcap)).mul_(self.softcap)
@@ -215,7 +220,7 @@ class QKRows:
         n = self.key.shape[2]
         end = int(rows.max()) + 1 if self.causal and rows.numel() else n
         start = self._start(rows, end)
-        s = self._scores(_take_rows(self.query, rows), rows, end, start).float()
+        s = self._scores(_take_rows(self.query, rows), rows, end, start)
         lse = self.lse.gather(2, rows[:, None, :].expand(-1, self.heads, -1))
         a = s.new_empty(*s.shape[:3], n)  # written in place: the columns outside start..end-1 are 0, not copied
         a[..., :start] = 0
@@ -299,7 +304,7 @@ def _blocked(
         rows = torch.arange(s, e, device=query.device).expand(b, -1)
         end = e if causal else key.shape[2]  # a causal mask hides the later sources
         start = probe._start(rows, end)
-        scores = probe._scores(query[:, :, s:e], rows, end, start).float()
+        scores = probe._scores(query[:, :, s:e], rows, end, start)
         lse[:, :, s:e] = torch.logsumexp(scores, -1)
         alpha = torch.exp(scores - lse[:, :, s:e, None]).to(query.dtype)
         out[:, s:e] = torch.matmul(alpha, value[:, :, start:end]).transpose(1, 2)

@@ -18,8 +18,16 @@ Two scalars per target, both functions of one model output (`score`):
   vocabulary at the target position), or for encoders cos(e(x), e₀).
 
 Registry methods take the request as the options `target`, `foil` and `position` (`registry.TARGET_OPTIONS`);
-`readout`
-turns a request and one unperturbed output into a `Readout`, the per-input tensors every method reads g from.
+`readout` turns a request and one unperturbed output into a `Readout`, the per-input tensors every method reads g
+from. `explain` resolves its request once per batch into a `Request` (frozen ids: per input the target and foil ids
+and the position read, and whether g is the log-probability) and hands that to the methods as their `target`
+option: `readout` then reads it as given and resolves nothing again.
+
+Answers (`explain(..., answer=)`, multi-token targets): row a of an answer explains answer token a read at the
+position before it, in one forward pass of prompt + answer (teacher forcing). There g is the token's
+log-probability log p(a | prompt, answer[:a]) (`Request.logprob`) for the methods that read g from the model's output;
+the methods that decompose a logit (`logit_attn`, `alti_logit`, `decompx_logit`, `attnlrp`) explain the token's
+logit (docs/reference/answers.md).
 """
 
 from __future__ import annotations
@@ -122,6 +130,29 @@ def positions(kind: str, inputs: dict[str, torch.Tensor], tokenizer: Any, positi
     return torch.zeros(mask.shape[0], dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class Request:
+    """The scalar being explained, resolved for one batch: per input the target's class / token id, the foil's id
+    (−1: none) and the position an LM target is read at (None: the kind's default, `positions`); `logprob`: g is the
+    target's log-probability log softmax(logits)[target] (minus the foil's) instead of its logit. Hashable, so
+    methods key their caches on it; methods read it as given (`readout`), never resolve it again."""
+
+    index: tuple[int, ...]
+    foil: tuple[int, ...]
+    position: tuple[int, ...] | None = None
+    logprob: bool = False
+
+    def __post_init__(self) -> None:
+        n = len(self.index)
+        if len(self.foil) != n or (self.position is not None and len(self.position) != n):
+            raise ValueError("a Request names one index, foil and position per input")
+
+    def select(self, rows: list[int]) -> Request:
+        """The request of some inputs of the batch."""
+        pos = None if self.position is None else tuple(self.position[r] for r in rows)
+        return Request(tuple(self.index[r] for r in rows), tuple(self.foil[r] for r in rows), pos, self.logprob)
+
+
 @dataclass
 class Readout:
     """Reads g (attribution score) and f (faithfulness score) from a model output, for a batch of targets.
@@ -136,6 +167,18 @@ class Readout:
     position: torch.Tensor
     e0: torch.Tensor | None = None
     fn: Callable[..., torch.Tensor] | None = None
+    logprob: bool = False  # g is the target's log-probability (answers, multi-token targets), not its logit
+
+    def request(self) -> Request | None:
+        """This readout as a `Request` the methods take as given; None for encoders and Python target functions."""
+        if self.fn is not None or self.kind == "encoder":
+            return None
+        return Request(
+            tuple(int(i) for i in self.index),
+            tuple(int(f) for f in self.foil),
+            tuple(int(p) for p in self.position),
+            self.logprob,
+        )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Per-input tensors that travel with captum's batch expansion: (index, foil, position, e0)."""
@@ -144,7 +187,9 @@ class Readout:
 
     def select(self, rows: slice | torch.Tensor) -> Readout:
         e0 = self.e0[rows] if self.e0 is not None else None
-        return Readout(self.kind, self.pool, self.index[rows], self.foil[rows], self.position[rows], e0, self.fn)
+        return Readout(
+            self.kind, self.pool, self.index[rows], self.foil[rows], self.position[rows], e0, self.fn, self.logprob
+        )
 
     def g(self, out: Any, inputs: dict[str, torch.Tensor], *tensors: torch.Tensor, row_at: torch.Tensor | None = None):
         """The attribution score g [B] of a model output; `tensors` = `self.tensors()` (or captum's expansion of
@@ -153,7 +198,8 @@ class Readout:
         if self.fn is not None:
             return self.fn(out, inputs)
         index, foil, position, e0 = tensors or self.tensors()
-        return score(self.kind, self.pool, out, inputs["attention_mask"], index, foil, position, e0, row_at)[0]
+        mask = inputs["attention_mask"]
+        return score(self.kind, self.pool, out, mask, index, foil, position, e0, row_at, self.logprob)[0]
 
 
 def logit_rows(kind: str, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -173,18 +219,22 @@ def score(
     position: torch.Tensor,
     e0: torch.Tensor,
     row_at: torch.Tensor | None = None,
+    logprob: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g [B], f [B]) of one model output; see the module docstring."""
+    """(g [B], f [B]) of one model output; see the module docstring. `logprob`: g is read from the log-softmax of
+    the logits (log p(target) − log p(foil)) instead of the logits."""
     if kind == "encoder":
         e = pooled(out.last_hidden_state, mask, pool)
         g = (e * e0).sum(-1) / (e0 * e0).sum(-1).clamp_min(torch.finfo(e0.dtype).tiny)
         return g, F.cosine_similarity(e, e0, dim=-1)
     rows = logit_rows(kind, out.logits, position if row_at is None else row_at)
     idx = index.to(rows.device)[:, None]
+    if logprob:
+        rows = rows.float().log_softmax(-1)
     g = rows.gather(1, idx)[:, 0]
     has_foil = foil.to(rows.device) >= 0
     g = g - torch.where(has_foil, rows.gather(1, foil.clamp_min(0).to(rows.device)[:, None])[:, 0], 0.0)
-    return g, rows.float().softmax(-1).gather(1, idx)[:, 0]
+    return g, (rows.exp() if logprob else rows.float().softmax(-1)).gather(1, idx)[:, 0]
 
 
 def _digits(spec: str) -> bool:
@@ -250,7 +300,7 @@ def readout(
     tokenizer: Any,
     out: Any,
     inputs: dict[str, torch.Tensor],
-    target: Spec | tuple[int | str, ...] | None = "pred",
+    target: Spec | tuple[int | str, ...] | Request | None = "pred",
     foil: str | int | tuple[int | str, ...] | None = None,
     position: int | None = None,
     row_at: torch.Tensor | None = None,
@@ -258,10 +308,14 @@ def readout(
     """The targets of a batch from its unperturbed model output `out` (no extra forward pass): per input the class
     or token `target` names ('pred' or None: the model's top one), contrasted with `foil` when given; a tuple
     names one target (foil) per input. `row_at` [B]:
-    where each target position sits on the logits' position axis when the forward computed only some positions."""
+    where each target position sits on the logits' position axis when the forward computed only some positions.
+    A `Request` (resolved by `explain`) is read as given: nothing is resolved again, and `foil` / `position` must
+    be None (the request holds them)."""
     kind = model_kind(model)
     mask = inputs["attention_mask"]
     bsz = mask.shape[0]
+    if isinstance(target, Request):
+        return of_request(kind, model, tokenizer, inputs, target, foil, position)
     none = torch.full((bsz,), -1)
     pos = positions(kind, inputs, tokenizer, position)
     if callable(target) and not isinstance(target, str):
@@ -321,6 +375,37 @@ def readout(
         for i, o in zip(idx, fo, strict=True)
     ]
     return targets, Readout(kind, "", idx, fo, pos)
+
+
+def of_request(
+    kind: str, model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], request: Request, foil: Any, position: Any
+) -> tuple[list[Target], Readout]:
+    """The targets and readout of a resolved `Request` (no model output read)."""
+    bsz = inputs["attention_mask"].shape[0]
+    if foil is not None or position is not None:
+        raise MixlensError("a resolved request holds its foil and position: drop foil and position")
+    if len(request.index) != bsz:
+        raise MixlensError(f"the request names {len(request.index)} inputs for a batch of {bsz}")
+    if kind == "encoder":
+        raise MixlensError("a sentence encoder has one target, its pooled embedding: drop --target/--foil")
+    idx = torch.tensor(request.index, dtype=torch.long)
+    fo = torch.tensor(request.foil, dtype=torch.long)
+    pos = (
+        positions(kind, inputs, tokenizer)
+        if request.position is None
+        else torch.tensor(request.position, dtype=torch.long)
+    )
+    what = "class" if kind == "classifier" else "token"
+    if kind == "classifier":
+        labels = {int(k): str(v) for k, v in (model.config.id2label or {}).items()}
+        name: Callable[[int], str] = lambda i: labels.get(i, str(i))  # noqa: E731
+    else:
+        name = lambda i: token_label(tokenizer, i)  # noqa: E731
+    targets = [
+        Target(what, i, name(i), None if f < 0 else f, None if f < 0 else name(f))
+        for i, f in zip(request.index, request.foil, strict=True)
+    ]
+    return targets, Readout(kind, "", idx, fo, pos, logprob=request.logprob)
 
 
 def trace_output(trace: Any) -> Any:

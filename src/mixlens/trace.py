@@ -19,23 +19,29 @@ Edit points (TransformerLens-style names), each `fn(tensor) -> tensor` of the sa
 `hooked(..., start=l, resid_pre=x)` feeds x into layer l and runs layers ≥ l only (the modules of earlier layers
 return their input without computing; the embeddings are still computed, then replaced); `stop_after=l` ends the
 forward pass after layer l's output, `stop_at_mix=True` right after its ln_mix (its attention block).
+
+Inside `recomputed_layers()`, a gradient pass (`hooked` under grad mode) keeps only each layer's input for its
+backward and runs the layer again during the backward (activation checkpointing), with the same session, edits and
+forward hooks live: the memory of a long input's backward is one layer's activations plus L · n · d, not L layers'.
 """
 
 from __future__ import annotations
 
 import contextvars
+import inspect
 import re
 import sys
 import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -160,8 +166,10 @@ class _Session:
         stop: int,
         qk_rows: bool = False,
         fused: bool = False,
+        record: bool = True,
     ):
         self.edits = edits
+        self.record = record  # False: capture nothing (a gradient pass whose layers are recomputed in its backward)
         # attention rows from q and K (`mixlens.rowattn`): no [B, H, n, n] α; not where α takes a per-head bias (ALiBi)
         self.qk_rows = qk_rows and adapter.family.row_mode
         # attention through torch's fused kernels, nothing recorded: no [B, H, n, n] α kept (not MPNet's or BLOOM's
@@ -268,8 +276,9 @@ def _attention(
         scaling = kwargs.get("scaling")
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         out, qk = attend(query, key, value, attention_mask, scaling, kwargs.get("softcap"), s.causal)
-        s.rec["alpha"].append(qk)  # type: ignore[arg-type]  # `_layer_trace` makes it the LayerTrace's `qk`
-        s.rec["value"].append(value)
+        if s.record:
+            s.rec["alpha"].append(qk)  # type: ignore[arg-type]  # `_layer_trace` makes it the LayerTrace's `qk`
+            s.rec["value"].append(value)
         return out, None
     attention_mask = dense_mask(attention_mask)  # a row-mode pass's lazy mask, filled for this layer's eager code
     if s.inplace:
@@ -279,8 +288,9 @@ def _attention(
         alpha = s.edit(p_name, alpha)
         z = torch.matmul(alpha, repeat_kv(value, alpha.shape[1]))  # [B, H, n, d_h]
         out = s.edit(z_name, z).transpose(1, 2).contiguous()
-    s.rec["alpha"].append(alpha)
-    s.rec["value"].append(value)
+    if s.record:
+        s.rec["alpha"].append(alpha)
+        s.rec["value"].append(value)
     return out, alpha
 
 
@@ -394,7 +404,8 @@ def _module_route(adapter: Adapter, s: _Session) -> list[torch.utils.hooks.Remov
         if not s.active:
             return None
         v = s.edit(f"blocks.{s.layer}.attn.v", o.unflatten(-1, (h, -1)).transpose(1, 2))  # [B, H, n, d_h]
-        s.rec["value"].append(v)
+        if s.record:
+            s.rec["value"].append(v)
         return v.transpose(1, 2).flatten(2)
 
     def fused(o: torch.Tensor, lay: Layer) -> torch.Tensor | None:
@@ -404,7 +415,8 @@ def _module_route(adapter: Adapter, s: _Session) -> list[torch.utils.hooks.Remov
         groups = o.unflatten(-1, (lay.n_kv_heads, -1, lay.d_head))  # [B, n, H_kv, m, d_h]
         name = f"blocks.{s.layer}.attn.v"
         v = s.edit(name, groups[..., -1, :].transpose(1, 2))  # [B, H_kv, n, d_h]
-        s.rec["value"].append(v)
+        if s.record:
+            s.rec["value"].append(v)
         if name not in s.edits:
             return None
         groups = groups.clone()
@@ -415,7 +427,8 @@ def _module_route(adapter: Adapter, s: _Session) -> list[torch.utils.hooks.Remov
         if not s.active:
             return None
         alpha = s.edit(f"blocks.{s.layer}.attn.pattern", o)  # [B, H, n, n]
-        s.rec["alpha"].append(alpha)
+        if s.record:
+            s.rec["alpha"].append(alpha)
         return alpha
 
     def z(a: tuple, d_h: int) -> tuple | None:
@@ -434,6 +447,23 @@ def _module_route(adapter: Adapter, s: _Session) -> list[torch.utils.hooks.Remov
         if any(k.endswith(".attn.z") for k in s.edits):
             handles.append(lay.o_proj.register_forward_pre_hook(lambda m, a, d_h=lay.d_head: z(a, d_h)))
     return handles
+
+
+def _cache_makers(adapter: Adapter, layers: list[nn.Module]) -> list[nn.Module]:
+    """The modules of the base model outside its layers whose forward takes `use_cache` (the base model, OPT's
+    decoder inside it): where a key / value cache is made."""
+    inside = {id(m) for lay in layers for m in lay.modules()}
+    return [
+        m
+        for m in adapter.base.modules()
+        if id(m) not in inside and "use_cache" in inspect.signature(m.forward).parameters
+    ]
+
+
+def _no_cache(m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The base model called with `use_cache=False`: a pass whose layers are recomputed keeps no key / value cache
+    (a layer's recomputation would extend it)."""
+    return args, {**kwargs, "use_cache": False}
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -530,11 +560,15 @@ def hooked(
       (`scaled_dot_product_attention`) and records neither α nor v: a gradient pass (saliency, AttnLRP) then keeps no
       [B, H, n, n] per layer for its backward. Not for layers with attention edits, nor with a logit soft-cap
       (Gemma 2: eager, as without it); the family's own route (MPNet) is unchanged.
+
+    Inside `recomputed_layers()` and under grad mode, the call records nothing (the record stays empty) and each
+    layer runs under activation checkpointing (see `recomputed_layers`).
     """
     edits = dict(edits or {})
     stop = _check(adapter, edits, start, stop_after, resid_pre)
     edits = _with_defaults(adapter, edits, start, stop)
-    s = _Session(adapter, edits, start, stop, qk_rows, fused_attention)
+    extra = _RECOMPUTE.get() if torch.is_grad_enabled() else None
+    s = _Session(adapter, edits, start, stop, qk_rows, fused_attention, record=extra is None)
     rec = s.rec
     halt_out = stop_after is not None and not stop_at_mix
     modules = list({id(lay.module): lay.module for lay in adapter.layers}.values())  # ALBERT shares them
@@ -549,7 +583,8 @@ def hooked(
         h = _hidden(args, kwargs)
         h = resid_pre.to(h.dtype) if layer == start and resid_pre is not None else h
         h = s.edit(f"blocks.{layer}.resid_pre", h)
-        rec["x"].append(h)
+        if s.record:
+            rec["x"].append(h)
         return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
 
     def complete() -> None:
@@ -558,7 +593,8 @@ def hooked(
 
     def leave(m: nn.Module, args: tuple, out: Any) -> None:
         if s.active:
-            rec["out"].append(_first(out))
+            if s.record:
+                rec["out"].append(_first(out))
             complete()
             if halt_out and s.layer == stop:
                 raise _Stop(s)
@@ -570,8 +606,9 @@ def hooked(
 
     def mix(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
         if s.active:
-            rec["mix_in"].append(tokens(args[0]))
-            rec["mix_out"].append(tokens(out))
+            if s.record:
+                rec["mix_in"].append(tokens(args[0]))
+                rec["mix_out"].append(tokens(out))
             if stop_at_mix and s.layer == stop:
                 complete()
                 raise _Stop(s)
@@ -591,10 +628,26 @@ def hooked(
 
         return forward
 
+    def recomputed(inner: Callable[..., Any], extra: Callable[[], AbstractContextManager[Any]]) -> Callable[..., Any]:
+        """The layer's forward under non-reentrant activation checkpointing: its backward runs it again (`inner`,
+        not the module call, so the layer pre- and post-hooks fire once) inside `_recomputing`."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if _SESSION.get() is not s or not s.active or not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
+            layer, n = s.layer, int(_hidden(args, kwargs).shape[-2])
+
+            def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+                return nullcontext(), _recomputing(s, layer, n, extra)
+
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+        return forward
+
     def parallel_sum(lay: Layer, attn_out: torch.Tensor) -> None:
         """A parallel block's attention residual sum x + attention output (float32), through its identity ln_mix,
         whose hooks record it as `mix_in` and `mix_out` (the block itself never forms it)."""
-        if s.active:
+        if s.active and s.record:
             lay.ln_mix.module(rec["x"][-1].float() + attn_out.float())
 
     def capture(mod: nn.Module | None, name: str, take: Callable[[tuple, Any], torch.Tensor]) -> None:
@@ -603,7 +656,7 @@ def hooked(
         seen.add((id(mod), name))
 
         def hook(m: nn.Module, args: tuple, out: Any) -> None:
-            if s.active:
+            if s.active and s.record:
                 rec[name].append(tokens(take(args, out)))
 
         handles.append(mod.register_forward_hook(hook))
@@ -614,9 +667,15 @@ def hooked(
         for mod in modules:
             handles.append(mod.register_forward_pre_hook(enter, with_kwargs=True))
             handles.append(mod.register_forward_hook(leave))
-            if s.indices[id(mod)][0] < start:
+            if s.indices[id(mod)][0] < start or extra is not None:
                 forwards.append((mod, vars(mod).get("forward")))
+            if s.indices[id(mod)][0] < start:
                 mod.forward = skipping(mod.forward)
+            if extra is not None:
+                mod.forward = recomputed(mod.forward, extra)
+        if extra is not None:
+            for mod in _cache_makers(adapter, modules):
+                handles.append(mod.register_forward_pre_hook(_no_cache, with_kwargs=True))
         if "embed" in edits:
             lookup: nn.Module = adapter.base.get_input_embeddings()
             handles.append(lookup.register_forward_hook(embed))
@@ -667,6 +726,46 @@ def hooked(
             else:
                 mod.forward = own
         lock.release()
+
+
+_RECOMPUTE: contextvars.ContextVar[Callable[[], AbstractContextManager[Any]] | None] = contextvars.ContextVar(
+    "mixlens_recompute", default=None
+)
+
+
+@contextmanager
+def recomputed_layers(extra: Callable[[], AbstractContextManager[Any]] = nullcontext) -> Iterator[None]:
+    """Within the context, a gradient pass (`hooked` under grad mode) keeps only each layer's input for its backward
+    and runs the layer again during the backward (`torch.utils.checkpoint`, non-reentrant): a long input's backward
+    then holds one layer's activations at a time plus every layer's input, L · B · n · d, instead of every layer's
+    activations. The layer's recomputation runs with the pass's session live again (its edits, fused attention,
+    layer index) and with `extra()` entered; forward hooks installed on the model's modules (`scoped_hooks`) fire
+    again, so the backward must run while they are installed. The recomputed values are the forward's own (same
+    inputs, same operations), so the gradient is the one the pass would give without recomputation. Such a pass
+    records nothing: for gradient passes only, not traces."""
+    token = _RECOMPUTE.set(extra)
+    try:
+        yield
+    finally:
+        _RECOMPUTE.reset(token)
+
+
+@contextmanager
+def _recomputing(
+    s: _Session, layer: int, n_tokens: int, extra: Callable[[], AbstractContextManager[Any]]
+) -> Iterator[None]:
+    """The context of layer `layer`'s recomputation in a backward (any thread): session `s` current at that layer,
+    transformers' eager attention wrapped, `extra()` entered; freed memory handed back first (`memory.release`: the
+    previous layer's backward transients on a long input)."""
+    release(n_tokens)
+    token = _SESSION.set(s)
+    before, s.layer = s.layer, layer
+    try:
+        with _eager_wrapped(), extra():
+            yield
+    finally:
+        s.layer = before
+        _SESSION.reset(token)
 
 
 def f32(t: torch.Tensor | None) -> Any:

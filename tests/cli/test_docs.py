@@ -148,3 +148,15 @@ def test_submodules_load_on_attribute_access():
     assert out.stdout.strip() == "ok", out.stderr
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         mixlens.stats.nope  # noqa: B018
+
+
+IMAGE = re.compile(r"!\[[^\]]*\]\((?P<path>[^)\s]+\.(?:png|svg))\)")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[rel(p) for p in DOCS])
+def test_doc_images_exist(path):
+    """Every figure a doc shows (`![...](path.png)`, relative to the doc) is in the repository."""
+    for m in IMAGE.finditer(path.read_text()):
+        if "://" in m["path"]:
+            continue
+        assert (path.parent / m["path"]).is_file(), f"{rel(path)}: figure {m['path']} is missing"

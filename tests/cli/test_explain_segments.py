@@ -67,11 +67,76 @@ def test_separator_segments_are_sums_of_the_token_scores(capsys, tmp_path):
         (["explain", "hi there", "--span", "0:2", "--separator", "x"], "one kind of segments"),
         (["explain", "hi there", "--separator", "x", "--generate", "2"], "drop --generate"),
         (["explain"], "give one or more texts"),
+        # #43 item 6: each bad chat or segment request is one line, before the model loads
+        (["explain", "--chat", "[{"], "not valid JSON"),
+        (["explain", "--chat", '["hi"]'], "message 1 is not a"),
+        (["explain", "--chat", '[{"content": "hi"}]'], "message 1 has no 'role'"),
+        (["explain", "--chat", '[{"role": "user"}]'], "message 1 has no 'content'"),
+        (["explain", "--chat", '[{"role": "user", "content": 3}]'], "message 1's content is int, not a string"),
+        (["explain", "--chat", '[{"role": "user", "content": "hi"}, {"role": 1, "content": "x"}]'], "message 2's role"),
+        (["explain", "--chat", '[{"role": "user", "content": " "}]'], "empty role or content"),
+        (["explain", "hi there", "--span", "0:5", "--span", "3:8"], "overlap"),
+        (["explain", "hi there", "--span", "4:4"], "outside the text of 8 characters or empty"),
+        (["explain", "hi there", "ok then", "--span", "0:8"], "text 2: span 'span 1' [0, 8) is outside"),
+        (["explain", "hi there", "--marker", ""], "markers must be non-empty"),
+        (["explain", "hi there", "--separator", ""], "separator must be a non-empty string"),
+        (["explain", "hi there", "--format", "png"], "--format png draws the segments"),
+        (["explain", "hi there", "--separator", " ", "--format", "png", "-o", "x.svg"], "writes a .png file"),
     ],
 )
 def test_bad_segment_requests_are_one_line(capsys, args, message):
     code, out, err = run_cli(args, capsys)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_chat_file_that_is_not_a_list_of_messages(capsys, tmp_path):
+    f = tmp_path / "chat.json"
+    f.write_text('{"role": "user", "content": "hi"}')
+    code, _, err = run_cli(["explain", "--chat", str(f)], capsys)
+    assert code == 2 and f"chat file '{f}' must be a non-empty JSON list" in err and len(err.splitlines()) == 1, err
+
+
+def test_segments_in_every_format(capsys, tmp_path):
+    """--separator with --format json, html and png: the segments are in the JSON (sums of the token scores), the
+    HTML page and the figure."""
+    text = "The cat sat. || A dog ran far. || Birds sing."
+    args = ["explain", text, "--separator", "||", "--method", "grad_x_input"]
+    code, out, err = run_cli([*args, "--format", "json"], capsys)
+    assert code == 0, err
+    inp = json.loads(out)["inputs"][0]
+    seg, scores = inp["segments"], inp["scores"]["grad_x_input"]
+    assert seg["labels"] == ["passage 1", "passage 2", "passage 3"]
+    for (a, b), value in zip(seg["token_ranges"], seg["scores"]["grad_x_input"], strict=True):
+        assert math.isclose(value, math.fsum(scores[a:b]), rel_tol=1e-9, abs_tol=1e-12)
+    assert math.isclose(seg["outside_scores"]["grad_x_input"], math.fsum(scores[i] for i in seg["outside"]))
+    code, _, err = run_cli([*args, "--format", "html", "-o", str(tmp_path / "e.html")], capsys)
+    assert code == 0, err
+    page = (tmp_path / "e.html").read_text()
+    assert "Segments: where did the answer come from?" in page and "passage 3" in page
+    code, _, err = run_cli([*args, "--format", "png", "-o", str(tmp_path / "e.png")], capsys)
+    assert code == 0 and "wrote the segments figure" in err, err
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_role_the_template_does_not_know_is_named(capsys, tmp_path):
+    """A chat template that raises for an unknown role: one line naming the message and its role."""
+    if not (SMOLLM / "model.safetensors").is_file():
+        pytest.skip("smollm2-135m-instruct not fetched (python scripts/fetch_models.py smollm2-135m-instruct)")
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (model / f).symlink_to(SMOLLM / f)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('Unknown role: ' + m['role']) }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    chat = [{"role": "user", "content": "Hello."}, {"role": "narrator", "content": "Once upon a time"}]
+    code, _, err = run_cli(["explain", "--model", str(model), "--chat", json.dumps(chat)], capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("explaining with")]
+    assert code == 2 and len(lines) == 1, err
+    assert "rejects message 2 (role 'narrator'): Unknown role: narrator" in lines[0]
 
 
 def test_chat_segments_on_smollm2(capsys, tmp_path):

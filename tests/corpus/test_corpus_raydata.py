@@ -7,6 +7,7 @@ fixture's teardown), so a block read on one node is computed by an actor on the 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mixlens.corpus.runner import run_corpus
+from mixlens.errors import MixlensError
 from tests.corpus.test_corpus import cli, synth
 
 pytest.importorskip("ray.data")
@@ -178,7 +180,7 @@ def _indexes(out: Path) -> list[int]:
     )
 
 
-def _cmd(data: Path, model: str, out: Path, address: str) -> list[str]:
+def _cmd(data: Path, model: str, out: Path | str, address: str) -> list[str]:
     return [sys.executable, "-m", "mixlens", "corpus", "--data", str(data), "--model", model, "--out", str(out),
             "--shard-size", "8", "--store", "full", "--backend", "ray-data", "--address", address, "--concurrency",
             "2", "--quiet", *sum((["--method", m] for m in METHODS), [])]  # fmt: skip
@@ -194,11 +196,13 @@ def _wait_shards(out: Path, proc: subprocess.Popen, n: int) -> None:
 
 @pytest.mark.slow  # a two-node Ray cluster
 def test_driver_sigkill_then_rerun_fills_the_rest(cluster, local, tiny_model, tmp_path):
+    """--out as a file:// URI: the actors write through pyarrow's filesystem, the rerun resumes from it."""
     address, _ = cluster
     data, loc = local
     out = tmp_path / "killed"
+    uri = f"file://{out}"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen(_cmd(data, tiny_model, out, address), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_cmd(data, tiny_model, uri, address), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         _wait_shards(out, proc, 1)
@@ -209,13 +213,49 @@ def test_driver_sigkill_then_rerun_fills_the_rest(cluster, local, tiny_model, tm
     idx = _indexes(out)
     assert 0 < len(idx) < N and len(idx) == len(set(idx))
     time.sleep(2)  # let Ray end the dead driver's actors
-    res = run_corpus(data, out, METHODS, model=tiny_model, shard_size=8, store="full", backend="ray-data",
+    res = run_corpus(data, uri, METHODS, model=tiny_model, shard_size=8, store="full", backend="ray-data",
                      address=address, workers=2)  # fmt: skip
+    assert res.out == uri
     after = _shard_files(out)
     assert all(after[k] == v for k, v in before.items() if k in after)  # finished shards were not recomputed
     assert _indexes(out) == list(range(N))  # no duplicated, no missing index
     assert res.manifest["complete"] and res.manifest["resumed_shards"] >= 1
     same_numbers(loc, res)
+
+
+@pytest.mark.slow  # a two-node Ray cluster
+def test_filesystem_folder_out_resumes_with_a_tokenizing_cpu(cluster, local, tiny_model, tmp_path):
+    """--out on a pyarrow filesystem that is not the local one (a SubTreeFileSystem: temp file + move, no lock):
+    one actor of 1 CPU and tokenising tasks of 1 CPU on the two 1-CPU nodes; shards lost from an interrupted run
+    are computed again by the rerun, and only they."""
+    import pyarrow.fs as pafs
+
+    from mixlens.corpus.outdir import OutDir
+
+    address, _ = cluster
+    data, loc = local
+    (tmp_path / "st").mkdir()
+    out = OutDir(pafs.SubTreeFileSystem(str(tmp_path / "st"), pafs.LocalFileSystem()), "run", "subtree:run")
+    kw = {"model": tiny_model, "shard_size": 8, "store": "full", "backend": "ray-data", "address": address}
+    res = run_corpus(data, out, METHODS, workers=1, tokenize_cpus=1, **kw)
+    assert res.manifest["ray"]["actors"] == 1 and res.manifest["ray"]["tokenize_cpus"] == 1
+    assert sum(res.manifest["ray"]["nodes"].values()) == N
+    same_numbers(loc, res)
+    folder = tmp_path / "st" / "run"
+    before = _shard_files(folder)
+    lost = sorted(before)[1::2]
+    for name in lost:  # as if the run had stopped before these shards were written
+        (folder / "shards" / name).unlink()
+    man = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**man, "complete": False}))
+    again = run_corpus(data, out, METHODS, workers=2, **kw)
+    assert again.manifest["resumed_shards"] == len(before) - len(lost)
+    recomputed = sum(len(pq.read_table(pa.BufferReader(before[k]))) for k in lost)
+    assert sum(again.manifest["ray"]["nodes"].values()) == recomputed  # only the lost rows were computed
+    assert _indexes(folder) == list(range(N))  # no duplicated, no missing index
+    same_numbers(loc, again)
+    with pytest.raises(MixlensError, match="need more than the cluster's 2 CPUs"):
+        run_corpus(data, tmp_path / "toomany", METHODS, workers=2, tokenize_cpus=1, **kw)
 
 
 def _parent(pid: int) -> int:

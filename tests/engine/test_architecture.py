@@ -14,8 +14,9 @@ LAYERS = (  # lowest first; a module belongs to the layer of its longest listed 
     ("errors", "version", "lazy", "jsonio", "memory", "catalog", "runlock"),
     ("adapters",),
     ("inplace", "rowattn", "trace"),
+    ("targets",),  # the scalar being explained (`Request`, `Readout`), which the registry's options carry
     ("methods.memo", "methods.registry"),  # what methods share: knows no method
-    ("methods", "targets", "layouts"),  # layouts: probes a model under the known layouts (engine tolerances)
+    ("methods", "layouts"),  # layouts: probes a model under the known layouts (engine tolerances)
     ("pipeline",),
     ("result",),
     ("batching", "loading", "gguf_weights"),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mixlens
+from mixlens import rowattn
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods import norms
 from tests.conftest import SENTENCES, random_lens, random_model
@@ -121,3 +122,38 @@ def test_every_decoder_method_runs_on_a_bfloat16_causal_lm(tokenizer, family):
     res = lens.analyze(SENTENCES[:1], methods, options={k: v for k, v in options.items() if k in methods})
     for m in methods:
         assert np.isfinite(res[m].values).all(), m
+
+
+def _sharp_bfloat16_lm(tokenizer, monkeypatch) -> mixlens.Lens:
+    """A random causal LM in bfloat16 whose attention scores reach tens to hundreds, as real checkpoints' do (Qwen2.5's
+    first layer): q and K weights × 30."""
+    model = random_model("llama", tokenizer, head="AutoModelForCausalLM")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)
+            layer.self_attn.k_proj.weight.mul_(30)
+    monkeypatch.setattr(tokenizer, "model_max_length", 2048)
+    return mixlens.Lens(model, tokenizer, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("n", [64, 256, 1024])
+def test_bfloat16_long_inputs_in_row_mode_pass_the_check_and_a_broken_piece_does_not(tokenizer, n, monkeypatch):
+    """Target rows of a long bfloat16 input (row mode: α's rows formed again from q and K after the forward pass):
+    the check passes at every length with the same margin (the decomposition adds no error that grows with n), and
+    still trips on a broken piece: W_O 50 % off (only the target row is checked, against the
+    largest attention output of the input), or α's scores rounded to bfloat16 (rows that are not the ones the
+    output was computed from: 6–8 % of the attention output here)."""
+    lens = _sharp_bfloat16_lm(tokenizer, monkeypatch)
+    text = " ".join(["the cat sat on a mat"] * (n // 6))
+    res = lens.analyze([text], ["norm"], max_length=n, targets="last")
+    assert res.error_share is not None and 0 < float(res.error_share.max()) <= 0.5
+    lay = lens.adapter.layers[1]
+    w_o = lay.raw_w_o
+    lay.raw_w_o = w_o * 1.5
+    with pytest.raises(ReconstructionError, match="layer 1"):
+        lens.analyze([text], ["norm"], max_length=n, targets="last")
+    lay.raw_w_o = w_o
+    scores = rowattn.QKRows._scores
+    monkeypatch.setattr(rowattn.QKRows, "_scores", lambda *a, **k: scores(*a, **k).bfloat16().float())
+    with pytest.raises(ReconstructionError):
+        lens.analyze([text], ["norm"], max_length=n, targets="last")

@@ -133,3 +133,25 @@ def test_the_lazy_mask_is_transformers_eager_mask_and_gives_the_same_attention(w
     torch.testing.assert_close(one.rows(rows[1:]), want[1:], rtol=1e-5, atol=1e-6)
     if window is not None:  # a block of late rows starts at its window, not at 0
         assert lazy.first_column(torch.tensor([[9, 10, 11]] * b), 12) == 9 - window + 1
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_bfloat16_rows_rebuild_the_output_they_came_from(blocked, monkeypatch):
+    """In bfloat16 the rows of α a method gets, times v, give back the attention output the model went on with (to
+    bfloat16's rounding), also where the scores are large: they are formed in float32 as the kernel formed them (in
+    bfloat16, a score of 100 is off by up to 0.25, which moves α by a quarter)."""
+    torch.manual_seed(2)
+    b, h, kv, n, dh = 1, 4, 2, 40, 16
+    q, k = (torch.randn(b, heads, n, dh).mul_(6).bfloat16() for heads in (h, kv))  # scores of tens
+    v = (torch.randn(b, kv, n, dh) + 3).bfloat16()  # a part shared by every source (a bias): α's errors add up
+    if blocked:
+        monkeypatch.setattr(rowattn, "ROW_BLOCK_ELEMENTS", 5 * b * h * n)
+        monkeypatch.setattr(rowattn, "_use_flash", lambda query, softcap: False)
+    out, qk = attend(q, k, v, _mask(b, n).bfloat16(), 0.25, causal=True)
+    rows = torch.arange(n)[None]
+    alpha = qk.rows(rows)  # [B, H, n, n] float32
+    assert alpha.abs().amax() > 0.5  # sharp rows: large scores
+    rebuilt = torch.matmul(alpha, repeat_kv(v, h).float()).transpose(1, 2)
+    size = out.float().abs().amax()
+    assert (rebuilt - out.float()).abs().amax() <= 2e-2 * size  # bfloat16 rounding of α and of the output
+    torch.testing.assert_close(qk.diagonal(), alpha.diagonal(dim1=2, dim2=3), rtol=0, atol=0)

@@ -10,6 +10,7 @@ import torch
 
 from mixlens.errors import MixlensError
 from mixlens.explain import explain
+from mixlens.explain.answers import answer_prompt
 from mixlens.explain.attributions import applicable, default_methods
 from mixlens.methods.decompx_logit import logit_scores
 from tests.conftest import SENTENCES, random_lens, run_cli
@@ -122,14 +123,16 @@ def test_encoder_rows_are_the_mean_row(bundled):
     torch.testing.assert_close(torch.as_tensor(e.scores["attention"]), want.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_generation_explains_each_token_by_its_context(causal):
+def test_generation_explains_the_generated_answer(causal):
     ex = explain(causal, ["The keys to the"], ["decompx_logit", "saliency"], generate=3)
-    assert len(ex.inputs) == 3
-    for a, b in zip(ex.inputs, ex.inputs[1:], strict=False):
-        assert len(b.tokens) == len(a.tokens) + 1
-        assert b.tokens[-1] == a.target.label
-    rows = _last_logits(causal, ["The keys to the"])
-    assert ex.inputs[0].target.index == int(rows[0].argmax())
+    assert len(ex.inputs) == 1  # one input: the 3 generated tokens are its answer (tests/explain/test_answers.py)
+    (inp,) = ex.inputs
+    assert inp.target.kind == "answer" and len(inp.answer["ids"]) == 3
+    assert inp.matrix["saliency"].shape == (3, len(inp.tokens))
+    head = answer_prompt(causal, "The keys to the")  # the prompt an answer continues (no appended [SEP])
+    with torch.no_grad():
+        first = causal.model(**causal.encode_ids([head]).inputs).logits[0, -1].argmax()
+    assert inp.answer["ids"][0] == int(first) and inp.answer["start"] == len(head)
 
 
 def test_bad_targets(classifier, causal, bundled):

@@ -71,7 +71,7 @@ def test_chat_template_exceptions_become_mixlens_errors(tokenizer):
         "{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('only users') }}"
         "{% endif %}[{{ m['content'] }}]{% endfor %}"
     )
-    with pytest.raises(MixlensError, match="rejects this conversation: only users"):
+    with pytest.raises(MixlensError, match=r"rejects message 2 \(role 'assistant'\): only users"):
         S.chat(tok, CHAT)
     seg = S.chat(tok, [{"role": "user", "content": "hello world"}, {"role": "user", "content": "again"}])
     assert [seg.text[s.char_start : s.char_end] for s in seg.segments] == ["hello world", "again"]

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -293,3 +294,98 @@ def test_the_backward_keeps_no_attention_matrix(family, tokenizer):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), lrp_rules(tr.adapter, tr.model):
         scalar_fn(tr, grad=True)
     assert shapes and not [s for s in shapes if len(s) == 4 and s[1] == heads and s[2:] == (n, n)]
+
+
+def _lrp_families() -> list[tuple[str, str]]:
+    """Every family of the tests' configurations that AttnLRP supports (the registry's `supports`), with the head it
+    is tested on: the causal LM for decoders, a classifier for encoders (the base model where there is none)."""
+    from mixlens.methods.registry import get as get_info
+    from tests.conftest import FAMILIES, family_of, has_head
+
+    out = []
+    for key in FAMILIES:
+        fam = family_of(key)
+        if get_info("attnlrp").supports(fam) is not None:
+            continue
+        head = CAUSAL if fam.causal else CLASSIFIER if has_head(key, CLASSIFIER) else "AutoModel"
+        out.append((key, head))
+    return out
+
+
+def _small_biased_llama(tokenizer):
+    """A Llama with every bias on and random (q/k/v/o and the FFN's), random norm scales, and word embeddings
+    scaled to 1e-3 (activations of the order of the norms' ε): the rules' non-conserving and ε terms all matter."""
+    lens = random_lens("llama", tokenizer, head=CAUSAL, attention_bias=True, mlp_bias=True, rms_norm_eps=1e-6)
+    with torch.no_grad():
+        for name, p in lens.model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+            elif "norm" in name:
+                p.uniform_(0.3, 1.3)
+        lens.model.get_input_embeddings().weight.mul_(1e-3)
+    return lens
+
+
+@pytest.mark.parametrize(("family", "head"), [*_lrp_families(), ("llama-small-biased", CAUSAL)])
+def test_recomputed_layers_equal_the_kept_ones(family, head, tokenizer, monkeypatch):
+    """AttnLRP with each layer recomputed in the backward (activation checkpointing, the rules' hooks live) gives the
+    relevance and the conservation extra of the pass that keeps every layer's activations, to 1e-5 of the largest
+    (float32), for both variants, a padded batch and one input, on every family AttnLRP supports (and a small-norm
+    Llama with random biases)."""
+    from mixlens.methods import attnlrp
+
+    if family == "llama-small-biased":
+        lens = _small_biased_llama(tokenizer)
+    else:
+        lens = random_lens(family, tokenizer, head=head, **({"num_labels": 2} if head == CLASSIFIER else {}))
+    for variant in attnlrp.VARIANTS:
+        for texts in (TEXTS, TEXTS[:1]):
+            tr = lens.trace(lens.encode(texts))
+            got = {}
+            for recompute in (False, True):
+                monkeypatch.setattr(attnlrp, "RECOMPUTE_LAYERS", recompute)
+                out = get("attnlrp").run(tr, variant=variant)
+                got[recompute] = (out.values, out.extras["conservation"])
+            for k in (0, 1):
+                ref = got[False][k]
+                scale = max(1e-30, float(ref.abs().max()))
+                assert float((got[True][k] - ref).abs().max()) / scale < 1e-5, (variant, len(texts), k)
+            assert float(got[True][0].abs().max()) > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_recomputed_pass_keeps_no_layer_activations(family, tokenizer, monkeypatch):
+    """With the layers recomputed, the forward saves nothing of a layer for its backward but its input (no FFN
+    activation [B, n, d_ff]; 4 layers save two [B, n, d] more than 2 layers), where the pass that keeps them saves
+    dozens of tensors a layer. The rules' hooks and the layers'
+    recomputing forward are gone afterwards."""
+    from mixlens.methods import attnlrp
+
+    saved: dict[tuple[bool, int], list[tuple[int, ...]]] = {}
+    for layers in (2, 4):
+        sizes: dict = {"n_layer": layers} if family == "gpt2" else {"num_hidden_layers": layers}
+        if family == "gemma2":
+            sizes["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
+        lens = random_lens(family, tokenizer, head=CAUSAL, **sizes)
+        tr = lens.trace(lens.encode(TEXTS))
+        for recompute in (False, True):
+            monkeypatch.setattr(attnlrp, "RECOMPUTE_LAYERS", recompute)
+            shapes: list[tuple[int, ...]] = []
+
+            def pack(t: torch.Tensor, shapes: list = shapes) -> torch.Tensor:
+                shapes.append(tuple(t.shape))
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                get("attnlrp").run(tr)
+            saved[recompute, layers] = shapes
+        for m in lens.model.modules():
+            assert not m._forward_hooks and not m._forward_pre_hooks and "forward" not in vars(m)
+    cfg = lens.model.config
+    d_ff = 4 * cfg.n_embd if family == "gpt2" else cfg.intermediate_size
+    assert any(s[-1:] == (d_ff,) for s in saved[False, 2])
+    assert not any(s[-1:] == (d_ff,) for s in saved[True, 2] + saved[True, 4])
+    more = {k: Counter(saved[k, 4]) - Counter(saved[k, 2]) for k in (False, True)}
+    assert more[False].total() > 10 * 2  # each layer's activations
+    b, n = tr.mask.shape
+    assert more[True] == Counter({(b, n, 64): 2})  # each layer's input (d = 64), nothing else

@@ -28,18 +28,26 @@ from mixlens.commands.options import (
 )
 
 
+def _out_dir(value: str | None) -> str | None:
+    """`--out`: a local directory is checked as every command's `--out` is; a URI is checked when the run opens it."""
+    if value is not None and "://" not in value:
+        writable_dir(Path(value))
+    return value
+
+
 def register(app: typer.Typer) -> None:
     @app.command("corpus")
     def corpus(
         data: str = data_option(
             "TSV/CSV/JSONL/Parquet/text file, or hf:NAME[:CONFIG]:SPLIT for a Hugging Face dataset (needs `datasets`)."
         ),
-        out: Path = typer.Option(
+        out: str = typer.Option(
             ...,
             "--out",
             "-o",
-            help="Output directory (shards/, aggregate.parquet, manifest.json). Rerunning the same command resumes it.",
-            callback=writable_dir,
+            help="Output directory (shards/, aggregate.parquet, manifest.json), a local path or a filesystem URI "
+            "(file://, s3://, gs://, ...). Rerunning the same command resumes it.",
+            callback=_out_dir,
         ),
         model: str | None = model_option(),
         gguf_file: str | None = gguf_file_option(),
@@ -89,6 +97,12 @@ def register(app: typer.Typer) -> None:
         num_gpus: float | None = typer.Option(
             None, "--num-gpus", help="ray-data: GPUs per actor (default 1 with --device cuda, else 0)."
         ),
+        tokenize_cpus: float | None = typer.Option(
+            None,
+            "--tokenize-cpus",
+            help="ray-data: CPUs each tokenising task asks for (default 0: they run beside the read tasks; give "
+            "them CPUs when the actors leave some free, e.g. GPU actors).",
+        ),
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),
         allow_random_head: bool = allow_random_head_option(),
@@ -130,6 +144,7 @@ def register(app: typer.Typer) -> None:
                 address=address,
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
+                tokenize_cpus=tokenize_cpus,
                 head=pick_model_head(model_head, head),
                 device=device,
                 dtype=dtype,
@@ -160,4 +175,10 @@ def register(app: typer.Typer) -> None:
         )
         if res.manifest.get("ray", {}).get("logs"):
             r = res.manifest["ray"]
-            typer.echo(f"Ray Data: {r['actors']} actors on {r['address']}; Ray logs: {r['logs']}", err=True)
+            nodes = ", ".join(f"{k}: {v}" for k, v in r.get("nodes", {}).items())
+            typer.echo(
+                f"Ray Data: {r['actors']} actors on {r['address']}"
+                + (f"; examples computed per node: {nodes}" if nodes else "")
+                + f"; Ray logs: {r['logs']}",
+                err=True,
+            )

@@ -24,7 +24,8 @@ from mixlens.commands.options import (
 )
 from mixlens.errors import MixlensError
 
-FORMATS = ("table", "json", "html")
+FORMATS = ("table", "json", "html", "png")
+DEFAULT_OUT = {"html": Path("mixlens-explain.html"), "png": Path("mixlens-explain.png")}
 
 
 def register(app: typer.Typer) -> None:
@@ -46,20 +47,28 @@ def register(app: typer.Typer) -> None:
         target: str | None = typer.Option(
             None,
             "--target",
-            help="Class index or label name (classifiers), or a token (causal LMs); default: the prediction.",
+            help="Class index or label name (classifiers), or a token or phrase (causal LMs); default: the prediction.",
         ),
         foil: str | None = typer.Option(
-            None, "--foil", help="Contrast token/class: explain logit(target) − logit(foil)."
+            None, "--foil", help="Contrast token/class/phrase: explain score(target) − score(foil)."
+        ),
+        answer: str | None = typer.Option(
+            None,
+            "--answer",
+            help="Causal LMs: explain every token of this answer after the text at once ([answer × context] per "
+            "method, docs/reference/answers.md).",
         ),
         generate: int = typer.Option(
-            0, "--generate", min=0, help="Causal LMs: generate N tokens greedily and explain each."
+            0, "--generate", min=0, help="Causal LMs: generate N tokens greedily and explain them as the answer."
         ),
-        fmt: str = typer.Option("table", "--format", "-f", help="table (terminal), json or html."),
+        fmt: str = typer.Option(
+            "table", "--format", "-f", help="table (terminal), json, html or png (the segments' figure)."
+        ),
         out: Path | None = typer.Option(
             None,
             "--out",
             "-o",
-            help="Output file (json: default stdout; html: default mixlens-explain.html).",
+            help="Output file (json: default stdout; html: default mixlens-explain.html; png: mixlens-explain.png).",
             callback=writable_file,
         ),
         seed: int = typer.Option(0, "--seed", help="Seed of the sampling methods (gradient_shap, lime)."),
@@ -78,7 +87,8 @@ def register(app: typer.Typer) -> None:
         separator: str | None = typer.Option(None, "--separator", help="Segments: the passages between these."),
     ) -> None:
         """Explain a prediction: each token's score for the target, per method; with segments (--chat, --span,
-        --marker, --separator) also each segment's score (the sum of its tokens' scores), ranked (table format)."""
+        --marker, --separator) also each segment's score (the sum of its tokens' scores): ranked in the table, in the
+        JSON and the HTML page, and drawn with the answer × segments heatmap by --format png."""
         from mixlens.commands.output import check_writable, progress
         from mixlens.explain import explain
         from mixlens.lens import load
@@ -86,8 +96,17 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in FORMATS:
             raise MixlensError(f"unknown format '{fmt}'; valid: {', '.join(FORMATS)}")
-        if out is not None or fmt == "html":
-            check_writable(out or Path("mixlens-explain.html"))  # before any work
+        if answer is not None and target is not None:
+            raise MixlensError("--answer explains the answer's tokens; drop --target")
+        if fmt == "png" and not (chat or span or marker or separator):
+            raise MixlensError(
+                "--format png draws the segments: give --chat, --span, --marker or --separator "
+                "(a figure of token scores: mixlens plot)"
+            )
+        if fmt == "png" and out is not None and out.suffix.lower() != ".png":
+            raise MixlensError(f"--format png writes a .png file, not '{out.name}'")
+        if out is not None or fmt in DEFAULT_OUT:
+            check_writable(out or DEFAULT_OUT[fmt])  # before any work
         messages = segment_request(text, chat, span, marker, separator, generate)
         lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
         if messages is not None:
@@ -97,11 +116,30 @@ def register(app: typer.Typer) -> None:
         warn_unspaced(lens, text[0], target, foil)
         chosen = chosen_methods(lens, method)
         with progress(len(text), "explain") as step:
-            res = explain(lens, text, chosen, target=target, foil=foil, generate=generate, seed=seed, progress=step)
+            res = explain(
+                lens,
+                text,
+                chosen,
+                target=target,
+                foil=foil,
+                answer=answer,
+                generate=generate,
+                seed=seed,
+                progress=step,
+            )
+        if messages is not None or span or marker or separator is not None:
+            res.segments = segment_inputs(lens, res, messages, span, marker, separator)
         if fmt == "html":
-            dest = out or Path("mixlens-explain.html")
+            dest = out or DEFAULT_OUT[fmt]
             atomic_write(dest, res.html().encode())
             typer.echo(f"wrote {dest}", err=True)
+        elif fmt == "png":
+            from mixlens.viz.segments import segments_figure
+            from mixlens.viz.static import save_figure
+
+            dest = out or DEFAULT_OUT[fmt]
+            save_figure(segments_figure(res), dest)
+            typer.echo(f"wrote the segments figure to {dest}", err=True)
         elif fmt == "json":
             if out is None:
                 sys.stdout.write(res.dumps() + "\n")
@@ -109,9 +147,7 @@ def register(app: typer.Typer) -> None:
                 atomic_write(out, res.dumps().encode())
                 typer.echo(f"wrote {out}", err=True)
         else:
-            res.show()
-            if messages is not None or span or marker or separator is not None:
-                show_segments(lens, res, messages, span, marker, separator)
+            res.show()  # with the segments, ranked, where given
             if out is not None:
                 atomic_write(out, res.dumps().encode())
                 typer.echo(f"wrote {out}", err=True)
@@ -381,31 +417,36 @@ def segment_request(
     generate: int,
 ) -> list[dict[str, str]] | None:
     """Check explain's texts and segment options before the model loads; the conversation of --chat, if given."""
-    from mixlens.explain.segments import read_chat
+    from mixlens.explain.segments import check_text, read_chat
 
     kinds = [k for k, v in (("--chat", chat), ("--span", span), ("--marker", marker), ("--separator", separator)) if v]
     if len(kinds) > 1:
         raise MixlensError(f"give one kind of segments, not {' and '.join(kinds)}")
-    if kinds and generate:
-        raise MixlensError(f"{kinds[0]} explains the given input; drop --generate")
     if chat is not None:
         if text:
             raise MixlensError("--chat explains the conversation: give no TEXT")
         return read_chat(chat)
     if not text:
         raise MixlensError("give one or more texts (or --chat)")
+    ranges = []
     for s in span or []:
         start, _, end = s.partition(":")
         if not (start.strip().isdigit() and end.strip().isdigit()):
             raise MixlensError(f"--span '{s}' must be START:END character positions, e.g. 0:120")
+        ranges.append((int(start), int(end)))
+    for k, t in enumerate(text, 1):
+        try:
+            check_text(t, ranges, marker, separator)
+        except MixlensError as e:
+            raise MixlensError(f"text {k}: {e}" if len(text) > 1 else str(e)) from None
     return None
 
 
-def show_segments(lens, res, messages, span, marker, separator) -> None:
-    """Each input's segments ranked by score, per method (the sum of the segment's tokens' scores; the tokens in
-    no segment are summed as 'outside')."""
+def segment_inputs(lens, res, messages, span, marker, separator) -> list:
+    """Each explained input's segments (`Segment`s over the tokens it was explained with), for `res.segments`."""
     from mixlens.explain import segments as S
 
+    found = []
     for b, ex in enumerate(res.inputs):
         if messages is not None:
             seg = S.chat(lens.tokenizer, messages)
@@ -418,19 +459,14 @@ def show_segments(lens, res, messages, span, marker, separator) -> None:
             seg = S.markers(lens.tokenizer, ex.text, marker)
         else:
             seg = S.passages(lens.tokenizer, ex.text, separator)
-        if len(seg.input_ids) != len(ex.tokens):
+        answer = getattr(ex, "answer", None)  # an explained answer: the segments are of its prompt's tokens
+        n = len(ex.tokens) if answer is None else int(answer["start"])
+        if len(seg.input_ids) != n if answer is None else any(s.end > n for s in seg.segments):
             raise MixlensError(
-                f"input {b + 1} was explained over {len(ex.tokens)} tokens (truncated?), its segments cover "
-                f"{len(seg.input_ids)}"
+                f"input {b + 1} was explained over {n} tokens (truncated?), its segments cover {len(seg.input_ids)}"
             )
-        typer.echo(f"\nsegments of input {b + 1} (score = sum of the segment's token scores), highest first:")
-        for m, scores in ex.scores.items():
-            ranked = seg.ranked(scores)
-            width = max(len(label) for label, _ in ranked)
-            typer.echo(f"  {m}:")
-            for label, value in ranked:
-                typer.echo(f"    {label:<{width}}  {value:+.4g}")
-            typer.echo(f"    {'(outside)':<{width}}  {float(seg.outside_score(scores)):+.4g}")
+        found.append(seg.segments)
+    return found
 
 
 SPACE_ODDS = 10.0  # the spaced form this many times likelier than the word as typed: warn

@@ -39,6 +39,7 @@ class View(str, Enum):
     bipartite = "bipartite"
     routes = "routes"
     logit_layers = "logit-layers"
+    segments = "segments"
 
 
 MAX_PANELS = 4
@@ -108,6 +109,30 @@ def _logit_layers(
         raise MixlensError(f"{len(res.texts)} inputs: a logit-layers figure holds at most {MAX_PANELS} panels")
     static.save_figure(logit_layers_figure(res, list(range(len(res.texts))), chosen), out)
     typer.echo(f"wrote the per-layer logit figure to {out}", err=True)
+
+
+def _segments(text: list[str] | None, out: Path, from_file: Path | None) -> None:
+    """`plot --view segments`: the ranked segments and the answer tokens × segments heatmap of a saved explanation
+    with segments (`explain --chat/--span/--marker/--separator -f json -o F`)."""
+    from mixlens.viz import static
+    from mixlens.viz.segments import segments_figure
+
+    if out.suffix.lower().lstrip(".") not in static.FORMATS:
+        raise MixlensError(f"--out must end in .png, .svg or .pdf, not '{out.name}'")
+    if from_file is None:
+        raise MixlensError(
+            "--view segments draws a saved explanation with segments (--from FILE); for TEXT use mixlens explain "
+            "with --chat, --span, --marker or --separator and --format png"
+        )
+    res = read_saved(from_file, text, None)
+    if getattr(res, "segments", None) is None:
+        raise MixlensError(
+            f"{from_file} holds no segments (explain with --chat, --span, --marker or --separator, -f json -o FILE)"
+        )
+    if len(res.texts) > MAX_PANELS:
+        raise MixlensError(f"{from_file} holds {len(res.texts)} inputs: a segments figure holds at most {MAX_PANELS}")
+    static.save_figure(segments_figure(res), out)
+    typer.echo(f"wrote the segments figure to {out}", err=True)
 
 
 def with_request(
@@ -269,8 +294,9 @@ def register(app: typer.Typer) -> None:
         view: View = typer.Option(
             View.heatmap,
             "--view",
-            help="heatmap, bipartite, ratio, routes or logit-layers (alti_logit / logit_attn per layer; --from an "
-            "explanation, or TEXT).",
+            help="heatmap, bipartite, ratio, routes, logit-layers (alti_logit / logit_attn per layer; --from an "
+            "explanation, or TEXT) or segments (ranked segments and answer tokens × segments; --from an explanation "
+            "with segments).",
         ),
         method: str = typer.Option(
             PLOT_METHOD,
@@ -303,6 +329,9 @@ def register(app: typer.Typer) -> None:
         head = attention_head
         if view is View.logit_layers:
             _logit_layers(text, out, model, gguf_file, method, model_head, from_file)
+            return
+        if view is View.segments:
+            _segments(text, out, from_file)
             return
         if view is View.routes:
             method = catalog.defaults("routes")[0]  # the routes figure draws this method's graph

@@ -40,6 +40,7 @@ from mixlens.batching import Tokenized
 from mixlens.corpus import shards as sh
 from mixlens.corpus.compute import compute_shard
 from mixlens.corpus.job import Job
+from mixlens.corpus.outdir import OutDir
 from mixlens.corpus.readers import (
     FORMATS,
     HF_PREFIX,
@@ -53,10 +54,10 @@ from mixlens.corpus.readers import (
     resolve_columns,
 )
 from mixlens.errors import MixlensError
-from mixlens.result import atomic_write
 
 SKIP_DIR = sh.SKIPPED_DIR  # DIR/skipped/part-00000.json: each read task's bad-record counts (a rerun rewrites them)
 PART_ROWS = 16384  # Parquet rows per read task (whole row groups)
+OOM_WORDS = ("running low on memory", "node_out_of_memory")  # how Ray says its memory monitor killed a worker
 RETRIES = 2  # restarts of a dead actor, and retries of its batch on another one
 
 
@@ -162,7 +163,7 @@ def _block(examples: list[Example], pair: bool) -> pa.Table:
 
 
 def read_part(
-    part: Part, fmt: str, tcol: str, pcol: str | None, strict: bool, done: Any, out: str, block_rows: int
+    part: Part, fmt: str, tcol: str, pcol: str | None, strict: bool, done: Any, out: OutDir, block_rows: int
 ) -> Iterator[pa.Table]:
     """One read task: the part's examples not yet in a shard, as blocks of `block_rows` (one shard each, so that
     every block is one task of the actor pool); its bad-record counts go to DIR/skipped."""
@@ -186,15 +187,17 @@ def read_part(
     if buf:
         yield _block(buf, pcol is not None)
     counts = {k: v for k, v in stats.as_dict().items() if k != "read"}
-    atomic_write(Path(out) / SKIP_DIR / f"part-{part.pid:05d}.json", json.dumps(counts).encode())
+    out.write(f"{SKIP_DIR}/part-{part.pid:05d}.json", json.dumps(counts).encode())
 
 
-def skipped_counts(out: Path) -> dict[str, int]:
+def skipped_counts(out: OutDir) -> dict[str, int]:
     """Bad records skipped so far, summed over the read tasks that finished."""
     total = {k: 0 for k in ("undecodable", "malformed", "empty")}
-    for p in sorted((out / SKIP_DIR).glob("part-*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            for k, v in json.loads(p.read_text()).items():
+    for name in out.names(SKIP_DIR):
+        if not (name.startswith("part-") and name.endswith(".json")):
+            continue
+        with contextlib.suppress(MixlensError, ValueError, TypeError, AttributeError):
+            for k, v in json.loads(out.read(f"{SKIP_DIR}/{name}")).items():
                 total[k] = total.get(k, 0) + int(v)
     return total
 
@@ -240,11 +243,15 @@ def tokenize_block(batch: pa.Table, job: Job) -> pa.Table:
 class ShardWriter:
     """An actor of the pool: holds one loaded model; each batch becomes one shard file written to DIR/shards."""
 
-    def __init__(self, job: Job, out: str, threads: int) -> None:
+    def __init__(self, job: Job, out: OutDir, threads: int) -> None:
         import torch
 
         torch.set_num_threads(threads)
-        self.job, self.out = job, Path(out)
+        self.job, self.out = job, out
+        import ray
+
+        # the driver's summary counts examples per node: its IP and the start of its id (nodes may share an IP)
+        self.node = f"{ray.util.get_node_ip_address()} {ray.get_runtime_context().get_node_id()[:8]}"
         self.lens: Any
         try:
             self.lens = job.load()
@@ -263,24 +270,27 @@ class ShardWriter:
             types = rows["types"] if all(x is not None for x in rows["types"]) else None
             tokenized = Tokenized.restore(rows["ids"], types, rows["words"], rows["truncated_from"])
         payload, info = compute_shard(self.lens, self.job, shard_id, examples, tokenized=tokenized)
-        atomic_write(sh.shard_path(self.out, shard_id), payload)
-        return pa.table({"info": [json.dumps(info)]})
+        self.out.write(sh.shard_file(shard_id), payload)
+        return pa.table({"info": [json.dumps(info)], "node": [self.node]})
 
 
-def claimed_indexes(out: Path, done: dict[int, dict]) -> np.ndarray:
+def claimed_indexes(out: OutDir, done: dict[int, dict]) -> np.ndarray:
     """The sorted source indexes the finished shards hold. A shard whose every index another (lower-numbered) shard
     holds too (a batch Ray ran again after its first result was written) is removed; a partial overlap is an error."""
     seen: list[np.ndarray] = []
     have = np.empty(0, np.int64)
     for s in sorted(done):
-        idx = pq.read_table(sh.shard_path(out, s), columns=["index"])["index"].to_numpy()
+        with out.open(sh.shard_file(s)) as f:
+            idx = pq.read_table(f, columns=["index"])["index"].to_numpy()
         dup = np.isin(idx, have)
         if dup.all():
-            sh.shard_path(out, s).unlink()
+            out.delete(sh.shard_file(s))
             del done[s]
             continue
         if dup.any():
-            raise MixlensError(f"{sh.shard_path(out, s)} repeats source indexes another shard holds; use --overwrite")
+            raise MixlensError(
+                f"{out.show(sh.shard_file(s))} repeats source indexes another shard holds; use --overwrite"
+            )
         seen.append(idx)
         have = np.union1d(have, idx)
     return have
@@ -334,9 +344,10 @@ def explain_failure(e: BaseException, ray: Any) -> str:
     seen: set[int] = set()
     x: BaseException | None = e
     found: str | None = None
+    plain: str | None = None  # the first error raised by code outside Ray (a bug, a missing module, ...)
     while x is not None and id(x) not in seen:
         seen.add(id(x))
-        if isinstance(x, ray.exceptions.OutOfMemoryError):
+        if isinstance(x, ray.exceptions.OutOfMemoryError) or any(k in str(x).lower() for k in OOM_WORDS):
             return (
                 "an actor was killed by Ray's out-of-memory killer (use fewer --concurrency or more memory per actor)"
             )
@@ -344,14 +355,46 @@ def explain_failure(e: BaseException, ray: Any) -> str:
             found = f"an actor died and was restarted {RETRIES} times ({_first_line(x)})"
         elif isinstance(x, MixlensError) and not isinstance(x, ray.exceptions.RayError):
             return str(x)
+        elif plain is None and not type(x).__module__.startswith("ray"):
+            plain = f"{type(x).__name__}: {_first_line(x)}"
         x = getattr(x, "cause", None) or x.__cause__ or x.__context__
-    return found or _first_line(e)
+    return found or plain or _first_line(e)
+
+
+def missing_ranges(claimed: np.ndarray, total: int, most: int = 4) -> tuple[int, str]:
+    """(how many of the source indexes 0..total-1 no shard holds, those indexes as ranges: '16–23, 40–59, …')."""
+    missing = np.setdiff1d(np.arange(total, dtype=np.int64), claimed)
+    if not missing.size:
+        return 0, ""
+    cut = np.flatnonzero(np.diff(missing) != 1)
+    starts, ends = np.r_[missing[0], missing[cut + 1]], np.r_[missing[cut], missing[-1]]
+    ranges = [f"{a}" if a == b else f"{a}–{b}" for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    more = f", … ({len(ranges) - most} more ranges)" if len(ranges) > most else ""
+    return int(missing.size), ", ".join(ranges[:most]) + more
+
+
+def check_resources(ray: Any, actors: int, cpus: float, gpus: float, tokenize_cpus: float) -> None:
+    """Fail with one line on a pool the cluster cannot place (Ray Data would wait for it for ever): an actor or a
+    tokenising task larger than every node, or actors that leave no CPU for the tokenising tasks that ask for some."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    total = sum(r.get("CPU", 0.0) for r in nodes)
+    asks = (("--num-cpus", cpus, "CPU"), ("--num-gpus", gpus, "GPU"), ("--tokenize-cpus", tokenize_cpus, "CPU"))
+    for flag, want, kind in asks:
+        most = max((r.get(kind, 0.0) for r in nodes), default=0.0)
+        if want > most:
+            raise MixlensError(f"{flag} {want:g}: no node of the Ray cluster has {want:g} {kind}s (the most: {most:g})")
+    if tokenize_cpus and actors * cpus + tokenize_cpus > total:
+        raise MixlensError(
+            f"{actors} actors of {cpus:g} CPUs and tokenising tasks of --tokenize-cpus {tokenize_cpus:g} need more "
+            f"than the cluster's {total:g} CPUs; use a smaller --concurrency or --tokenize-cpus"
+        )
 
 
 @contextlib.contextmanager
 def _data_context(block_bytes: int) -> Iterator[None]:
-    """Ray Data's settings for one run (restored after): no progress bars or INFO lines of its own on the terminal
-    (ours counts examples; its log file keeps everything), and blocks of `block_bytes`."""
+    """Ray Data's settings for one run (restored after): nothing of its own on the terminal, no progress bars, INFO
+    lines or error tracebacks (ours counts examples and a failure is one line; its log file keeps everything), and
+    blocks of `block_bytes`."""
     import logging
     import warnings
 
@@ -361,7 +404,14 @@ def _data_context(block_bytes: int) -> Iterator[None]:
     log = logging.getLogger("ray.data")
     saved = (ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size, log.level)
     ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size = False, False, block_bytes
-    log.setLevel(logging.WARNING)
+    consoles = [  # the terminal's handler, not the session's log file
+        h for h in log.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
+    levels = [h.level for h in consoles]
+    for h in consoles:
+        h.setLevel(logging.CRITICAL + 1)
+    if not consoles:
+        log.setLevel(logging.CRITICAL + 1)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated", category=DeprecationWarning)
@@ -370,6 +420,8 @@ def _data_context(block_bytes: int) -> Iterator[None]:
     finally:
         ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size, level = saved
         log.setLevel(level)
+        for h, lv in zip(consoles, levels, strict=True):
+            h.setLevel(lv)
 
 
 @dataclass
@@ -387,7 +439,7 @@ class Cluster:
 
 def run(
     data: str,
-    out: Path,
+    out_arg: str | Path | OutDir,
     job: Job,
     fmt: str | None,
     text_column: str | None,
@@ -399,7 +451,17 @@ def run(
     progress: bool,
 ):
     """The Ray Data run of `job` (its data, columns and stamp are filled in here); see the module doc."""
-    from mixlens.corpus.runner import CorpusResult, _check_model, _check_out, _locked, _Progress, build_manifest
+    from mixlens.corpus.runner import (
+        CorpusResult,
+        _check_model,
+        _check_out,
+        _locked,
+        _Progress,
+        _shown,
+        build_manifest,
+    )
+
+    out = OutDir.of(out_arg)
 
     is_hf = data.startswith(HF_PREFIX)
     files = [] if is_hf else input_files(data, fmt)
@@ -422,16 +484,11 @@ def run(
         data_file={"files": stamp} if stamp else None,
         layout="index",
     )
-    if "://" in str(out):
-        raise MixlensError("--out must be a directory every Ray node can write (local or a shared mount), not a URI")
     _check_model(job.model, job.gguf_file, None, job.max_length, pcol is not None)
     with _locked(out):
         _check_out(out, job, overwrite)
-        try:
-            (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
-            (out / SKIP_DIR).mkdir(exist_ok=True)
-        except OSError as e:
-            raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
+        out.mkdir(sh.SHARD_DIR)
+        out.mkdir(SKIP_DIR)
         sh.remove_stale_temps(out)
         old = sh.read_manifest(out)
         done = sh.finished_shards(out, job.job_id)
@@ -448,6 +505,7 @@ def run(
         sh.write_manifest(out, manifest(False))
         if not was_complete:  # a finished run is only checked and its aggregate rewritten: no Ray is started
             ray, started, logs = start_ray(cluster.address)
+            total: int | None = None
             try:
                 res = ray.cluster_resources()
                 gpus = (
@@ -456,15 +514,16 @@ def run(
                     else (1.0 if job.device.startswith("cuda") else 0.0)
                 )
                 cpus = cluster.num_cpus if cluster.num_cpus is not None else (0.0 if gpus else 1.0)
-                n = cluster.concurrency or max(
-                    1, int(res.get("GPU", 0) / gpus if gpus else res.get("CPU", 1) / max(cpus, 1))
-                )
+                free = res.get("CPU", 1) - cluster.tokenize_cpus  # CPUs the tokenising tasks leave to the actors
+                n = cluster.concurrency or max(1, int(res.get("GPU", 0) / gpus if gpus else free / max(cpus, 1)))
+                check_resources(ray, n, cpus, gpus, cluster.tokenize_cpus)
                 ray_info.update(
                     {
                         "address": cluster.address or "local",
                         "actors": n,
                         "num_cpus": cpus,
                         "num_gpus": gpus,
+                        "tokenize_cpus": cluster.tokenize_cpus,
                         "logs": logs,
                     }
                 )
@@ -487,7 +546,7 @@ def run(
                         return [
                             ReadTask(
                                 functools.partial(
-                                    read_part, p, fmt or "text", tcol, pcol, strict, done_ref, str(out), job.shard_size
+                                    read_part, p, fmt or "text", tcol, pcol, strict, done_ref, out, job.shard_size
                                 ),
                                 BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None),
                             )
@@ -506,7 +565,7 @@ def run(
                     )
                     ds = ds.map_batches(
                         ShardWriter,
-                        fn_constructor_args=(job, str(out), max(1, int(cpus or 1))),
+                        fn_constructor_args=(job, out, max(1, int(cpus or 1))),
                         batch_size=job.shard_size,
                         batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(size=n),
@@ -515,12 +574,15 @@ def run(
                         max_restarts=RETRIES,
                         max_task_retries=RETRIES,
                     )
+                    nodes: dict[str, int] = dict(ray_info.get("nodes", {}))  # examples computed per node
                     for b in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                        for text in b["info"].to_pylist():
+                        for text, node in zip(b["info"].to_pylist(), b["node"].to_pylist(), strict=True):
                             info = json.loads(text)
                             done[int(info["shard"])] = info
+                            nodes[node] = nodes.get(node, 0) + int(info["examples"])
                             if bar:
                                 bar.advance(info["examples"])
+                        ray_info["nodes"] = dict(sorted(nodes.items()))
                         sh.write_manifest(out, manifest(False))
             except KeyboardInterrupt:  # the manifest names every shard written so far, then the CLI says how to resume
                 done.update(sh.finished_shards(out, job.job_id))
@@ -531,12 +593,18 @@ def run(
                 if not from_ray:
                     raise
                 done.update(sh.finished_shards(out, job.job_id))
-                sh.write_manifest(out, manifest(False))
+                why = explain_failure(e, ray)
                 kept = sum(i["examples"] for i in done.values())
+                lost = ""
+                if total is not None:
+                    m, ranges = missing_ranges(claimed_indexes(out, done), total)
+                    lost = f"; {m} of {total} rows are in no shard (source indexes {ranges})" if m else ""
+                    ray_info["lost_rows"] = m
+                ray_info["stopped"] = why
+                sh.write_manifest(out, manifest(False))
                 raise MixlensError(
-                    f"the Ray Data run stopped: {explain_failure(e, ray)}; {len(done)} shards ({kept} examples) are "
-                    f"kept in {out}, rerun the same command to compute the rest"
-                    + (f" (Ray logs: {logs})" if logs else "")
+                    f"the Ray Data run stopped: {why}; {len(done)} shards ({kept} examples) are kept in {out}{lost}; "
+                    "rerun the same command to compute the rest" + (f" (Ray logs: {logs})" if logs else "")
                 ) from None
             finally:
                 if started:
@@ -546,4 +614,4 @@ def run(
         sh.write_aggregate(out, sh.merge_shards(out, list(done)))
         final = manifest(True)
         sh.write_manifest(out, final)
-        return CorpusResult(out, final)
+        return CorpusResult(_shown(out_arg), final)

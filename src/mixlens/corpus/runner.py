@@ -23,6 +23,7 @@ import pyarrow as pa
 from mixlens.corpus import shards as sh
 from mixlens.corpus.backends import Backend, LocalBackend, ProcessBackend, RayBackend
 from mixlens.corpus.job import BACKENDS, IDENTITY, OLD_DEFAULTS, STORES, Job, chunks, file_stamp
+from mixlens.corpus.outdir import OutDir, is_uri
 from mixlens.corpus.readers import ReadStats, count_records, examples_from, open_records, resolve_columns
 from mixlens.errors import MixlensError
 from mixlens.methods import check_options
@@ -38,34 +39,50 @@ __all__ = ["CorpusResult", "Job", "plan_batches", "run_corpus"]
 
 @dataclass
 class CorpusResult:
-    """A finished (or partly finished) corpus directory."""
+    """A finished (or partly finished) corpus directory (`out`: a local path, or the URI it was written to)."""
 
-    out: Path
+    out: Path | str | OutDir
     manifest: dict
 
+    @property
+    def dir(self) -> OutDir:
+        return OutDir.of(self.out)
+
     @classmethod
-    def open(cls, out: str | Path) -> CorpusResult:
-        out = Path(out)
-        m = sh.read_manifest(out)
+    def open(cls, out: str | Path | OutDir) -> CorpusResult:
+        d = OutDir.of(out)
+        m = sh.read_manifest(d)
         if m is None:
-            raise MixlensError(f"{out} holds no mixlens corpus run (no {sh.MANIFEST})")
-        return cls(out, m)
+            raise MixlensError(f"{d} holds no mixlens corpus run (no {sh.MANIFEST})")
+        return cls(_shown(out), m)
 
     def aggregate(self):
         """The aggregate table as a pandas DataFrame (stat, method, layer, head, count, mean, std, min, max)."""
         import pyarrow.parquet as pq
 
-        return pq.read_table(self.out / sh.AGGREGATE).to_pandas()
+        d = self.dir
+        with d.open(sh.AGGREGATE) as f:
+            return pq.read_table(f).to_pandas()
 
     def examples(self, columns: list[str] | None = None):
         """All per-example rows, in input order, as a pandas DataFrame."""
         import pyarrow.parquet as pq
 
+        d = self.dir
         ids = sorted(int(s["shard"]) for s in self.manifest["shards"])
-        t = pa.concat_tables([pq.read_table(sh.shard_path(self.out, s), columns=columns) for s in ids])
+        tables = []
+        for s in ids:
+            with d.open(sh.shard_file(s)) as f:
+                tables.append(pq.read_table(f, columns=columns))
+        t = pa.concat_tables(tables)
         if self.manifest.get("job", {}).get("layout") == "index" and "index" in t.column_names:
             t = t.sort_by("index")  # Ray Data shards hold the rows in the order they streamed in
         return t.to_pandas()
+
+
+def _shown(out: str | Path | OutDir) -> Path | str | OutDir:
+    """What `CorpusResult.out` holds: a Path for a local folder, the URI (or the OutDir) otherwise."""
+    return out if isinstance(out, OutDir) or is_uri(out) else Path(out)
 
 
 def _check_model(
@@ -94,17 +111,20 @@ def _check_model(
 LOCK = ".mixlens-corpus.lock"  # in --out: held (flock) by the run writing there; holds its pid and command
 
 
-def _locked(out: Path) -> contextlib.AbstractContextManager[None]:
-    """Hold an exclusive lock on the output directory for the whole run: a second run into the same --out (another
-    job or the same one) is refused with one line naming the running one. A folder this run created is removed
-    again when the run fails before writing its manifest (nothing is left behind)."""
+def _locked(out: OutDir) -> contextlib.AbstractContextManager[None]:
+    """Hold an exclusive lock on a local output directory for the whole run: a second run into the same --out
+    (another job or the same one) is refused with one line naming the running one. A folder this run created is
+    removed again when the run fails before writing its manifest (nothing is left behind). A directory on another
+    filesystem (an object store) is not locked: two runs into the same URI at once are the user's to avoid."""
     from mixlens.commands.options import INVOCATION
 
+    if out.local is None:
+        return contextlib.nullcontext()
     command = shlex.join(["mixlens", *INVOCATION]) if INVOCATION else sys.argv[0]
-    return run_lock(out, LOCK, command, "corpus", (out / sh.MANIFEST).exists)
+    return run_lock(out.local, LOCK, command, "corpus", (out.local / sh.MANIFEST).exists)
 
 
-def _check_out(out: Path, job: Job, overwrite: bool) -> None:
+def _check_out(out: OutDir, job: Job, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise MixlensError(f"--out {out} exists and is not a directory")
     old = sh.read_manifest(out) if out.is_dir() and not overwrite else None
@@ -121,14 +141,14 @@ def _check_out(out: Path, job: Job, overwrite: bool) -> None:
         if diff:
             what = "; ".join(f"{k}: {was_job.get(k)!r} → {now_job[k]!r}" for k in diff[:3])
             raise MixlensError(f"{out} holds a different run ({what}); use --overwrite to replace it or another --out")
-    elif out.is_dir() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
+    elif out.is_dir() and any(name != LOCK for name in out.names()) and not overwrite:
         raise MixlensError(f"--out {out} is not empty and holds no mixlens run; use --overwrite or another --out")
     if overwrite and out.is_dir():
         sh.clear_run(out)
 
 
 def build_manifest(
-    out: Path, job: Job, done: dict[int, dict], resumed: int, skipped: dict[str, int], params: dict, complete: bool
+    out: OutDir, job: Job, done: dict[int, dict], resumed: int, skipped: dict[str, int], params: dict, complete: bool
 ) -> dict:
     """The manifest of a run: job identity, parameters, the finished shards (`done`: shard id → info) and counts
     (`skipped`: undecodable / malformed / empty records)."""
@@ -148,7 +168,7 @@ def build_manifest(
         "shards": [
             {
                 "shard": i["shard"],
-                "file": str(sh.shard_path(out, i["shard"]).relative_to(out)),
+                "file": sh.shard_file(i["shard"]),
                 "examples": i["examples"],
                 "truncated": i["truncated"],
             }
@@ -165,7 +185,7 @@ def build_manifest(
 
 def run_corpus(
     data: str | Path,
-    out: str | Path,
+    out: str | Path | OutDir,
     methods: list[str] | tuple[str, ...] | None = None,
     *,
     model: str | None = None,
@@ -193,14 +213,17 @@ def run_corpus(
     dtype: str = "float32",
     num_cpus: float | None = None,
     num_gpus: float | None = None,
+    tokenize_cpus: float | None = None,
 ) -> CorpusResult:
     """Run `methods` over every example of `data` and write shards, aggregate and manifest to `out`.
 
-    `data`: a TSV/CSV/JSONL/Parquet/text file or `hf:NAME[:CONFIG]:SPLIT`. `lens` (in-process only) overrides
-    `model` (`gguf_file`: a GGUF file in the `model` directory). Rerunning the same call resumes: finished shards are
-    kept and not recomputed. `backend='local'` with `workers` > 1 uses worker processes; `backend='ray'` uses Ray
-    actors (`address`: an existing cluster); `backend='ray-data'` runs on Ray Data (`workers` actors with `num_cpus`
-    / `num_gpus` each; `data` may also be a folder of Parquet files or a pyarrow filesystem URI).
+    `data`: a TSV/CSV/JSONL/Parquet/text file or `hf:NAME[:CONFIG]:SPLIT`. `out`: a local folder, a pyarrow
+    filesystem URI (`file://`, `s3://`, `gs://`, ...) or an `OutDir` (a folder on any `pyarrow.fs.FileSystem`).
+    `lens` (in-process only) overrides `model` (`gguf_file`: a GGUF file in the `model` directory). Rerunning the
+    same call resumes: finished shards are kept and not recomputed. `backend='local'` with `workers` > 1 uses worker
+    processes; `backend='ray'` uses Ray actors (`address`: an existing cluster); `backend='ray-data'` runs on Ray
+    Data (`workers` actors with `num_cpus` / `num_gpus` each, tokenising tasks of `tokenize_cpus` CPUs; `data` may
+    also be a folder of Parquet files or a pyarrow filesystem URI).
     `dtype`, `device`: as `mixlens.load` takes them.
     """
     from mixlens.lens import DEFAULT_METHODS, dtype_name, resolve_device
@@ -223,6 +246,11 @@ def run_corpus(
     ):
         if v < 1:
             raise MixlensError(f"{name} must be at least 1 (got {v})")
+    for name, r in (("--num-cpus", num_cpus), ("--num-gpus", num_gpus), ("--tokenize-cpus", tokenize_cpus)):
+        if r is not None and not (0 <= r < float("inf")):
+            raise MixlensError(f"{name} must be a number of at least 0 (got {r})")
+        if r is not None and backend != "ray-data":
+            raise MixlensError(f"{name} applies to --backend ray-data only")
     if lens is not None and (backend != "local" or (workers or 1) > 1):
         raise MixlensError("a Lens object can only run in-process; pass a model path for workers or Ray")
     if heads and not any(s.head_dims for s in specs):
@@ -260,9 +288,9 @@ def run_corpus(
         from mixlens.corpus import raydata
 
         template = job_for(str(data), "", None)
-        cluster = raydata.Cluster(address, workers, num_cpus, num_gpus)
+        cluster = raydata.Cluster(address, workers, num_cpus, num_gpus, tokenize_cpus or 0.0)
         return raydata.run(
-            str(data), Path(out), template, fmt, text_column, pair_column, strict, overwrite, cluster, params, progress
+            str(data), out, template, fmt, text_column, pair_column, strict, overwrite, cluster, params, progress
         )
     stats = ReadStats()
     # Everything that needs no model fails here, before it loads and before --out is made: missing/empty file, bad
@@ -274,7 +302,7 @@ def run_corpus(
     is_file = not (isinstance(data, str) and data.startswith("hf:"))
     path = Path(data).expanduser().resolve() if is_file else None
     job = job_for(str(path or data), tcol, pcol, file_stamp(path) if path else None)
-    out = Path(out)
+    shown, out = _shown(out), OutDir.of(out)
     _check_model(model, gguf_file, lens, max_length, pcol is not None)
     if out.exists() and not out.is_dir():
         raise MixlensError(f"--out {out} exists and is not a directory")
@@ -282,10 +310,7 @@ def run_corpus(
         _check_out(out, job, overwrite)
         if lens is None and backend == "local" and (workers or 1) == 1:
             lens = job.load()
-        try:
-            (out / sh.SHARD_DIR).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise MixlensError(f"cannot write to '{out}': {e.strerror or e}") from None
+        out.mkdir(sh.SHARD_DIR)
         sh.remove_stale_temps(out)
         done = sh.finished_shards(out, job.job_id)
         resumed = len(done)
@@ -307,7 +332,7 @@ def run_corpus(
 
         def collect() -> None:
             shard_id, payload, info = pool.next_done()
-            sh.atomic_write(sh.shard_path(out, shard_id), payload)
+            out.write(sh.shard_file(shard_id), payload)
             done[shard_id] = info
             sh.write_manifest(out, manifest(False))
             if bar and not isinstance(pool, LocalBackend):
@@ -335,7 +360,7 @@ def run_corpus(
         sh.write_aggregate(out, sh.merge_shards(out, list(done)))
         final = manifest(True)
         sh.write_manifest(out, final)
-        return CorpusResult(out, final)
+        return CorpusResult(shown, final)
 
 
 class _Progress:

@@ -1,6 +1,6 @@
 """Shard files, mergeable partial sums and the run manifest of a corpus directory.
 
-Layout of DIR:
+Layout of DIR (a local folder or a filesystem URI, read and written through `OutDir`):
     manifest.json              job identity, parameters, finished shards, counts (rewritten atomically)
     shards/shard-00000.parquet one row per example; its Parquet metadata holds the shard's partial sums
     aggregate.parquet          per (stat, method, layer, head): count, mean, std, min, max (when complete)
@@ -15,15 +15,14 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mixlens import jsonio
+from mixlens.corpus.outdir import OutDir
 from mixlens.errors import MixlensError
-from mixlens.result import atomic_write
 
 FORMAT = "mixlens-corpus/1"
 MANIFEST = "manifest.json"
@@ -35,8 +34,9 @@ INFO_KEY = b"mixlens.shard"
 Key = tuple[str, str, int, int]  # (stat, method, layer, head); head = -1: all heads / not per head
 
 
-def shard_path(out: Path, shard_id: int) -> Path:
-    return out / SHARD_DIR / f"shard-{shard_id:05d}.parquet"
+def shard_file(shard_id: int) -> str:
+    """The shard's file, relative to DIR."""
+    return f"{SHARD_DIR}/shard-{shard_id:05d}.parquet"
 
 
 @dataclass
@@ -122,23 +122,26 @@ def shard_bytes(table: pa.Table, sums: Sums, info: dict) -> bytes:
     return buf.getvalue()
 
 
-def read_shard_meta(path: Path) -> tuple[Sums, dict]:
-    """(partial sums, info) from a shard file's metadata, without reading its rows."""
-    meta = pq.read_schema(path).metadata or {}
+def read_shard_meta(out: OutDir, rel: str) -> tuple[Sums, dict]:
+    """(partial sums, info) from the metadata of the shard file `rel` of `out`, without reading its rows."""
+    with out.open(rel) as f:
+        meta = pq.read_schema(f).metadata or {}
     if SUMS_KEY not in meta or INFO_KEY not in meta:
-        raise MixlensError(f"{path} is not a mixlens corpus shard")
+        raise MixlensError(f"{out.show(rel)} is not a mixlens corpus shard")
     try:
-        return Sums.from_json(meta[SUMS_KEY]), jsonio.loads(meta[INFO_KEY], f"{path}: the shard info")
+        return Sums.from_json(meta[SUMS_KEY]), jsonio.loads(meta[INFO_KEY], f"{out.show(rel)}: the shard info")
     except (KeyError, TypeError, ValueError) as e:  # MixlensError is a ValueError
-        raise MixlensError(f"{path} is not a readable mixlens corpus shard ({e})") from None
+        raise MixlensError(f"{out.show(rel)} is not a readable mixlens corpus shard ({e})") from None
 
 
-def finished_shards(out: Path, job_id: str) -> dict[int, dict]:
+def finished_shards(out: OutDir, job_id: str) -> dict[int, dict]:
     """{shard id: info} of complete shard files of this job in DIR (a shard is complete once renamed)."""
     done: dict[int, dict] = {}
-    for p in sorted((out / SHARD_DIR).glob("shard-*.parquet")):
+    for name in out.names(SHARD_DIR):
+        if not (name.startswith("shard-") and name.endswith(".parquet")):
+            continue
         try:
-            _, info = read_shard_meta(p)
+            _, info = read_shard_meta(out, f"{SHARD_DIR}/{name}")
         except (MixlensError, OSError, pa.ArrowException):
             continue  # unreadable: recompute it
         if info.get("job_id") == job_id:
@@ -146,50 +149,52 @@ def finished_shards(out: Path, job_id: str) -> dict[int, dict]:
     return done
 
 
-def remove_stale_temps(out: Path) -> None:
-    """Temp files of writes interrupted by a kill (atomic_write names them .NAME.*.tmp)."""
-    for d in (out, out / SHARD_DIR):
-        for p in d.glob(".*.tmp"):
-            p.unlink(missing_ok=True)
+def remove_stale_temps(out: OutDir) -> None:
+    """Temp files of writes interrupted by a kill (named .NAME.*.tmp beside NAME)."""
+    for d in ("", SHARD_DIR):
+        for name in out.names(d):
+            if name.startswith(".") and name.endswith(".tmp"):
+                out.delete(f"{d}/{name}" if d else name)
 
 
-def read_manifest(out: Path) -> dict | None:
-    p = out / MANIFEST
-    if not p.is_file():
+def read_manifest(out: OutDir) -> dict | None:
+    if not out.is_file(MANIFEST):
         return None
     try:
-        m = jsonio.read(p)
+        m = jsonio.loads(out.read(MANIFEST), out.show(MANIFEST))
     except MixlensError as e:  # unreadable, not UTF-8, not JSON, nested too deeply, not an object
         raise MixlensError(f"{e}: not a readable mixlens manifest; use --overwrite to start again") from None
     if m.get("format") != FORMAT:
-        raise MixlensError(f"{p} is not a mixlens corpus manifest; use another --out or --overwrite")
+        raise MixlensError(f"{out.show(MANIFEST)} is not a mixlens corpus manifest; use another --out or --overwrite")
     return m
 
 
-def write_manifest(out: Path, manifest: dict) -> None:
-    atomic_write(out / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+def write_manifest(out: OutDir, manifest: dict) -> None:
+    out.write(MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
 
 
-def merge_shards(out: Path, shard_ids: list[int]) -> Sums:
+def merge_shards(out: OutDir, shard_ids: list[int]) -> Sums:
     """Merge the partial sums of the given shards (in shard order, for reproducible bytes)."""
     total = Sums()
     for s in sorted(shard_ids):
-        total.merge(read_shard_meta(shard_path(out, s))[0])
+        total.merge(read_shard_meta(out, shard_file(s))[0])
     return total
 
 
-def write_aggregate(out: Path, sums: Sums) -> None:
+def write_aggregate(out: OutDir, sums: Sums) -> None:
     buf = io.BytesIO()
     pq.write_table(sums.table(), buf)
-    atomic_write(out / AGGREGATE, buf.getvalue())
+    out.write(AGGREGATE, buf.getvalue())
 
 
-def clear_run(out: Path) -> None:
+def clear_run(out: OutDir) -> None:
     """Remove the files of a previous run (--overwrite); nothing else in DIR is touched."""
-    for p in (out / SHARD_DIR).glob("shard-*.parquet"):
-        p.unlink()
+    for name in out.names(SHARD_DIR):
+        if name.startswith("shard-") and name.endswith(".parquet"):
+            out.delete(f"{SHARD_DIR}/{name}")
     remove_stale_temps(out)
-    for p in (out / SKIPPED_DIR).glob("part-*.json"):
-        p.unlink()
+    for name in out.names(SKIPPED_DIR):
+        if name.startswith("part-") and name.endswith(".json"):
+            out.delete(f"{SKIPPED_DIR}/{name}")
     for name in (MANIFEST, AGGREGATE):
-        (out / name).unlink(missing_ok=True)
+        out.delete(name)

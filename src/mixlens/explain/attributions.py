@@ -24,9 +24,10 @@ from mixlens.errors import MixlensError
 from mixlens.methods import get, registry
 from mixlens.pipeline import run_methods
 from mixlens.targets import Readout
+from mixlens.targets import Request as Resolved
 from mixlens.trace import Trace
 
-Request = int | str | tuple[int, ...]  # 'pred', a class / token id, or (Python) one id per input of the batch
+Request = int | str | tuple[int, ...] | Resolved  # 'pred', a class / token id, (Python) one id per input, or resolved
 Foil = int | tuple[int, ...] | None
 REFERENCE_METHOD, _REFERENCE = registry.reference()  # the method that declares the agreement reference
 REFERENCE = _REFERENCE.label  # its label among the scores (grad_x_input_l2: ‖∂g/∂e_j ⊙ e_j‖₂)
@@ -69,7 +70,9 @@ def _row(values: torch.Tensor, mask: torch.Tensor, ro: Readout) -> torch.Tensor:
     return last[torch.arange(last.shape[0]), pos.to(last.device)]
 
 
-def _options(name: str, target: Request, foil: Foil, seed: int) -> dict[str, object]:
+def options_for(name: str, target: Request, foil: Foil, seed: int) -> dict[str, object]:
+    """The options `explain` runs method `name` with: the request (`target`, `foil`) where the method takes one,
+    the seed, and the method's explain options (`Method.explain_options`)."""
     spec = get(name)
     keys = {o.name for o in spec.options}
     opts: dict[str, object] = {}
@@ -102,11 +105,14 @@ def attribute(
     mask = trace.mask
     fmask = mask.to(torch.float32).cpu()
     timings = timings if timings is not None else {}
+    resolved = ro.request()  # the request as resolved for this batch: methods read it, resolving nothing again
+    if resolved is not None:
+        target, foil = resolved, None
     out: dict[str, torch.Tensor] = {}
     for name in methods:
         spec = get(name)
         t0 = time.perf_counter()
-        step = run_methods(trace, [name], options={name: _options(name, target, foil, seed)})
+        step = run_methods(trace, [name], options={name: options_for(name, target, foil, seed)})
         v = step.values[name].float()
         if extras is not None:
             extras[name] = {k: x.detach().cpu() for k, x in step.extras.get(name, {}).items()}

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from mixlens.batching import Batch
 from mixlens.errors import MixlensError
+from mixlens.explain import answers as ans
 from mixlens.explain import attributions as attr
 from mixlens.methods import get as get_method
 from mixlens.protocol import LensLike
-from mixlens.result import TOKEN_AXES, Attribution, Explained, Explanation, InputRows
+from mixlens.result import ANSWER_AXES, TOKEN_AXES, Attribution, Explained, Explanation, InputRows
 from mixlens.targets import (
     KIND_NAMES,
     Readout,
@@ -36,16 +38,23 @@ def explain(
     *,
     target: str | int | None = None,
     foil: str | int | None = None,
+    answer: str | Sequence[str] | None = None,
     generate: int = 0,
     batch_size: int = 8,
     seed: int = 0,
     progress: Callable[[float], None] | None = None,
 ) -> Explanation:
     """Explain `target` (default: the prediction) of each text with `methods` (default: every applicable one
-    that is not slow and supports the model's family, from the registry). `generate` = N > 0 (causal LMs): generate
-    N tokens greedily, explaining each by its context. Inputs run in `lens.batches`; each batch's prediction is
-    read from its traced forward pass. `progress(n)` is called with the inputs done (in units of inputs, fractions
-    as each method and generated token of a batch finishes; they add up to `len(texts)`)."""
+    that is not slow and supports the model's family, from the registry). Inputs run in `lens.batches`; each
+    batch's prediction is read from its traced forward pass. `progress(n)` is called with the inputs done (in units
+    of inputs, fractions as each method of a batch finishes; they add up to `len(texts)`).
+
+    Answers (causal LMs; `explain.answers`): `answer` (one text for every input, or one per input) explains every
+    token of that answer after each text at once; `generate` = N > 0 generates N tokens greedily and explains them
+    as the answer. Each method's scores are then an [answer, source] matrix per input (an `Attribution` with axes
+    ("target", "source"), its target axis the answer tokens, `Attribution.targets[b]` their positions), the
+    answer-level scores their sum over the answer (`Explanation.inputs[b].scores`), and each input's target the
+    answer (text, tokens, ids, first position, each token's log-probability)."""
     from mixlens.version import __version__
 
     texts = [texts] if isinstance(texts, str) else list(texts)
@@ -54,13 +63,24 @@ def explain(
     kind = explained_kind(lens.model)
     family = lens.adapter.family
     methods = attr.check_methods(kind, list(methods), family) if methods else attr.default_methods(kind, family)
-    if generate:
+    if generate or answer is not None:
+        what = "--generate" if generate else "--answer"
         if kind != "causal":
-            raise MixlensError(f"--generate needs a causal language model; this one is {KIND_NAMES[kind]}")
-        if target is not None:
-            raise MixlensError("--generate explains the generated tokens; drop --target")
+            raise MixlensError(f"{what} needs a causal language model; this one is {KIND_NAMES[kind]}")
+        if target is not None or foil is not None:
+            raise MixlensError(f"{what} explains the answer's tokens; drop --target and --foil")
         if generate < 0:
             raise MixlensError(f"--generate must be a positive number of tokens, got {generate}")
+        if generate and answer is not None:
+            raise MixlensError("give --answer or --generate, not both")
+        answers = None if answer is None else [answer] * len(texts) if isinstance(answer, str) else list(answer)
+        if answers is not None and len(answers) != len(texts):
+            raise MixlensError(f"{len(answers)} answers given for {len(texts)} inputs; give one per input")
+        return answers_explanation(lens, texts, methods, answers, generate, seed, progress, __version__)
+    if kind == "causal" and (ans.is_phrase(lens, target) or ans.is_phrase(lens, foil)):
+        if target is None:
+            raise MixlensError("a foil phrase needs a target phrase to contrast: give --target")
+        return phrases_explanation(lens, texts, methods, str(target), foil, seed, progress, __version__)
     request = request_of(lens, kind, target, foil)
     timings: dict[str, float] = {}
     done: list[Explained] = []
@@ -68,87 +88,191 @@ def explain(
         report_truncated(batch)
         chunk = [texts[b] for b in batch.index]
         ids = [batch.enc.inputs["input_ids"][b, : len(t)].tolist() for b, t in enumerate(batch.enc.tokens)]
-        if generate and max(len(x) for x in ids) + generate > lens.max_length:
-            raise MixlensError(
-                f"--generate {generate} runs past the model's context of {lens.max_length} tokens "
-                f"(the longest input has {max(len(x) for x in ids)})"
-            )
         trace = batch.trace
-        share = len(ids) / (len(methods) * max(1, generate))  # inputs done per method and step
+        share = len(ids) / len(methods)  # inputs done per method
 
         def advance(_: str, share: float = share) -> None:
             if progress:
                 progress(share)
 
-        for step in range(max(1, generate)):
-            if trace is None:
-                trace = lens.trace_for(lens.encode_ids(ids), methods, output=True)
-            assert trace is not None
-            targets, ro, score = read_targets(lens, trace, *request)
-            extras: dict[str, dict[str, torch.Tensor]] = {}
-            res = attr.attribute(
-                trace,
-                ro,
-                methods,
-                target=request[0],
-                foil=request[1],
-                seed=seed,
-                timings=timings,
-                on_method=advance,
-                extras=extras,
-            )
-            p_target, p_foil = probabilities(trace, ro)
-            for b, x in enumerate(ids):
-                toks = [token_label(lens.tokenizer, t) for t in x]  # as text: ' Paris', not 'ĠParis'
-                text = chunk[b] if step == 0 else lens.tokenizer.decode(x)
-                done.append(
-                    Explained(
-                        text,
-                        toks,
-                        targets[b],
-                        float(score[b]),
-                        {m: res[m][b, : len(x)].numpy() for m in methods},
-                        None if p_target is None else float(p_target[b]),
-                        None if p_foil is None else float(p_foil[b]),
-                        {m: _input_extras(m, ex, b, len(x)) for m, ex in extras.items() if ex},
-                    )
+        if trace is None:
+            trace = lens.trace_for(lens.encode_ids(ids), methods, output=True)
+        targets, ro, score = read_targets(lens, trace, *request)
+        extras: dict[str, dict[str, torch.Tensor]] = {}
+        res = attr.attribute(
+            trace,
+            ro,
+            methods,
+            target=request[0],
+            foil=request[1],
+            seed=seed,
+            timings=timings,
+            on_method=advance,
+            extras=extras,
+        )
+        p_target, p_foil = probabilities(trace, ro)
+        for b, x in enumerate(ids):
+            toks = [token_label(lens.tokenizer, t) for t in x]  # as text: ' Paris', not 'ĠParis'
+            done.append(
+                Explained(
+                    chunk[b],
+                    toks,
+                    targets[b],
+                    float(score[b]),
+                    {m: res[m][b, : len(x)].numpy() for m in methods},
+                    None if p_target is None else float(p_target[b]),
+                    None if p_foil is None else float(p_foil[b]),
+                    {m: _input_extras(m, ex, b, len(x)) for m, ex in extras.items() if ex},
                 )
-            if generate:
-                ids = [x + [t.index] for x, t in zip(ids, targets, strict=True)]
-                trace = None
+            )
     return as_explanation(lens.name, __version__, done, request, timings)
 
 
+def answers_explanation(
+    lens: LensLike,
+    texts: list[str],
+    methods: list[str],
+    answers: list[str] | None,
+    generate: int,
+    seed: int,
+    progress: Callable[[float], None] | None,
+    version: str,
+) -> Explanation:
+    """Each text's answer (given, or `generate` tokens generated greedily) explained by `methods`, one input at a
+    time (`answers.explain_answer`): an `Explanation` whose attributions have axes ("target", "source")."""
+    timings: dict[str, float] = {}
+    done: list[Explained] = []
+    share = 1 / len(methods)
+
+    def advance(_: str) -> None:
+        if progress:
+            progress(share)
+
+    for k, text in enumerate(texts):
+        where = f" of input {k + 1}" if len(texts) > 1 else ""
+        if answers is None:
+            head = ans.answer_prompt(lens, text)
+            ans.check_length(lens, len(head) + generate, where)
+            new = ans.generated(lens, head, generate)
+            ids = head + new
+            answer = ans.Answer(
+                lens.tokenizer.decode(new), new, [token_label(lens.tokenizer, t) for t in new], len(head)
+            )
+        else:
+            ids, answer = ans.tokenized(lens, text, answers[k], where)
+            ans.check_length(lens, len(ids), where)
+        extras: dict[str, dict[str, np.ndarray]] = {}
+        mats = ans.explain_answer(
+            lens, ids, answer, methods, seed=seed, timings=timings, on_method=advance, extras=extras
+        )
+        toks = [token_label(lens.tokenizer, t) for t in ids]
+        done.append(
+            Explained(
+                text,
+                toks,
+                Target(ans.KIND, -1, answer.text),
+                float(sum(answer.logprobs)),
+                {m: v.sum(0) for m, v in mats.items()},
+                extras={m: e for m, e in extras.items() if e},
+                answer=answer.to_json(),
+                matrix=mats,
+            )
+        )
+    return as_explanation(lens.name, version, done, (ans.KIND, None), timings)
+
+
+def phrases_explanation(
+    lens: LensLike,
+    texts: list[str],
+    methods: list[str],
+    target: str,
+    foil: str | int | None,
+    seed: int,
+    progress: Callable[[float], None] | None,
+    version: str,
+) -> Explanation:
+    """A multi-token target (and foil) on each text (`answers.explain_phrase`): one score per prompt token and
+    method, the target `phrase` with the phrases and their log-probabilities."""
+    timings: dict[str, float] = {}
+    done: list[Explained] = []
+    foil_text = None if foil is None else foil if isinstance(foil, str) else lens.tokenizer.decode([int(foil)])
+    for k, text in enumerate(texts):
+        where = f" of input {k + 1}" if len(texts) > 1 else ""
+        ph = ans.explain_phrase(lens, text, target, foil_text, methods, seed=seed, timings=timings, where=where)
+        fo = None if ph.foil is None else ph.foil.text
+        done.append(
+            Explained(
+                text,
+                [token_label(lens.tokenizer, t) for t in ph.prompt],
+                Target(ans.PHRASE, -1, ph.target.text, None if fo is None else -1, fo),
+                ph.score,
+                ph.scores,
+                extras={m: {"remainder": np.asarray(v, np.float32)} for m, v in ph.remainder.items()},
+                answer=None,
+                phrase=ph.to_json(),
+            )
+        )
+        if progress:
+            progress(1.0)
+    return as_explanation(lens.name, version, done, (target, None if foil is None else str(foil)), timings)
+
+
+def answer_rows(answer: dict[str, Any] | None) -> list[int]:
+    """The positions of an explained answer's tokens in its input (the target axis of its attributions)."""
+    assert answer is not None
+    return list(range(answer["start"], answer["start"] + len(answer["ids"])))
+
+
 def as_explanation(
-    model: str, version: str, done: list[Explained], request: tuple[int | str, int | None], timings: dict[str, float]
+    model: str,
+    version: str,
+    done: list[Explained],
+    request: tuple[int | str, int | str | None],
+    timings: dict[str, float],
 ) -> Explanation:
     """The explained inputs as an `Explanation` (an `Analysis`): each method's scores [batch, source], one block per
     input; the request (target, foil) in each method's parameters."""
     tokens = [e.tokens for e in done]
     lengths = [len(t) for t in tokens]
     params = {"target": request[0], "foil": request[1]}
+    answered = bool(done) and done[0].answer is not None
     methods = list(done[0].scores) if done else []
 
-    def extras_of(m: str) -> dict[str, InputRows]:
-        dims = get_method(m).extras
+    def extras_of(m: str, lead: tuple[str, ...] = ()) -> dict[str, InputRows]:
+        dims = get_method(m).extras  # an answer's extras have one row per answer token first (`lead`)
         kept = [k for k in dims if all(k in e.extras.get(m, {}) for e in done)]
         return {
-            k: InputRows([(np.array([i]), e.extras[m][k][None]) for i, e in enumerate(done)], dims[k], lengths)
+            k: InputRows([(np.array([i]), e.extras[m][k][None]) for i, e in enumerate(done)], lead + dims[k], lengths)
             for k in kept
         }
 
-    attributions = {
-        m: Attribution(
-            InputRows([(np.array([k]), e.scores[m][None]) for k, e in enumerate(done)], ("source",), lengths),
-            ("source",),
-            tokens,
-            m,
-            model,
-            dict(params),
-            extras=extras_of(m) if done else {},
-        )
-        for m in methods
-    }
+    if answered:  # [answer, source] per input; the target axis holds the answer tokens (their positions)
+        attributions = {
+            m: Attribution(
+                InputRows([(np.array([k]), e.matrix[m][None]) for k, e in enumerate(done)], ANSWER_AXES, lengths),
+                ANSWER_AXES,
+                tokens,
+                m,
+                model,
+                dict(params),
+                extras=extras_of(m, ("target",)),
+                targets=[answer_rows(e.answer) for e in done],
+            )
+            for m in methods
+        }
+    else:
+        attributions = {
+            m: Attribution(
+                InputRows([(np.array([k]), e.scores[m][None]) for k, e in enumerate(done)], ("source",), lengths),
+                ("source",),
+                tokens,
+                m,
+                model,
+                dict(params),
+                extras=extras_of(m) if done else {},
+            )
+            for m in methods
+        }
     explained = [
         {
             **e.target.to_json(e.score),
@@ -160,6 +284,8 @@ def as_explanation(
                 if e.target.foil is None or e.probability is None
                 else {"probability": e.probability, "foil_probability": e.foil_probability}
             ),
+            **({} if e.answer is None else {"answer": e.answer}),
+            **({} if e.phrase is None else {"phrase": e.phrase}),
         }
         for e in done
     ]
@@ -220,7 +346,8 @@ def read_targets(
     when a foil is given)."""
     out = trace_output(trace)
     targets, ro = readout(lens.model, lens.tokenizer, out, trace.inputs, target, foil)
-    g, f = score(ro.kind, ro.pool, out, trace.inputs["attention_mask"], *ro.tensors())
+    index, fo, position, e0 = ro.tensors()
+    g, f = score(ro.kind, ro.pool, out, trace.inputs["attention_mask"], index, fo, position, e0, None, ro.logprob)
     return targets, ro, (g if foil is not None else f).detach().float().cpu()
 
 

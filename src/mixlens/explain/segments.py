@@ -18,18 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mixlens.errors import MixlensError
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One segment: its label, its character range [char_start, char_end) in the text and its token range
-    [start, end) (empty, start = end, where no token overlaps it most)."""
-
-    label: str
-    char_start: int
-    char_end: int
-    start: int
-    end: int
+from mixlens.result.segmented import Segment
 
 
 @dataclass(frozen=True)
@@ -88,11 +77,8 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> tuple[list[int], 
     return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
 
 
-def segmentation(
-    tokenizer, text: str, ranges: Sequence[tuple[str, int, int]], *, add_special_tokens: bool = True
-) -> Segmentation:
-    """Segments of `text` at the character ranges (label, start, end) (disjoint, inside the text; sorted here) over
-    its tokens (the model's special tokens added where `add_special_tokens`)."""
+def check_ranges(text: str, ranges: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The character ranges (label, start, end), sorted, each non-empty and inside `text`, no two overlapping."""
     ranges = sorted(ranges, key=lambda r: (r[1], r[2]))
     for label, a, b in ranges:
         if not (0 <= a < b <= len(text)):
@@ -100,6 +86,50 @@ def segmentation(
     for (l1, _, b1), (l2, a2, _) in zip(ranges, ranges[1:], strict=False):
         if a2 < b1:
             raise MixlensError(f"spans '{l1}' and '{l2}' overlap; give disjoint spans")
+    return ranges
+
+
+def labelled_spans(ranges: Sequence[tuple[int, int] | tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Character ranges (start, end), labelled 'span k' (from 1), or (label, start, end) as given."""
+    labelled = []
+    for k, r in enumerate(ranges, 1):
+        if len(r) == 2:
+            labelled.append((f"span {k}", int(r[0]), int(r[1])))
+        elif len(r) == 3:
+            labelled.append((str(r[0]), int(r[1]), int(r[2])))
+        else:
+            raise MixlensError(f"span {k} must be (start, end) or (label, start, end), got {r!r}")
+    return labelled
+
+
+def check_text(
+    text: str,
+    ranges: Sequence[tuple[int, int]] | None = None,
+    marks: Sequence[str] | None = None,
+    separator: str | None = None,
+) -> None:
+    """The checks of a segment request that need only the text (before a model loads): spans inside it and disjoint,
+    every marker and the separator non-empty and found in it."""
+    if ranges:
+        check_ranges(text, labelled_spans(ranges))
+    for m in marks or []:
+        if not m:
+            raise MixlensError("markers must be non-empty strings")
+        if m not in text:
+            raise MixlensError(f"marker '{m}' does not occur in the text")
+    if separator is not None:
+        if not separator:
+            raise MixlensError("the separator must be a non-empty string")
+        if separator not in text:
+            raise MixlensError(f"separator {separator!r} does not occur in the text")
+
+
+def segmentation(
+    tokenizer, text: str, ranges: Sequence[tuple[str, int, int]], *, add_special_tokens: bool = True
+) -> Segmentation:
+    """Segments of `text` at the character ranges (label, start, end) (disjoint, inside the text; sorted here) over
+    its tokens (the model's special tokens added where `add_special_tokens`)."""
+    ranges = check_ranges(text, ranges)
     ids, offsets = _encode(tokenizer, text, add_special_tokens)
     owner = np.full(len(ids), -1)
     for i, (ta, tb) in enumerate(offsets):
@@ -120,15 +150,7 @@ def segmentation(
 
 def spans(tokenizer, text: str, ranges: Sequence[tuple[int, int] | tuple[str, int, int]], **kw: bool) -> Segmentation:
     """Custom segments: character ranges (start, end) (labelled 'span k', from 1) or (label, start, end)."""
-    labelled = []
-    for k, r in enumerate(ranges, 1):
-        if len(r) == 2:
-            labelled.append((f"span {k}", int(r[0]), int(r[1])))
-        elif len(r) == 3:
-            labelled.append((str(r[0]), int(r[1]), int(r[2])))
-        else:
-            raise MixlensError(f"span {k} must be (start, end) or (label, start, end), got {r!r}")
-    return segmentation(tokenizer, text, labelled, **kw)
+    return segmentation(tokenizer, text, labelled_spans(ranges), **kw)
 
 
 def markers(tokenizer, text: str, marks: Sequence[str], **kw: bool) -> Segmentation:
@@ -199,8 +221,13 @@ def check_messages(doc: object, where: str = "the chat") -> list[dict[str, str]]
     if not isinstance(doc, list) or not doc:
         raise MixlensError(f'{where} must be a non-empty JSON list of {{"role": ..., "content": ...}} messages')
     for k, m in enumerate(doc, 1):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise MixlensError(f'{where}: message {k} is not {{"role": "...", "content": "..."}} with text values')
+        if not isinstance(m, dict):
+            raise MixlensError(f'{where}: message {k} is not a {{"role": ..., "content": ...}} object')
+        for key in ("role", "content"):
+            if key not in m:
+                raise MixlensError(f"{where}: message {k} has no '{key}'")
+            if not isinstance(m[key], str):
+                raise MixlensError(f"{where}: message {k}'s {key} is {type(m[key]).__name__}, not a string")
         if not m["role"].strip() or not m["content"].strip():
             raise MixlensError(f"{where}: message {k} has an empty role or content")
     return [{"role": m["role"], "content": m["content"]} for m in doc]
@@ -214,8 +241,21 @@ def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) 
         out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     except Exception as e:  # jinja2's TemplateError (raise_exception in the template) and the like
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MixlensError(f"the model's chat template rejects this conversation: {msg}") from None
+        k = _first_rejected(tokenizer, messages)
+        which = "this conversation" if k is None else f"message {k + 1} (role '{messages[k]['role']}')"
+        raise MixlensError(f"the model's chat template rejects {which}: {msg}") from None
     return str(out)
+
+
+def _first_rejected(tokenizer, messages: list[dict[str, str]]) -> int | None:
+    """The first message whose conversation so far the chat template refuses to render (an unknown role, turns that
+    do not alternate), or None where every beginning renders (the whole is refused)."""
+    for k in range(len(messages)):
+        try:
+            tokenizer.apply_chat_template(messages[: k + 1], tokenize=False, add_generation_prompt=False)
+        except Exception:
+            return k
+    return None
 
 
 def chat(tokenizer, messages: Sequence[dict[str, str]], *, generation_prompt: bool = True) -> Segmentation:

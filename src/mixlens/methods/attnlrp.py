@@ -22,12 +22,18 @@ and whose gradient is the one of a surrogate s):
 Relevance R_j = Σ_d e_jd ∂̃g/∂e_jd at the word embeddings e (the edit point `embed`, as the gradient methods). It is
 conserved up to what biases, the softmax rule's bias term, position embeddings and masked terms absorb:
 Σ_j R_j ≈ g(x); the difference Σ_j R_j − g(x) is returned as the extra `conservation` [B].
+
+Memory: the pass runs attention in torch's fused kernels (no [B, H, n, n] kept) and each layer under activation
+checkpointing (`trace.recomputed_layers`): the forward keeps only every layer's input [B, n, d], the backward runs
+each layer again with the rules' hooks live, so a long input needs one layer's activations at a time. The rules are
+gradient × input with stop-gradients, so the recomputed layer gives the same modified gradient.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -36,15 +42,18 @@ from torch.overrides import TorchFunctionMode
 
 from mixlens.adapters import Adapter, Norm, get_path, linear_xw
 from mixlens.errors import MixlensError
+from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, dense_ffn, register
-from mixlens.methods.saliency import Target, scalar_fn
-from mixlens.trace import ForwardHook, Trace, scoped_hooks
+from mixlens.methods.saliency import ROW_PASSES, Target, row_gradients, scalar_fn
+from mixlens.targets import Request
+from mixlens.trace import ForwardHook, Trace, recomputed_layers, scoped_hooks
 
 IDENTITY_EPS = 1e-10  # the identity rule's out / (in + ε), as lxt
 NORM_RTOL = 1e-3  # a norm's surrogate must reproduce its output (else its form is not the one assumed)
 _ACTIVATIONS = (nn.GELU, nn.SiLU, nn.Tanh, nn.ReLU, nn.Sigmoid, nn.Mish, nn.LeakyReLU, nn.Softplus)
 _TANH = (torch.tanh, torch.Tensor.tanh, nn.functional.tanh)
 VARIANTS = ("attnlrp", "cp")
+RECOMPUTE_LAYERS = True  # each layer recomputed in the backward (False: all kept, the previous path; tests' oracle)
 
 
 def _swap(out: torch.Tensor, surrogate: torch.Tensor) -> torch.Tensor:
@@ -214,10 +223,32 @@ def attnlrp(
     """AttnLRP relevance of each token for a target scalar (logit, or logit difference with a foil): [B, source].
 
     Extra `conservation` [B]: Σ_j R_j − g(x), what the rules did not conserve (biases, softmax, positions)."""
-    with lrp_rules(trace.adapter, trace.model, variant):
+    if isinstance(target, Request) and target.logprob:  # AttnLRP relevance is of the logit (answers' rows too)
+        target = dataclasses.replace(target, logprob=False)
+    hit = memo_of(trace).get(("attnlrp", target, variant)) if isinstance(target, Request) else None
+    if hit is not None:  # computed with the other rows of an answer (`rows`)
+        return hit
+    recompute: AbstractContextManager[None] = recomputed_layers(_TanhIdentity) if RECOMPUTE_LAYERS else nullcontext()
+    with lrp_rules(trace.adapter, trace.model, variant), recompute:  # the backward inside: it reruns the layers
         _, emb, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)
-    with torch.enable_grad():
-        (grad,) = torch.autograd.grad(value.sum(), emb)  # inputs are independent: row b is ∂̃g_b/∂e
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(value.sum(), emb)  # inputs are independent: row b is ∂̃g_b/∂e
     mask = trace.mask.to(torch.float32)
     rel = (grad * emb.detach()).float().sum(-1) * mask
     return MethodOutput(rel, {"conservation": rel.sum(-1) - value.detach().float()})
+
+
+def rows(trace: Trace, requests: Sequence[Request], variant: str = "attnlrp") -> None:
+    """AttnLRP of several requests on one input (the tokens of an answer): one forward under the rules, one
+    backward per request (`saliency.row_gradients`), each result kept in the trace's memo for `attnlrp`'s call."""
+    reqs = [dataclasses.replace(r, logprob=False) for r in requests]
+    memo = memo_of(trace)
+    recompute: AbstractContextManager[None] = recomputed_layers(_TanhIdentity) if RECOMPUTE_LAYERS else nullcontext()
+    with lrp_rules(trace.adapter, trace.model, variant), recompute:  # the backwards inside: they rerun the layers
+        grads = row_gradients(trace, reqs)
+    for req, (grad, emb, value) in zip(reqs, grads, strict=True):
+        rel = (grad * emb).float().sum(-1) * trace.mask.to(torch.float32)
+        memo.put(("attnlrp", req, variant), MethodOutput(rel, {"conservation": rel.sum(-1) - value.float()}))
+
+
+ROW_PASSES["attnlrp"] = rows

@@ -61,7 +61,7 @@ def logit_scores(
             raise ReconstructionError(
                 f"input {b + 1}: DecompX logit scores differ from the logit by {err:.3g} (relative; tolerance {limit})"
             )
-        out[b, : pos + 1] = scores
+        out[b, : scores.shape[0]] = scores  # sources after a causal position are 0 (DecompX keeps every token)
     return out
 
 

@@ -25,6 +25,7 @@ import torch
 
 from mixlens.errors import MixlensError, did_you_mean
 from mixlens.methods.memo import StreamLayer
+from mixlens.targets import Request
 from mixlens.trace import Trace
 
 if TYPE_CHECKING:
@@ -114,6 +115,8 @@ class Option:
         if isinstance(value, str) and value in self.words:
             return value
         if callable(value) and self.python_callable and not isinstance(value, str):
+            return value
+        if self.python_callable and isinstance(value, Request):  # resolved once by explain (`targets.Request`)
             return value
         if self.per_input and isinstance(value, (tuple, list)):
             single = dataclasses.replace(self, per_input=False, optional=False, words=(), python_callable=False)

@@ -12,17 +12,20 @@ convergence delta Σ_j IG_j − (f(x) − f(baseline)). An LM target's logits ar
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mixlens.errors import MixlensError
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, Reference, get, register
-from mixlens.targets import Readout, Spec, model_kind, positions, readout
+from mixlens.targets import Readout, Request, Spec, model_kind, positions, readout
 from mixlens.trace import Trace, hooked
 
 MAX_STEPS = 1024  # integration steps: chunked (memory stays flat), but the time grows with them
@@ -105,7 +108,10 @@ def scalar_fn(
     grad and g(e) keeps its graph (one forward and one backward give the gradient)."""
     keys = list(trace.inputs)
     kind = model_kind(trace.model)
-    pos = positions(kind, trace.inputs, trace.tokenizer, position).to(trace.mask.device)
+    if isinstance(target, Request) and target.position is not None:  # resolved by explain: its own positions
+        pos = torch.tensor(target.position, dtype=torch.long, device=trace.mask.device)
+    else:
+        pos = positions(kind, trace.inputs, trace.tokenizer, position).to(trace.mask.device)
     rows = LogitRows(trace, kind, target, pos)
     with torch.set_grad_enabled(grad):
         emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"]).detach().requires_grad_(grad)
@@ -144,6 +150,63 @@ def gradient(
     if cacheable:
         memo.put(key, out)
     return out
+
+
+ROWS_PER_BACKWARD = 8  # requests whose gradients one batched backward computes (`row_gradients`)
+ROW_PASSES: dict[str, Callable[[Trace, Sequence[Request]], None]] = {}  # method → its pass over many requests
+
+
+def row_gradients(
+    trace: Trace, requests: Sequence[Request], rules: AbstractContextManager[Any] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(∂g/∂e [1, n, d], e [1, n, d], g [1]) for each of several resolved requests on one input (a batch of one;
+    e.g. the tokens of an answer): ONE forward pass (under `rules`, a context of gradient rules such as AttnLRP's)
+    computing the logits at the requests' positions only, then one backward per request, `ROWS_PER_BACKWARD` of
+    them batched into one vectorised backward (`is_grads_batched`; one by one where an operation refuses it). The
+    requests stay separate scalars: nothing is summed across them."""
+    if trace.mask.shape[0] != 1:
+        raise MixlensError("row gradients take a batch of one input")
+    pos = torch.tensor([r.position[0] if r.position else -1 for r in requests], device=trace.mask.device)
+    kept = torch.unique(pos)
+    kwargs = {"logits_to_keep": kept} if keeps_logits(trace.model) and bool((pos >= 0).all()) else {}
+    at = torch.searchsorted(kept, pos) if kwargs else None
+    with torch.enable_grad():
+        with rules if rules is not None else contextlib.nullcontext():
+            emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"]).detach().requires_grad_(True)
+            out = _forward(trace, emb, trace.inputs, kwargs)
+        values = []
+        for a, req in enumerate(requests):
+            _, ro = readout(trace.model, trace.tokenizer, out, trace.inputs, req)
+            values.append(ro.g(out, trace.inputs, row_at=None if at is None else at[a : a + 1]))
+        g = torch.cat(values)  # [R]
+        grads: list[torch.Tensor] = []
+        for s in range(0, len(requests), ROWS_PER_BACKWARD):
+            part = g[s : s + ROWS_PER_BACKWARD]
+            try:
+                eye = torch.eye(len(part), dtype=part.dtype, device=part.device)
+                (batched,) = torch.autograd.grad(part, emb, grad_outputs=eye, is_grads_batched=True, retain_graph=True)
+                grads += list(batched)  # [c, 1, n, d] → c × [1, n, d]
+            except RuntimeError:  # an operation without a batching rule: one backward per request
+                grads += [torch.autograd.grad(v, emb, retain_graph=True)[0] for v in part]
+    x = emb.detach()
+    return [(gr.detach(), x, v.detach()[None]) for gr, v in zip(grads, g, strict=True)]
+
+
+def gradient_rows(trace: Trace, methods: Sequence[str], requests: Sequence[Request]) -> None:
+    """Run once, for all `requests` of a batch of one, the passes `methods` share (`ROW_PASSES`: the plain gradient
+    of saliency and gradient × input, AttnLRP's modified one) and keep each request's result in the trace's memo,
+    where the methods' own calls with that request find it."""
+    for fn in dict.fromkeys(ROW_PASSES[m] for m in methods if m in ROW_PASSES):
+        fn(trace, requests)
+
+
+def _plain_rows(trace: Trace, requests: Sequence[Request]) -> None:
+    memo = memo_of(trace)
+    for req, hit in zip(requests, row_gradients(trace, requests), strict=True):
+        memo.put(("gradient", req, None, None), hit)
+
+
+ROW_PASSES.update(saliency=_plain_rows, grad_x_input=_plain_rows)
 
 
 def reduce_hidden(raw: torch.Tensor, reduction: str, mask: torch.Tensor) -> torch.Tensor:

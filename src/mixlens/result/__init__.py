@@ -10,11 +10,12 @@ The package, by role:
 
 from mixlens.result.analysis import Analysis
 from mixlens.result.attribution import Attribution
-from mixlens.result.explanation import Explained, Explanation
+from mixlens.result.explanation import ANSWER_AXES, Explained, Explanation
 from mixlens.result.files import ANALYSIS_FORMAT, ATTRIBUTION_FORMAT, MAX_HEADER, SAVE_ID, WRITTEN, atomic_write
 from mixlens.result.rows import TOKEN_AXES, InputBiasRows, InputRows
 
 __all__ = [
+    "ANSWER_AXES",
     "ANALYSIS_FORMAT",
     "ATTRIBUTION_FORMAT",
     "MAX_HEADER",

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from mixlens.errors import MixlensError
-from mixlens.result import loading, views
+from mixlens.result import loading, segmented, views
 from mixlens.result.attribution import Attribution
 from mixlens.result.files import ANALYSIS_FORMAT, json_default, read_manifest, write_store
 from mixlens.result.rows import InputBiasRows, InputRows
@@ -184,6 +184,7 @@ class Analysis:
             "bias": None if self.bias_store is None else len(self.bias_store.parts),
             "reconstruction_error": self.reconstruction_error is not None,
             "explained": self.explained,
+            "segments": segmented.saved(self),
         }
         write_store(Path(path), tensors, manifest)
 
@@ -228,6 +229,7 @@ class Analysis:
                 a.reconstruction_error is None,
                 a.ratio_means_only,
                 a.explained is None,
+                getattr(a, "segments", None) is None,
             )
 
         for k, a in enumerate(analyses[1:], 2):
@@ -237,7 +239,9 @@ class Analysis:
                     f"{first.model} (mixlens {first.version})"
                 )
             if shape(a) != shape(first):
-                raise MixlensError(f"analysis {k} has other methods, options, extras or ratios than analysis 1")
+                raise MixlensError(
+                    f"analysis {k} has other methods, options, extras, ratios or segments than analysis 1"
+                )
         tokens = [t for a in analyses for t in a.tokens]
         lengths = [len(t) for t in tokens]
         words = (
@@ -271,7 +275,7 @@ class Analysis:
             else np.concatenate([a.reconstruction_error for a in analyses if a.reconstruction_error is not None])
         )
         explained = None if first.explained is None else [t for a in analyses for t in a.explained or []]
-        return _typed(
+        joined = _typed(
             cls(
                 first.model,
                 first.version,
@@ -285,6 +289,9 @@ class Analysis:
                 explained,
             )
         )
+        if getattr(first, "segments", None) is not None:
+            joined.segments = [s for a in analyses for s in a.segments]  # type: ignore[attr-defined]
+        return joined
 
 
 def _typed(res: Analysis) -> Analysis:

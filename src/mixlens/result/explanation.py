@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from mixlens.result import views
+from mixlens.result import segmented, views
 from mixlens.result.analysis import Analysis
+from mixlens.result.segmented import Segment
 
 
 @dataclass
@@ -26,6 +27,16 @@ class Explained:
     probability: float | None = None  # the target's probability (classes or vocabulary), when the model has logits
     foil_probability: float | None = None
     extras: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # method → its secondary outputs
+    # an explained answer (`explain(..., answer=)`): the answer (text, ids, tokens, start, logprobs), each method's
+    # matrix [answer, source]; `scores` are then the answer-level scores, the matrix summed over the answer
+    answer: dict[str, Any] | None = None
+    matrix: dict[str, np.ndarray] = field(default_factory=dict)
+    # a multi-token target (and foil) of a causal LM: each phrase (as an answer) and the part on its own tokens
+    phrase: dict[str, Any] | None = None
+    segments: list[Segment] | None = None  # its segments (explain --chat / --span / --marker / --separator)
+
+
+ANSWER_AXES = ("target", "source")  # an answer's attribution: answer tokens × every token of prompt + answer
 
 
 class Explanation(Analysis):
@@ -35,6 +46,9 @@ class Explanation(Analysis):
     self-contained page, `_repr_html_` the notebook view. `timings`: seconds per method (not saved)."""
 
     timings: dict[str, float]
+    # per input, its segments (`mixlens.result.segmented`): None where none were asked for; saved, loaded and
+    # written to JSON with the explanation, their scores derived from the token scores (exact sums)
+    segments: list[list[Segment]] | None = None
 
     def __init__(self, *args: Any, timings: dict[str, float] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -55,7 +69,8 @@ class Explanation(Analysis):
             foil = t.get("foil_index", -1) if "foil" in t else None
             target = Target(t["kind"], t.get("index", -1), t["label"], foil, t.get("foil"))
             score = float("nan") if t.get("score") is None else float(t["score"])
-            scores = {m: a.input(b) for m, a in self.attributions.items()}
+            matrix = {m: a.input(b) for m, a in self.attributions.items() if a.dims == ANSWER_AXES}
+            scores = {m: matrix[m].sum(0) if m in matrix else a.input(b) for m, a in self.attributions.items()}
             extras = {m: {k: s.row(b) for k, s in a.extra_store.items()} for m, a in self.attributions.items()}
             out.append(
                 Explained(
@@ -67,6 +82,10 @@ class Explanation(Analysis):
                     t.get("probability"),
                     t.get("foil_probability"),
                     {m: e for m, e in extras.items() if e},
+                    t.get("answer"),
+                    matrix if "answer" in t else {},
+                    t.get("phrase"),
+                    None if self.segments is None else self.segments[b],
                 )
             )
         return out
@@ -76,7 +95,14 @@ class Explanation(Analysis):
         (method → one number per token), the short form `explain` has always written."""
         doc = super().to_json()
         for b, inp in enumerate(doc["inputs"]):
-            inp["scores"] = {m: [float(v) for v in a.input(b)] for m, a in self.attributions.items()}
+            inp["scores"] = {  # an answer's: the answer-level scores (its matrix summed over the answer)
+                m: [float(v) for v in (a.input(b).sum(0) if a.dims == ANSWER_AXES else a.input(b))]
+                for m, a in self.attributions.items()
+            }
+        if self.segments is not None:  # segment scores of the token scores above (an answer's: answer-level)
+            for b, (inp, segs) in enumerate(zip(doc["inputs"], self.segments, strict=True)):
+                scores = {m: np.asarray(v) for m, v in inp["scores"].items()}
+                inp["segments"] = segmented.to_json(segs, len(self.tokens[b])) | segmented.scores_json(segs, scores)
         return doc
 
     def dumps(self) -> str:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mixlens.errors import MixlensError
+from mixlens.result import segmented
 from mixlens.result.attribution import Attribution
 from mixlens.result.files import check_save_id, read_tensors
 from mixlens.result.rows import TOKEN_AXES, InputRows
@@ -79,7 +80,7 @@ def from_saved(cls: type[Analysis], man: dict[str, Any], path: Path) -> Analysis
         if err is None or err.shape != (len(tokens),) or err.dtype.kind != "f":
             raise MixlensError(f"{what}: 'reconstruction_error' must hold one number per input")
     explained = checked_explained(man.get("explained"), len(tokens), str(path))
-    return cls(
+    res = cls(
         model,
         version,
         texts,
@@ -91,6 +92,10 @@ def from_saved(cls: type[Analysis], man: dict[str, Any], path: Path) -> Analysis
         bool(man.get("ratio_means_only", False)),
         explained,
     )
+    segs = man.get("segments")
+    if segs is not None and (not isinstance(segs, list) or len(segs) != len(tokens)):
+        raise MixlensError(f"{path}: 'segments' must hold one object per input")
+    return segmented.attach(res, segs, str(path))
 
 
 def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Analysis:
@@ -146,7 +151,9 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
                 if extra_dims.setdefault((name, k), ed) != ed:
                     raise MixlensError(f"{at}: extra '{name}.{k}' has other axes than in input 1")
                 extras.setdefault(name, {}).setdefault(k, []).append(
-                    checked_array(e.get("values"), ed, len(toks), f"{at}: '{name}.{k}'")
+                    checked_array(
+                        e.get("values"), ed, len(toks), f"{at}: '{name}.{k}'", None if pos is None else len(pos)
+                    )
                 )
         for v, r in ratio.items():
             means.setdefault(v, []).append(checked_array(r, ("layer",), len(toks), f"{at}: mixing ratio '{v}'"))
@@ -203,4 +210,4 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
     targets = None if all(t is None for t in explained) else checked_explained(explained, len(tokens), where)
     res = cls(model, version, texts, tokens, attributions, ratios, err_arr, None, True, targets)
     res._ratio_means = {v: np.stack(ms) for v, ms in means.items()}
-    return res
+    return segmented.attach(res, [inp.get("segments") for inp in obj["inputs"]], where, scores=True)

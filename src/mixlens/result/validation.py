@@ -4,6 +4,7 @@ line naming the file and the field."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,54 @@ def checked_targets(man: dict[str, Any], tokens: list[list[str]], path: Path) ->
     return targets
 
 
+def checked_answer(value: object, what: str) -> None:
+    """An explained answer (`explain.answers.Answer.to_json`): its text, ids, tokens, first position and one
+    finite log-probability (≤ 0) per token."""
+    ok = isinstance(value, dict) and set(value) == {"text", "ids", "tokens", "start", "logprobs"}
+    if ok:
+        assert isinstance(value, dict)
+        ids, toks, lps = value["ids"], value["tokens"], value["logprobs"]
+        ok = (
+            isinstance(value["text"], str)
+            and is_int(value["start"])
+            and value["start"] >= 1
+            and isinstance(ids, list)
+            and bool(ids)
+            and all(is_int(i) and i >= 0 for i in ids)
+            and isinstance(toks, list)
+            and len(toks) == len(ids)
+            and all(isinstance(x, str) for x in toks)
+            and isinstance(lps, list)
+            and len(lps) in (0, len(ids))
+            and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0 for x in lps
+            )
+        )
+    if not ok:
+        raise MixlensError(f"{what} must hold its text, ids, tokens, start and one log-probability per token")
+
+
+EXPLAINED_KEYS = {"kind", "label", "score", "foil", "index", "foil_index", "probability", "foil_probability"} | {
+    "answer",
+    "phrase",
+}
+
+
+def checked_phrase(value: object, what: str) -> None:
+    """An explained multi-token target (`explain.answers.Phrase.to_json`): the target phrase, the foil phrase or
+    null (each as an answer), and per method the finite part on the phrases' own tokens."""
+    if not isinstance(value, dict) or set(value) != {"target", "foil", "within"}:
+        raise MixlensError(f"{what} must hold its target, foil and within")
+    checked_answer(value["target"], f"{what}'s target")
+    if value["foil"] is not None:
+        checked_answer(value["foil"], f"{what}'s foil")
+    within = value["within"]
+    if not isinstance(within, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in within.values()
+    ):
+        raise MixlensError(f"{what}'s within must map methods to numbers")
+
+
 def checked_explained(value: object, n: int, where: str) -> list[dict[str, Any]] | None:
     """Each input's explained target (`Explanation`), checked: None, or n objects with a string 'kind' and 'label',
     a number (or null) 'score', optionally a string 'foil' and the integer ids 'index' / 'foil_index'."""
@@ -149,10 +198,14 @@ def checked_explained(value: object, n: int, where: str) -> list[dict[str, Any]]
                 isinstance(t.get(k, 0.0), (int, float)) and not isinstance(t.get(k), bool)
                 for k in ("probability", "foil_probability")
             )
-            and set(t) <= {"kind", "label", "score", "foil", "index", "foil_index", "probability", "foil_probability"}
+            and set(t) <= EXPLAINED_KEYS
         )
         if not ok:
             raise MixlensError(f"{where}: input {b + 1}'s target must have a string kind and label and a number score")
+        if "answer" in t:
+            checked_answer(t["answer"], f"{where}: input {b + 1}'s answer")
+        if "phrase" in t:
+            checked_phrase(t["phrase"], f"{where}: input {b + 1}'s phrase")
         for k in ("probability", "foil_probability"):
             p = t.get(k)
             if p is not None and not 0 <= p <= 1:  # also NaN
@@ -215,6 +268,8 @@ def _check_extras(attributions: Mapping[str, Attribution], where: str) -> None:
     for name, a in attributions.items():
         for k, st in a.extra_store.items():
             want = declared.get(name, {}).get(k)
+            if want is not None and a.dims == ("target", "source") and a.targets is not None:
+                want = ["target", *want]  # an explained answer: one row per answer token (`explain(answer=)`)
             if want is not None and tuple(want) != st.dims:
                 raise MixlensError(
                     f"{where}: extra '{name}.{k}' has the axes {list(st.dims)}; {name} writes {list(want)}"

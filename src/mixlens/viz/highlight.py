@@ -64,14 +64,19 @@ def position_note(expl: Any) -> str:
 
 def target_header(e) -> str:
     t = e.target
+    if getattr(e, "answer", None) is not None:  # an explained answer: scores summed over its tokens
+        n = len(e.answer["ids"])
+        return f"answer: '{t.label}' ({n} token{'s' * (n != 1)}), log-probability {e.score:.4f}; scores summed over it"
     what = f"{t.kind} '{t.label}'" + (f" vs foil '{t.foil_label}'" if t.foil is not None else "")
+    if t.kind == "phrase":  # a multi-token target: Σ log p over its tokens (minus the foil phrase's)
+        return f"target: {what}, summed log-probability{' difference' if t.foil is not None else ''} {e.score:.4f}"
     name = "logit difference" if t.foil is not None else ("cosine" if t.kind == "embedding" else "probability")
     return f"target: {what}, {name} {e.score:.4f}"
 
 
 def render_fragment(expl) -> str:
     """An HTML fragment (own CSS) with one table per input: one row per method, tokens coloured by score."""
-    from mixlens.viz import logit_layers
+    from mixlens.viz import logit_layers, segments
 
     parts = [
         f'<div class="mlx-report"><style>{_CSS}{logit_layers.css()}</style>',
@@ -106,6 +111,7 @@ def render_fragment(expl) -> str:
         parts.append("</table>")
         for m in logit_layers.layered(e):  # ALTI-Logit's per-layer view: one row per layer, the sum last
             parts.append(logit_layers.render_html(e, m))
+    parts.append(segments.render_html(expl))  # the segments, where explain was given some
     parts.append("</div>")
     return "\n".join(parts)
 

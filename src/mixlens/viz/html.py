@@ -379,8 +379,10 @@ def page(body: str, scripts: list[str], title: str, connect: bool = False) -> st
 def render_report(analysis: Analysis | Attribution, **kwargs: Any) -> str:
     """One self-contained HTML document for `analysis` (see `build_payload` for the keyword options)."""
     from mixlens.viz.routes import routes_markup
+    from mixlens.viz.segments import render_html as segments_markup
 
     payload = build_payload(analysis, **kwargs)
     markup, script = _fragment(payload)
     markup += routes_markup(analysis)  # information-flow routes, when the analysis holds them, as PNG figures
+    markup += segments_markup(analysis)  # an explanation's segments: ranked, and answer tokens × segments
     return page(markup, [script], f"{payload['title']} — {payload['model']}")

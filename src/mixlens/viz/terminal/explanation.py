@@ -10,6 +10,7 @@ import numpy as np
 
 from mixlens.viz.highlight import diverging_rgb, position_note, scaled_scores, target_header
 from mixlens.viz.labels import token_text
+from mixlens.viz.segments import print_segments
 
 
 def show_explanation(expl: Any, console: Any = None) -> None:
@@ -52,8 +53,29 @@ def show_explanation(expl: Any, console: Any = None) -> None:
                     row.append(" ")
                 console.print(row)
             start = stop
+        if e.answer is not None:
+            show_answer_rows(e, console)
         if noted:
             console.print(f"   * {DISPLAY_NOTE}", style="dim")
         if position_note(expl):
             console.print(f"   note: {position_note(expl)}", style="dim")
         console.print()
+
+
+TOP_SOURCES = 3  # sources listed per answer token
+
+
+def show_answer_rows(e: Any, console: Any) -> None:
+    """An explained answer: per answer token, its log-probability and each method's top sources (by |score|)."""
+    from rich.text import Text
+
+    tokens = [token_text(t) for t in e.tokens]
+    for a, (tok, lp) in enumerate(zip(e.answer["tokens"], e.answer["logprobs"], strict=True)):
+        console.print(Text(f"   {token_text(tok)!r} (log p {lp:.3f})", style="bold"))
+        for m, mat in e.matrix.items():
+            row = np.asarray(mat[a], dtype=float)
+            top = np.argsort(-np.abs(row), kind="stable")[:TOP_SOURCES]
+            listed = ", ".join(f"{tokens[j]!r} {row[j]:+.2g}" for j in top if row[j] != 0)
+            console.print(f"     {m}: {listed}")
+    if getattr(expl, "segments", None) is not None:
+        print_segments(expl, console)
