@@ -3,8 +3,9 @@
 A prompt of `--prompt-tokens` tokens (1,024) and an answer of `--answer-tokens` tokens (64) after it, on one causal
 LM (SmolLM2-135M-Instruct by default, float32), in one run:
 
-  (a) one plain forward pass of prompt + answer (the model's own forward, all logits), and one backward pass: a
-      forward with the word embeddings requiring grad and the backward of one logit at the last position;
+  (a) one plain forward pass of prompt + answer (the model's own forward, all logits, torch's fused attention as
+      transformers runs it by default; the eager one beside it), and one backward pass: a forward with the word
+      embeddings requiring grad and the backward of one logit at the last position; the ratios below are to these;
   (b) mixlens `logit_attn` of every answer token (its logit; the answer's [answer, source] matrix); target:
       ≤ 2 × one forward;
   (c) mixlens gradient × input of every answer token (its log-probability under teacher forcing, the signed sum
@@ -176,10 +177,12 @@ def timed(fn: Callable[[], Any], repeats: int) -> tuple[Any, float, float, float
     return res, statistics.median(walls), statistics.median(cpus), os.getloadavg()[0]
 
 
-def forward_and_backward(lens, ids: list[int], repeats: int) -> tuple[float, float, float, float]:
-    """(one plain forward pass [s], its CPU [s], one backward pass [s], its CPU [s]): the model's own forward of
-    `ids` (all logits, no grad); the backward of one logit at the last position after a forward whose word
-    embeddings require grad (only the last position's logits where the model takes `logits_to_keep`)."""
+def forward_and_backward(lens, ids: list[int], repeats: int) -> dict[str, tuple[float, float]]:
+    """(wall, CPU) seconds of: 'sdpa' one plain forward of `ids` (the model's own forward, all logits, no grad) with
+    torch's fused attention, transformers' default and what inseq runs; 'eager' the same with eager attention (how
+    mixlens loads a model); 'backward' the backward of one logit at the last position after a forward (fused
+    attention) whose word embeddings require grad (only the last position's logits where the model takes
+    `logits_to_keep`). Medians of `repeats`; the model is left in eager attention."""
     from mixlens.methods.saliency import keeps_logits
 
     x = torch.tensor([ids], device=lens.device)
@@ -189,16 +192,23 @@ def forward_and_backward(lens, ids: list[int], repeats: int) -> tuple[float, flo
         with torch.no_grad():
             lens.model(input_ids=x)
 
-    _, fwd, fwd_cpu, _ = timed(plain, repeats)
-    bwds, bcpus = [], []
-    for _ in range(repeats):
-        emb = lens.model.get_input_embeddings()(x).detach().requires_grad_()
-        logit = lens.model(inputs_embeds=emb, **keep).logits[0, -1, ids[-1]]
-        t0, c0 = time.perf_counter(), time.process_time()
-        logit.backward()
-        bwds.append(time.perf_counter() - t0)
-        bcpus.append(time.process_time() - c0)
-    return fwd, fwd_cpu, statistics.median(bwds), statistics.median(bcpus)
+    out: dict[str, tuple[float, float]] = {}
+    try:
+        for impl in ("eager", "sdpa"):
+            lens.model.set_attn_implementation(impl)
+            out[impl] = timed(plain, repeats)[1:3]
+        bwds, bcpus = [], []
+        for _ in range(repeats):
+            emb = lens.model.get_input_embeddings()(x).detach().requires_grad_()
+            logit = lens.model(inputs_embeds=emb, **keep).logits[0, -1, ids[-1]]
+            t0, c0 = time.perf_counter(), time.process_time()
+            logit.backward()
+            bwds.append(time.perf_counter() - t0)
+            bcpus.append(time.process_time() - c0)
+        out["backward"] = statistics.median(bwds), statistics.median(bcpus)
+    finally:
+        lens.model.set_attn_implementation("eager")
+    return out
 
 
 def main() -> None:
@@ -228,12 +238,14 @@ def main() -> None:
         flush=True,
     )
     short = (" ".join(PASSAGE[:12]), " " + " ".join(PASSAGE[12:14]))
-    fwd = bwd = None
+    fwd = bwd = fwd_cpu = bwd_cpu = None
     if "forward" not in a.skip:
-        fwd, fwd_cpu, bwd, bwd_cpu = forward_and_backward(lens, p_ids + a_ids, max(2, a.repeats))
+        ref = forward_and_backward(lens, p_ids + a_ids, max(2, a.repeats))
+        (fwd, fwd_cpu), (bwd, bwd_cpu) = ref["sdpa"], ref["backward"]
         print(
-            f"(a) one forward of {len(p_ids) + len(a_ids)} tokens: {fwd:.2f} s [{fwd_cpu:.2f}]; one backward pass "
-            f"(one logit): {bwd:.2f} s [{bwd_cpu:.2f}]; load {os.getloadavg()[0]:.1f}",
+            f"(a) one forward of {len(p_ids) + len(a_ids)} tokens: {fwd:.2f} s [{fwd_cpu:.2f}] (fused attention; "
+            f"eager: {ref['eager'][0]:.2f} s [{ref['eager'][1]:.2f}]); one backward pass (one logit): {bwd:.2f} s "
+            f"[{bwd_cpu:.2f}]; load {os.getloadavg()[0]:.1f}",
             flush=True,
         )
     ours = None
@@ -245,17 +257,22 @@ def main() -> None:
         text = lens.tokenizer.decode(a_ids[:k])
         mat, wall, cpu, load = timed(partial(answer_matrix, lens, method, prompt, text), a.repeats)
         assert mat.shape == (k, len(p_ids) + k), mat.shape
-        est = wall * len(a_ids) / k
+        est = wall * len(a_ids) / k  # an upper bound: the forward pass is not repeated per token
         label = "(b)" if method == "logit_attn" else "(c)"
         line = f"{label} mixlens {method}, {k} answer tokens: {wall:.2f} s [{cpu:.2f}]"
         if k < len(a_ids):
-            line += f"; ×{len(a_ids) / k:.0f} → {len(a_ids)} tokens ≈ {est:.1f} s"
-        if fwd is not None and bwd is not None:
+            line += (
+                f"; ×{len(a_ids) / k:.0f} → {len(a_ids)} tokens ≤ {est:.1f} s (its forward counted ×{len(a_ids) // k})"
+            )
+        if fwd is not None and bwd is not None and fwd_cpu is not None and bwd_cpu is not None:
             if method == "logit_attn":
-                line += f"; {est / fwd:.2f} × one forward (target ≤ 2)"
+                line += f"; {wall / fwd:.2f} [CPU {cpu / fwd_cpu:.2f}] × one forward (target ≤ 2)"
             else:
-                budget = fwd + k * bwd
-                line += f"; {wall / budget:.2f} × (one forward + {k} backward passes) (target ≤ 1)"
+                budget, budget_cpu = fwd + k * bwd, fwd_cpu + k * bwd_cpu
+                line += (
+                    f"; {wall / budget:.2f} [CPU {cpu / budget_cpu:.2f}] × (one forward + {k} backward passes) "
+                    "(target ≤ 1)"
+                )
         print(f"{line}; load {load:.1f}", flush=True)
         if method == "grad_x_input":
             ours = (mat, wall, cpu)

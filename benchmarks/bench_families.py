@@ -1,6 +1,6 @@
 """Speed per family (#42 item 7): every family of the adapter table, on a random model, against a plain forward.
 
-    python benchmarks/bench_families.py [--repeats 3] [--tokens 128 2048] [--family llama] [--width 8]
+    python benchmarks/bench_families.py [--repeats 3] [--tokens 128 2048] [--family llama gpt2] [--width 8]
 
 Every family of `mixlens.adapters.FAMILIES` gets a random model. Its configuration is the one the tests use
 (`tests.conftest.CONFIGS`, keyed by model type: the first of the family's model types found there; a family without
@@ -133,7 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 2048])
-    ap.add_argument("--family", default="", help="only the families whose name contains this")
+    ap.add_argument("--family", nargs="+", default=[""], help="only the families whose name contains one of these")
     ap.add_argument("--width", type=int, default=8, help="factor on the test configurations' width-like sizes")
     args = ap.parse_args()
     tokenizer = mixlens.load().tokenizer
@@ -147,7 +147,7 @@ def main() -> None:
     print(f"| family | model type | d | {cols} | forward s at {longest} | load avg |")
     print("|" + " --- |" * (5 + 2 * len(args.tokens)))
     for fam in FAMILIES:
-        if args.family not in fam.name:
+        if not any(f in fam.name for f in args.family):
             continue
         model_type = model_type_of(fam)
         if model_type is None:

@@ -37,6 +37,7 @@ from mixlens.pipeline import (
     LayerProgress,
     Targets,
     auto_targets,
+    check_results,
     needs_capture,
     plan_batches,
     qk_trace,
@@ -232,6 +233,7 @@ class Lens:
         targets: Targets = None,
         output: bool = False,
         on_layer: LayerProgress | None = None,
+        on_lengths: Callable[[Sequence[int]], object] | None = None,
     ) -> Iterator[Batch]:
         """Batches of `texts`, each tokenized once: `order='input'` cuts the inputs in order into batches of
         `batch_size`; `order='length'` tokenizes all inputs first and packs them longest first into batches of
@@ -242,7 +244,8 @@ class Lens:
         `targets` with method names (all declaring `target_rows`): target-row streaming (`pipeline.stream_trace`).
         `output`: a captured forward pass runs to the model's output (`Trace.logits` / `Trace.hidden`), which is
         what explaining a prediction reads. `on_layer(phase, done, total)`: progress in layers of a streamed trace (long
-        inputs; `pipeline.LayerProgress`)."""
+        inputs; `pipeline.LayerProgress`). `on_lengths(lengths)`: called with the inputs' token counts before the
+        first batch runs (`order='length'`; e.g. a memory check)."""
         texts = check_texts(texts)
         if order not in ("input", "length"):
             raise MixlensError(f"unknown batch order '{order}'; valid: input, length")
@@ -254,6 +257,8 @@ class Lens:
         plan: Iterable[tuple[Tokenized | None, Sequence[int], Sequence[int] | None]]
         if order == "length":
             tokenized = Tokenized(self.tokenizer, texts, limit, truncate, self.max_length)
+            if on_lengths is not None:
+                on_lengths(tokenized.lengths)
             plan = [
                 (tokenized, rows, rows) for rows in plan_batches(tokenized.lengths, batch_size, max_tokens, max_cells)
             ]
@@ -344,6 +349,11 @@ class Lens:
         names = list(dict.fromkeys(methods if methods is not None else method_registry.registry.defaults("analyze")))
         specs = [method_registry.get(m) for m in names]
         options = method_registry.check_options(names, options)
+
+        def fits(lengths: Sequence[int]) -> None:  # every row: the longest input's maps must fit, said before any pass
+            if targets is None or targets == "all":
+                check_results(self.adapter, specs, heads, (1, max(lengths)), None, self.device)
+
         n_in = len(texts)
         parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {s.name: [] for s in specs}
         extras: dict[str, dict[str, list[tuple[np.ndarray, np.ndarray]]]] = {s.name: {} for s in specs}
@@ -366,6 +376,7 @@ class Lens:
             trace=names,
             targets=targets,
             on_layer=on_layer,
+            on_lengths=fits,
         ):
             enc, idx = batch.enc, np.asarray(batch.index)
             for k, n in enumerate(enc.truncated):

@@ -8,8 +8,9 @@ pages (`malloc_trim(0)`) once per layer of an input of at least `LONG_TOKENS` to
 another system) it does nothing. It changes no setting: only memory already freed is returned.
 
 `check_fits` says before a pass starts when its attention matrices cannot fit the memory available (estimated from
-the batch, n, the layers and heads: `attention_bytes`), in one line instead of an allocation error or the kernel's
-out-of-memory kill.
+the batch, n, the layers and heads: `attention_bytes`), and before methods run when their own results cannot
+(`result_bytes`: a [layer, n, n] map per input, [layer, head, n, n] with heads, [layer, K, n] for K target rows),
+in one line instead of an allocation error or the kernel's out-of-memory kill.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from mixlens.errors import MixlensError
@@ -69,6 +72,22 @@ def attention_bytes(batch: int, n: int, layers: int, heads: int, kept_layers: in
     """Bytes of a traced pass's attention matrices: `kept_layers` layers' float32 α [B, H, n, n] held, plus the
     transients of the layer running (`ATTENTION_COPIES`)."""
     return 4 * batch * heads * n * n * (kept_layers + ATTENTION_COPIES)
+
+
+def result_bytes(
+    dims: Sequence[Sequence[str]], *, batch: int, n: int, layers: int, heads: int, rows: int | None = None
+) -> int:
+    """Bytes of the methods' own float32 results, one tuple of axis names per method (`Method.dims_for`): layer L,
+    head H, target K (`rows`, or n for every row), source n, class 1 (a class axis is small); plus, for a method
+    with a target axis, one layer's [B, H, K, n] attention rows it reads while computing them (α rebuilt from q and
+    K in row mode, or the layer's copy)."""
+    size = {"layer": layers, "head": heads, "target": rows or n, "source": n, "class": 1}
+    need = 0
+    for axes in dims:
+        need += 4 * batch * math.prod(size.get(a, 1) for a in axes)
+        if "target" in axes:
+            need += 4 * batch * heads * (rows or n) * n
+    return need
 
 
 def check_fits(need: int, what: str, hint: str, device: object = "cpu") -> None:

@@ -13,11 +13,11 @@ import torch
 
 from mixlens.adapters import Adapter
 from mixlens.errors import MixlensError
-from mixlens.memory import release
+from mixlens.memory import check_fits, release, result_bytes
 from mixlens.methods import get as get_method
 from mixlens.methods.engine import BLOCK_NORMS, NORM_RUN, BlockNorms, NormRun, block_norms, stream_layer
 from mixlens.methods.memo import Memo, StreamLayer, memo_of
-from mixlens.methods.registry import check_options, check_target_rows
+from mixlens.methods.registry import Method, check_options, check_target_rows
 from mixlens.trace import FfnCapture, LayerTrace, Trace, run_traced
 
 Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
@@ -127,11 +127,33 @@ def run_methods(
         trace.memo = memo = Memo()  # results of other rows
     if rows is not None:
         memo.rows = rows
+    k = None if rows is None else int(rows.shape[1])
+    b, n = trace.mask.shape
+    check_results(trace.adapter, specs, heads, (b, n), k, trace.mask.device)  # before computing
     if any(s.engine for s in specs) or memo.get(NORM_RUN) is not None:
         block_norms(trace)  # a streamed trace's norm passes ran: their per-run check runs here
     outs = {s.name: s.run(trace, heads=heads, **options.get(s.name, {})) for s in specs}
     values = {k: o.values for k, o in outs.items()}
     return MethodResults(values, memo.get(BLOCK_NORMS), {k: o.extras for k, o in outs.items()})
+
+
+def check_results(
+    adapter: Adapter,
+    specs: Sequence[Method],
+    heads: bool,
+    shape: tuple[int, int],
+    rows: int | None,
+    device: object = "cpu",
+) -> None:
+    """MixlensError, in one line, when the results of `specs` on a batch of `shape` (inputs, tokens), K = `rows`
+    target rows (None: all), cannot fit the memory available (`memory.result_bytes`)."""
+    batch, n = shape
+    need = result_bytes(
+        [s.dims_for(heads) for s in specs], batch=batch, n=n, layers=adapter.n_layers, heads=adapter.n_heads, rows=rows
+    )
+    what = f"{', '.join(s.name for s in specs)} on {batch} × {n} tokens" + (" per head" if heads else "")
+    hint = "use fewer or shorter inputs" + ("" if rows else ", or target rows (--targets last)")
+    check_fits(need, f"the results of {what}", hint, device)
 
 
 def streams(methods: Sequence[str], targets: Targets) -> bool:

@@ -162,6 +162,23 @@ def test_chat_segments_on_smollm2(capsys, tmp_path):
     assert math.isclose(math.fsum(shown.values()), total, rel_tol=1e-3, abs_tol=1e-3)
 
 
+def test_segments_of_a_generated_answer(capsys):
+    """--generate N explains the generated answer as a whole, so segments of its prompt work with it: the JSON
+    holds the answer and each passage's score, the sum of its prompt tokens' answer-level scores."""
+    if not (SMOLLM / "model.safetensors").is_file():
+        pytest.skip("smollm2-135m-instruct not fetched (python scripts/fetch_models.py smollm2-135m-instruct)")
+    text = "The code of the red door is 41. || The code of the blue door is 73. || The code of the red door is"
+    args = ["explain", text, "--model", str(SMOLLM), "--separator", "||", "--generate", "2", "--method", "logit_attn"]
+    code, out, err = run_cli([*args, "--format", "json"], capsys)
+    assert code == 0, err
+    inp = json.loads(out)["inputs"][0]
+    assert len(inp["target"]["answer"]["ids"]) == 2
+    seg, scores = inp["segments"], inp["scores"]["logit_attn"]
+    assert seg["labels"] == ["passage 1", "passage 2", "passage 3"]
+    for (a, b), value in zip(seg["token_ranges"], seg["scores"]["logit_attn"], strict=True):
+        assert math.isclose(value, math.fsum(scores[a:b]), rel_tol=1e-6, abs_tol=1e-9)
+
+
 def test_a_generated_answers_segments_on_smollm2(capsys, tmp_path):
     """--chat with --generate: one answer, its tokens × the conversation's messages in the JSON, the HTML and the
     figure; each heatmap row adds up to the answer token's row of token scores."""

@@ -72,3 +72,67 @@ def test_an_allocation_failure_is_one_line_with_exit_2(monkeypatch, capsys):
     assert code == 2 and "out of memory" in err and "76204032000 bytes" in err
     assert len(err.strip().splitlines()) == 1
     assert memory.out_of_memory(RuntimeError("shape mismatch")) is None  # other errors stay errors
+
+
+def test_the_estimate_counts_each_methods_own_results():
+    """#45 item 13: the estimate left out the methods' own results ([L, n, n] maps, [L, H, n, n] with heads)."""
+    kw = {"batch": 2, "n": 1000, "layers": 30, "heads": 9}
+    alpha_rows = 4 * 2 * 9 * 1000 * 1000  # one layer's [B, H, n, n] read while a map is built
+    assert memory.result_bytes([("layer", "target", "source")], **kw) == 4 * 2 * 30 * 1000 * 1000 + alpha_rows
+    assert memory.result_bytes([("layer", "head", "target", "source")], **kw) == 4 * 2 * 30 * 9 * 10**6 + alpha_rows
+    assert memory.result_bytes([("layer", "target", "source")], rows=1, **kw) == 4 * 2 * 30 * 1000 + 4 * 2 * 9 * 1000
+    assert memory.result_bytes([("source",), ("class", "source")], **kw) == 2 * 4 * 2 * 1000
+
+
+def test_results_too_large_are_refused_before_the_work(tokenizer, monkeypatch, capsys):
+    """analyze of every row on a long input: refused before any pass, in one line, naming the row mode; the same
+    methods on the last row only fit and run."""
+    lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM")
+    text = "one two three four five six seven eight nine"
+    n, layers, heads = len(lens.encode([text]).tokens[0]), lens.adapter.n_layers, lens.adapter.n_heads
+    per_map = memory.result_bytes([("layer", "target", "source")], batch=1, n=n, layers=layers, heads=heads)
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": per_map)  # heads=False fits, heads=True not
+    from mixlens import pipeline
+
+    monkeypatch.setattr(pipeline, "check_fits", memory.check_fits)
+    calls: list[int] = []
+    lens.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    lens.analyze(text, ["attention"], targets="all")
+    with pytest.raises(MixlensError, match=r"the results of attention on 1 × \d+ tokens per head needs about") as e:
+        lens.analyze(text, ["attention"], heads=True, targets="all")
+    assert "\n" not in str(e.value) and "--targets last" in str(e.value)
+    ran = len(calls)
+    with pytest.raises(MixlensError):
+        lens.analyze(text, ["attention"], heads=True, targets="all")
+    assert len(calls) == ran  # refused before the model ran
+    lens.analyze(text, ["attention"], heads=True, targets="last")
+
+
+def test_explain_and_evaluate_compute_only_the_explained_row(tokenizer, monkeypatch):
+    """#45 item 13: explain and evaluate built every row of a map method ([L, n, n]: 480 MB for `attention` at 2,000
+    tokens on SmolLM2) to read one; they now ask for the explained row alone, with the same scores."""
+    from mixlens.explain import attributions, explain
+    from mixlens.pipeline import run_methods
+
+    lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM")
+    texts = ["The keys to the cabinet are", "A much longer input than the first one, on the table"]
+    shapes = []
+
+    def spy(trace, methods, **kw):
+        out = run_methods(trace, methods, **kw)
+        shapes.extend((m, tuple(v.shape)) for m, v in out.values.items())
+        return out
+
+    monkeypatch.setattr(attributions, "run_methods", spy)
+    ex = explain(lens, texts, ["attention", "attention_rollout", "saliency"], batch_size=2)
+    maps = [s for m, s in shapes if m in ("attention", "attention_rollout")]
+    assert maps and all(s[2] == 1 for s in maps)  # [B, layer, 1 row, source]
+    with torch.no_grad():
+        enc = lens.encode(texts)
+        full = run_methods(lens.trace(enc), ["attention", "attention_rollout"]).values  # every row, as before
+    for m in ("attention", "attention_rollout"):
+        for b, one in enumerate(ex.inputs):
+            n = len(enc.tokens[b])
+            torch.testing.assert_close(
+                torch.as_tensor(one.scores[m][:n]), full[m][b, -1, n - 1, :n].float(), atol=1e-6, rtol=1e-5
+            )

@@ -128,7 +128,7 @@ def test_a_second_run_into_the_same_folder_is_refused(run, capsys):
     holder = ctx.Process(target=_hold, args=(str(out), ready, release))
     holder.start()
     try:
-        assert ready.wait(60)
+        assert ready.wait(300)  # a spawned interpreter importing torch: slow on a loaded machine
         code, _, err = run_cli(argv, capsys)
         one_line(code, err, "is in use by another mixlens evaluate run", f"pid {holder.pid}")
     finally:

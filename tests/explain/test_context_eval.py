@@ -110,26 +110,44 @@ def test_mrr_and_top1_on_hand_made_ranks():
 # ------------------------------------------------------------------------------------------------ scores, LOO
 
 
-def test_one_pass_equals_the_token_by_token_explanation(causal):
+def single_token(lens, ids: list[int], target: int, methods: list[str]) -> dict[str, np.ndarray]:
+    """The existing single-token explanation of `target` after `ids` (the logit, for the decompositions)."""
+    from mixlens.explain import attributions as attr
+    from mixlens.explain.explain import read_targets
+
+    trace = lens.trace_for(lens.encode_ids([ids]), methods, output=True)
+    _, ro, _ = read_targets(lens, trace, target, None)
+    res = attr.attribute(trace, ro, methods, target=target)
+    return {m: res[m][0].numpy() for m in methods}
+
+
+def test_answer_rows_equal_the_token_by_token_explanation(causal):
     (r,) = answered_rows(causal, 1, answer_tokens=3)
     p = C._check_line(r, "row", 1)
     tok = C.tokenize(causal.tokenizer, p)
     assert len(tok.answer) == 3
     methods = ["logit_attn", "alti_logit", "grad_x_input"]
-    one = C.token_scores(causal, tok.prompt, tok.answer, methods, one_pass=True)
-    loop = C.token_scores(causal, tok.prompt, tok.answer, methods, one_pass=False)
+    timings: dict[str, float] = {}
+    one = C.token_scores(causal, tok.prompt, tok.answer, methods, timings=timings)
+    assert set(timings) == {*methods, "forward"}
+    n = len(tok.prompt)
+    for a, t in enumerate(tok.answer):  # row a: answer[a] explained after prompt + answer[:a] (teacher forcing)
+        ref = single_token(causal, tok.prompt + tok.answer[:a], t, methods[:2])
+        for m in methods[:2]:
+            np.testing.assert_allclose(one[m][a, : n + a], ref[m], rtol=1e-4, atol=1e-5)
     for m in methods:
-        assert one[m].shape == (3, len(tok.prompt) + 2)
-        np.testing.assert_allclose(one[m], loop[m], rtol=1e-4, atol=1e-5)
+        assert one[m].shape == (3, n + 3)
         for a in range(3):  # answer token a sees the prompt and the answer's first a tokens
-            assert not one[m][a, len(tok.prompt) + a :].any()
+            assert not one[m][a, n + a :].any()
     # answer_token_scores takes the texts
     by_text = C.answer_token_scores(causal, p.prompt, p.continuation, ["logit_attn"])
     np.testing.assert_allclose(by_text["logit_attn"], one["logit_attn"], atol=1e-6)
+    with pytest.raises(MixlensError, match="not a continuation"):
+        C.answer_token_scores(causal, p.prompt, "\u200b", ["logit_attn"])
     # passage scores are the exact sums of their tokens' scores; the rest is outside the passages
     per = C.passage_scores(tok, one["logit_attn"])
-    outside = tok.segments.outside_score(np.pad(one["logit_attn"][:, : len(tok.prompt)], ((0, 0), (0, 1))))
-    np.testing.assert_allclose(per.sum(1) + outside, one["logit_attn"][:, : len(tok.prompt)].sum(1), atol=1e-9)
+    outside = tok.segments.outside_score(np.pad(one["logit_attn"][:, :n], ((0, 0), (0, 1))))
+    np.testing.assert_allclose(per.sum(1) + outside, one["logit_attn"][:, :n].sum(1), atol=1e-9)
     for j, s in enumerate(tok.segments.segments):
         a, b = p.passages[j]
         assert p.prompt[a:b].startswith(f"Passage {j + 1}:") and s.end > s.start

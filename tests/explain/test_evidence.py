@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 
@@ -240,14 +241,25 @@ def test_a_utf8_bom_is_read(tmp_path, tokenizer):
     assert [r.prompt for r in evidence.read_rows(bom)] == [r.prompt for r in evidence.read_rows(plain)]
 
 
-def test_empty_words_and_overlong_prompts_are_skipped_and_counted(tokenizer, tmp_path):
-    """#45 item 23: an empty good/bad word became the lone-space token and was scored; a prompt over the position
-    limit was cut from the end and still scored. Both are skipped and counted."""
-    rows = [*ROWS[:2], ("Raymond is selling this", "", "sketches", "this", "this")]
-    rows.append(("Raymond is selling " + "really " * 30 + "this", "sketch", "sketches", "this", "this"))
+def test_an_empty_word_is_refused_naming_its_row(tokenizer, tmp_path):
+    """#45 item 23: an empty good/bad word became the lone-space token and was scored; it is a broken row, refused
+    in one line naming the file and line (before the model loads: `check_rows` reads every row)."""
+    for k, row in enumerate((("Raymond is selling this", "", "sketches"), ("Raymond is selling this", "sketch", " "))):
+        f = _write(tmp_path / f"toy{k}.csv", [*ROWS[:2], (*row, "this", "this")])
+        word = ("one_prefix_word_good", "one_prefix_word_bad")[k]
+        with pytest.raises(evidence.MixlensError, match=rf"toy{k}.csv: line 4: {word} \(the (target|foil) word\)"):
+            evidence.check_rows(f)
+        assert len(evidence.read_rows(f, limit=2)) == 2  # rows before it are read
+
+
+def test_overlong_prompts_are_skipped_and_counted(tokenizer, tmp_path):
+    """#45 item 23: a prompt over the position limit was cut from the end and still scored; it is skipped and
+    counted."""
+    rows = [*ROWS[:2], ("Raymond is selling " + "really " * 30 + "this", "sketch", "sketches", "this", "this")]
     texts, cs, skipped = evidence.prepare(tokenizer, evidence.read_rows(_write(tmp_path / "toy.csv", rows)), 20)
     assert texts == [ROWS[0][0], ROWS[1][0]]
-    assert skipped == {"toy": {evidence.SKIP_EMPTY: 1, evidence.SKIP_LONG: 1}}
+    assert skipped == {"toy": {evidence.SKIP_LONG: 1}}
+    assert evidence.skip_line(skipped) == "1 rows left out: prompt over the model's position limit (1)"
 
 
 def test_prompts_are_tokenised_in_chunks(tokenizer, tmp_path, monkeypatch):
@@ -268,3 +280,78 @@ def test_prompts_are_tokenised_in_chunks(tokenizer, tmp_path, monkeypatch):
     texts, cs, skipped = evidence.prepare(Counting(), rows)
     assert max(sizes) == 2 and sum(sizes) == len(ROWS) * 3
     assert texts == [ROWS[k][0] for k in (0, 1, 5)] * 3
+
+
+def _endless(drawn: list[int], n: int = 1_000_000):
+    """A million rows of ROWS, made one at a time as they are read (`drawn[0]`: how many so far)."""
+    for k in range(n):
+        drawn[0] += 1
+        p, g, b, t, tp = ROWS[k % len(ROWS)]
+        yield evidence.Row("toy", p, g, b, None if tp == "NA" else tp)
+
+
+def test_the_rows_stream_lazily(tokenizer, monkeypatch):
+    """#45 item 23: the whole file was read and tokenised before the first example (a million rows: 3.5 GB). The
+    first pair comes after one chunk of rows; the rows left out are counted as they are met."""
+    monkeypatch.setattr(evidence, "CHUNK", 6)
+    drawn, skipped = [0], {}
+    pairs = evidence.stream(tokenizer, _endless(drawn), None, skipped)
+    assert drawn == [0]  # nothing read before the first pair is asked for
+    assert next(pairs)[0] == ROWS[0][0] and drawn == [6]
+    assert [next(pairs)[0] for _ in range(2)] == [ROWS[1][0], ROWS[5][0]] and drawn == [6]
+    assert skipped == {"toy": {evidence.SKIP_NA: 1, evidence.SKIP_SAME: 1, evidence.SKIP_NOT_FOUND: 1}}
+    next(pairs)
+    assert drawn == [12]
+
+
+def test_long_prompts_make_smaller_chunks(tokenizer, monkeypatch):
+    monkeypatch.setattr(evidence, "CHUNK_CHARS", 40)  # ROWS' prompts have 18 to 28 characters: 2 reach 40
+    sizes = [len(c) for c in evidence._chunks(evidence.Row("g", p, w, w, p) for p, w, *_ in ROWS)]
+    assert sizes == [2, 2, 2]
+
+
+def test_evaluate_draws_one_batch_at_a_time(causal, tokenizer, monkeypatch):
+    """evaluate over a streamed task file reads the rows only as batches need them: after its first batch of 2, a
+    million-row source has given one chunk; an interrupt then keeps that batch."""
+    from mixlens.explain.evaluate import Interrupted
+
+    monkeypatch.setattr(evidence, "CHUNK", 6)
+    drawn, skipped = [0], {}
+    a, b = itertools.tee(evidence.stream(tokenizer, _endless(drawn), None, skipped))
+    seen = []
+
+    def stop(part):
+        seen.append((drawn[0], len(part.examples), part.notes[-1]))
+        raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted) as stop_info:
+        evaluate(
+            causal,
+            (t for t, _ in a),
+            ["saliency"],
+            contrasts=(c for _, c in b),
+            task="blimp",
+            skipped=skipped,
+            batch_size=2,
+            removal="none",
+            checkpoint=stop,
+            checkpoint_every=0,
+            total=1_000_000,
+        )
+    assert seen == [(6, 2, "interrupted after 2 of 1000000 examples; the metrics cover those")]
+    part = stop_info.value.partial["none"]
+    assert [e.text for e in part.examples] == [ROWS[0][0], ROWS[1][0]] and stop_info.value.total == 1_000_000
+
+
+def test_a_streamed_evaluation_equals_the_listed_one(causal, tokenizer, tmp_path):
+    """The same rows as a list and as a stream give the same evaluation (examples, skips, no interrupted note)."""
+    f = _write(tmp_path / "toy.csv", ROWS * 2)
+    texts, cs, skipped = evidence.prepare(tokenizer, evidence.read_rows(f))
+    listed = evaluate(causal, texts, ["saliency"], contrasts=cs, task="blimp", skipped=skipped, batch_size=2)
+    left: dict = {}
+    a, b = itertools.tee(evidence.stream(tokenizer, evidence.iter_rows(f), None, left))
+    streamed = evaluate(
+        causal, (t for t, _ in a), ["saliency"], contrasts=(c for _, c in b), task="blimp", skipped=left, batch_size=2
+    )
+    assert streamed.metrics() == listed.metrics() and streamed.skipped == listed.skipped == left
+    assert [e.text for e in streamed.examples] == texts and streamed.notes == listed.notes

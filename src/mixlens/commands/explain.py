@@ -7,6 +7,7 @@ import json
 import shlex
 import shutil
 import sys
+from collections.abc import Iterable, Sized
 from pathlib import Path
 
 import typer
@@ -271,14 +272,30 @@ def _evaluate_data(
 
     skipped: list[str] = []
     if task != "faithfulness":
-        evidence.check_rows(data, skip, limit)  # a bad file fails before the model loads (read once, not kept)
+        rows = evidence.check_rows(data, skip, limit)  # a bad file fails before the model loads (read, not kept)
         lens = load(model, gguf_file=gguf_file, head=head)
-        stream = evidence.iter_rows(data, skip, limit)  # through the tokenizer in chunks
-        texts, contrasts, left_out = evidence.prepare(lens.tokenizer, stream, max_tokens=lens.max_length)
-        if not texts:
-            raise MixlensError(f"no prompt of '{data}' is usable: {left_out}")
+        left_out: dict[str, dict[str, int]] = {}  # filled as the rows stream through the tokenizer, in chunks
+        pairs = evidence.stream(lens.tokenizer, evidence.iter_rows(data, skip, limit), lens.max_length, left_out)
+        first = next(pairs, None)
+        if first is None:
+            raise MixlensError(f"no prompt of '{data}' is usable; {evidence.skip_line(left_out)}")
+        a, b = itertools.tee(itertools.chain([first], pairs))  # drawn in step: tee holds one pair at most
         _evaluate_and_write(
-            lens, texts, method, removal, batch_size, seed, dest, skipped, fmt, saved, run, contrasts, task, left_out
+            lens,
+            (t for t, _ in a),
+            method,
+            removal,
+            batch_size,
+            seed,
+            dest,
+            skipped,
+            fmt,
+            saved,
+            run,
+            (c for _, c in b),
+            task,
+            left_out,
+            rows,
         )
         return
 
@@ -299,7 +316,7 @@ def _evaluate_data(
 
 def _evaluate_and_write(
     lens,
-    texts: list[str],
+    texts: Iterable[str],
     method: list[str] | None,
     removal: str,
     batch_size: int,
@@ -312,8 +329,10 @@ def _evaluate_and_write(
     contrasts=None,
     task: str = "faithfulness",
     left_out: dict[str, dict[str, int]] | None = None,
+    total: int | None = None,
 ) -> None:
-    """`evaluate`'s run (resuming the interrupted one `saved` in `dest`), its files and its table or JSON."""
+    """`evaluate`'s run (resuming the interrupted one `saved` in `dest`), its files and its table or JSON. `texts`
+    (and `contrasts`) may stream: `total` is then their number at most (the task file's rows; for progress)."""
     from mixlens.commands.output import progress, write_stdout
     from mixlens.explain import checkpoint
     from mixlens.explain.evaluate import Evaluation, Interrupted, evaluate
@@ -327,10 +346,12 @@ def _evaluate_and_write(
         checkpoint.check_replace(saved, dest / checkpoint.FILE, run, model=lens.name)
     try:
         resumed = float(len(resume.examples)) if resume is not None else 0.0
-        with progress(len(texts), "evaluate", done=resumed) as step:
+        size = len(texts) if isinstance(texts, Sized) else total or 0
+        with progress(size, "evaluate", done=resumed) as step:
             last = [resumed]
 
-            def advance(done: float, total: int) -> None:
+            def advance(done: float, _: int) -> None:
+                done += sum(sum(r.values()) for r in (left_out or {}).values())  # rows left out count as read
                 step(max(0.0, done - last[0]))
                 last[0] = max(last[0], done)
 
@@ -346,8 +367,9 @@ def _evaluate_and_write(
                 contrasts=contrasts,
                 task=task,
                 skipped=left_out,
-                checkpoint=lambda part: _write(dest, part, skipped, interrupted=len(texts)),
+                checkpoint=lambda part: _write(dest, part, skipped, interrupted=max(size, len(part.examples))),
                 run=run,
+                total=total,
                 on_resume=lambda k: typer.echo(
                     f"resuming the interrupted evaluation in {dest} ({k} examples done)", err=True
                 ),

@@ -136,11 +136,10 @@ class OutDir:
 
     def delete(self, rel: str) -> None:
         """Remove the file `rel` if it is there."""
-        with contextlib.suppress(FileNotFoundError):
-            try:
-                self.fs.delete_file(self.path(rel))
-            except FileNotFoundError:
-                raise
-            except (pa.ArrowException, OSError) as e:
-                if self.exists(rel):
-                    raise MixlensError(f"cannot remove '{self.show(rel)}': {_why(e)}") from None
+        try:
+            self.fs.delete_file(self.path(rel))
+        except FileNotFoundError:
+            return
+        except (pa.ArrowException, OSError) as e:  # some filesystems say "not found" as a plain OSError
+            if self.exists(rel):
+                raise MixlensError(f"cannot remove '{self.show(rel)}': {_why(e)}") from None

@@ -70,6 +70,20 @@ def _row(values: torch.Tensor, mask: torch.Tensor, ro: Readout) -> torch.Tensor:
     return last[torch.arange(last.shape[0]), pos.to(last.device)]
 
 
+def _target_rows(spec: Any, ro: Readout, trace: Trace) -> list[int] | None:
+    """The one target row an LM's map method (declaring `target_rows`) needs, as `run_methods` targets: the same
+    position, or the same distance from the end, in every input ([p] or [p − n]); None otherwise (every row: the
+    [layer, n, n] maps). A causal LM's last token is [−1], so its maps are [layer, 1, n], not [layer, n, n]."""
+    if not spec.target_rows or spec.dims in (("source",), ("class", "source")) or ro.kind not in ("causal", "masked"):
+        return None
+    pos = ro.position.cpu()
+    from_end = pos - torch.tensor(trace.lengths)
+    for same in (pos, from_end):
+        if bool((same == same[0]).all()):
+            return [int(same[0])]
+    return None
+
+
 def options_for(name: str, target: Request, foil: Foil, seed: int) -> dict[str, object]:
     """The options `explain` runs method `name` with: the request (`target`, `foil`) where the method takes one,
     the seed, and the method's explain options (`Method.explain_options`)."""
@@ -109,10 +123,23 @@ def attribute(
     if resolved is not None:
         target, foil = resolved, None
     out: dict[str, torch.Tensor] = {}
-    for name in methods:
+    one_row = {name: _target_rows(get(name), ro, trace) for name in methods}
+    # the methods on every row first, then the reference, then those on the explained row only: a trace's memo
+    # (shared gradients, norm passes) is kept while the rows stay the same
+    order = [m for m in methods if one_row[m] is None] + [REFERENCE] * reference + [m for m in methods if one_row[m]]
+    for name in order:
+        if name == REFERENCE:
+            ref: dict[str, object] = {"target": target, **_REFERENCE.options}
+            if foil is not None:
+                ref["foil"] = foil
+            step = run_methods(trace, [REFERENCE_METHOD], options={REFERENCE_METHOD: ref})
+            out[REFERENCE] = step.values[REFERENCE_METHOD].cpu() * fmask
+            if on_method:
+                on_method(REFERENCE)
+            continue
         spec = get(name)
         t0 = time.perf_counter()
-        step = run_methods(trace, [name], options={name: options_for(name, target, foil, seed)})
+        step = run_methods(trace, [name], options={name: options_for(name, target, foil, seed)}, targets=one_row[name])
         v = step.values[name].float()
         if extras is not None:
             extras[name] = {k: x.detach().cpu() for k, x in step.extras.get(name, {}).items()}
@@ -121,18 +148,12 @@ def attribute(
             v = v[rows, ro.index.to(v.device)] - torch.where(
                 ro.foil.to(v.device)[:, None] >= 0, v[rows, ro.foil.clamp_min(0).to(v.device)], 0.0
             )
+        elif one_row[name] is not None:
+            v = v[:, -1, 0]  # [B, layer, 1, source]: the last layer's explained row
         elif spec.dims != ("source",):
             v = _row(v, mask, ro)
         out[name] = v.detach().cpu() * fmask
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
         if on_method:
             on_method(name)
-    if reference:
-        ref: dict[str, object] = {"target": target, **_REFERENCE.options}
-        if foil is not None:
-            ref["foil"] = foil
-        step = run_methods(trace, [REFERENCE_METHOD], options={REFERENCE_METHOD: ref})
-        out[REFERENCE] = step.values[REFERENCE_METHOD].cpu() * fmask
-        if on_method:
-            on_method(REFERENCE)
-    return out
+    return {k: out[k] for k in [*methods, *[REFERENCE] * reference]}  # in the order asked

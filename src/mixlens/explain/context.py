@@ -10,10 +10,10 @@ Data: the JSONL of `scripts/context_task.py` (or any file of the same fields): p
 - answered correctly: at every answer position the answer's token is the argmax of the model's next-token logits
   given the prompt and the answer's earlier tokens (teacher forcing; the same as greedy generation producing the
   answer's tokens). Only those prompts are scored; the others are counted;
-- a method's token scores for answer token a: the existing single-token explanation of the logit of answer[a] at
-  the position before it (`answer_token_scores`: one traced forward pass of prompt + answer for the methods that read
-  the traced pass and take a `position`; a pass of prompt + answer[:a] per answer token for the others); a passage's
-  score = the sum over the answer's tokens of the sum over its tokens (`segments.segmentation`: each token belongs to
+- a method's token scores for answer token a: its explanation of answer[a] at the position before it, the
+  answer API's [answer, source] matrix (`answers.explain_answer`: one forward pass of prompt + answer; the
+  decompositions explain the logit, the gradient methods the log-probability); a passage's score = the sum over
+  the answer's tokens of the sum over its tokens (`segments.segmentation`: each token belongs to
   the passage its characters overlap most) — an exact sum of token scores;
 - rank of the gold passage among the N passages by score (descending; ties: earlier passage first); MRR = mean of
   1 / rank, top-1 = share of rank 1, each with its 95 % bootstrap interval over the scored prompts;
@@ -40,13 +40,13 @@ import torch
 
 from mixlens import jsonio
 from mixlens.errors import MixlensError
+from mixlens.explain import answers as ans
 from mixlens.explain import attributions as attr
 from mixlens.explain.evaluation import bootstrap
-from mixlens.explain.explain import explained_kind, read_targets
+from mixlens.explain.explain import explained_kind
 from mixlens.explain.segments import Segmentation, segmentation
 from mixlens.methods import get as get_method
-from mixlens.pipeline import run_methods
-from mixlens.targets import KIND_NAMES
+from mixlens.targets import KIND_NAMES, token_label
 
 TASK = "context"
 LOO = "leave_one_out"
@@ -270,13 +270,6 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _one_pass(name: str) -> bool:
-    """Whether `name` can explain every answer position from one traced pass: it reads the traced forward pass and
-    takes the explained position as an option."""
-    spec = get_method(name)
-    return not spec.inputs_only and "position" in {o.name for o in spec.options} and spec.dims == ("source",)
-
-
 def token_scores(
     lens,
     prompt_ids: list[int],
@@ -284,53 +277,33 @@ def token_scores(
     methods: Sequence[str],
     *,
     seed: int = 0,
-    one_pass: bool = True,
     timings: dict[str, float] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Per method the [answer, source] scores of each answer token's logit (source = prompt + answer[:-1]; the
-    positions an answer token does not see are 0). With `one_pass`, the methods of `_one_pass` read one traced pass
-    of prompt + answer[:-1] at each answer position; the others (or all, without it) run the single-token
-    explanation of prompt + answer[:a] for answer token a. `timings` accumulates seconds per method and 'forward'
-    (the traced passes)."""
+    """Per method the [answer, source] matrix of the answer's tokens after the prompt (source = prompt + answer; an
+    answer token's row is 0 from its own position on): `answers.explain_answer`, one forward pass of prompt + answer
+    (decompositions explain each answer token's logit, gradients its log-probability: docs/reference/answers.md).
+    `timings` accumulates seconds per method and 'forward' (the rest of the call: the shared forward passes)."""
     timings = timings if timings is not None else {}
-    n, a_len = len(prompt_ids), len(answer_ids)
-    ids = prompt_ids + answer_ids[:-1]
-    out = {m: np.zeros((a_len, len(ids))) for m in methods}
-    shared = [m for m in methods if one_pass and _one_pass(m)]
-    rest = [m for m in methods if m not in shared]
-    if shared:
-        t0 = time.perf_counter()
-        trace = lens.trace_for(lens.encode_ids([ids]), shared, output=True)
-        timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
-        for m in shared:
-            t0 = time.perf_counter()
-            for a, t in enumerate(answer_ids):
-                opts = {**get_method(m).explain_options, "target": int(t), "position": n - 1 + a}
-                out[m][a] = run_methods(trace, [m], options={m: opts}).values[m][0].detach().float().cpu().numpy()
-            timings[m] = timings.get(m, 0.0) + time.perf_counter() - t0
-        del trace
-    for a, t in enumerate(answer_ids if rest else []):
-        t0 = time.perf_counter()
-        trace = lens.trace_for(lens.encode_ids([ids[: n + a]]), rest, output=True)
-        timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0
-        _, ro, _ = read_targets(lens, trace, int(t), None)
-        res = attr.attribute(trace, ro, rest, target=int(t), seed=seed, timings=timings)
-        for m in rest:
-            out[m][a, : n + a] = res[m][0].numpy()
-    return out
+    labels = [token_label(lens.tokenizer, t) for t in answer_ids]
+    answer = ans.Answer(lens.tokenizer.decode(answer_ids), list(answer_ids), labels, len(prompt_ids))
+    mine: dict[str, float] = {}
+    t0 = time.perf_counter()
+    out = ans.explain_answer(lens, prompt_ids + list(answer_ids), answer, methods, seed=seed, timings=mine)
+    timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0 - sum(mine.values())
+    for m, v in mine.items():
+        timings[m] = timings.get(m, 0.0) + v
+    return {m: np.asarray(v, dtype=np.float64) for m, v in out.items()}
 
 
-def answer_token_scores(
-    lens, prompt: str, answer: str, methods: Sequence[str], *, one_pass: bool = True
-) -> dict[str, np.ndarray]:
+def answer_token_scores(lens, prompt: str, answer: str, methods: Sequence[str]) -> dict[str, np.ndarray]:
     """Per method the [answer token, source token] scores of `answer` (the continuation's text, e.g. " 4721") after
-    `prompt` (`token_scores`; source = the prompt's tokens and the answer's but its last)."""
+    `prompt` (`token_scores`; source = the prompt's tokens and the answer's)."""
     prompt_ids, lead = prompt_tokens(lens.tokenizer, prompt)
     full = list(lens.tokenizer(prompt + answer, add_special_tokens=False)["input_ids"])
     plain = prompt_ids[lead:]
     if full[: len(plain)] != plain or len(full) == len(plain):
         raise MixlensError(f"the answer {answer!r} is not a continuation of the prompt for this tokenizer")
-    return token_scores(lens, prompt_ids, full[len(plain) :], methods, one_pass=one_pass)
+    return token_scores(lens, prompt_ids, full[len(plain) :], methods)
 
 
 # ---------------------------------------------------------------------------------------------------- metrics
@@ -563,7 +536,6 @@ def evaluate_context(
     methods: Sequence[str] | None = None,
     *,
     seed: int = 0,
-    one_pass: bool = True,
     run: dict[str, object] | None = None,
     resume: ContextEvaluation | None = None,
     checkpoint: Callable[[ContextEvaluation], object] | None = None,
@@ -592,7 +564,7 @@ def evaluate_context(
         "task": TASK,
         "methods": chosen,
         "seed": seed,
-        "one_pass": one_pass,
+        "scores": "answer API",  # explain_answer's scalars (a run of the per-token logits before it differs)
     }
     examples: list[Example] = []
     if resume is not None:
@@ -632,7 +604,7 @@ def evaluate_context(
         )
         if ex.correct:
             timings: dict[str, float] = {}
-            scores = token_scores(lens, tok.prompt, tok.answer, chosen, seed=seed, one_pass=one_pass, timings=timings)
+            scores = token_scores(lens, tok.prompt, tok.answer, chosen, seed=seed, timings=timings)
             ex.scores = {m: passage_scores(tok, v) for m, v in scores.items()}
             t1 = time.perf_counter()
             ex.loo = leave_one_out(lens, p, tok, float(logp.sum()))

@@ -13,6 +13,8 @@ never removed; top-k % = the ⌈k/100 · m⌉ highest-scoring of the m non-speci
 - 95 % bootstrap intervals of every mean over examples (`RESAMPLES` resamples, seeded).
 
 Perturbed inputs of all methods and examples of a batch are de-duplicated and run together, sorted by length.
+The inputs may stream (any iterable, e.g. `evidence.stream` over a task file): each batch is drawn from them only
+when the previous one is done, so the first example starts at once and memory stays flat in the input count.
 
 Contrastive tasks with evidence (`mixlens.explain.evidence`, e.g. BLiMP): each input brings its own target and foil
 token; f(x) is then the logit difference logit(target) − logit(foil) at the last token, the same definitions apply
@@ -24,14 +26,16 @@ This module runs the batch loop; the parts live by role: `evaluation` (the data 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
 import torch
 
+from mixlens.batching import check_texts
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
 from mixlens.explain import checkpoint as ckpt
@@ -88,7 +92,7 @@ __all__ = [
 
 def evaluate(
     lens,
-    texts: Sequence[str],
+    texts: Iterable[str],
     methods: Sequence[str] | None = None,
     *,
     removal: str = "delete",
@@ -96,13 +100,14 @@ def evaluate(
     seed: int = 0,
     progress: Callable[[float, int], None] | None = None,
     resume: Evaluation | None = None,
-    contrasts: Sequence[Contrast] | None = None,
+    contrasts: Iterable[Contrast] | None = None,
     task: str = "faithfulness",
     skipped: dict[str, dict[str, int]] | None = None,
     checkpoint: Callable[[Evaluation], object] | None = None,
     checkpoint_every: float | None = None,
     run: dict[str, object] | None = None,
     on_resume: Callable[[int], object] | None = None,
+    total: int | None = None,
 ) -> Evaluation:
     """Evaluate `methods` (default: every applicable one but exact HTA) plus a seeded random baseline.
     `progress(done, total)`: inputs done (fractions as each method and the perturbed passes of a batch finish).
@@ -115,7 +120,10 @@ def evaluate(
     (SIGKILL, a lost machine) can resume from the last one; the CLI writes it as an interrupted evaluation.json.
     `run`: what identifies the run beyond the model, dtype, task, removal, methods and seed (the CLI: the data's
     hash and options); saved as `Evaluation.run`, a `resume` of another run is a `MixlensError`;
-    `on_resume(k)` is called once it is found to be the same run, k examples kept."""
+    `on_resume(k)` is called once it is found to be the same run, k examples kept.
+    `texts` (and `contrasts`, one per text) may be lazy iterables, read one batch at a time (a task file streamed
+    by `evidence.stream`; `skipped` then fills as rows are met); `total` is then the expected number of examples
+    (at most; for progress and the interrupted marker), the count once they are all read."""
     return evaluate_removals(
         lens,
         texts,
@@ -132,12 +140,13 @@ def evaluate(
         checkpoint_every=checkpoint_every,
         run=run,
         on_resume=on_resume,
+        total=total,
     )[removal]
 
 
 def evaluate_removals(
     lens,
-    texts: Sequence[str],
+    texts: Iterable[str],
     methods: Sequence[str] | None = None,
     *,
     removals: Sequence[str] = ("delete",),
@@ -145,13 +154,14 @@ def evaluate_removals(
     seed: int = 0,
     progress: Callable[[float, int], None] | None = None,
     resume: dict[str, Evaluation] | None = None,
-    contrasts: Sequence[Contrast] | None = None,
+    contrasts: Iterable[Contrast] | None = None,
     task: str = "faithfulness",
     skipped: dict[str, dict[str, int]] | None = None,
     checkpoint: Callable[[dict[str, Evaluation]], object] | None = None,
     checkpoint_every: float | None = None,
     run: dict[str, object] | None = None,
     on_resume: Callable[[int], object] | None = None,
+    total: int | None = None,
 ) -> dict[str, Evaluation]:
     """`evaluate` for several removal rules at once: the attributions are computed once and shared. Each
     Evaluation's timings are what a run of its removal alone would have spent (the shared part plus its own
@@ -160,9 +170,6 @@ def evaluate_removals(
     from mixlens import __version__
 
     t_start = time.perf_counter()
-    texts = list(texts)
-    if not texts:
-        raise MixlensError("no examples to evaluate (the data file is empty?)")
     for removal in removals:
         if removal not in REMOVALS:
             raise MixlensError(f"unknown removal '{removal}'; valid: {', '.join(REMOVALS)}")
@@ -172,11 +179,15 @@ def evaluate_removals(
     kind = explained_kind(lens.model)
     family = lens.adapter.family
     if contrasts is not None:
-        contrasts = list(contrasts)
-        if len(contrasts) != len(texts):
+        if isinstance(texts, Sequence) and isinstance(contrasts, Sequence) and len(contrasts) != len(texts):
             raise MixlensError(f"{len(contrasts)} contrasts for {len(texts)} texts; give one per text")
         if kind != "causal":
             raise MixlensError(f"the {task} task explains a causal LM's next token; this model is {KIND_NAMES[kind]}")
+    if isinstance(texts, Sequence):
+        check_texts(texts)  # every input refused or accepted before the first batch runs
+    source = Inputs(texts, contrasts, total)
+    if not source.peek():
+        raise MixlensError("no examples to evaluate (the data file is empty?)")
     chosen = list(methods) if methods else attr.default_methods(kind, family)
     real = attr.check_methods(kind, [m for m in chosen if m != RANDOM], family)
     left = [m for m in attr.applicable(kind) if m not in real]
@@ -192,7 +203,10 @@ def evaluate_removals(
     own = {r: {"forward": 0.0, "removal": 0.0} for r in removals}  # per removal: perturbed forwards, the rest
     examples: dict[str, list[Example]] = {r: [] for r in removals}
     runs = {r: ckpt.identity(lens, task=task, removal=r, methods=all_methods, seed=seed, extra=run) for r in removals}
-    kept = ckpt.resumed(resume, removals, runs, texts, contrasts)
+    head = source.head(max((len(ev.examples) for ev in resume.values()), default=0) if resume else 0)
+    given = None if contrasts is None else [c for _, c in head if c is not None]
+    kept = ckpt.resumed(resume, removals, runs, [t for t, _ in head], given)
+    source.replay(head[kept:])
     if resume and on_resume is not None:
         on_resume(kept)
     for r in removals:
@@ -208,7 +222,11 @@ def evaluate_removals(
     def build() -> dict[str, Evaluation]:
         total_shared = time.perf_counter() - t_start - sum(o["removal"] for o in own.values())
         n = len(examples[removals[0]])
-        extra = [f"interrupted after {n} of {len(texts)} examples; the metrics cover those"] if n < len(texts) else []
+        extra = (
+            [f"interrupted after {n} of {source.total()} examples; the metrics cover those"]
+            if not source.done(n)
+            else []
+        )
         if cut:
             extra.append(
                 "truncated to the model's limit (scores and f cover the kept tokens; `text` is whole): "
@@ -250,8 +268,7 @@ def evaluate_removals(
     try:
         run_batches(
             lens,
-            texts[kept:],
-            None if contrasts is None else contrasts[kept:],
+            source.rest(),
             kept,
             batch_size,
             real,
@@ -265,19 +282,73 @@ def evaluate_removals(
             examples,
             cut,
             finished,
-            len(texts),
+            source,
             progress,
             batch_done,
         )
     except KeyboardInterrupt:
-        raise Interrupted(build() if examples[removals[0]] else {}, len(texts)) from None
+        raise Interrupted(build() if examples[removals[0]] else {}, source.total()) from None
     return build()
+
+
+class Inputs:
+    """The examples of a run, (text, contrast or None) pairs, drawn from a list or a lazy iterable only as asked
+    for; counts them as they are drawn (`total`: the expected count until the last is read, then the count)."""
+
+    def __init__(self, texts: Iterable[str], contrasts: Iterable[Contrast] | None, total: int | None) -> None:
+        self.sized = isinstance(texts, Sequence)
+        self.expected = len(texts) if isinstance(texts, Sequence) else total
+        self.drawn = 0
+        self.exhausted = False
+        self._it = self._pairs(iter(texts), None if contrasts is None else iter(contrasts))
+        self._back: list[tuple[str, Contrast | None]] = []
+
+    def _pairs(
+        self, texts: Iterator[str], contrasts: Iterator[Contrast] | None
+    ) -> Iterator[tuple[str, Contrast | None]]:
+        for t in texts:
+            c = None if contrasts is None else next(contrasts, None)
+            if contrasts is not None and c is None:
+                raise MixlensError(f"fewer contrasts than texts ({self.drawn} for more); give one per text")
+            self.drawn += 1
+            yield t, c
+        if contrasts is not None and next(contrasts, None) is not None:
+            raise MixlensError(f"more contrasts than texts ({self.drawn}); give one per text")
+        self.exhausted = True
+
+    def head(self, k: int) -> list[tuple[str, Contrast | None]]:
+        """The next `k` examples (fewer at the end), taken off the stream."""
+        return list(itertools.islice(self.rest(), k))
+
+    def peek(self) -> bool:
+        """Whether there is at least one example (it stays in the stream)."""
+        first = self.head(1)
+        self.replay(first)
+        return bool(first)
+
+    def replay(self, items: list[tuple[str, Contrast | None]]) -> None:
+        """Put `items` (taken by `head`) back in front of the stream (before `rest` is called for the run)."""
+        self._back = [*items, *self._back]
+
+    def rest(self) -> Iterator[tuple[str, Contrast | None]]:
+        """The examples not taken yet (an iterator that may be left unfinished: the stream stays open)."""
+        while self._back:
+            yield self._back.pop(0)
+        for item in self._it:  # noqa: UP028 (`yield from` would close the stream with this iterator)
+            yield item
+
+    def total(self) -> int:
+        """The number of examples: counted once all are read, else the expected count (at least those read)."""
+        return self.drawn if self.exhausted else max(self.expected or 0, self.drawn)
+
+    def done(self, n: int) -> bool:
+        """Whether `n` finished examples are all of them (a list: its length; a stream: once it is read to its end)."""
+        return n >= self.drawn if self.exhausted else self.sized and n >= (self.expected or 0)
 
 
 def run_batches(
     lens,
-    texts: list[str],
-    contrasts: list[Contrast] | None,
+    items: Iterator[tuple[str, Contrast | None]],
     offset: int,
     batch_size: int,
     real: list[str],
@@ -291,14 +362,16 @@ def run_batches(
     examples: dict[str, list[Example]],
     cut: list[str],
     finished: float,
-    total: int,
+    source: Inputs,
     progress: Callable[[float, int], None] | None,
     batch_done: Callable[[], None],
 ) -> None:
-    """The work of `evaluate_removals` over `texts` (input numbers from `offset`): examples appended per batch,
-    `batch_done()` after each."""
+    """The work of `evaluate_removals` over `items` (text, contrast or None; input numbers from `offset`), drawn
+    one batch at a time: examples appended per batch, `batch_done()` after each."""
     steps = len(real) + 1 + len(removals)  # progress parts of a batch: each method, the reference, each removal
-    for bt in lens.batches(texts, batch_size, trace=real, output=True):
+    while group := list(itertools.islice(items, batch_size)):
+        texts = [t for t, _ in group]
+        (bt,) = lens.batches(texts, batch_size, trace=real, output=True)  # one batch of the inputs drawn
         for k, n in enumerate(bt.enc.truncated):
             if n:
                 cut.append(f"input {offset + bt.index[k] + 1} {n} → {len(bt.enc.tokens[k])} tokens")
@@ -312,9 +385,9 @@ def run_batches(
             nonlocal finished
             finished += share
             if progress:
-                progress(min(finished, total), total)
+                progress(min(finished, source.total()), source.total())
 
-        mine = None if contrasts is None else [contrasts[b] for b in bt.index]
+        mine = None if group[0][1] is None else [group[b][1] for b in bt.index]
         request: tuple[attr.Request, attr.Foil] = (
             ("pred", None) if mine is None else (tuple(c.target for c in mine), tuple(c.foil for c in mine))
         )
@@ -358,6 +431,7 @@ def run_batches(
             advance()
         for removal in removals:  # a batch counts only once every removal has it (an interrupt keeps whole batches)
             examples[removal] += batches[removal]
+        offset += len(group)
         batch_done()
 
 

@@ -12,8 +12,12 @@ unacceptable one (`one_prefix_word_bad`: the foil), and the evidence (`target_ph
   paradigms (`*subject_verb_agreement*`, `distractor_agreement*`) use `target`, the subject noun, as the authors'
   code intends (their `target_phrase` there is the whole subject phrase, often the whole prompt); its first
   word-boundary match in the prompt (case-sensitive), and its positions = every token whose characters overlap it;
-- rows with `NA` / empty evidence, evidence not found in the prompt, an empty target or foil word, a prompt over
-  the model's position limit (never cut), or target = foil are skipped and counted;
+- rows with `NA` / empty evidence, evidence not found in the prompt, a prompt over the model's position limit
+  (never cut), or target = foil are skipped and counted; an empty target or foil word is a broken row, refused in
+  one line naming its file and line (it would become the lone-space token);
+- the rows stream: `iter_rows` reads the file row by row and `stream` tokenises them in chunks as they are asked
+  for (at most `CHUNK` rows or `CHUNK_CHARS` characters at a time), so a run's first example starts after one
+  chunk, whatever the file's length, and memory stays flat in it;
 - alignment = reciprocal rank of the best-ranked evidence token among the prompt's non-special tokens (scores
   descending, ties: earlier position first); MRR = its mean per paradigm, with the 95 % bootstrap interval;
 - accuracy = share of prompts whose logit difference target − foil is > 0; every result is also given for the
@@ -23,7 +27,6 @@ unacceptable one (`one_prefix_word_bad`: the foil), and the evidence (`target_ph
 from __future__ import annotations
 
 import csv
-import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -64,7 +67,8 @@ def _evidence_column(group: str, header: Sequence[str]) -> str:
 
 
 MAX_FIELD = 1 << 17  # characters of one CSV field (the csv module's limit, 131,072): a longer one is refused
-CHUNK = 1024  # prompts tokenised together (`prepare` streams the rows in chunks of this many)
+CHUNK = 1024  # prompts tokenised together (`stream` reads the rows in chunks of at most this many)
+CHUNK_CHARS = 1 << 20  # and of at most about this many characters (long prompts: fewer rows per chunk)
 
 
 def _files(path: Path) -> list[Path]:
@@ -124,6 +128,12 @@ def iter_rows(path: Path, skip: int = 0, limit: int = 0) -> Iterator[Row]:
                     if k < skip:
                         continue
                     ev = fields[ev_col].strip()
+                    for name, role in ((GOOD, "target"), (BAD, "foil")):
+                        if not fields[col[name]].strip():
+                            raise MixlensError(
+                                f"{f}: line {reader.line_num}: {name} (the {role} word) is empty; "
+                                "a row needs both words"
+                            )
                     yield Row(
                         f.stem,
                         fields[col[PROMPT]],
@@ -170,30 +180,42 @@ def evidence_span(prompt: str, phrase: str) -> tuple[int, int] | None:
     return None if m is None else m.span()
 
 
-def prepare(
-    tokenizer, rows: Iterable[Row], max_tokens: int | None = None
-) -> tuple[list[str], list[Contrast], dict[str, dict[str, int]]]:
-    """(prompts, their `Contrast`s, rows skipped per group and reason) for a tokenizer; the evidence positions are
-    those of the tokenizer's encoding of each prompt (the one `Lens.encode` makes). The rows stream through in
-    chunks of `CHUNK`; a prompt of more than `max_tokens` tokens (the model's position limit) is skipped, never cut."""
+def _chunks(rows: Iterable[Row]) -> Iterator[list[Row]]:
+    """`rows` in lists of at most `CHUNK` rows and about `CHUNK_CHARS` prompt characters, read as they are asked for."""
+    chunk: list[Row] = []
+    chars = 0
+    for r in rows:
+        chunk.append(r)
+        chars += len(r.prompt)
+        if len(chunk) >= CHUNK or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def stream(
+    tokenizer, rows: Iterable[Row], max_tokens: int | None = None, skipped: dict[str, dict[str, int]] | None = None
+) -> Iterator[tuple[str, Contrast]]:
+    """(prompt, its `Contrast`) for each usable row, lazily: the rows are read and tokenised in chunks (`_chunks`)
+    only as the pairs are asked for. The evidence positions are those of the tokenizer's encoding of each prompt
+    (the one `Lens.encode` makes); a prompt of more than `max_tokens` tokens (the model's position limit) is skipped,
+    never cut. Rows left out are counted in `skipped` (group → reason → rows) as they are met."""
     if not getattr(tokenizer, "is_fast", False):
         raise MixlensError("the evidence positions need a fast tokenizer (character offsets); this one is slow")
-    skipped: dict[str, dict[str, int]] = {}
+    counts = skipped if skipped is not None else {}
 
     def skip(group: str, why: str) -> None:
-        skipped.setdefault(group, {}).setdefault(why, 0)
-        skipped[group][why] += 1
+        counts.setdefault(group, {}).setdefault(why, 0)
+        counts[group][why] += 1
 
-    texts: list[str] = []
-    out: list[Contrast] = []
-    it = iter(rows)
-    while chunk := list(itertools.islice(it, CHUNK)):
+    for chunk in _chunks(rows):
         enc = tokenizer([r.prompt for r in chunk], return_offsets_mapping=True)
         for r, ids, offsets in zip(chunk, enc["input_ids"], enc["offset_mapping"], strict=True):
             if r.phrase is None:
                 skip(r.group, SKIP_NA)
                 continue
-            if not r.target or not r.foil:
+            if not r.target or not r.foil:  # `iter_rows` refuses such a row; rows built in Python may hold one
                 skip(r.group, SKIP_EMPTY)
                 continue
             if max_tokens is not None and len(ids) > max_tokens:
@@ -212,9 +234,25 @@ def prepare(
             if t == f:
                 skip(r.group, SKIP_SAME)
                 continue
-            texts.append(r.prompt)
-            out.append(Contrast(r.group, t, f, r.target, r.foil, r.phrase, pos))
-    return texts, out, skipped
+            yield r.prompt, Contrast(r.group, t, f, r.target, r.foil, r.phrase, pos)
+
+
+def prepare(
+    tokenizer, rows: Iterable[Row], max_tokens: int | None = None
+) -> tuple[list[str], list[Contrast], dict[str, dict[str, int]]]:
+    """`stream` collected: (prompts, their `Contrast`s, rows skipped per group and reason)."""
+    skipped: dict[str, dict[str, int]] = {}
+    pairs = list(stream(tokenizer, rows, max_tokens, skipped))
+    return [t for t, _ in pairs], [c for _, c in pairs], skipped
+
+
+def skip_line(skipped: dict[str, dict[str, int]]) -> str:
+    """The rows left out, in words: "12 rows: evidence NA (10), prompt over the model's position limit (2)"."""
+    total: dict[str, int] = {}
+    for reasons in skipped.values():
+        for why, k in reasons.items():
+            total[why] = total.get(why, 0) + k
+    return f"{sum(total.values())} rows left out: " + ", ".join(f"{why} ({k})" for why, k in total.items())
 
 
 def reciprocal_rank(scores: np.ndarray, special: np.ndarray, evidence: Sequence[int]) -> float:

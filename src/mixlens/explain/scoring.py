@@ -20,6 +20,7 @@ from mixlens.pipeline import plan_batches
 from mixlens.targets import score
 
 FORWARD_TOKENS = 8192  # tokens per forward pass of perturbed inputs
+FORWARD_CELLS = 1 << 23  # and token pairs (inputs · n²): an eager layer's [B, H, n, n] attention stays bounded
 
 
 def top_k(score: np.ndarray, special: np.ndarray, pct: float) -> np.ndarray:
@@ -81,7 +82,7 @@ def forward_f(
     start_id = next((t for t in (tok.bos_token_id, tok.eos_token_id, tok.cls_token_id) if t is not None), None)
     seqs = [s if s or start_id is None else (start_id,) for s in seqs]
     out = np.zeros(len(seqs))
-    for rows in plan_batches([len(x) for x in seqs], len(seqs), max_tokens=FORWARD_TOKENS):  # by length
+    for rows in plan_batches([len(x) for x in seqs], len(seqs), FORWARD_TOKENS, FORWARD_CELLS):  # by length
         inputs = lens.encode_ids([seqs[i] for i in rows]).inputs
         own = torch.tensor([owners[i] for i in rows])
         with torch.no_grad():

@@ -1,0 +1,160 @@
+"""`--backend ray-data` when Ray's own out-of-memory killer kills an actor: the run stops with one line naming the
+cause, the shards kept and the rows in no shard; the rerun fills the rest.
+
+A one-node Ray is started for this test with its memory monitor's threshold a little above what the machine uses
+now (`RAY_memory_usage_threshold`, checked every 100 ms). Its worker processes get a `sitecustomize` (from the test's
+tmp folder, on their PYTHONPATH) that wraps `compute_shard`: while a flag file exists, the shard holding source index
+`TARGET` allocates memory (128 MiB at a time, every page written) until the killer ends the actor, each of the times
+Ray restarts it and retries the block. Removing the flag makes the workers compute normally again, so the rerun is
+the same command on the same cluster.
+
+The killer counts the whole machine's memory, so other processes' use moving by gigabytes meanwhile can make it
+fire before the target shard, or not at all: the test then skips, and it skips from the start when the machine has
+too little free memory for the margin."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.corpus.test_corpus import synth
+from tests.corpus.test_corpus_raydata import _free_port, _ray_bin, _suppress, _wait_port
+
+pytest.importorskip("ray.data")
+
+N, SHARD, TARGET = 24, 8, 16
+# Where the threshold sits above the machine's use when the test starts: room for this cluster and its actor's
+# model, and for other processes' use to grow meanwhile (the killer counts the whole machine's memory). The machine
+# never holds more than the threshold: the hook's allocations end when the killer fires.
+MARGIN = 6 << 30
+CAP = MARGIN + (3 << 30)  # the most the hook allocates; if the killer has not fired by then, the test skips
+
+HOOK = """
+import os, sys, time
+if os.environ.get("MIXLENS_OOM_FLAG") and "default_worker" in " ".join(sys.argv):
+    import numpy as np
+    import mixlens.corpus.compute as compute
+
+    _orig = compute.compute_shard
+
+    def compute_shard(lens, job, shard_id, examples, **kw):
+        if os.path.exists(os.environ["MIXLENS_OOM_FLAG"]) and any(e.index == {target} for e in examples):
+            hold = []
+            while sum(a.nbytes for a in hold) < {cap}:
+                hold.append(np.ones(128 << 20, np.uint8))
+                time.sleep(0.02)
+            time.sleep(20)  # still alive: the killer did not fire (the test then skips)
+        return _orig(lens, job, shard_id, examples, **kw)
+
+    compute.compute_shard = compute_shard
+"""
+
+
+def _used_bytes() -> tuple[int, int]:
+    """(total, used = total - available) of this machine's memory, as Ray's memory monitor counts them."""
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        k, v = line.split(":")
+        info[k] = int(v.split()[0]) * 1024
+    return info["MemTotal"], info["MemTotal"] - info["MemAvailable"]
+
+
+@pytest.fixture
+def oom_cluster(tmp_path):
+    """(address, flag file, env): a one-node Ray whose memory threshold sits MARGIN above today's use."""
+    total, used = _used_bytes()
+    if used + MARGIN > total * 0.85:
+        pytest.skip("not enough free memory on this machine to provoke Ray's out-of-memory killer safely")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK.format(target=TARGET, cap=CAP))
+    flag = tmp_path / "oom-on"
+    flag.write_text("1")
+    temp = tempfile.mkdtemp(prefix="mxoom")  # short: Ray's socket paths must stay under 107 characters
+    port = _free_port()
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_memory_usage_threshold": f"{(used + MARGIN) / total:.4f}",
+        "RAY_memory_monitor_refresh_ms": "100",
+        "RAY_task_oom_retries": "2",  # Ray's default retries a task its killer ended without end
+        "MIXLENS_OOM_FLAG": str(flag),
+        "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [_ray_bin(), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2", "--temp-dir", temp,
+         "--include-dashboard", "false", "--disable-usage-stats", "--node-ip-address", "127.0.0.1"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait_port(port)
+        time.sleep(3)  # the raylet registers after the GCS port opens
+        yield f"127.0.0.1:{port}", flag, env
+    finally:
+        with _suppress():
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        with _suppress():
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        subprocess.run(["rm", "-rf", temp], check=False)
+
+
+def _cmd(data: Path, model: str, out: Path, address: str) -> list[str]:
+    return [sys.executable, "-m", "mixlens", "corpus", "--data", str(data), "--model", model, "--out", str(out),
+            "--shard-size", str(SHARD), "--backend", "ray-data", "--address", address, "--concurrency", "1",
+            "--quiet", "--method", "norm"]  # fmt: skip
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    except subprocess.TimeoutExpired:
+        pytest.skip("the run did not end in 400 s (Ray's killer ending workers again and again: the machine is full)")
+
+
+@pytest.mark.slow  # a Ray cluster, an actor killed three times
+def test_actor_killed_by_rays_oom_killer(oom_cluster, tmp_path, tokenizer):
+    from mixlens.corpus import CorpusResult
+    from tests.conftest import random_model
+
+    address, flag, env = oom_cluster
+    model = tmp_path / "tiny"
+    random_model("bert", tokenizer).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    data = synth(tmp_path / "d.tsv", N)
+    out = tmp_path / "out"
+    run = _run(_cmd(data, str(model), out, address), env)
+    if run.returncode == 0:
+        pytest.skip("Ray's out-of-memory killer did not fire on this machine (its memory use changed meanwhile)")
+    shards = sorted((out / "shards").glob("shard-*.parquet"))
+    kept = sorted(i for p in shards for i in pq.read_table(p, columns=["index"])["index"].to_pylist())
+    if not kept and "out-of-memory killer" in run.stderr:
+        pytest.skip("Ray's out-of-memory killer fired before the first shard (other processes' memory grew)")
+    # one line of ours; Ray's C++ core may add its own warning lines above it, never a traceback
+    err = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2 and err.startswith("mixlens: error: the Ray Data run stopped"), run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "out-of-memory killer" in err and "rerun the same command" in err, err
+    assert TARGET not in kept and len(kept) == len(set(kept))  # finished shards are kept
+    lost = sorted(set(range(N)) - set(kept))
+    assert f"{len(shards)} shards ({len(kept)} examples) are kept" in err, err
+    assert f"{len(lost)} of {N} rows are in no shard (source indexes " in err, err
+    flag.unlink()  # the workers compute normally again
+    again = _run(_cmd(data, str(model), out, address), env)
+    if again.returncode == 2 and "out-of-memory killer" in again.stderr:
+        pytest.skip("Ray's out-of-memory killer fired in the rerun (other processes' memory grew)")
+    assert again.returncode == 0, again.stderr[-3000:]
+    res = CorpusResult.open(out)
+    assert res.manifest["complete"] and res.manifest["resumed_shards"] == len(shards)
+    assert sorted(res.examples(columns=["index"])["index"].tolist()) == list(range(N))  # none duplicated or missing
