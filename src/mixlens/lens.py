@@ -279,10 +279,12 @@ class Lens:
         targets: Targets = None,
         output: bool = False,
         on_layer: LayerProgress | None = None,
+        logit_at: torch.Tensor | None = None,
     ) -> Trace:
         """The trace a batch needs (see `batches`): True a full one; for method names, one with what they read
         (FFN activations, the whole forward pass, or `output`), target-row streaming for `targets`, or the inputs
-        alone, with no forward pass, when no method reads the captured pass."""
+        alone, with no forward pass, when no method reads the captured pass. `logit_at` [K]: the logits of those
+        positions only (`run_traced`)."""
         ffn, to_output = (False, True) if isinstance(trace, bool) else trace_flags(trace)
         if trace is not True and (isinstance(trace, bool) or not needs_capture(trace)):
             return Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
@@ -290,7 +292,7 @@ class Lens:
             return stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer, on_layer)
         qk_rows = not isinstance(trace, bool) and qk_trace(trace, self.adapter)
         head = output or isinstance(trace, bool) or any(method_registry.get(m).reads_head for m in trace)
-        return self.trace(enc, ffn=ffn, to_output=to_output or output, qk_rows=qk_rows, head=head)
+        return self.trace(enc, ffn=ffn, to_output=to_output or output, qk_rows=qk_rows, head=head, logit_at=logit_at)
 
     @torch.no_grad()
     def trace(
@@ -301,6 +303,7 @@ class Lens:
         to_output: bool = True,
         qk_rows: bool = False,
         head: bool = True,
+        logit_at: torch.Tensor | None = None,
     ) -> Trace:
         """One forward pass with capture hooks (and optional attention edits); `to_output=False` stops after the last
         attention block; `qk_rows`: each layer keeps q and K instead of α; `head=False`: the pass runs the base model
@@ -317,6 +320,7 @@ class Lens:
             to_output=to_output,
             qk_rows=qk_rows,
             head=head,
+            logit_at=logit_at,
         )
 
     def analyze(

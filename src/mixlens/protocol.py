@@ -67,6 +67,7 @@ class LensLike(Protocol):
         targets: Targets = None,
         output: bool = False,
         on_layer: LayerProgress | None = None,
+        logit_at: torch.Tensor | None = None,
     ) -> Trace: ...
 
     def trace(

@@ -411,6 +411,9 @@ def of_request(
 def trace_output(trace: Any) -> Any:
     """The model's output on a trace's inputs (`.logits`, `.last_hidden_state`): what its captured forward pass
     kept, else one plain forward pass, whose result the trace then keeps (an inputs-only trace)."""
+    if trace.logit_at is not None:  # a trace with some positions' logits: every position's, from a plain forward
+        with torch.no_grad():
+            return trace.model(**trace.inputs)
     if trace.logits is None and trace.hidden is None:
         with torch.no_grad():
             out = trace.model(**trace.inputs)

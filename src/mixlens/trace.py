@@ -137,6 +137,23 @@ class Trace:
     tokenizer: object | None = None  # for special-token roles (e.g. the [MASK] position of saliency)
     memo: Any = None  # the methods' shared results on this trace (`mixlens.methods.memo.Memo`, made on first use)
     hidden: torch.Tensor | None = None  # [B, n, d] a base model's own output (`last_hidden_state`), when it ran
+    logit_at: torch.Tensor | None = None  # [K] sorted positions whose logits `logits` [B, K, V] holds (None: all)
+
+    def logit_rows(self, positions: torch.Tensor, b: int | None = None) -> torch.Tensor:
+        """The logits at each input's position, positions [B] → [B, V]; with `b`, at input b's positions [K] →
+        [K, V] (the model's own, as computed), whether the trace kept every position's logits or only some
+        (`logit_at`)."""
+        assert self.logits is not None
+        pos = positions.to(self.logits.device)
+        if self.logit_at is not None:
+            at = self.logit_at.to(pos.device)
+            k = torch.searchsorted(at, pos).clamp_max(len(at) - 1)
+            if not bool((at[k] == pos).all()):
+                raise ValueError(f"this trace kept the logits at positions {at.tolist()} only")
+            pos = k
+        if b is not None:
+            return self.logits[b, pos]
+        return self.logits[torch.arange(pos.shape[0], device=pos.device), pos]
 
     @property
     def mask(self) -> torch.Tensor:  # [B, n] bool
@@ -813,6 +830,7 @@ def run_traced(
     sink: LayerSink | None = None,
     qk_rows: bool = False,
     head: bool = True,
+    logit_at: torch.Tensor | None = None,
 ) -> Trace:
     """One forward pass with capture hooks → Trace (call under torch.no_grad() for analysis). `to_output=False`
     stops after the last layer's ln_mix: everything the attention-block methods use, without the last FFN and
@@ -825,7 +843,9 @@ def run_traced(
     the logits and the hidden states are float32, whatever the dtype the model ran in (`f32`). `qk_rows`: see
     `hooked` (each LayerTrace then has `qk` and an empty `alpha`). `head=False`: run the adapter's base model only
     (the layers and the final norm, not the model head): `Trace.logits` is None and `Trace.hidden` the base model's
-    output, for methods that do not read the head (a causal LM's logits are [B, n, vocabulary] floats)."""
+    output, for methods that do not read the head (a causal LM's logits are [B, n, vocabulary] floats). `logit_at`
+    [K] (sorted positions; a model whose forward takes `logits_to_keep`): the head computes the logits at those
+    positions only (`Trace.logits` [B, K, V], `Trace.logit_at`, read through `Trace.logit_rows`)."""
     output = None
     thin: list[LayerTrace] = []  # the consumed layers, as the trace keeps them
 
@@ -858,6 +878,8 @@ def run_traced(
         )
     on_layer = layer_done if sink is not None or n_tokens >= LONG_TOKENS else None
     call = {**inputs, "use_cache": False} if adapter.family.causal else inputs  # one pass: no key / value cache
+    if logit_at is not None and head:
+        call = {**call, "logits_to_keep": logit_at.to(inputs["input_ids"].device)}
     with hooked(
         adapter, edits, ffn if to_output else False, stop_at_mix=not to_output, on_layer=on_layer, qk_rows=qk_rows
     ) as rec:
@@ -877,4 +899,5 @@ def run_traced(
                     items[i] = layers[i].x.new_empty(0)
     logits = f32(getattr(output, "logits", None))
     hidden = f32(getattr(output, "last_hidden_state", None)) if logits is None else None
-    return Trace(adapter, model, inputs, layers, logits, tokenizer, hidden=hidden)
+    rows_kept = None if logit_at is None or logits is None else logit_at.to(logits.device)
+    return Trace(adapter, model, inputs, layers, logits, tokenizer, hidden=hidden, logit_at=rows_kept)

@@ -248,3 +248,38 @@ def test_phrase_scalar_of_the_gradient_methods_is_the_log_probability(causal):
     assert ex.explained[0]["phrase"]["within"]["grad_x_input"] == pytest.approx(
         float(gx[len(head) :].sum()), rel=1e-4, abs=1e-6
     )
+
+
+def test_gradient_rows_share_one_forward(causal, monkeypatch):
+    """saliency, gradient × input and AttnLRP on an answer: one forward each pass family (the plain gradient's,
+    AttnLRP's under its rules) plus the one that reads the answer's log-probabilities, whatever the answer's length;
+    the backward passes are batched (`is_grads_batched`) when torch can vectorise them."""
+    calls = []
+    real = causal.model.forward
+    monkeypatch.setattr(causal.model, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    batched = []
+    grad = torch.autograd.grad
+
+    def counting(*a, **k):
+        batched.append(bool(k.get("is_grads_batched")))
+        return grad(*a, **k)
+
+    monkeypatch.setattr(torch.autograd, "grad", counting)
+    explain(causal, [PROMPT], ["saliency", "grad_x_input", "attnlrp"], answer=ANSWER)
+    assert len(calls) == 3
+    assert batched and all(batched)  # 4 rows: one vectorised backward per pass family, no fallback
+
+
+def test_the_decompositions_trace_keeps_the_answer_rows_logits_only(causal, monkeypatch):
+    kept = []
+    real = causal.trace_for
+
+    def spy(*a, **k):
+        tr = real(*a, **k)
+        kept.append(None if tr.logits is None else tuple(tr.logits.shape))
+        return tr
+
+    monkeypatch.setattr(causal, "trace_for", spy)
+    ex = explain(causal, [PROMPT], ["logit_attn"], answer=ANSWER)
+    m = len(ex.explained[0]["answer"]["ids"])
+    assert kept == [(1, m, causal.model.config.vocab_size)]  # [batch, answer rows, vocabulary], not every position

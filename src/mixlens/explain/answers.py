@@ -32,7 +32,7 @@ import torch
 from mixlens.errors import MixlensError
 from mixlens.explain.attributions import options_for
 from mixlens.methods import get
-from mixlens.methods.saliency import gradient_rows
+from mixlens.methods.saliency import gradient_rows, keeps_logits
 from mixlens.pipeline import run_methods
 from mixlens.protocol import LensLike
 from mixlens.result import TOKEN_AXES
@@ -183,7 +183,9 @@ def explain_answer(
             if on_method:
                 on_method(name)
         del rowed
-    trace = lens.trace_for(enc, others, output=True) if others else None
+    # the logits of the answer positions only (a vocabulary row per position is the largest part of a long trace)
+    at = torch.tensor(sorted(set(rows)), device=enc.inputs["input_ids"].device) if keeps_logits(lens.model) else None
+    trace = lens.trace_for(enc, others, output=True, logit_at=at) if others else None
     if trace is not None:
         gradient_rows(trace, [m for m in others if get(m).inputs_only], requests)
     for name in others:
@@ -223,10 +225,11 @@ def explain_answer(
 @torch.no_grad()
 def logprobs(lens: LensLike, trace: Any, ids: list[int], answer: Answer) -> list[float]:
     """log p(answer[a] | prompt, answer[:a]) per answer token, from the trace's logits (else one plain forward)."""
-    logits = None if trace is None else trace.logits
-    if logits is None:
-        logits = lens.model(**lens.encode_ids([ids]).inputs).logits
-    rows = logits[0, answer.positions].float().log_softmax(-1)
+    pos = torch.tensor(answer.positions)
+    if trace is not None and trace.logits is not None:
+        rows = trace.logit_rows(pos.to(trace.logits.device), 0).float().log_softmax(-1)
+    else:
+        rows = lens.model(**lens.encode_ids([ids]).inputs).logits[0, pos].float().log_softmax(-1)
     return rows[torch.arange(len(answer.ids)), torch.tensor(answer.ids, device=rows.device)].cpu().tolist()
 
 

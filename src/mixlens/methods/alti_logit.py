@@ -169,7 +169,7 @@ def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, positi
             assert out is not None
             mlp_c[:, m] = (out[b, p].float() - lt.mix_in[b, p].float()) @ u.T
         z = parts.sum((1, 2, 3)) + mlp_c.sum(1) + other  # [c] the logits before any soft cap
-        real_row = trace.logits[b, p].float()
+        real_row = trace.logit_rows(torch.tensor([p]), b)[0].float()
         real = real_row[ids]
         rebuilt = cap * torch.tanh(z / cap) if cap else z
         scale = max(real_row.abs().max().item(), torch.finfo(torch.float32).tiny)
@@ -241,7 +241,7 @@ def carry_back(rows: torch.Tensor, layer: Callable[[int], torch.Tensor]) -> torc
 def _check_sum(name: str, values: torch.Tensor, direct: torch.Tensor, trace: Trace, at: torch.Tensor) -> None:
     """Carried-back sums against the direct ones (the rows of C sum to 1), relative to the largest |logit|."""
     assert trace.logits is not None
-    rows = trace.logits[torch.arange(at.shape[0]), at.to(trace.logits.device)].float()
+    rows = trace.logit_rows(at).float()
     scale = rows.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny).to(values.device)
     err = ((values.sum(-1) - direct.sum(-1)).abs() / scale[:, None]).max().item()
     if not err <= TOLERANCE:  # both sides are float32 sums of the same terms, whatever the model's dtype

@@ -51,7 +51,7 @@ def logit_scores(
         direction = (w_u[t].float() - (w_u[f].float() if f >= 0 else 0)) * head_scale
         parts = final_parts(trace, b, pos)  # [k, d]
         scores = parts @ direction
-        real = trace.logits[b, pos].float()
+        real = trace.logit_rows(torch.tensor([pos]), b)[0].float()
         want = real[t] - (real[f] if f >= 0 else 0)
         if bias is not None:  # the head bias, shared among the sources by AbsDot like every other bias
             const = (bias[t].float() - (bias[f].float() if f >= 0 else 0)) * head_scale
