@@ -128,8 +128,9 @@ def test_answer_rows_equal_the_token_by_token_explanation(causal):
     assert len(tok.answer) == 3
     methods = ["logit_attn", "alti_logit", "grad_x_input"]
     timings: dict[str, float] = {}
-    one = C.token_scores(causal, tok.prompt, tok.answer, methods, timings=timings)
-    assert set(timings) == {*methods, "forward"}
+    cpu: dict[str, float] = {}
+    one = C.token_scores(causal, tok.prompt, tok.answer, methods, timings=timings, cpu=cpu)
+    assert set(timings) == set(cpu) == set(methods) and all(v > 0 for v in cpu.values())
     n = len(tok.prompt)
     for a, t in enumerate(tok.answer):  # row a: answer[a] explained after prompt + answer[:a] (teacher forcing)
         ref = single_token(causal, tok.prompt + tok.answer[:a], t, methods[:2])

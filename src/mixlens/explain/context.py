@@ -278,21 +278,26 @@ def token_scores(
     *,
     seed: int = 0,
     timings: dict[str, float] | None = None,
+    cpu: dict[str, float] | None = None,
 ) -> dict[str, np.ndarray]:
     """Per method the [answer, source] matrix of the answer's tokens after the prompt (source = prompt + answer; an
     answer token's row is 0 from its own position on): `answers.explain_answer`, one forward pass of prompt + answer
     (decompositions explain each answer token's logit, gradients its log-probability: docs/reference/answers.md).
-    `timings` accumulates seconds per method and 'forward' (the rest of the call: the shared forward passes)."""
+    Each method runs alone, so that `timings` / `cpu` accumulate what it costs by itself: wall-clock and CPU
+    seconds of its call, its forward (and backward) passes included."""
     timings = timings if timings is not None else {}
+    cpu = cpu if cpu is not None else {}
     labels = [token_label(lens.tokenizer, t) for t in answer_ids]
-    answer = ans.Answer(lens.tokenizer.decode(answer_ids), list(answer_ids), labels, len(prompt_ids))
-    mine: dict[str, float] = {}
-    t0 = time.perf_counter()
-    out = ans.explain_answer(lens, prompt_ids + list(answer_ids), answer, methods, seed=seed, timings=mine)
-    timings["forward"] = timings.get("forward", 0.0) + time.perf_counter() - t0 - sum(mine.values())
-    for m, v in mine.items():
-        timings[m] = timings.get(m, 0.0) + v
-    return {m: np.asarray(v, dtype=np.float64) for m, v in out.items()}
+    out = {}
+    for m in methods:
+        answer = ans.Answer(lens.tokenizer.decode(answer_ids), list(answer_ids), labels, len(prompt_ids))
+        t0, c0 = time.perf_counter(), time.process_time()
+        out[m] = np.asarray(
+            ans.explain_answer(lens, prompt_ids + list(answer_ids), answer, [m], seed=seed)[m], dtype=np.float64
+        )
+        timings[m] = timings.get(m, 0.0) + time.perf_counter() - t0
+        cpu[m] = cpu.get(m, 0.0) + time.process_time() - c0
+    return out
 
 
 def answer_token_scores(lens, prompt: str, answer: str, methods: Sequence[str]) -> dict[str, np.ndarray]:
@@ -338,7 +343,8 @@ class Example:
     scores: dict[str, np.ndarray] = field(default_factory=dict)  # method → [answer, passage]
     loo: np.ndarray | None = None  # [passage]
     random: np.ndarray | None = None  # [passage]
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall clock, per method, leave_one_out and total
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds of this process, the same keys
 
     def ranked(self, method: str) -> np.ndarray:
         """The passages' scores a ranking uses: summed over the answer tokens (methods), or the reference's [N]."""
@@ -368,6 +374,7 @@ class Example:
             if self.correct
             else {},
             "seconds": self.seconds,
+            "cpu_seconds": self.cpu,
         }
 
     @classmethod
@@ -392,6 +399,7 @@ class Example:
             arr(d["leave_one_out"]),
             arr(d["random"]),
             {k: float(v) for k, v in d["seconds"].items()},
+            {k: float(v) for k, v in d.get("cpu_seconds", {}).items()},
         )
 
 
@@ -421,12 +429,14 @@ class ContextEvaluation:
             rr = np.array([1.0 / gold_rank(e.ranked(m), e.gold) for e in ex])
             top = (rr == 1.0).astype(float)
             secs = [e.seconds.get(m, float("nan")) for e in ex]
+            cpus = [e.cpu.get(m, float("nan")) for e in ex]
             out[m] = {
                 "n": len(ex),
                 "mrr": float(rr.mean()) if len(ex) else float("nan"),
                 "top1": float(top.mean()) if len(ex) else float("nan"),
                 "ci95": {"mrr": bootstrap(rr, self.seed), "top1": bootstrap(top, self.seed)},
                 "seconds_per_prompt": float(np.mean(secs)) if len(ex) else float("nan"),
+                "cpu_seconds_per_prompt": float(np.mean(cpus)) if len(ex) else float("nan"),
             }
         exp = [expected_random(e.n_passages) for e in ex]
         out[EXPECTED] = {
@@ -459,8 +469,9 @@ class ContextEvaluation:
                 "is removed; N + 1 forward passes",
                 RANDOM: "uniform random scores per passage, seeded",
                 EXPECTED: "exact: MRR = H_N / N, top-1 = 1 / N, averaged over the scored prompts",
-                "seconds": "per method: its attributions over the answer's tokens (the traced forward passes they "
-                "share are 'forward'); leave_one_out: its N + 1 forward passes",
+                "seconds": "wall-clock seconds per scored prompt: each method run alone (its forward and backward "
+                "passes included), leave_one_out its N + 1 forward passes; cpu_seconds: this process's CPU time "
+                "for the same",
                 "bootstrap_resamples": 1000,
                 "seed": self.seed,
             },
@@ -503,8 +514,8 @@ class ContextEvaluation:
         lines = [
             head,
             "",
-            "| method | MRR | 95 % interval | top-1 | 95 % interval | s / prompt |",
-            "|---|---|---|---|---|---|",
+            "| method | MRR | 95 % interval | top-1 | 95 % interval | s / prompt | CPU s / prompt |",
+            "|---|---|---|---|---|---|---|",
         ]
 
         def num(v: object) -> str:
@@ -517,13 +528,10 @@ class ContextEvaluation:
             lines.append(
                 f"| {m} | {num(r['mrr'])} | [{num(r['ci95']['mrr'][0])}, {num(r['ci95']['mrr'][1])}] | "
                 f"{num(r['top1'])} | [{num(r['ci95']['top1'][0])}, {num(r['ci95']['top1'][1])}] | "
-                f"{num(r['seconds_per_prompt'])} |"
+                f"{num(r['seconds_per_prompt'])} | {num(r['cpu_seconds_per_prompt'])} |"
             )
         e = met[EXPECTED]
-        lines.append(f"| random (expected) | {num(e['mrr'])} | | {num(e['top1'])} | | |")
-        fwd = [x.seconds.get("forward", 0.0) for x in self.scored]
-        if fwd:
-            lines += ["", f"traced forward passes the methods share: {np.mean(fwd):.1f} s / prompt"]
+        lines.append(f"| random (expected) | {num(e['mrr'])} | | {num(e['top1'])} | | | |")
         return "\n".join(lines)
 
 
@@ -564,7 +572,7 @@ def evaluate_context(
         "task": TASK,
         "methods": chosen,
         "seed": seed,
-        "scores": "answer API",  # explain_answer's scalars (a run of the per-token logits before it differs)
+        "scores": "answer API, each method alone",  # explain_answer's scalars; per-method timings
     }
     examples: list[Example] = []
     if resume is not None:
@@ -604,14 +612,16 @@ def evaluate_context(
         )
         if ex.correct:
             timings: dict[str, float] = {}
-            scores = token_scores(lens, tok.prompt, tok.answer, chosen, seed=seed, timings=timings)
+            cpu: dict[str, float] = {}
+            c0 = time.process_time()
+            scores = token_scores(lens, tok.prompt, tok.answer, chosen, seed=seed, timings=timings, cpu=cpu)
             ex.scores = {m: passage_scores(tok, v) for m, v in scores.items()}
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             ex.loo = leave_one_out(lens, p, tok, float(logp.sum()))
-            timings[LOO] = time.perf_counter() - t1
+            timings[LOO], cpu[LOO] = time.perf_counter() - t1, time.process_time() - c1
             ex.random = rng.random(len(p.passages))
-            timings["total"] = time.perf_counter() - t0
-            ex.seconds = timings
+            timings["total"], cpu["total"] = time.perf_counter() - t0, time.process_time() - c0
+            ex.seconds, ex.cpu = timings, cpu
         examples.append(ex)
         if checkpoint is not None:
             checkpoint(build())
