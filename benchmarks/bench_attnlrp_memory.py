@@ -59,6 +59,11 @@ else:
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(dtype).to(dev).eval()
     lens = mixlens.Lens(model, tok, name="random-smollm2")
     weights = "random"
+layers = int({layers})
+if layers:  # the first `layers` layers of the model only (a quick look at one layer's cost at long inputs)
+    lens.model.model.layers = lens.model.model.layers[:layers]
+    lens.model.config.num_hidden_layers = layers
+    lens = mixlens.Lens(lens.model, lens.tokenizer, name=f"first-{{layers}}-layers")
 n, case = int({n}), {case!r}
 text = "Once" + " the" * (n - 1)
 enc = lens.encode([text])
@@ -95,8 +100,10 @@ print(weights, base, torch.cuda.max_memory_allocated() / 2**30 if cuda else peak
 """
 
 
-def run(case: str, n: int, dtype: str, threads: int, device: str, random: bool) -> dict:
-    code = CODE.format(here=HERE, n=n, case=case, dtype=dtype, threads=threads, device=device, random=random)
+def run(case: str, n: int, dtype: str, threads: int, device: str, random: bool, layers: int = 0) -> dict:
+    code = CODE.format(
+        here=HERE, n=n, case=case, dtype=dtype, threads=threads, device=device, random=random, layers=layers
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:
         return {"case": case, "tokens": n, "error": out.stderr.strip().splitlines()[-1][:200]}
@@ -111,6 +118,7 @@ def run(case: str, n: int, dtype: str, threads: int, device: str, random: bool) 
         "peak_gib": round(float(peak), 3),
         "work_gib": round(float(peak) - float(base), 3),
         "seconds": round(float(dt), 1),
+        **({"layers": layers} if layers else {}),
     }
 
 
@@ -122,11 +130,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (peak allocated GPU memory)")
     ap.add_argument("--random", action="store_true", help="a random SmolLM2-sized model even when the real one is here")
+    ap.add_argument("--layers", type=int, default=0, help="keep only the model's first N layers (0: all)")
     a = ap.parse_args()
     for dtype in a.dtype.split(","):
         for n in (int(t) for t in a.tokens.split(",")):
             for c in a.cases.split(","):
-                print(json.dumps(run(c, n, dtype, a.threads, a.device, a.random)), flush=True)
+                print(json.dumps(run(c, n, dtype, a.threads, a.device, a.random, a.layers)), flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (other work on the machine slows the times)")
 
 
