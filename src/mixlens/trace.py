@@ -653,6 +653,7 @@ def hooked(
             if _SESSION.get() is not s or not s.active or not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
             layer, n = s.layer, int(_hidden(args, kwargs).shape[-2])
+            release(n)  # the previous layer's freed transients back to the system (a long input)
 
             def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
                 return nullcontext(), _recomputing(s, layer, n, extra)
