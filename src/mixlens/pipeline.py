@@ -151,9 +151,10 @@ def check_results(
     need = result_bytes(
         [s.dims_for(heads) for s in specs], batch=batch, n=n, layers=adapter.n_layers, heads=adapter.n_heads, rows=rows
     )
-    what = f"{', '.join(s.name for s in specs)} on {batch} × {n} tokens" + (" per head" if heads else "")
+    axes = "[layer, head, " if heads else "[layer, "
+    what = f"computing {', '.join(s.name for s in specs)} on {batch} × {n} tokens ({axes}{rows or 'n'}, n] results)"
     hint = "use fewer or shorter inputs" + ("" if rows else ", or target rows (--targets last)")
-    check_fits(need, f"the results of {what}", hint, device)
+    check_fits(need, what, hint, device)
 
 
 def streams(methods: Sequence[str], targets: Targets) -> bool:

@@ -140,6 +140,28 @@ def test_bootstrap_statistic_equals_scipy_and_the_interval_is_paired(bundled):
     assert paired_bootstrap(task, base, base) == (0.0, 0.0)  # the same model: every paired difference is 0
 
 
+def test_bootstrap_draws_its_resamples_in_chunks(bundled, monkeypatch):
+    """#45 item 21: the resamples' indices were drawn at once ([R, m]: memory grew with --resamples); they come in
+    chunks of at most `RESAMPLE_CELLS` indices, the same interval as one draw where one chunk holds them all, and
+    more than `MAX_RESAMPLES` is refused."""
+    from mixlens.bertology import prune as P
+
+    pairs = [(a, b) for a, b in zip(_texts(12, 1), _texts(12, 2), strict=True)]
+    task = StsTask(bundled, pairs, list(np.linspace(0, 5, 12)), batch_size=8)
+    base = task_outputs(bundled, task)
+    new = [b + 0.01 * torch.randn(b.shape, generator=torch.Generator().manual_seed(k)) for k, b in enumerate(base)]
+    whole = paired_bootstrap(task, base, new, n_resamples=1000, seed=3)
+    sizes: list[int] = []
+    statistic = P._statistic
+    monkeypatch.setattr(P, "_statistic", lambda t, v, idx: (sizes.append(idx.size), statistic(t, v, idx))[1])
+    monkeypatch.setattr(P, "RESAMPLE_CELLS", 12 * 64)
+    chunked = paired_bootstrap(task, base, new, n_resamples=1000, seed=3)
+    assert max(sizes) == 12 * 64 and sum(sizes) == 2 * 12 * 1000
+    assert chunked == pytest.approx(whole, abs=0.05)  # another split of the same seeded stream: close, not equal
+    with pytest.raises(MixlensError, match="n_resamples must be an integer in"):
+        paired_bootstrap(task, base, new, n_resamples=P.MAX_RESAMPLES + 1)
+
+
 def test_split_too_small_is_one_line():
     with pytest.raises(MixlensError, match="too small to confirm a pruning"):
         split_indices(15, 0.5)
@@ -209,6 +231,7 @@ def test_cli_prune_stsb(tmp_path, capsys):
         (["--disable", "L5H12"], "unknown head in 'L5H12'"),
         (["--limit", "12"], "too small to confirm a pruning"),
         (["--held-out", "1.5"], "between 0 and 1"),
+        (["--resamples", "100000000"], "less than or equal to 100000"),  # #45 item 21: [1e8, m] indices at once
     ],
 )
 def test_cli_prune_errors(args, msg, capsys):

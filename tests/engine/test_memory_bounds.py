@@ -98,7 +98,9 @@ def test_results_too_large_are_refused_before_the_work(tokenizer, monkeypatch, c
     calls: list[int] = []
     lens.model.register_forward_pre_hook(lambda m, a: calls.append(1))
     lens.analyze(text, ["attention"], targets="all")
-    with pytest.raises(MixlensError, match=r"the results of attention on 1 × \d+ tokens per head needs about") as e:
+    with pytest.raises(
+        MixlensError, match=r"computing attention on 1 × \d+ tokens \(\[layer, head, n, n\] results\) needs about"
+    ) as e:
         lens.analyze(text, ["attention"], heads=True, targets="all")
     assert "\n" not in str(e.value) and "--targets last" in str(e.value)
     ran = len(calls)

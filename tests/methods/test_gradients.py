@@ -133,3 +133,97 @@ def test_analyze_and_cli_errors(tokenizer, tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err
+
+
+def test_estimate_memory_is_flat_in_the_probes(tokenizer, monkeypatch):
+    """#45 item 21: estimate mode kept every probe's sample ([n, probes, L, B, (H,) n]) and drew every sign at once
+    ([n, probes, B, d_in]): `hta.probes=1e8` asked for 1.5 TB. Each pushed chunk now holds at most `chunk`
+    directions, the signs are drawn one position at a time, and the running sums are [n, ...] whatever the probes;
+    the result is the samples' mean and standard error, with the same signs as one draw."""
+    lens = tiny(tokenizer)
+    tr = lens.trace(TEXTS[:1])
+    b, n, _ = tr.layers[0].x.shape
+    d_in = G.input_dim(tr, "word")
+    pushed: list[int] = []
+    drawn: list[int] = []
+    push, randint = G._push, torch.randint
+    monkeypatch.setattr(G, "_push", lambda f, p, u: (pushed.append(u.shape[0]), push(f, p, u))[1])
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: (r := randint(*a, **k), drawn.append(r.numel()))[0])
+    probes = 40
+    est = G.jacobian_norms(tr, mode="estimate", probes=probes, seed=1, chunk=8)
+    assert max(pushed) <= 8 and sum(pushed) == n * probes
+    assert max(drawn) == probes * b * d_in  # one position's signs, never [n, probes, B, d_in]
+    monkeypatch.undo()
+    signs = torch.randint(0, 2, (n, probes, b, d_in), generator=torch.Generator().manual_seed(1)) * 2 - 1
+    u = torch.zeros(n * probes, b, n, d_in)
+    k = torch.arange(n * probes)
+    u[k, :, k // probes] = signs.reshape(n * probes, b, d_in).float()
+    sh, _ = G._push(G.states_fn(tr, "word"), torch.zeros(b, n, d_in), u)  # every sample at once: [n·p, L, B, n]
+    sh = sh.reshape(n, probes, *sh.shape[1:]).detach()
+    want = sh.mean(1).permute(2, 1, 3, 0)  # [B, L, target, source]
+    want_se = (sh.std(1) / probes**0.5).permute(2, 1, 3, 0)
+    torch.testing.assert_close(est.hidden, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(est.hidden_se, want_se, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("method", "module", "hook", "options"),
+    [
+        ("hta", "mixlens.methods.gradients", "_push", ["--option", "hta.mode=estimate", "--option", "hta.probes=256"]),
+        (
+            "integrated_gradients",
+            "mixlens.methods.saliency",
+            "_forward",
+            ["--option", "integrated_gradients.steps=1024", "--option", "integrated_gradients.internal_batch_size=1"],
+        ),
+    ],
+)
+def test_ctrl_c_mid_method_ends_the_command_at_once(tokenizer, tmp_path, method, module, hook, options):
+    """#45 item 21: `integrated_gradients.steps=20000` ignored Ctrl-C for over 10 s. The work runs in chunks that
+    give Python control back: a SIGINT sent once the method has started ends the command within seconds, exit code
+    130 and one line."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model = tmp_path / "model"
+    lens = tiny(tokenizer)
+    lens.model.save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    started = tmp_path / "started"
+    child = (  # a terminal's Ctrl-C: SIGINT handled as Python does by default (a test runner may block or ignore it)
+        "import pathlib, sys, importlib, signal\n"
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        f"m = importlib.import_module({module!r}); real = m.{hook}\n"
+        "def hooked(*a, **k):\n"
+        f"    pathlib.Path({str(started)!r}).touch()\n"
+        "    return real(*a, **k)\n"
+        f"m.{hook} = hooked\n"
+        "from mixlens.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    text = " ".join(["word"] * 300)
+    args = ["analyze", text, "--model", str(model), "--method", method, *options, "-o", str(tmp_path / "out.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, *args], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists() and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "no start"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        waited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("mixlens: interrupted") and "Traceback" not in err
+    assert waited < 10, f"{waited:.1f} s from SIGINT to exit"  # it ignored Ctrl-C for over 10 s
+    assert not (tmp_path / "out.json").exists()

@@ -102,6 +102,10 @@ def _statistic(task: Task, values: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return values[idx].mean(1)
 
 
+MAX_RESAMPLES = 100_000  # bootstrap resamples (`prune --resamples`): the differences are kept for the quantiles
+RESAMPLE_CELLS = 1 << 22  # resample × example indices drawn at a time (a single draw up to 4,194 examples at 1,000)
+
+
 def paired_bootstrap(
     task: Task,
     base: list[torch.Tensor],
@@ -112,9 +116,15 @@ def paired_bootstrap(
 ) -> tuple[float, float]:
     """Percentile interval of metric(new) − metric(base) over `n_resamples` resamples of the examples (the same
     resample for both models)."""
+    if not 1 <= n_resamples <= MAX_RESAMPLES:
+        raise MixlensError(f"n_resamples must be an integer in [1, {MAX_RESAMPLES:,}], got {n_resamples}")
     vb, vn = _example_values(task, base), _example_values(task, new)
-    idx = np.random.default_rng(seed).integers(0, len(vb), size=(n_resamples, len(vb)))
-    d = _statistic(task, vn, idx) - _statistic(task, vb, idx)
+    rng = np.random.default_rng(seed)
+    step = max(1, RESAMPLE_CELLS // len(vb))  # resamples drawn at a time: memory flat in n_resamples
+    d = np.empty(n_resamples)
+    for r0 in range(0, n_resamples, step):
+        idx = rng.integers(0, len(vb), size=(min(step, n_resamples - r0), len(vb)))  # [R, m]
+        d[r0 : r0 + len(idx)] = _statistic(task, vn, idx) - _statistic(task, vb, idx)
     lo, hi = np.quantile(d, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
 

@@ -77,7 +77,9 @@ def prune_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the split and of the bootstrap."),
     max_heads: int | None = typer.Option(None, "--max-heads", min=1, help="Remove at most this many heads."),
     min_gain: float = typer.Option(0.0, "--min-gain", min=0.0, help="Smallest selection-split gain that counts."),
-    resamples: int = typer.Option(1000, "--resamples", min=100, help="Bootstrap resamples of the held-out split."),
+    resamples: int = typer.Option(
+        1000, "--resamples", min=100, max=100_000, help="Bootstrap resamples of the held-out split."
+    ),  # max: `bertology.prune.MAX_RESAMPLES` (checked before the model loads)
     disable: str | None = disable_option(),
     save: Path | None = typer.Option(None, "--save", help="Write a checkpoint with the chosen heads removed."),
     out: Path = typer.Option(

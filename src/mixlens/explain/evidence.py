@@ -117,30 +117,22 @@ def iter_rows(path: Path, skip: int = 0, limit: int = 0) -> Iterator[Row]:
                         f"(needs {PROMPT}, {GOOD}, {BAD}, target and optionally target_phrase)"
                     )
                 col = {name: header.index(name) for name in (PROMPT, GOOD, BAD, _evidence_column(f.stem, header))}
-                ev_col = col[_evidence_column(f.stem, header)]
+                group, width = f.stem, len(header)
+                ev_col, p_col, g_col, b_col = col[_evidence_column(group, header)], col[PROMPT], col[GOOD], col[BAD]
                 for k, fields in enumerate(reader):
                     if limit and k >= skip + limit:
                         break
-                    if len(fields) != len(header):
-                        raise MixlensError(
-                            f"{f}: line {reader.line_num} has {len(fields)} fields, the header {len(header)}"
-                        )
+                    if len(fields) != width:
+                        raise MixlensError(f"{f}: line {reader.line_num} has {len(fields)} fields, the header {width}")
                     if k < skip:
                         continue
-                    ev = fields[ev_col].strip()
-                    for name, role in ((GOOD, "target"), (BAD, "foil")):
-                        if not fields[col[name]].strip():
-                            raise MixlensError(
-                                f"{f}: line {reader.line_num}: {name} (the {role} word) is empty; "
-                                "a row needs both words"
-                            )
-                    yield Row(
-                        f.stem,
-                        fields[col[PROMPT]],
-                        fields[col[GOOD]].strip(),
-                        fields[col[BAD]].strip(),
-                        None if ev in NA else ev,
-                    )
+                    ev, good, bad = fields[ev_col].strip(), fields[g_col].strip(), fields[b_col].strip()
+                    if not good or not bad:
+                        name, role = (GOOD, "target") if not good else (BAD, "foil")
+                        raise MixlensError(
+                            f"{f}: line {reader.line_num}: {name} (the {role} word) is empty; a row needs both words"
+                        )
+                    yield Row(group, fields[p_col], good, bad, None if ev in NA else ev)
         except csv.Error as e:
             if "field larger than field limit" in str(e):
                 raise MixlensError(

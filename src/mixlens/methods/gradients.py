@@ -26,7 +26,7 @@ from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import LHTS, LTS, MethodOutput, Option, get, register
 from mixlens.trace import Edit, Trace, hooked
 
-MAX_PROBES = 256  # estimate mode keeps every probe's sample ([n, probes, ...]): memory grows with them
+MAX_PROBES = 256  # estimate mode: running sums per source (memory flat in the probes); time grows with them
 
 INPUTS = ("word", "embedding")
 INPUT_POINTS = {"word": "embed", "embedding": "blocks.0.resid_pre"}  # the edit point that adds δ [B, n, d_in]
@@ -133,6 +133,50 @@ def _chunk(trace: Trace, chunk: int | None) -> int:
     return max(1, min(512, _CHUNK_BUDGET // (b * n * 4 * d)))
 
 
+def _probe_chunks(
+    seed: int, n: int, probes: int, b: int, d_in: int, cols: torch.Tensor, step: int, like: torch.Tensor
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Estimate mode's Rademacher directions in chunks of at most `step`: (their source columns [C], directions
+    u [C, B, n, d_in], each supported on its column). The signs are drawn position by position from one seeded
+    generator (the same numbers as one [n, probes, B, d_in] draw), so only one position's [probes, B, d_in] and one
+    chunk are held, whatever `probes`."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    wanted = set(cols.tolist())
+    pending_cols: list[int] = []
+    pending: list[torch.Tensor] = []  # [B, d_in] each
+
+    def take(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = torch.tensor(pending_cols[:k], dtype=torch.long)
+        u = torch.zeros(k, b, n, d_in, dtype=like.dtype, device=like.device)
+        u[torch.arange(k), :, c] = torch.stack(pending[:k]).to(like)
+        del pending_cols[:k], pending[:k]
+        return c, u
+
+    for j in range(max(wanted) + 1):
+        signs = torch.randint(0, 2, (probes, b, d_in), generator=gen) * 2 - 1  # drawn for every position, in order
+        if j in wanted:
+            pending_cols.extend([j] * probes)
+            pending.extend(signs.unbind(0))
+        while len(pending) >= step:
+            yield take(step)
+    if pending:
+        yield take(len(pending))
+
+
+def _mean_se(
+    total: torch.Tensor, squares: torch.Tensor, probes: int, cols: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probes' mean and its standard error (sample standard deviation / √probes) from their running sums
+    Σ s and Σ s² [n, ...] (float64); columns not in `cols` stay 0."""
+    mean = total / probes
+    var = ((squares - probes * mean.pow(2)) / (probes - 1)).clamp_min(0)
+    keep = torch.zeros(total.shape[0], dtype=torch.bool)
+    keep[cols] = True
+    shape = (-1, *(1,) * (total.dim() - 1))
+    keep = keep.to(total.device).view(shape)
+    return (mean * keep).to(dtype), ((var / probes).sqrt() * keep).to(dtype)
+
+
 def jacobian_norms(
     trace: Trace,
     *,
@@ -182,26 +226,18 @@ def jacobian_norms(
                 acc_o.index_add_(0, cols[k // d_in], so)
             assert acc_h is not None and acc_o is not None  # at least one source column
             sq_h, sq_o = acc_h, acc_o  # [n(source), L, B, n(target)], [n(source), L, B, H, n(target)]
-        else:
-            gen = torch.Generator(device="cpu").manual_seed(seed)
-            signs = torch.randint(0, 2, (n, probes, b, d_in), generator=gen).to(primal) * 2 - 1
-            samples_h, samples_o = [], []
-            flat = signs[cols].reshape(len(cols) * probes, b, d_in)
-            for k0 in range(0, len(flat), step):
-                k = torch.arange(k0, min(len(flat), k0 + step), device=primal.device)
-                u = torch.zeros(len(k), b, n, d_in, dtype=primal.dtype, device=primal.device)
-                u[torch.arange(len(k)), :, cols[k // probes]] = flat[k]
-                sh, so = _push(f, primal, u)
+        else:  # running sums per source column: memory flat in the probes (no [n, probes, ...] samples kept)
+            sums: list[torch.Tensor] = []  # Σ s and Σ s² of hidden [n, L, B, n] and heads [n, L, B, H, n] (float64)
+            for c, u in _probe_chunks(seed, n, probes, b, d_in, cols, step, primal):
+                sh, so = _push(f, primal, u)  # [C, L, B, n], [C, L, B, H, n]
                 if on_chunk:
-                    on_chunk(len(k) / len(flat))
-                samples_h.append(sh)
-                samples_o.append(so)
-            sh = torch.cat(samples_h).reshape(len(cols), probes, *samples_h[0].shape[1:])
-            so = torch.cat(samples_o).reshape(len(cols), probes, *samples_o[0].shape[1:])
-            sq_h = sh.new_zeros(n, *sh.shape[2:]).index_copy_(0, cols, sh.mean(1))
-            sq_o = so.new_zeros(n, *so.shape[2:]).index_copy_(0, cols, so.mean(1))
-            se_h = sh.new_zeros(n, *sh.shape[2:]).index_copy_(0, cols, sh.std(1) / probes**0.5)
-            se_o = so.new_zeros(n, *so.shape[2:]).index_copy_(0, cols, so.std(1) / probes**0.5)
+                    on_chunk(len(c) / (len(cols) * probes))
+                if not sums:
+                    sums = [x.new_zeros(n, *x.shape[1:], dtype=torch.float64) for x in (sh, sh, so, so)]
+                for acc, x in zip(sums, (sh, sh.pow(2), so, so.pow(2)), strict=True):
+                    acc.index_add_(0, c, x.double())
+            sq_h, se_h = _mean_se(sums[0], sums[1], probes, cols, primal.dtype)
+            sq_o, se_o = _mean_se(sums[2], sums[3], probes, cols, primal.dtype)
     mask = trace.mask.to(primal.dtype)
 
     def arrange(t: torch.Tensor, heads: bool) -> torch.Tensor:
