@@ -50,7 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
-SMOLLM2 = Path.home() / ".cache" / "mixlens" / "models" / "smollm2-135m-instruct"
+MODELS = Path(os.environ.get("MIXLENS_MODELS", Path.home() / ".cache" / "mixlens" / "models")).expanduser()
+SMOLLM2 = MODELS / "smollm2-135m-instruct"  # scripts/fetch_models.py smollm2-135m-instruct
 SIDES = ("forward", "logit_attn", "grad_x_input", "inseq")
 TOLERANCE = 1e-5  # float32: |ours − inseq's| ≤ TOLERANCE · max(1, the largest |value|) (values reach ≈ 6 on SmolLM2)
 PASSAGE = (
