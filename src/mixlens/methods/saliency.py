@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.memory import backward_bytes, check_fits
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, Reference, get, register
 from mixlens.targets import Readout, Spec, model_kind, positions, readout
@@ -137,6 +138,7 @@ def gradient(
         hit, cacheable = None, False
     if hit is not None:
         return hit
+    check_backward(trace, trace.mask.shape[0], "a gradient pass")
     _, x, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)  # one forward: 'pred' reads it
     with torch.enable_grad():
         (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
@@ -144,6 +146,20 @@ def gradient(
     if cacheable:
         memo.put(key, out)
     return out
+
+
+def check_backward(trace: Trace, rows: int, what: str) -> None:
+    """MixlensError, in one line and before the pass, when a backward pass over `rows` inputs of the trace's
+    length cannot fit the memory available (`memory.backward_bytes`)."""
+    n = trace.mask.shape[1]
+    d = trace.adapter.base.get_input_embeddings().embedding_dim
+    need = backward_bytes(rows, n, trace.adapter.n_layers, d)
+    check_fits(
+        need,
+        f"{what} on {rows} × {n} tokens (its backward keeps every layer's activations)",
+        "use fewer or shorter inputs, or methods without gradients (explain: --method logit_attn or attention)",
+        trace.mask.device,
+    )
 
 
 def reduce_hidden(raw: torch.Tensor, reduction: str, mask: torch.Tensor) -> torch.Tensor:
@@ -192,6 +208,7 @@ def output_attribution(
         raw = grad if kind == "saliency" else grad * x
         return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw, value)
     chunk = _chunk_rows(trace, steps, internal_batch_size)
+    check_backward(trace, chunk, "an integrated-gradients chunk")
     f, emb, args, value, _ = scalar_fn(trace, target, foil, position)
     from captum.attr import IntegratedGradients
 
