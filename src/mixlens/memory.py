@@ -90,6 +90,15 @@ def result_bytes(
     return need
 
 
+BACKWARD_FLOATS = 24  # floats per token, layer and hidden dim a gradient pass keeps for its backward (about 24·d)
+
+
+def backward_bytes(batch: int, n: int, layers: int, d: int) -> int:
+    """Bytes a backward pass through `layers` layers of width `d` keeps for `batch` × `n` tokens (float32): the
+    activations autograd saves, about `BACKWARD_FLOATS` · d per token and layer."""
+    return 4 * batch * n * layers * BACKWARD_FLOATS * d
+
+
 def check_fits(need: int, what: str, hint: str, device: object = "cpu") -> None:
     """MixlensError, before the work starts, when `need` bytes exceed what the machine has available."""
     have = available_bytes(device)

@@ -138,3 +138,25 @@ def test_explain_and_evaluate_compute_only_the_explained_row(tokenizer, monkeypa
             torch.testing.assert_close(
                 torch.as_tensor(one.scores[m][:n]), full[m][b, -1, n - 1, :n].float(), atol=1e-6, rtol=1e-5
             )
+
+
+def test_a_gradient_pass_too_large_is_refused_before_it_runs(tokenizer, monkeypatch):
+    """#45 item 13: a BLiMP prompt of 8,105 tokens with `--method attention --removal none` passed every check and
+    was killed (evaluate's agreement reference is a gradient: its backward keeps every layer's activations, 13 GB
+    on SmolLM2). The gradient pass is now estimated (`memory.backward_bytes`) and refused in one line first."""
+    from mixlens.explain import explain
+
+    lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM")
+    text = "The keys to the cabinet are"
+    n, layers = len(lens.encode([text]).tokens[0]), lens.adapter.n_layers
+    d = lens.model.get_input_embeddings().embedding_dim
+    need = memory.backward_bytes(1, n, layers, d)
+    assert need == 4 * n * layers * memory.BACKWARD_FLOATS * d
+    explain(lens, text, ["saliency"])  # fits
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": need - 1)
+    calls: list[int] = []
+    lens.model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    with pytest.raises(MixlensError, match=r"a gradient pass on 1 × \d+ tokens .* needs about") as e:
+        explain(lens, text, ["saliency"])
+    assert "\n" not in str(e.value) and len(calls) == 1  # the traced pass ran; the gradient pass did not
+    explain(lens, text, ["attention"])  # no gradient: it runs

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.memory import backward_bytes, check_fits
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, Reference, get, register
 from mixlens.targets import Readout, Request, Spec, model_kind, positions, readout
@@ -143,6 +144,7 @@ def gradient(
         hit, cacheable = None, False
     if hit is not None:
         return hit
+    check_backward(trace, trace.mask.shape[0], "a gradient pass")
     _, x, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)  # one forward: 'pred' reads it
     with torch.enable_grad():
         (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
@@ -166,6 +168,7 @@ def row_gradients(
     requests stay separate scalars: nothing is summed across them."""
     if trace.mask.shape[0] != 1:
         raise MixlensError("row gradients take a batch of one input")
+    check_backward(trace, 1, "a gradient pass")
     pos = torch.tensor([r.position[0] if r.position else -1 for r in requests], device=trace.mask.device)
     kept = torch.unique(pos)
     kwargs = {"logits_to_keep": kept} if keeps_logits(trace.model) and bool((pos >= 0).all()) else {}
@@ -207,6 +210,20 @@ def _plain_rows(trace: Trace, requests: Sequence[Request]) -> None:
 
 
 ROW_PASSES.update(saliency=_plain_rows, grad_x_input=_plain_rows)
+
+
+def check_backward(trace: Trace, rows: int, what: str) -> None:
+    """MixlensError, in one line and before the pass, when a backward pass over `rows` inputs of the trace's
+    length cannot fit the memory available (`memory.backward_bytes`)."""
+    n = trace.mask.shape[1]
+    d = trace.adapter.base.get_input_embeddings().embedding_dim
+    need = backward_bytes(rows, n, trace.adapter.n_layers, d)
+    check_fits(
+        need,
+        f"{what} on {rows} × {n} tokens (its backward keeps every layer's activations)",
+        "use fewer or shorter inputs, or methods without gradients (explain: --method logit_attn or attention)",
+        trace.mask.device,
+    )
 
 
 def reduce_hidden(raw: torch.Tensor, reduction: str, mask: torch.Tensor) -> torch.Tensor:
@@ -255,6 +272,7 @@ def output_attribution(
         raw = grad if kind == "saliency" else grad * x
         return OutputAttribution(reduce_hidden(raw, reduction, trace.mask), raw, value)
     chunk = _chunk_rows(trace, steps, internal_batch_size)
+    check_backward(trace, chunk, "an integrated-gradients chunk")
     f, emb, args, value, _ = scalar_fn(trace, target, foil, position)
     from captum.attr import IntegratedGradients
 
