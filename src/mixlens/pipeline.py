@@ -264,8 +264,10 @@ def trace_flags(methods: Sequence[str]) -> tuple[FfnCapture, bool]:
 
 def qk_trace(methods: Sequence[str], adapter: Adapter) -> bool:
     """Whether a trace for `methods` keeps q and K instead of α (`run_traced(qk_rows=True)`): a causal LM, and
-    every method reads α only by rows (`Method.qk_rows`)."""
-    return adapter.family.causal and bool(methods) and all(get_method(m).qk_rows for m in methods)
+    every method that reads the trace reads α only by rows (`Method.qk_rows`); the methods running their own passes
+    from the inputs alone (`inputs_only`: AttnLRP, the gradient methods) read no α, so they do not decide."""
+    readers = [m for m in methods if not get_method(m).inputs_only]
+    return adapter.family.causal and bool(readers) and all(get_method(m).qk_rows for m in readers)
 
 
 def needs_capture(methods: Sequence[str]) -> bool:

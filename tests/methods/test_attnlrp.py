@@ -389,3 +389,17 @@ def test_recomputed_pass_keeps_no_layer_activations(family, tokenizer, monkeypat
     assert more[False].total() > 10 * 2  # each layer's activations
     b, n = tr.mask.shape
     assert more[True] == Counter({(b, n, 64): 2})  # each layer's input (d = 64), nothing else
+
+
+def test_a_method_running_its_own_pass_keeps_the_shared_trace_in_row_mode(tokenizer):
+    """`explain --method alti_logit,attnlrp,logit_attn` on a causal LM: AttnLRP reads nothing of the shared trace, so
+    the trace stays in row mode (q and K per layer, no [B, H, n, n] α: the 2,048-token case held 30 layers' α because
+    AttnLRP was counted as a method needing them)."""
+    from mixlens.pipeline import qk_trace
+
+    lens = random_lens("llama", tokenizer, head=CAUSAL)
+    assert qk_trace(["alti_logit", "logit_attn"], lens.adapter)
+    assert qk_trace(["alti_logit", "attnlrp", "logit_attn"], lens.adapter)
+    assert not qk_trace(["attnlrp"], lens.adapter)  # nothing reads the trace: no trace is run at all
+    tr = lens.trace_for(lens.encode(TEXTS), ["alti_logit", "attnlrp", "logit_attn"])
+    assert all(lt.qk is not None and lt.alpha.numel() == 0 for lt in tr.layers)
