@@ -105,7 +105,7 @@ CARDS: dict[str, Card] = {
         "[L, n] per-layer terms (extra), α read by rows (no [H, n, n] on a causal LM); output [n].",
         "mt-upc/logit-explanations (`src/contributions.py`, the authors' code)",
         "asserted < 1e-4 relative to the largest direct term; measured 3.6e-7 per layer, 2.7e-7 per head (GPT-2); "
-        "≤ 3.4e-7 on OPT and BLOOM",
+        "≤ 3.4e-7 on OPT and BLOOM (pairwise eps 0)",
         ALTI_LOGIT_CHECK,
     ),
     "alti_logit": Card(
@@ -118,7 +118,7 @@ CARDS: dict[str, Card] = {
         "mt-upc/logit-explanations (`contributions.py` run unchanged; its normalisation, rollout and carry-back "
         "restated in the test)",
         "asserted < 1e-4 relative to the largest direct term; measured 6.9e-5 with the authors' pairwise eps, 1.0e-6 "
-        "per layer with it set to 0 (GPT-2); ≤ 9.1e-7 on OPT and BLOOM",
+        "per layer with it set to 0 (GPT-2); ≤ 9.1e-7 on OPT and BLOOM (pairwise eps 0)",
         ALTI_LOGIT_CHECK,
     ),
     "saliency": Card(
@@ -171,10 +171,10 @@ CARDS: dict[str, Card] = {
         "One traced forward pass with the FFN captured, no backward.",
         "Parts [n, n, d] per layer in 64 MB chunks of target rows; output [L, n, n]; no row mode.",
         "mohsenfayyaz/DecompX (`src/modeling_bert.py`, transcribed outside the repository)",
-        "measured 1.2e-6 relative (per-layer norms, 272 SST-2 sentences, value_bias=values); no test in the repo "
-        "runs the official code",
-        "the comparison script is not committed (docs/reference/global.md gives its command); the official default "
-        "convention is tested by tests/methods/test_decompx.py::test_default_value_bias_is_the_official_one",
+        "measured 1.2e-6 relative (per-layer norms, 272 SST-2 sentences, value_bias=values)",
+        "an uncommitted transcription of the official code, run by the command in global.md; no test in the "
+        "repository runs it (the official default convention is tested by "
+        "tests/methods/test_decompx.py::test_default_value_bias_is_the_official_one)",
     ),
     "decompx_classes": Card(
         "Score_{c,k} = the part of logit c from token k: the DecompX parts carried through the classification head "
@@ -182,10 +182,10 @@ CARDS: dict[str, Card] = {
         "One traced forward pass with the FFN captured, no backward.",
         "Parts [n, n, d] per layer in 64 MB chunks of target rows; output [C, n].",
         "mohsenfayyaz/DecompX (`src/modeling_bert.py`, transcribed outside the repository)",
-        "measured 2.0e-6 relative (class scores, 272 SST-2 sentences, value_bias=values); no test in the repo runs "
-        "the official code",
-        "the comparison script is not committed (docs/reference/global.md gives its command); the official default "
-        "convention is tested by tests/methods/test_decompx.py::test_default_value_bias_is_the_official_one",
+        "measured 2.0e-6 relative (class scores, 272 SST-2 sentences, value_bias=values)",
+        "an uncommitted transcription of the official code, run by the command in global.md; no test in the "
+        "repository runs it (the official default convention is tested by "
+        "tests/methods/test_decompx.py::test_default_value_bias_is_the_official_one)",
     ),
     "decompx_logit": Card(
         "score_k = h_{⇐k} · (W_U[target] − W_U[foil]): the DecompX parts of the final hidden state at a causal LM's "
