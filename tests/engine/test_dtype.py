@@ -145,15 +145,15 @@ def test_bfloat16_long_inputs_in_row_mode_pass_the_check_and_a_broken_piece_does
     output was computed from: 6–8 % of the attention output here)."""
     lens = _sharp_bfloat16_lm(tokenizer, monkeypatch)
     text = " ".join(["the cat sat on a mat"] * (n // 6))
-    res = lens.analyze([text], ["norm"], max_length=n, targets="last")
+    res = lens.analyze([text], ["norm"], max_length=n, rows="last")
     assert res.error_share is not None and 0 < float(res.error_share.max()) <= 0.5
     lay = lens.adapter.layers[1]
     w_o = lay.raw_w_o
     lay.raw_w_o = w_o * 1.5
     with pytest.raises(ReconstructionError, match="layer 1"):
-        lens.analyze([text], ["norm"], max_length=n, targets="last")
+        lens.analyze([text], ["norm"], max_length=n, rows="last")
     lay.raw_w_o = w_o
     scores = rowattn.QKRows._scores
     monkeypatch.setattr(rowattn.QKRows, "_scores", lambda *a, **k: scores(*a, **k).bfloat16().float())
     with pytest.raises(ReconstructionError):
-        lens.analyze([text], ["norm"], max_length=n, targets="last")
+        lens.analyze([text], ["norm"], max_length=n, rows="last")

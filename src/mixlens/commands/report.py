@@ -185,7 +185,7 @@ def analyze_for_view(
     report shows full maps (every target row)."""
     from mixlens.methods import get
 
-    kwargs.setdefault("targets", "all")
+    kwargs.setdefault("rows", "all")
     res = lens.analyze(texts, methods, **kwargs)
     with_heads = [m for m in res.attributions if get(m).head_dims]
     if not (heads and with_heads):
@@ -367,7 +367,7 @@ def register(app: typer.Typer) -> None:
                     options=opts,
                     max_length=max_length,
                     on_batch=step,
-                    targets="all",  # figures of full maps
+                    rows="all",  # figures of full maps
                 )
         if view is not View.ratio and len(res.texts) > MAX_PANELS:
             raise MixlensError(
