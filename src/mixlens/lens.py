@@ -31,7 +31,6 @@ from mixlens.loading import (
     pretrained,
     resolve_device,
     resolve_source,
-    runtime,
 )
 from mixlens.pipeline import (
     NOT_GIVEN,
@@ -70,7 +69,6 @@ __all__ = [  # the loading and batching names lens.py always had
     "head_for",
     "resolve_device",
     "resolve_source",
-    "runtime",
 ]
 
 DEFAULT_METHODS = tuple(method_registry.registry.defaults("analyze"))  # the methods that declare it (registry)
@@ -102,9 +100,9 @@ def load(
     exactness checks allow the rounding of that dtype (docs/guides/your-model.md). `family`: read the model under that
     family's layout (`mixlens families`), checked on a probe input; by default its model type's, or for a model type
     outside the table the first known layout that passes the check (`mixlens.layouts`; a note on stderr says which).
-    `device`: 'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available). None for either: the enclosing `runtime(...)`
-    context's, else float32 on the CPU. A device this machine lacks, or a dtype it cannot run there, is a
-    `MixlensError` before any weights load.
+    `device`: 'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available). None for either: float32 on the CPU. The
+    commands pass their `--dtype`, `--device` and `--family` here the same way (`commands.options.Runtime`). A
+    device this machine lacks, or a dtype it cannot run there, is a `MixlensError` before any weights load.
     """
     net, tok, name, torch_dtype, family = pretrained(
         model,

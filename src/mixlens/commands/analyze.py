@@ -10,6 +10,8 @@ from pathlib import Path
 import typer
 
 from mixlens.commands.options import (
+    NO_RUNTIME,
+    Runtime,
     allow_random_head_option,
     check_methods,
     deprecated_head_option,
@@ -80,9 +82,9 @@ def analyze(
         "end). Default: last for causal LMs over 512 tokens, else all.",
     ),
     targets: str | None = typer.Option(None, "--targets", hidden=True, help="Deprecated name of --rows."),
+    runtime: Runtime = NO_RUNTIME,
 ) -> None:
     """Decompose TEXT with each method and print what it found (mixing ratios, top sources, token scores)."""
-    from mixlens.lens import load
     from mixlens.result import atomic_write
     from mixlens.viz.terminal import describe, print_results
 
@@ -100,7 +102,7 @@ def analyze(
     if fmt is Format.html and rows not in (None, "all"):
         raise MixlensError("the HTML report shows full maps: use --rows all (or --format json for some rows)")
     precheck_model(model, model_head, methods, text, max_length, gguf_file)
-    lens = load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+    lens = runtime.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
     if rows is None:  # the library's default (`Lens.auto_rows`), so the Python API and the CLI agree
         rows = lens.auto_rows(text, max_length=max_length, truncate=not no_truncate)
         if fmt is Format.html and rows != "all":
