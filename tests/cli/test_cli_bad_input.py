@@ -321,6 +321,18 @@ CRAFTED = {
         ),
         "'targets' must list distinct integer token positions",
     ),
+    "float-rows": (
+        _analysis_json(
+            methods={"norm": {"dims": ["layer", "target", "source"], "values": [[[0.25] * 4]] * 2, "rows": [0.0]}}
+        ),
+        "'rows' must list distinct integer token positions",
+    ),
+    "row-outside": (  # files of earlier versions ('targets') and of this one ('rows') are checked the same way
+        _analysis_json(
+            methods={"norm": {"dims": ["layer", "target", "source"], "values": [[[0.25] * 4]] * 2, "rows": [9]}}
+        ),
+        "'rows' must list distinct integer token positions",
+    ),
     "ratio-layers": (_analysis_json(mixing_ratio={"W": [0.5, 0.6, 0.7]}), "different layer counts"),
     "string-values": (
         _analysis_json(methods={"norm": {"dims": ["layer", "target", "source"], "values": "abc"}}),
