@@ -10,13 +10,13 @@ configuration. Learned position tables are lengthened to the longest input.
 
 Two cases, timed end to end through the public API as users call it, one input of exactly n tokens:
 
-- "norm": `lens.analyze([text], ["norm", "norm_res", "norm_resln"], targets=None)` (every target row: full maps
+- "norm": `lens.analyze([text], ["norm", "norm_res", "norm_resln"], rows=None)` (every row: full maps
   and mixing ratios, with the per-run check), against `model(**inputs, output_attentions=True)` of the base model
   (`AutoModel`; decoders also `use_cache=False`);
-- "logit_attn", where the registry says it applies: `lens.analyze([text], ["logit_attn"], targets=None)` on the
+- "logit_attn", where the registry says it applies: `lens.analyze([text], ["logit_attn"], rows=None)` on the
   causal LM (`AutoModelForCausalLM`), against that model's own plain forward (every position's logits).
 
-`targets=None` is explicit: `analyze`'s default for a causal LM over its long-input threshold is the last row only.
+`rows=None` is explicit: `analyze`'s default for a causal LM over its long-input threshold is the last row only.
 
 The timings are interleaved as in `bench_models.timed`: each repeat calls the forward and the analysis once, in
 alternating order. A ratio is the median over repeats of that repeat's analysis / forward. The load average is printed
@@ -96,7 +96,7 @@ def case(lens: mixlens.Lens, methods: list[str], n_tokens: int, repeats: int) ->
             lens.model(**enc.inputs, output_attentions=True, **extra)
 
     def analyze() -> None:  # every target row (full maps), as the forward computes every row
-        lens.analyze([text], methods, max_length=n_tokens, targets=None)
+        lens.analyze([text], methods, max_length=n_tokens, rows=None)
 
     runs = timed({"forward": forward, "analyze": analyze}, repeats)
     each = [a / f for a, f in zip(runs["analyze"], runs["forward"], strict=True)]

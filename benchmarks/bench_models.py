@@ -3,7 +3,7 @@
     python benchmarks/bench_models.py [--repeats 3] [--case smollm2-last] [--no-torch] [--no-rss] [--no-warmup]
 
 Per case (`--case`: the cases whose id contains it): `mixlens.load` once, then `lens.analyze(text, methods,
-targets=...)` end to end (maps + mixing ratios + the per-run check; with targets, target-row streaming) against a
+rows=...)` end to end (maps + mixing ratios + the per-run check; with rows, row streaming) against a
 plain forward pass of the same model and input, with the eager attention that `mixlens.load` selects and no key /
 value cache (`model(**inputs, output_attentions=True, use_cache=False)`; from `LONG` tokens on without attention
 outputs, and transformers' SDPA forward timed too), for the compiled passes and the torch passes
@@ -32,7 +32,7 @@ import mixlens.methods.norms as norms
 
 ROOT = Path(os.environ.get("MIXLENS_MODELS", Path.home() / ".cache" / "mixlens" / "models")).expanduser()
 METHODS = ["norm", "norm_res", "norm_resln"]
-CASES = (  # id, model, tokens, methods, targets, model head
+CASES = (  # id, model, tokens, methods, rows, model head
     ("mpnet-128", "all-mpnet-base-v2", 128, METHODS, None, "base"),
     ("mpnet-512", "all-mpnet-base-v2", 512, METHODS, None, "base"),
     ("smollm2-last", "smollm2-135m-instruct", 2048, [*METHODS, "globenc_rollout"], "last", "base"),
@@ -78,13 +78,13 @@ def timed(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[fl
     return runs
 
 
-def peak_rss(name: str, n_tokens: int, methods: list[str], targets: str | None, head: str = "base") -> float:
+def peak_rss(name: str, n_tokens: int, methods: list[str], rows: str | None, head: str = "base") -> float:
     """Peak RSS (GiB) of a fresh process: load + one analysis. VmHWM, not ru_maxrss: a child spawned from a large
     parent inherits the parent's ru_maxrss on Linux."""
     here = str(Path(__file__).parent)
     code = (f"import sys; sys.path.insert(0, {here!r}); import bench_models as b, mixlens; from rss import peak_gib; "
             f"lens = mixlens.load(b.ROOT / {name!r}, head={head!r}); "
-            f"lens.analyze([b.text_of(lens, {n_tokens})], {methods!r}, max_length={n_tokens}, targets={targets!r}); "
+            f"lens.analyze([b.text_of(lens, {n_tokens})], {methods!r}, max_length={n_tokens}, rows={rows!r}); "
             "print(peak_gib())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return float(out.split()[-1])
@@ -115,7 +115,7 @@ def fits(gib: float) -> bool:
     return gib < 0.6 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
-def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str | None, repeats: int,
+def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], rows: str | None, repeats: int,
              modes: tuple[bool, ...], sdpa_too: bool = True) -> dict[str, list[float]]:
     """Seconds per call, interleaved: "forward" (plain forward) and, per mode, "compiled" / "torch" (analyze), for
     one input of `n_tokens` tokens."""
@@ -142,7 +142,7 @@ def run_case(lens: mixlens.Lens, n_tokens: int, methods: list[str], targets: str
         def run() -> None:
             norms.COMPILED = compiled
             try:
-                lens.analyze([text], methods, max_length=n_tokens, targets=targets)
+                lens.analyze([text], methods, max_length=n_tokens, rows=rows)
             finally:
                 norms.COMPILED = True
 
@@ -179,22 +179,22 @@ def main() -> None:
     modes = (True,) if args.no_torch else (True, False)
     print(f"torch threads {torch.get_num_threads()}; forward: eager attention, no cache, "
           f"attention outputs below {LONG} tokens")
-    print("case | model | tokens | methods | targets | forward s | analyze s (compiled) | ratio | analyze s (torch) | "
+    print("case | model | tokens | methods | rows | forward s | analyze s (compiled) | ratio | analyze s (torch) | "
           "ratio | peak RSS GiB | load avg")
-    for case, name, n_tokens, methods, targets, head in CASES:
+    for case, name, n_tokens, methods, rows, head in CASES:
         if args.case not in case:
             continue
         if not (ROOT / name / "config.json").is_file():
             print(f"{name}: not fetched, skipped")
             continue
         lens = mixlens.load(ROOT / name, head=head)
-        runs = run_case(lens, n_tokens, methods, targets, args.repeats, modes, not args.no_sdpa)
+        runs = run_case(lens, n_tokens, methods, rows, args.repeats, modes, not args.no_sdpa)
         med = {k: statistics.median(v) for k, v in runs.items()}
-        rss = "-" if args.no_rss else f"{peak_rss(name, n_tokens, methods, targets, head):.2f}"
+        rss = "-" if args.no_rss else f"{peak_rss(name, n_tokens, methods, rows, head):.2f}"
         torch_cols = f"{med['torch']:.3f} | {ratio(runs, 'torch')}" if "torch" in med else "- | -"
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
         base = "forward" if "forward" in runs else "sdpa" if "sdpa" in runs else None
-        print(f"{case} | {name} | {n_tokens} | {'+'.join(methods)} | {targets or 'all'} | "
+        print(f"{case} | {name} | {n_tokens} | {'+'.join(methods)} | {rows or 'all'} | "
               f"{f'{med[base]:.3f}' if base else '-'} | {med['compiled']:.3f} | "
               f"{ratio(runs, 'compiled', base) if base else '-'} | {torch_cols} | {rss} | {load}", flush=True)
         if "sdpa" in runs:

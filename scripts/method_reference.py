@@ -88,8 +88,8 @@ def capabilities(m: Method) -> list[str]:
         out.append(f"reads {HEAD_WORDS[m.head]}")
     out.append("explains a prediction (`explain`, `evaluate`)" if m.explains else "explains no single prediction")
     out.append("runs its own passes from the inputs" if m.inputs_only else "reads the traced forward pass")
-    if m.target_rows:
-        out.append("computes the requested target rows only (`--targets`)")
+    if m.row_mode:
+        out.append("computes the requested rows only (`--rows`)")
     if m.slow:
         out.append("slow: left out of the default method sets")
     if m.recommended:

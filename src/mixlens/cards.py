@@ -46,7 +46,7 @@ FLOW_CHECK = (
     "tests/methods/test_flow_routes.py::test_equals_the_authors_tool_end_to_end (the tool's stored output) and "
     "::test_equals_the_authors_tool (live, when MIXLENS_LLM_TT names the tool)"
 )
-ROLLOUT_MEMORY = "[L, n, n]; with --targets only the target rows, streamed layer by layer ([L, t, n])"
+ROLLOUT_MEMORY = "[L, n, n]; with --rows only the requested rows, streamed layer by layer ([L, t, n])"
 
 CARDS: dict[str, Card] = {
     "attention": Card(
@@ -59,19 +59,19 @@ CARDS: dict[str, Card] = {
     "norm": Card(
         "N_ij = ‖Σ_h α^h_ij f^h(x_j)‖ (Kobayashi et al. 2020); per head ‖α^h_ij f^h(x_j)‖.",
         TRACED + "; the norm engine checks that the vectors rebuild the real attention output.",
-        "Gram matrices per head, no [H, n, n, d] tensor; output [L, n, n] (per head [L, H, n, n]); target rows only "
-        "with --targets.",
+        "Gram matrices per head, no [H, n, n, d] tensor; output [L, n, n] (per head [L, H, n, n]); requested rows only "
+        "with --rows.",
     ),
     "norm_res": Card(
         "N-Res_ij = ‖t_ij‖, attention plus residual (Kobayashi et al. 2021).",
         TRACED + "; the norm engine checks its decomposition.",
-        "[L, n, n]; target rows only with --targets.",
+        "[L, n, n]; requested rows only with --rows.",
     ),
     "norm_resln": Card(
         "N-ResLN_ij = ‖g_i(t_ij)‖, attention, residual and LayerNorm as the linear map g_i at target i (Kobayashi et "
         "al. 2021).",
         TRACED + "; the norm engine checks its decomposition.",
-        "[L, n, n]; target rows only with --targets.",
+        "[L, n, n]; requested rows only with --rows.",
     ),
     "attention_rollout": Card(
         "R_l = Â_l R_{l−1}, Â = rows-normalised 0.5·mean_h α^h + 0.5·I (Abnar & Zuidema 2020); layer l in terms of "
@@ -89,7 +89,7 @@ CARDS: dict[str, Card] = {
         "c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁), rows normalised; T_i(x_j) = g_i(t_ij), y_i the real LN1 output "
         "(pre-LN: t_ij and the residual sum) (Ferrando et al. 2022).",
         TRACED + ".",
-        "[L, n, n]; with --targets only the target rows ([L, t, n]); T_i(x_j) built in 4 MB chunks of target rows "
+        "[L, n, n]; with --rows only the requested rows ([L, t, n]); T_i(x_j) built in 4 MB chunks of target rows "
         "(CPU: only the sign-risky coordinates).",
     ),
     "alti_rollout": Card(
@@ -217,7 +217,7 @@ CARDS: dict[str, Card] = {
         "models: ‖t_ij‖.",
         "One traced forward pass with the FFN captured, no backward; every call checks that the decomposition "
         "rebuilds the real layer output.",
-        "[L, n, n]; with --targets only the target rows ([L, t, n]).",
+        "[L, n, n]; with --rows only the requested rows ([L, t, n]).",
         note="the unnormalised scale follows the official code's, but no values were compared",
     ),
     "globenc_rollout": Card(

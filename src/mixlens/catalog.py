@@ -44,7 +44,7 @@ def build() -> list[dict[str, Any]]:
                 "extras": {k: list(v) for k, v in m.extras.items()},
                 "head": m.head,
                 "explains": m.explains,
-                "target_rows": m.target_rows,
+                "row_mode": m.row_mode,
                 "inputs_only": m.inputs_only,
                 "slow": m.slow or m.extra_passes,
                 "refuses": refused,
@@ -96,8 +96,8 @@ def lines(catalog: list[dict[str, Any]]) -> list[str]:
         traits = []
         if m["explains"]:
             traits.append("explains a prediction (explain, evaluate)")
-        if m["target_rows"]:
-            traits.append("computes target rows only (--targets)")
+        if m["row_mode"]:
+            traits.append("computes requested rows only (--rows)")
         traits.append("runs from the inputs" if m["inputs_only"] else "reads the traced forward pass")
         if m["slow"]:
             traits.append("extra passes: slow on long inputs")

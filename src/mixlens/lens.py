@@ -31,17 +31,18 @@ from mixlens.loading import (
     pretrained,
     resolve_device,
     resolve_source,
-    runtime,
 )
 from mixlens.pipeline import (
+    NOT_GIVEN,
     LayerProgress,
-    Targets,
-    auto_targets,
+    NotGiven,
+    Rows,
+    auto_rows,
     check_results,
     needs_capture,
     plan_batches,
     qk_trace,
-    resolve_targets,
+    resolve_rows,
     run_methods,
     stream_trace,
     streams,
@@ -68,7 +69,6 @@ __all__ = [  # the loading and batching names lens.py always had
     "head_for",
     "resolve_device",
     "resolve_source",
-    "runtime",
 ]
 
 DEFAULT_METHODS = tuple(method_registry.registry.defaults("analyze"))  # the methods that declare it (registry)
@@ -100,9 +100,9 @@ def load(
     exactness checks allow the rounding of that dtype (docs/guides/your-model.md). `family`: read the model under that
     family's layout (`mixlens families`), checked on a probe input; by default its model type's, or for a model type
     outside the table the first known layout that passes the check (`mixlens.layouts`; a note on stderr says which).
-    `device`: 'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available). None for either: the enclosing `runtime(...)`
-    context's, else float32 on the CPU. A device this machine lacks, or a dtype it cannot run there, is a
-    `MixlensError` before any weights load.
+    `device`: 'cpu', 'cuda', 'cuda:N' or 'auto' (cuda when available). None for either: float32 on the CPU. The
+    commands pass their `--dtype`, `--device` and `--family` here the same way (`commands.options.Runtime`). A
+    device this machine lacks, or a dtype it cannot run there, is a `MixlensError` before any weights load.
     """
     net, tok, name, torch_dtype, family = pretrained(
         model,
@@ -230,7 +230,7 @@ class Lens:
         max_tokens: int | None = None,
         max_cells: int | None = None,
         trace: bool | Sequence[str] = False,
-        targets: Targets = None,
+        rows: Rows = None,
         output: bool = False,
         on_layer: LayerProgress | None = None,
         on_lengths: Callable[[Sequence[int]], object] | None = None,
@@ -241,7 +241,7 @@ class Lens:
         bounds the [.., n, n] maps); `Batch.index` says where each input came from.
         `trace`: False (no forward pass), True (a full trace) or registry method names (a trace with the FFN
         activations / whole forward pass those methods need; none, only the inputs, when no method reads it).
-        `targets` with method names (all declaring `target_rows`): target-row streaming (`pipeline.stream_trace`).
+        `rows` with method names (all declaring `row_mode`): row streaming (`pipeline.stream_trace`).
         `output`: a captured forward pass runs to the model's output (`Trace.logits` / `Trace.hidden`), which is
         what explaining a prediction reads. `on_layer(phase, done, total)`: progress in layers of a streamed trace (long
         inputs; `pipeline.LayerProgress`). `on_lengths(lengths)`: called with the inputs' token counts before the
@@ -260,36 +260,37 @@ class Lens:
             if on_lengths is not None:
                 on_lengths(tokenized.lengths)
             plan = [
-                (tokenized, rows, rows) for rows in plan_batches(tokenized.lengths, batch_size, max_tokens, max_cells)
+                (tokenized, index, index)
+                for index in plan_batches(tokenized.lengths, batch_size, max_tokens, max_cells)
             ]
         else:
             plan = ((None, range(s, min(s + batch_size, len(texts))), None) for s in range(0, len(texts), batch_size))
-        for tok, rows, local in plan:
+        for tok, index, local in plan:
             if tok is None or local is None:  # input order: tokenize each batch when it is reached (streams)
-                tok = Tokenized(self.tokenizer, [texts[b] for b in rows], limit, truncate, self.max_length)
-                local = range(len(rows))
+                tok = Tokenized(self.tokenizer, [texts[b] for b in index], limit, truncate, self.max_length)
+                local = range(len(index))
             enc = tok.batch(self.tokenizer, self.device, local)
-            traced = None if trace is False else self.trace_for(enc, trace, targets, output, on_layer)
-            yield Batch(list(rows), enc, traced)
+            traced = None if trace is False else self.trace_for(enc, trace, rows, output, on_layer)
+            yield Batch(list(index), enc, traced)
 
     def trace_for(
         self,
         enc: Encoded,
         trace: bool | Sequence[str] = True,
-        targets: Targets = None,
+        rows: Rows = None,
         output: bool = False,
         on_layer: LayerProgress | None = None,
         logit_at: torch.Tensor | None = None,
     ) -> Trace:
         """The trace a batch needs (see `batches`): True a full one; for method names, one with what they read
-        (FFN activations, the whole forward pass, or `output`), target-row streaming for `targets`, or the inputs
+        (FFN activations, the whole forward pass, or `output`), row streaming for `rows`, or the inputs
         alone, with no forward pass, when no method reads the captured pass. `logit_at` [K]: the logits of those
         positions only (`run_traced`)."""
         ffn, to_output = (False, True) if isinstance(trace, bool) else trace_flags(trace)
         if trace is not True and (isinstance(trace, bool) or not needs_capture(trace)):
             return Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
-        if not isinstance(trace, bool) and streams(trace, targets):
-            return stream_trace(self.adapter, self.model, enc.inputs, trace, targets, self.tokenizer, on_layer)
+        if not isinstance(trace, bool) and streams(trace, rows):
+            return stream_trace(self.adapter, self.model, enc.inputs, trace, rows, self.tokenizer, on_layer)
         qk_rows = not isinstance(trace, bool) and qk_trace(trace, self.adapter)
         head = output or isinstance(trace, bool) or any(method_registry.get(m).reads_head for m in trace)
         return self.trace(enc, ffn=ffn, to_output=to_output or output, qk_rows=qk_rows, head=head, logit_at=logit_at)
@@ -334,28 +335,33 @@ class Lens:
         truncate: bool = True,
         options: dict[str, dict[str, object]] | None = None,
         on_batch: Callable[[int], None] | None = None,
-        targets: Targets = "auto",
+        rows: Rows = "auto",
         on_layer: LayerProgress | None = None,
+        targets: Rows | NotGiven = NOT_GIVEN,
     ) -> Analysis:
         """Run `methods` (registry names) on `texts`; returns an `Analysis` with values
         `[batch, layer, (head), target, source]` (in input order), and the mixing ratios and reconstruction
         self-check when a method used the norm engine. Inputs are batched by token length and every result is
         stored per batch, padded only to its batch's longest input (batches hold at most `batch_size` · 64² token
-        pairs, so long inputs run in small batches). `targets` ("last", positions, negative from each input's end;
-        None/"all": every row; "auto", the default: `auto_targets`, "last" for a causal LM with an input over
-        `pipeline.LONG_CAUSAL` tokens, else every row): only those target rows, `[batch, layer, (head), K, source]`,
-        their positions in each `Attribution.targets` (memory per input: layers · n · K instead of layers · n²).
-        `on_batch(k)`: k inputs done; `on_layer(phase, done, total)`: layers done of a target-row batch's forward
+        pairs, so long inputs run in small batches). `rows`, the positions on the target axis to compute ("last",
+        positions, negative from each input's end; None/"all": every row; "auto", the default: `auto_rows`, "last"
+        for a causal LM with an input over `pipeline.LONG_CAUSAL` tokens, else every row): only those rows,
+        `[batch, layer, (head), K, source]`, their positions in each `Attribution.rows` (memory per input:
+        layers · n · K instead of layers · n²). `targets`: deprecated name of `rows`.
+        `on_batch(k)`: k inputs done; `on_layer(phase, done, total)`: layers done of a row batch's forward
         pass and row propagation (progress within one long input)."""
+        if not isinstance(targets, NotGiven):
+            warnings.warn("Lens.analyze(targets=) is deprecated: use rows=", DeprecationWarning, stacklevel=2)
+            rows = targets
         texts = check_texts([texts] if isinstance(texts, (str, tuple)) else list(texts))
-        if isinstance(targets, str) and targets == "auto":
-            targets = self.auto_targets(texts, max_length, truncate)
+        if isinstance(rows, str) and rows == "auto":
+            rows = self.auto_rows(texts, max_length, truncate)
         names = list(dict.fromkeys(methods if methods is not None else method_registry.registry.defaults("analyze")))
         specs = [method_registry.get(m) for m in names]
         options = method_registry.check_options(names, options)
 
         def fits(lengths: Sequence[int]) -> None:  # every row: the longest input's maps must fit, said before any pass
-            if targets is None or targets == "all":
+            if rows is None or rows == "all":
                 check_results(self.adapter, specs, heads, (1, max(lengths)), None, self.device)
 
         n_in = len(texts)
@@ -368,7 +374,7 @@ class Lens:
         shares: np.ndarray | None = None
         tokens: list[list[str]] = [[] for _ in range(n_in)]
         words: list[list[int | None]] = [[] for _ in range(n_in)]
-        rows: list[list[int]] = [[] for _ in range(n_in)]
+        positions: list[list[int]] = [[] for _ in range(n_in)]
         batch_size = max(1, int(batch_size))
         for batch in self.batches(
             texts,
@@ -378,7 +384,7 @@ class Lens:
             order="length",
             max_cells=batch_size * CELLS_PER_INPUT,
             trace=names,
-            targets=targets,
+            rows=rows,
             on_layer=on_layer,
             on_lengths=fits,
         ):
@@ -390,10 +396,10 @@ class Lens:
                         file=sys.stderr,
                     )
             assert batch.trace is not None  # trace=names
-            step = run_methods(batch.trace, names, heads=heads, options=options, targets=targets)
-            where = resolve_targets(targets, batch.trace.lengths)
+            step = run_methods(batch.trace, names, heads=heads, options=options, rows=rows)
+            where = resolve_rows(rows, batch.trace.lengths)
             for k, b in enumerate(batch.index):
-                rows[b] = [] if where is None else where[k].tolist()
+                positions[b] = [] if where is None else where[k].tolist()
             for name, v in step.values.items():
                 parts[name].append((idx, _host(v)))
                 for key, e in step.extras[name].items():
@@ -423,7 +429,7 @@ class Lens:
                 {"heads": heads, **options.get(s.name, {})},
                 words,
                 {k: InputRows(p, s.extras[k], lengths) for k, p in extras[s.name].items()},
-                None if targets is None or targets == "all" else rows,
+                None if rows is None or rows == "all" else positions,
             )
             for s in specs
         }
@@ -441,15 +447,13 @@ class Lens:
             else InputBiasRows(InputRows(scales, ("layer", "target"), lengths), bias_terms),
         )
 
-    def auto_targets(
-        self, texts: Sequence[Text | list[str]], max_length: int | None = None, truncate: bool = True
-    ) -> str:
-        """The target rows `analyze` computes by default for `texts` (`pipeline.auto_targets`: "last" for a causal
+    def auto_rows(self, texts: Sequence[Text | list[str]], max_length: int | None = None, truncate: bool = True) -> str:
+        """The rows `analyze` computes by default for `texts` (`pipeline.auto_rows`: "last" for a causal
         LM with an input over `pipeline.LONG_CAUSAL` tokens, else "all"); only a causal LM's inputs are tokenized."""
         if not self.adapter.family.causal:
             return "all"
         tokenized = Tokenized(self.tokenizer, check_texts(texts), self.limit(max_length), truncate, self.max_length)
-        return auto_targets(tokenized.lengths, causal=True)
+        return auto_rows(tokenized.lengths, causal=True)
 
     def explain(self, texts: str | Sequence[str], methods: Sequence[str] | None = None, **kwargs: Any) -> Any:
         """Deprecated: `mixlens.explain.explain(lens, texts, methods, ...)` (explain is a function on a lens)."""

@@ -4,11 +4,8 @@ which device, and refusing weights that would be random. `mixlens.load` (`lens.l
 
 from __future__ import annotations
 
-import contextvars
 import importlib.util
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -110,30 +107,6 @@ def check_model_type(model_type: str, encoder_decoder: bool = False) -> None:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = "cpu, cuda, cuda:N, auto"
-_FAMILY: contextvars.ContextVar[str | None] = contextvars.ContextVar("mixlens_family", default=None)
-_RUNTIME: contextvars.ContextVar[tuple[str | None, str | None]] = contextvars.ContextVar(
-    "mixlens_runtime", default=(None, None)
-)
-
-
-@contextmanager
-def runtime(dtype: str | None = None, device: str | None = None, family: str | None = None) -> Iterator[None]:
-    """Within the context, `load` calls that name no `dtype` / `device` / `family` use these (the CLI's `--dtype`,
-    `--device` and `--family` reach every model a command loads this way). All are checked here, before any model
-    loads."""
-    if dtype is not None:
-        dtype_name(dtype)
-    if device is not None:
-        device = resolve_device(device)
-    if family is not None:
-        family_named(family)
-    token = _RUNTIME.set((dtype, device))
-    token_family = _FAMILY.set(family)
-    try:
-        yield
-    finally:
-        _FAMILY.reset(token_family)
-        _RUNTIME.reset(token)
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -244,12 +217,10 @@ def pretrained(
     import transformers
     from safetensors import SafetensorError
 
-    default_dtype, default_device = _RUNTIME.get()
-    family = family if family is not None else _FAMILY.get()
     if family is not None:
         family_named(family)  # an unknown name fails before any weights load
-    want_dtype = dtype_name(dtype if dtype is not None else default_dtype or "float32")
-    device = resolve_device(device if device is not None else default_device or "cpu")
+    want_dtype = dtype_name(dtype if dtype is not None else "float32")
+    device = resolve_device(device if device is not None else "cpu")
     src, local = resolve_source(model, gguf_file)
     gguf = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if head is not None and head not in HEADS:

@@ -114,6 +114,6 @@ def out_of_memory(e: BaseException) -> str | None:
         detail = text.split(":", 1)[-1].strip() if "allocate" in text else type(e).__name__
         return (
             f"out of memory ({detail}); use fewer or shorter inputs, fewer methods, or the row mode "
-            "(--targets last) on a long decoder input"
+            "(--rows last) on a long decoder input"
         )
     return None

@@ -17,16 +17,25 @@ from mixlens.memory import check_fits, release, result_bytes
 from mixlens.methods import get as get_method
 from mixlens.methods.engine import BLOCK_NORMS, NORM_RUN, BlockNorms, NormRun, block_norms, stream_layer
 from mixlens.methods.memo import Memo, StreamLayer, memo_of
-from mixlens.methods.registry import Method, check_options, check_target_rows
+from mixlens.methods.registry import Method, check_options, check_row_mode
 from mixlens.trace import FfnCapture, LayerTrace, Trace, run_traced
 
-Targets = str | Sequence[int] | None  # "all" / None (full maps), "last", or positions (negative: from the end)
-LONG_CAUSAL = 512  # tokens above which a causal LM's default target rows (`auto_targets`) are the last token's
+# which rows of a [layer, target, source] map to compute: "all" / None (full maps), "last", or positions
+# (negative: from the end)
+Rows = str | Sequence[int] | None
 
 
-def auto_targets(lengths: Sequence[int], causal: bool) -> str:
-    """The default target rows of an analysis (`Lens.analyze(targets="auto")`, `mixlens analyze` without
-    `--targets`): "last" for a causal LM with an input of over `LONG_CAUSAL` tokens (full maps would hold
+class NotGiven:
+    """The default of a deprecated keyword (`Lens.analyze(targets=)`): tells "not passed" from None, a `Rows`."""
+
+
+NOT_GIVEN = NotGiven()
+LONG_CAUSAL = 512  # tokens above which a causal LM's default rows (`auto_rows`) are the last token's
+
+
+def auto_rows(lengths: Sequence[int], causal: bool) -> str:
+    """The default rows of an analysis (`Lens.analyze(rows="auto")`, `mixlens analyze` without
+    `--rows`): "last" for a causal LM with an input of over `LONG_CAUSAL` tokens (full maps would hold
     layers · n² per input), else "all"."""
     return "last" if causal and max(lengths, default=0) > LONG_CAUSAL else "all"
 
@@ -34,28 +43,28 @@ def auto_targets(lengths: Sequence[int], causal: bool) -> str:
 LayerProgress = Callable[[str, int, int], None]  # (phase, layers done, layers in the phase): long inputs' progress
 
 
-def resolve_targets(targets: Targets, lengths: Sequence[int]) -> torch.Tensor | None:
-    """Target positions [B, K] (int64) per input of `lengths` real tokens, or None for every row. `targets`: None or
+def resolve_rows(rows: Rows, lengths: Sequence[int]) -> torch.Tensor | None:
+    """Row positions [B, K] (int64) per input of `lengths` real tokens, or None for every row. `rows`: None or
     "all", "last" (each input's last token) or positions (negative ones count from each input's end)."""
-    if targets is None or (isinstance(targets, str) and targets == "all"):
+    if rows is None or (isinstance(rows, str) and rows == "all"):
         return None
-    if isinstance(targets, str):
-        if targets != "last":
-            raise MixlensError(f"targets must be 'all', 'last' or a list of positions, got {targets!r}")
+    if isinstance(rows, str):
+        if rows != "last":
+            raise MixlensError(f"rows must be 'all', 'last' or a list of positions, got {rows!r}")
         return torch.tensor([[n - 1] for n in lengths], dtype=torch.long)
-    wanted = list(targets)
+    wanted = list(rows)
     if not wanted or not all(isinstance(t, int) and not isinstance(t, bool) for t in wanted):
-        raise MixlensError(f"targets must be 'all', 'last' or a non-empty list of integer positions, got {targets!r}")
-    rows = []
+        raise MixlensError(f"rows must be 'all', 'last' or a non-empty list of integer positions, got {rows!r}")
+    out = []
     for b, n in enumerate(lengths):
         pos = [t + n if t < 0 else t for t in wanted]
         bad = [t for t, p in zip(wanted, pos, strict=True) if not 0 <= p < n]
         if bad:
-            raise MixlensError(f"target position {bad[0]} is outside input {b + 1} ({n} tokens)")
+            raise MixlensError(f"row position {bad[0]} is outside input {b + 1} ({n} tokens)")
         if len(set(pos)) < len(pos):
-            raise MixlensError(f"targets {wanted} name the same position twice in input {b + 1} ({n} tokens)")
-        rows.append(pos)
-    return torch.tensor(rows, dtype=torch.long)
+            raise MixlensError(f"rows {wanted} name the same position twice in input {b + 1} ({n} tokens)")
+        out.append(pos)
+    return torch.tensor(out, dtype=torch.long)
 
 
 def plan_batches(
@@ -100,34 +109,36 @@ def run_methods(
     *,
     heads: bool = False,
     options: dict[str, dict[str, object]] | None = None,
-    targets: Targets = None,
+    rows: Rows = None,
 ) -> MethodResults:
     """Run registry `methods` (names) on `trace` (options per method name; checked by the registry). The norm
     engine (`block_norms`, with its exactness check) runs only when one of the methods uses it: the norm
     engine's own methods run it first, so its by-products (the head-mean α) are shared.
 
-    `targets` (see `resolve_targets`): compute and return only those target rows, values [batch, layer, (head,)
-    K, source] (row k of input b: position `resolve_targets(targets, trace.lengths)[b, k]`); mixing ratios stay
-    per token. Methods that do not declare `target_rows` are refused."""
+    `rows` (see `resolve_rows`): compute and return only those rows of the target axis, values [batch, layer,
+    (head,) K, source] (row k of input b: position `resolve_rows(rows, trace.lengths)[b, k]`); mixing ratios stay
+    per token. Methods that do not declare `row_mode` are refused."""
     specs = [get_method(m) for m in dict.fromkeys(methods)]
     options = check_options([s.name for s in specs], options)
-    rows = resolve_targets(targets, trace.lengths)
-    if rows is not None:
-        check_target_rows([s.name for s in specs])
-        rows = rows.to(trace.mask.device)
+    positions = resolve_rows(rows, trace.lengths)
+    if positions is not None:
+        check_row_mode([s.name for s in specs])
+        positions = positions.to(trace.mask.device)
     memo = memo_of(trace)
     old = memo.rows
-    same = old is None and rows is None or old is not None and rows is not None and torch.equal(old, rows)
+    same = (
+        old is None and positions is None or old is not None and positions is not None and torch.equal(old, positions)
+    )
     if memo.streamed and (not same or not {s.name for s in specs} <= memo.streamed):
         raise MixlensError(
-            f"this trace was streamed for methods {', '.join(sorted(memo.streamed))} and its target rows only "
-            "(its attention maps are gone): trace the input again for other methods or targets"
+            f"this trace was streamed for methods {', '.join(sorted(memo.streamed))} and its rows only "
+            "(its attention maps are gone): trace the input again for other methods or rows"
         )
     if not same:
         trace.memo = memo = Memo()  # results of other rows
-    if rows is not None:
-        memo.rows = rows
-    k = None if rows is None else int(rows.shape[1])
+    if positions is not None:
+        memo.rows = positions
+    k = None if positions is None else int(positions.shape[1])
     b, n = trace.mask.shape
     check_results(trace.adapter, specs, heads, (b, n), k, trace.mask.device)  # before computing
     if any(s.engine for s in specs) or memo.get(NORM_RUN) is not None:
@@ -153,19 +164,19 @@ def check_results(
     )
     axes = "[layer, head, " if heads else "[layer, "
     what = f"computing {', '.join(s.name for s in specs)} on {batch} × {n} tokens ({axes}{rows or 'n'}, n] results)"
-    hint = "use fewer or shorter inputs" + ("" if rows else ", or target rows (--targets last)")
+    hint = "use fewer or shorter inputs" + ("" if rows else ", or fewer rows (--rows last)")
     check_fits(need, what, hint, device)
 
 
-def streams(methods: Sequence[str], targets: Targets) -> bool:
-    """Whether `methods` with `targets` run in target-row streaming mode (`stream_trace`): target rows, and every
+def streams(methods: Sequence[str], rows: Rows) -> bool:
+    """Whether `methods` with `rows` run in row streaming mode (`stream_trace`): some rows (not all), and every
     method able to compute them."""
-    rows = not (targets is None or isinstance(targets, str) and targets == "all")
-    return rows and all(get_method(m).target_rows for m in methods)
+    some = not (rows is None or isinstance(rows, str) and rows == "all")
+    return some and all(get_method(m).row_mode for m in methods)
 
 
 class LayerStream:
-    """The layer sink of target-row streaming (`run_traced(sink=)`): at each layer, while its tensors are alive,
+    """The layer sink of row streaming (`run_traced(sink=)`): at each layer, while its tensors are alive,
     keeps only what `methods` read afterwards (on `memo`, the streamed trace's Memo):
 
     - `layer_rows["alpha"]`: the target rows of α [B, H, K, n] (attention, per-head norm maps);
@@ -223,20 +234,20 @@ def stream_trace(
     model: torch.nn.Module,
     inputs: dict[str, torch.Tensor],
     methods: Sequence[str],
-    targets: Targets,
+    rows: Rows,
     tokenizer: object | None = None,
     on_layer: LayerProgress | None = None,
 ) -> Trace:
-    """One forward pass in target-row streaming mode for `methods` (all declaring `target_rows`) and `targets` (not
+    """One forward pass in row streaming mode for `methods` (all declaring `row_mode`) and `rows` (not
     all rows): each layer is consumed by a `LayerStream` as soon as it is complete and its α dropped, so the trace
-    never holds the layers' n × n attention maps. `run_methods(trace, methods, targets=targets)` then finishes
-    (rollout row propagation, the per-run check) from what the stream kept; other methods or targets are refused."""
+    never holds the layers' n × n attention maps. `run_methods(trace, methods, rows=rows)` then finishes
+    (rollout row propagation, the per-run check) from what the stream kept; other methods or rows are refused."""
     mask = inputs["attention_mask"].bool()
-    rows = resolve_targets(targets, mask.sum(-1).tolist())
-    if rows is None:
-        raise MixlensError("streaming computes target rows: give targets other than 'all'")
-    check_target_rows(methods)
-    stream = LayerStream(adapter, mask, methods, rows.to(mask.device), on_layer)
+    positions = resolve_rows(rows, mask.sum(-1).tolist())
+    if positions is None:
+        raise MixlensError("streaming computes some rows: give rows other than 'all'")
+    check_row_mode(methods)
+    stream = LayerStream(adapter, mask, methods, positions.to(mask.device), on_layer)
     capture = any(s.stream is not None and s.stream.capture(adapter.family) for s in map(get_method, methods))
     # the sink is the only reader: FFN activations and layer outputs only for a stream that asks (GlobEnc's LN2)
     trace = run_traced(

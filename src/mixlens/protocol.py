@@ -11,7 +11,7 @@ import torch
 
 from mixlens.adapters import Adapter
 from mixlens.batching import Batch, Encoded, Text
-from mixlens.pipeline import LayerProgress, Targets
+from mixlens.pipeline import NOT_GIVEN, LayerProgress, NotGiven, Rows
 from mixlens.result import Analysis
 from mixlens.trace import Edit, FfnCapture, Trace
 
@@ -55,7 +55,7 @@ class LensLike(Protocol):
         max_tokens: int | None = None,
         max_cells: int | None = None,
         trace: bool | Sequence[str] = False,
-        targets: Targets = None,
+        rows: Rows = None,
         output: bool = False,
         on_layer: LayerProgress | None = None,
     ) -> Iterator[Batch]: ...
@@ -64,7 +64,7 @@ class LensLike(Protocol):
         self,
         enc: Encoded,
         trace: bool | Sequence[str] = True,
-        targets: Targets = None,
+        rows: Rows = None,
         output: bool = False,
         on_layer: LayerProgress | None = None,
         logit_at: torch.Tensor | None = None,
@@ -91,6 +91,7 @@ class LensLike(Protocol):
         truncate: bool = True,
         options: dict[str, dict[str, object]] | None = None,
         on_batch: Callable[[int], None] | None = None,
-        targets: Targets = "auto",
+        rows: Rows = "auto",
         on_layer: LayerProgress | None = None,
+        targets: Rows | NotGiven = NOT_GIVEN,
     ) -> Analysis: ...

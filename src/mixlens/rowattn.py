@@ -1,6 +1,6 @@
 """Attention rows from q and K: long inputs without an n × n map per layer.
 
-In row mode (`trace.hooked(..., qk_rows=True)`, used by target-row streaming of causal LMs) the traced attention
+In row mode (`trace.hooked(..., qk_rows=True)`, used by row streaming of causal LMs) the traced attention
 function does not write α [B, H, n, n]. It computes the attention output with a memory-bounded kernel and keeps, per
 layer, the softmax's log-normaliser per row (`lse`, [B, H, n]) next to q and K, so that any rows of α can be formed
 later exactly as the eager softmax forms them:

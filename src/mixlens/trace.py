@@ -874,7 +874,7 @@ def run_traced(
         check_fits(
             attention_bytes(batch, n_tokens, adapter.n_layers, heads, kept),
             f"a trace of {batch} × {n_tokens} tokens ({kept} layer(s) × {heads} heads of [n, n] attention kept)",
-            "use fewer or shorter inputs, or the row mode (--targets last: no [n, n] attention kept)",
+            "use fewer or shorter inputs, or the row mode (--rows last: no [n, n] attention kept)",
             inputs["input_ids"].device,
         )
     on_layer = layer_done if sink is not None or n_tokens >= LONG_TOKENS else None

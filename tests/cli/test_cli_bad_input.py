@@ -139,8 +139,8 @@ SPECIFIC = [
     (["analyze", "hi", "--method", "bogus"], "unknown method 'bogus'"),
     (["analyze", "hi", "--max-length", "0"], "Input should be greater than or equal to 1"),
     (["analyze", "hi", "--max-length", "1"], "max_length 1 is too short"),
-    (["analyze", "hi", "--targets", "99"], "target position 99 is outside input 1"),
-    (["analyze", "hi", "--targets", "x"], "--targets must be last, all or comma-separated integer positions"),
+    (["analyze", "hi", "--rows", "99"], "row position 99 is outside input 1"),
+    (["analyze", "hi", "--rows", "x"], "--rows must be last, all or comma-separated integer positions"),
     (["analyze", "hi", "--option", "norm.bogus=1"], "method 'norm' has no option 'bogus'"),
     (["analyze", "hi", "-o", "{afile}/sub/a.json"], "cannot write"),
     (["analyze", "hi", "-o", "{adir}"], "is a directory"),
@@ -226,16 +226,16 @@ def test_specific_cases_cover_every_command():
 
 
 @pytest.mark.parametrize("method", ["norm", "alti"])
-def test_analyze_table_shows_target_rows(method, fx, capsys):
-    """#32.10: `analyze TEXT --method M --targets 0` printed an IndexError after writing its JSON."""
-    code, out, err = run_cli(["analyze", "the cat sat", "--method", method, "--targets", "0"], capsys)
+def test_analyze_table_shows_rows(method, fx, capsys):
+    """#32.10: `analyze TEXT --method M --rows 0` printed an IndexError after writing its JSON."""
+    code, out, err = run_cli(["analyze", "the cat sat", "--method", method, "--rows", "0"], capsys)
     assert code == 0 and "Traceback" not in err, err
     assert f"{method}: top 3 sources of target row 0" in out and "0: [CLS]" in out
     saved = json.loads((Path(fx["dir"]) / "mixlens-analysis.json").read_text())
-    assert saved["inputs"][0]["methods"][method]["targets"] == [0]
+    assert saved["inputs"][0]["methods"][method]["rows"] == [0]
 
 
-def test_analyze_long_decoder_default_targets(tmp_path, tokenizer, fx, capsys):
+def test_analyze_long_decoder_default_rows(tmp_path, tokenizer, fx, capsys):
     """#32.10: a causal LM over 512 tokens defaults to the last row; the table printed an IndexError after the JSON
     was written."""
     from tests.conftest import random_model
@@ -250,7 +250,7 @@ def test_analyze_long_decoder_default_targets(tmp_path, tokenizer, fx, capsys):
     assert code == 0 and "Traceback" not in err, err
     assert "top 3 sources of target row 601" in out
     saved = json.loads((Path(fx["dir"]) / "mixlens-analysis.json").read_text())
-    assert saved["inputs"][0]["methods"]["norm"]["targets"] == [601]
+    assert saved["inputs"][0]["methods"]["norm"]["rows"] == [601]
 
 
 def test_one_long_decoder_input_shows_a_bar_of_layers(tmp_path, tokenizer, fx, capsys, monkeypatch):
@@ -262,7 +262,7 @@ def test_one_long_decoder_input_shows_a_bar_of_layers(tmp_path, tokenizer, fx, c
     random_model("gpt2", tokenizer).save_pretrained(model)
     tokenizer.save_pretrained(model)
     argv = ["analyze", "the cat sat on the mat", "--model", str(model), "--method", "globenc_rollout"]
-    argv += ["--targets", "last", "-f", "json", "-o", fx["out"] + ".json"]
+    argv += ["--rows", "last", "-f", "json", "-o", fx["out"] + ".json"]
     code, _, err = run_cli(argv, capsys)
     assert code == 0 and "layers" not in err, err
     import rich.progress
@@ -281,15 +281,15 @@ def test_one_long_decoder_input_shows_a_bar_of_layers(tmp_path, tokenizer, fx, c
     assert seen.count("forward pass") == 2 and seen.count("propagating the target rows") == 2  # 2 layers each
 
 
-def test_analyze_targets_json_round_trips(fx, capsys):
-    """#32 D: the JSON of `analyze --targets` is read back by `Analysis.load` and `report --from`."""
+def test_analyze_rows_json_round_trips(fx, capsys):
+    """#32 D: the JSON of `analyze --rows` is read back by `Analysis.load` and `report --from`."""
     from mixlens.result import Analysis
 
     dest = Path(fx["dir"]) / "a.json"
-    argv = ["analyze", "the cat sat", "a dog barked", "--method", "norm", "--method", "alti", "--targets", "0,-1"]
+    argv = ["analyze", "the cat sat", "a dog barked", "--method", "norm", "--method", "alti", "--rows", "0,-1"]
     assert run_cli([*argv, "-f", "json", "-o", str(dest)], capsys)[0] == 0
     res = Analysis.load(dest)
-    assert res["norm"].targets == [[0, 4], [0, 4]] and res["alti"].input(1).shape[-2:] == (2, 5)
+    assert res["norm"].rows == [[0, 4], [0, 4]] and res["alti"].input(1).shape[-2:] == (2, 5)
     assert json.dumps(res.to_json()) == dest.read_text()  # exactly what was written
     code, _, err = run_cli(["report", "--from", str(dest), "-o", fx["out"] + ".html"], capsys)
     assert code == 0, err
@@ -320,6 +320,18 @@ CRAFTED = {
             methods={"norm": {"dims": ["layer", "target", "source"], "values": [[[0.25] * 4]] * 2, "targets": [9]}}
         ),
         "'targets' must list distinct integer token positions",
+    ),
+    "float-rows": (
+        _analysis_json(
+            methods={"norm": {"dims": ["layer", "target", "source"], "values": [[[0.25] * 4]] * 2, "rows": [0.0]}}
+        ),
+        "'rows' must list distinct integer token positions",
+    ),
+    "row-outside": (  # files of earlier versions ('targets') and of this one ('rows') are checked the same way
+        _analysis_json(
+            methods={"norm": {"dims": ["layer", "target", "source"], "values": [[[0.25] * 4]] * 2, "rows": [9]}}
+        ),
+        "'rows' must list distinct integer token positions",
     ),
     "ratio-layers": (_analysis_json(mixing_ratio={"W": [0.5, 0.6, 0.7]}), "different layer counts"),
     "string-values": (

@@ -27,7 +27,7 @@ def test_answer_json_holds_the_matrices(capsys, tmp_path):
     assert inp["target"]["kind"] == "answer" and answer["tokens"] == [" Paris", ",", " of", " course"]
     m = inp["methods"]["logit_attn"]
     assert m["dims"] == ["target", "source"] and np.shape(m["values"]) == (4, len(inp["tokens"]))
-    assert m["targets"] == list(range(answer["start"], answer["start"] + 4))
+    assert m["rows"] == list(range(answer["start"], answer["start"] + 4))
     np.testing.assert_allclose(inp["scores"]["logit_attn"], np.sum(m["values"], 0), rtol=1e-5, atol=1e-6)
     back = Explanation.load(dest)
     np.testing.assert_allclose(back["logit_attn"].input(0), m["values"], rtol=1e-6)

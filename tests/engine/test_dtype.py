@@ -145,15 +145,53 @@ def test_bfloat16_long_inputs_in_row_mode_pass_the_check_and_a_broken_piece_does
     output was computed from: 6–8 % of the attention output here)."""
     lens = _sharp_bfloat16_lm(tokenizer, monkeypatch)
     text = " ".join(["the cat sat on a mat"] * (n // 6))
-    res = lens.analyze([text], ["norm"], max_length=n, targets="last")
+    res = lens.analyze([text], ["norm"], max_length=n, rows="last")
     assert res.error_share is not None and 0 < float(res.error_share.max()) <= 0.5
     lay = lens.adapter.layers[1]
     w_o = lay.raw_w_o
     lay.raw_w_o = w_o * 1.5
     with pytest.raises(ReconstructionError, match="layer 1"):
-        lens.analyze([text], ["norm"], max_length=n, targets="last")
+        lens.analyze([text], ["norm"], max_length=n, rows="last")
     lay.raw_w_o = w_o
     scores = rowattn.QKRows._scores
     monkeypatch.setattr(rowattn.QKRows, "_scores", lambda *a, **k: scores(*a, **k).bfloat16().float())
     with pytest.raises(ReconstructionError):
-        lens.analyze([text], ["norm"], max_length=n, targets="last")
+        lens.analyze([text], ["norm"], max_length=n, rows="last")
+
+
+def test_the_cli_loads_with_the_same_dtype_device_and_family_as_the_api(tokenizer, tmp_path, monkeypatch, capsys):
+    """`--dtype` / `--device` / `--family` reach `mixlens.load` as its explicit arguments (no ambient context): the
+    command's model is the one `mixlens.load(DIR, dtype=, device=, family=)` gives, with the same results."""
+    import json
+
+    import mixlens.lens as lens_module
+    from mixlens.loading import DTYPES, resolve_device
+    from tests.conftest import run_cli
+
+    model = random_model("gpt2", tokenizer, head="AutoModelForCausalLM")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    calls: list[tuple[dict, mixlens.Lens]] = []
+    real_load = lens_module.load
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs, real_load(*args, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(lens_module, "load", spy)
+    text = "the cat sat on the mat"
+    argv = ["analyze", text, "--model", str(tmp_path), "--method", "norm", "-f", "json"]
+    for given, want in (
+        (["--dtype", "bfloat16", "--device", "cpu"], ("bfloat16", "cpu", None)),
+        (["--family", "gpt2", "--device", "auto"], (None, resolve_device("auto"), "gpt2")),  # resolved before loading
+        ([], (None, None, None)),
+    ):
+        code, out, err = run_cli([*argv, *given], capsys)
+        assert code == 0, err
+        kwargs, cli = calls[-1]
+        assert (kwargs["dtype"], kwargs["device"], kwargs["family"]) == want
+        api = real_load(str(tmp_path), dtype=want[0], device=want[1], family=want[2])
+        assert (cli.dtype, cli.device, cli.adapter.family) == (api.dtype, api.device, api.adapter.family)
+        assert cli.dtype == DTYPES[want[0] or "float32"] and cli.device == torch.device(want[1] or "cpu")
+        got = json.loads(out)["inputs"][0]["methods"]["norm"]["values"]
+        assert got == api.analyze([text], ["norm"]).to_json()["inputs"][0]["methods"]["norm"]["values"]

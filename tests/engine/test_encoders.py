@@ -13,8 +13,8 @@ import mixlens
 from mixlens.adapters import resolve
 from mixlens.methods.attnlrp import lrp_rules
 from tests.conftest import SENTENCES, assert_trace_is_the_models_own, random_lens, random_model
+from tests.engine.test_rows import test_rows_equal_the_rows_of_the_full_maps as rows_case
 from tests.engine.test_stream import test_streamed_rows_equal_the_rows_of_full_mode as streamed_rows_case
-from tests.engine.test_targets import test_target_rows_equal_the_rows_of_the_full_maps as target_rows_case
 from tests.methods.test_decompx import check_exact
 
 LONG = "The old man who lived by the river walked slowly to the market every morning to buy fresh bread."
@@ -43,9 +43,9 @@ def test_modernbert_local_layers_see_their_window_and_padding_changes_nothing(to
 
 @pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("family", ["modernbert", "deberta-v2"])
-def test_target_rows_and_streaming_equal_the_full_maps(family, compiled, tokenizer, monkeypatch):
-    """Target-row mode and its streaming on the first pre-LN encoder (and DeBERTa's own attention route)."""
-    target_rows_case(family, compiled, tokenizer, monkeypatch)
+def test_rows_and_streaming_equal_the_full_maps(family, compiled, tokenizer, monkeypatch):
+    """Row mode and its streaming on the first pre-LN encoder (and DeBERTa's own attention route)."""
+    rows_case(family, compiled, tokenizer, monkeypatch)
     streamed_rows_case(family, compiled, tokenizer, monkeypatch)
 
 

@@ -54,9 +54,9 @@ def test_attention_on_a_decoder_traces_in_row_mode(family, tokenizer):
         full = lens.trace(enc)
     assert all(lt.qk is not None and lt.alpha.numel() == 0 for lt in rows.layers)
     for heads in (False, True):
-        for targets in ("last", None):
-            got = run_methods(rows, ["attention"], heads=heads, targets=targets).values["attention"]
-            want = run_methods(full, ["attention"], heads=heads, targets=targets).values["attention"]
+        for spec in ("last", None):
+            got = run_methods(rows, ["attention"], heads=heads, rows=spec).values["attention"]
+            want = run_methods(full, ["attention"], heads=heads, rows=spec).values["attention"]
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -97,17 +97,17 @@ def test_results_too_large_are_refused_before_the_work(tokenizer, monkeypatch, c
     monkeypatch.setattr(pipeline, "check_fits", memory.check_fits)
     calls: list[int] = []
     lens.model.register_forward_pre_hook(lambda m, a: calls.append(1))
-    lens.analyze(text, ["attention"], targets="all")
+    lens.analyze(text, ["attention"], rows="all")
     with pytest.raises(
         MixlensError, match=r"computing attention on 1 × \d+ tokens \(\[layer, head, n, n\] results\) needs about"
     ) as e:
-        lens.analyze(text, ["attention"], heads=True, targets="all")
-    assert "\n" not in str(e.value) and "--targets last" in str(e.value)
+        lens.analyze(text, ["attention"], heads=True, rows="all")
+    assert "\n" not in str(e.value) and "--rows last" in str(e.value)
     ran = len(calls)
     with pytest.raises(MixlensError):
-        lens.analyze(text, ["attention"], heads=True, targets="all")
+        lens.analyze(text, ["attention"], heads=True, rows="all")
     assert len(calls) == ran  # refused before the model ran
-    lens.analyze(text, ["attention"], heads=True, targets="last")
+    lens.analyze(text, ["attention"], heads=True, rows="last")
 
 
 def test_explain_and_evaluate_compute_only_the_explained_row(tokenizer, monkeypatch):

@@ -1,4 +1,4 @@
-"""Target-row streaming (`pipeline.stream_trace`): each layer is consumed inside the forward pass and its α dropped;
+"""Row streaming (`pipeline.stream_trace`): each layer is consumed inside the forward pass and its α dropped;
 the results equal the rows of full mode, and the trace holds layers · n · K (plus n² per layer for a rollout)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import mixlens
 import mixlens.methods.norms as norms
 from mixlens.errors import MixlensError, ReconstructionError
-from mixlens.methods.registry import refused_by, with_target_rows
-from mixlens.pipeline import LayerStream, resolve_targets, run_methods, stream_trace
+from mixlens.methods.registry import refused_by, with_row_mode
+from mixlens.pipeline import LayerStream, resolve_rows, run_methods, stream_trace
 from mixlens.rowattn import LazyMask, QKRows
 from mixlens.trace import LayerTrace
 from tests.conftest import SENTENCES, random_lens
@@ -37,15 +37,15 @@ def _stream(lens, enc, methods, spec):
 def test_streamed_rows_equal_the_rows_of_full_mode(family, compiled, tokenizer, monkeypatch):
     monkeypatch.setattr(norms, "COMPILED", compiled)
     lens = random_lens(family, tokenizer)
-    methods = [m for m in with_target_rows() if m not in refused_by(lens.adapter.family)]
+    methods = [m for m in with_row_mode() if m not in refused_by(lens.adapter.family)]
     enc = lens.encode(SENTENCES)  # three lengths: a padded batch
     full = run_methods(lens.trace(enc, ffn=True), methods)
     heads_full = run_methods(lens.trace(enc), ["attention", "norm"], heads=True).values
     for spec in ("last", [0, -1, 2]):
         tr = _stream(lens, enc, methods, spec)
         assert all(lt.alpha.numel() == 0 for lt in tr.layers)  # every layer's α was consumed and dropped
-        rows = resolve_targets(spec, tr.lengths)
-        got = run_methods(tr, methods, targets=spec)
+        rows = resolve_rows(spec, tr.lengths)
+        got = run_methods(tr, methods, rows=spec)
         for m in methods:
             want = _rows(full.values[m], rows)
             assert got.values[m].shape == want.shape, m
@@ -57,7 +57,7 @@ def test_streamed_rows_equal_the_rows_of_full_mode(family, compiled, tokenizer, 
         torch.testing.assert_close(got.norms.f_norm, full.norms.f_norm)
         assert float(got.norms.error.max()) <= norms.TOLERANCE * 100
         tr = _stream(lens, enc, ["attention", "norm"], spec)
-        for m, v in run_methods(tr, ["attention", "norm"], heads=True, targets=spec).values.items():
+        for m, v in run_methods(tr, ["attention", "norm"], heads=True, rows=spec).values.items():
             torch.testing.assert_close(v, _rows(heads_full[m], rows), rtol=1e-5, atol=1e-6, msg=m)
 
 
@@ -122,7 +122,7 @@ def test_the_trace_holds_target_rows_and_one_n_squared_matrix_per_rollout(family
                 assert held_bytes == want, (methods, held_bytes, want)
             else:
                 assert held_bytes == mats * layers * n * n * 4
-            run_methods(tr, methods, targets="last")
+            run_methods(tr, methods, rows="last")
 
 
 def test_the_per_run_check_runs_on_a_streamed_trace(tokenizer, monkeypatch):
@@ -132,24 +132,24 @@ def test_the_per_run_check_runs_on_a_streamed_trace(tokenizer, monkeypatch):
     for methods in (["norm"], ["globenc_rollout"]):  # GlobEnc of a pre-LN model is N-Res: the norm engine runs
         tr = _stream(lens, enc, methods, "last")
         with pytest.raises(ReconstructionError, match="layer 0"):
-            run_methods(tr, methods, targets="last")
+            run_methods(tr, methods, rows="last")
 
 
-def test_a_streamed_trace_refuses_other_methods_and_targets(tokenizer):
+def test_a_streamed_trace_refuses_other_methods_and_rows(tokenizer):
     lens = random_lens("gpt2", tokenizer)
     enc = lens.encode(SENTENCES[:1])
     tr = _stream(lens, enc, ["norm"], "last")
     for methods, spec in ((["alti"], "last"), (["norm"], [0]), (["norm"], None)):
         with pytest.raises(MixlensError, match="streamed for methods norm"):
-            run_methods(tr, methods, targets=spec)
-    with pytest.raises(MixlensError, match="'value_zeroing' cannot compute target rows"):
+            run_methods(tr, methods, rows=spec)
+    with pytest.raises(MixlensError, match="'value_zeroing' cannot compute some rows"):
         _stream(lens, enc, ["value_zeroing"], "last")
-    with pytest.raises(MixlensError, match="targets other than 'all'"):
+    with pytest.raises(MixlensError, match="rows other than 'all'"):
         _stream(lens, enc, ["norm"], "all")
 
 
-def test_analyze_streams_target_rows(tokenizer, monkeypatch):
-    """`lens.analyze(targets=...)` takes the streaming path, and its rows equal full mode's."""
+def test_analyze_streams_rows(tokenizer, monkeypatch):
+    """`lens.analyze(rows=...)` takes the streaming path, and its rows equal full mode's."""
     lens = random_lens("llama", tokenizer)
     calls: list[int] = []
     call = LayerStream.__call__
@@ -157,7 +157,7 @@ def test_analyze_streams_target_rows(tokenizer, monkeypatch):
     methods = ["norm_resln", "globenc_rollout", "alti_rollout"]
     full = lens.analyze(SENTENCES, methods)
     assert not calls
-    got = lens.analyze(SENTENCES, methods, targets="last")
+    got = lens.analyze(SENTENCES, methods, rows="last")
     assert calls
     for m in methods:
         for b, toks in enumerate(got.tokens):
@@ -169,15 +169,15 @@ def test_analyze_streams_target_rows(tokenizer, monkeypatch):
 def test_streamed_rows_on_real_checkpoints(name):
     """Real checkpoints (skipped when not fetched): streamed rows equal full mode's, the per-run check passes."""
     lens = mixlens.load(model_dir(name), head="base")
-    methods = [m for m in with_target_rows() if m not in refused_by(lens.adapter.family)]
+    methods = [m for m in with_row_mode() if m not in refused_by(lens.adapter.family)]
     enc = lens.encode(SENTENCES)
     # unnormalised, 30 layers of N-Res overflow float32
     opts = {"globenc_rollout": {"normalize": True}} if "globenc_rollout" in methods else {}
     full = run_methods(lens.trace(enc, ffn=True), methods, options=opts).values
     tr = _stream(lens, enc, methods, [1, -1])
-    got = run_methods(tr, methods, options=opts, targets=[1, -1])
+    got = run_methods(tr, methods, options=opts, rows=[1, -1])
     assert got.norms is not None
-    rows = resolve_targets([1, -1], tr.lengths)
+    rows = resolve_rows([1, -1], tr.lengths)
     for m in methods:
         want = _rows(full[m], rows)
         torch.testing.assert_close(got.values[m], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=m)
@@ -187,7 +187,7 @@ def test_long_inputs_report_progress_per_layer(tokenizer):
     """`on_layer` sees every layer of the forward pass, then every layer of each rollout's row propagation."""
     lens = random_lens("llama", tokenizer)
     seen: list[tuple[str, int, int]] = []
-    lens.analyze(["a b c d e f"], ["norm", "globenc_rollout"], targets="last", on_layer=lambda *a: seen.append(a))
+    lens.analyze(["a b c d e f"], ["norm", "globenc_rollout"], rows="last", on_layer=lambda *a: seen.append(a))
     layers = lens.adapter.n_layers
     forward = [("forward pass", k, layers) for k in range(1, layers + 1)]
     assert seen == forward + [("propagating the target rows", k, layers) for k in range(1, layers + 1)]

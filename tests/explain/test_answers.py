@@ -52,7 +52,7 @@ def test_answer_is_one_matrix_per_method(causal, answered):
     assert answer["start"] == len(head) and answer["tokens"] == ["are", "on", "the", "table"]
     assert len(answered.tokens[0]) == n
     for name, a in answered.attributions.items():
-        assert a.dims == ("target", "source") and a.targets == [list(range(len(head), n))]
+        assert a.dims == ("target", "source") and a.rows == [list(range(len(head), n))]
         mat = a.input(0)
         assert mat.shape == (m, n), name
         for r in range(m):  # causal: row r reads only prompt + answer[:r]
@@ -133,7 +133,7 @@ def test_answer_round_trips_through_json(answered, tmp_path):
     assert back.explained == answered.explained
     for name, a in answered.attributions.items():
         np.testing.assert_allclose(back[name].input(0), a.input(0), rtol=1e-6)
-        assert back[name].targets == a.targets
+        assert back[name].rows == a.rows
     np.testing.assert_allclose(
         back["logit_attn"].extra_store["remainder"].row(0),
         answered["logit_attn"].extra_store["remainder"].row(0),

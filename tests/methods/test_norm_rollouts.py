@@ -57,7 +57,7 @@ def test_norm_res_rollout_differs_from_norm_rollout(bundled):
 def test_target_row_mode_is_refused(bundled):
     tr = bundled.trace(bundled.encode(SENTENCES[:1]))
     with pytest.raises(MixlensError, match="norm_rollout"):
-        run_methods(tr, ["norm_rollout"], targets=[1])
+        run_methods(tr, ["norm_rollout"], rows=[1])
 
 
 def test_explain_reads_the_cls_row_of_the_last_layer(tokenizer):

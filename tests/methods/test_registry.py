@@ -197,13 +197,13 @@ def test_engine_doc_example_adds_a_method(tokenizer, capsys, tmp_path):
             np.testing.assert_allclose(row_sum, want[b].pow(2).sum(-1).numpy(), rtol=1e-5)
         # target rows: streamed (the sink's rows; α gone), and on an ordinary trace (no sink)
         assert streams(["attention_peak"], "last")
-        (batch,) = lens.batches(texts, 3, trace=["attention_peak"], targets="last")
+        (batch,) = lens.batches(texts, 3, trace=["attention_peak"], rows="last")
         assert batch.trace is not None and batch.trace.layers[0].alpha.numel() == 0
         assert len(memo_of(batch.trace).layer_rows["attention_peak"]) == lens.adapter.n_layers
-        streamed = lens.analyze(texts, ["attention_peak"], targets="last")
-        plain = run_methods(lens.trace(enc), ["attention_peak"], targets="last").values["attention_peak"]
+        streamed = lens.analyze(texts, ["attention_peak"], rows="last")
+        plain = run_methods(lens.trace(enc), ["attention_peak"], rows="last").values["attention_peak"]
         for b, n in enumerate(lengths):
-            assert streamed["attention_peak"].targets[b] == [n - 1]
+            assert streamed["attention_peak"].rows[b] == [n - 1]
             np.testing.assert_allclose(streamed["attention_peak"].input(b)[:, 0], want[b][:, n - 1], atol=1e-6)
             np.testing.assert_allclose(plain[b, :, 0, :n], want[b][:, n - 1], atol=1e-6)
         # explain: the last layer's row at the explained position (a causal LM's last token)
@@ -214,15 +214,15 @@ def test_engine_doc_example_adds_a_method(tokenizer, capsys, tmp_path):
         assert '"attention_peak"' in render_report(res)
         print_results(res, ["attention_peak"])
         assert "attention_peak: top 3 sources" in capsys.readouterr().out
-        # the command line: the method, its options and --targets, with no command knowing it
+        # the command line: the method, its options and --rows, with no command knowing it
         code, out, _ = run_cli(
-            ["analyze", "the cat sat", "--model", str(tmp_path), "--method", "attention_peak", "--targets", "last"]
+            ["analyze", "the cat sat", "--model", str(tmp_path), "--method", "attention_peak", "--rows", "last"]
             + ["--option", "attention_peak.power=3", "-f", "json"],
             capsys,
         )
         assert code == 0, out
         methods = json.loads(out)["inputs"][0]["methods"]
-        assert methods["attention_peak"]["targets"] == [len(tokenizer("the cat sat")["input_ids"]) - 1]
+        assert methods["attention_peak"]["rows"] == [len(tokenizer("the cat sat")["input_ids"]) - 1]
         with pytest.raises(MixlensError, match=r"attention_peak\.power must be a number ≥ 1, got 0"):
             parse_option("attention_peak", "power", "0")
     finally:

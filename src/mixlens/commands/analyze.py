@@ -10,6 +10,8 @@ from pathlib import Path
 import typer
 
 from mixlens.commands.options import (
+    NO_RUNTIME,
+    Runtime,
     allow_random_head_option,
     check_methods,
     deprecated_head_option,
@@ -73,15 +75,16 @@ def analyze(
     model_head: str | None = model_head_option(),
     head: str | None = deprecated_head_option(),
     allow_random_head: bool = allow_random_head_option(),
-    targets: str | None = typer.Option(
+    rows_given: str | None = typer.Option(
         None,
-        "--targets",
-        help="Target rows to compute: last, all, or positions i,j,... (negative: from the end). Default: last for "
-        "causal LMs over 512 tokens, else all.",
+        "--rows",
+        help="Rows of the [target, source] maps to compute: last, all, or positions i,j,... (negative: from the "
+        "end). Default: last for causal LMs over 512 tokens, else all.",
     ),
+    targets: str | None = typer.Option(None, "--targets", hidden=True, help="Deprecated name of --rows."),
+    runtime: Runtime = NO_RUNTIME,
 ) -> None:
     """Decompose TEXT with each method and print what it found (mixing ratios, top sources, token scores)."""
-    from mixlens.lens import load
     from mixlens.result import atomic_write
     from mixlens.viz.terminal import describe, print_results
 
@@ -91,15 +94,19 @@ def analyze(
     dest = out or Path("mixlens-report.html" if fmt is Format.html else "mixlens-analysis.json")
     if fmt is not Format.json or out is not None:  # an unwritable --out is found before the work
         check_writable(dest)
-    rows = parse_targets(targets)
+    if targets is not None:
+        if rows_given is not None:
+            raise MixlensError("give --rows only (--targets is its deprecated name)")
+        typer.echo("warning: --targets is deprecated, use --rows", err=True)
+    rows = parse_rows(rows_given if targets is None else targets)
     if fmt is Format.html and rows not in (None, "all"):
-        raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
+        raise MixlensError("the HTML report shows full maps: use --rows all (or --format json for some rows)")
     precheck_model(model, model_head, methods, text, max_length, gguf_file)
-    lens = load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
-    if rows is None:  # the library's default (`Lens.auto_targets`), so the Python API and the CLI agree
-        rows = lens.auto_targets(text, max_length=max_length, truncate=not no_truncate)
+    lens = runtime.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+    if rows is None:  # the library's default (`Lens.auto_rows`), so the Python API and the CLI agree
+        rows = lens.auto_rows(text, max_length=max_length, truncate=not no_truncate)
         if fmt is Format.html and rows != "all":
-            raise MixlensError("the HTML report shows full maps: use --targets all (or --format json for target rows)")
+            raise MixlensError("the HTML report shows full maps: use --rows all (or --format json for some rows)")
     long_one = len(text) == 1 and rows != "all" and lens.adapter.family.causal  # one long input: a bar of layers
     per_input = nullcontext(lambda n: None) if long_one else method_progress(methods, len(text))
     with per_input as step, layer_progress(long_one) as on_layer:
@@ -111,7 +118,7 @@ def analyze(
             truncate=not no_truncate,
             options=opts,
             on_batch=step,
-            targets=rows,
+            rows=rows,
             on_layer=on_layer,
         )
     if fmt is Format.html:
@@ -131,8 +138,8 @@ def analyze(
     typer.echo(f"wrote {written} for {len(text)} input(s) to {dest}", err=True)
 
 
-def parse_targets(given: str | None) -> str | list[int] | None:
-    """--targets: None (decide from the model and input), 'last', 'all' or a list of integer positions."""
+def parse_rows(given: str | None) -> str | list[int] | None:
+    """--rows: None (decide from the model and input), 'last', 'all' or a list of integer positions."""
     from mixlens.errors import MixlensError
 
     if given is None or given.strip() in ("last", "all"):
@@ -140,7 +147,7 @@ def parse_targets(given: str | None) -> str | list[int] | None:
     try:
         return [int(p) for p in given.split(",")]
     except ValueError:
-        raise MixlensError(f"--targets must be last, all or comma-separated integer positions, got {given!r}") from None
+        raise MixlensError(f"--rows must be last, all or comma-separated integer positions, got {given!r}") from None
 
 
 def list_methods() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from mixlens.commands.options import INVOCATION
+from mixlens.commands.options import INVOCATION, Runtime
 from mixlens.errors import MixlensError
 
 
@@ -24,13 +24,13 @@ def evaluate_context_cmd(
     seed: int,
     dest: Path,
     fmt: str,
+    runtime: Runtime,
 ) -> None:
     """The context task's run into `dest` (held by the lock; an interrupted run there resumes), its
     evaluation.json and its table (or the JSON on stdout)."""
     from mixlens.commands.output import progress, write_stdout
     from mixlens.explain import checkpoint
     from mixlens.explain import context as C
-    from mixlens.lens import load
 
     prompts = C.read_prompts(data, skip, limit)  # a bad file fails before the model loads
     run = {"data": checkpoint.data_stamp(data), "skip": skip}
@@ -47,7 +47,7 @@ def evaluate_context_cmd(
                     f"{dest / checkpoint.FILE} holds a finished evaluation of other data; use another --out or "
                     "delete it"
                 )
-        lens = load(model, gguf_file=gguf_file, head=head)
+        lens = runtime.load(model, gguf_file=gguf_file, head=head)
         try:
             with progress(len(prompts), "evaluate", done=float(len(resume.examples) if resume else 0)) as step:
                 ev = C.evaluate_context(

@@ -14,6 +14,8 @@ import typer
 
 from mixlens.commands.options import (
     INVOCATION,
+    NO_RUNTIME,
+    Runtime,
     deprecated_head_option,
     gguf_file_option,
     model_head_option,
@@ -86,13 +88,13 @@ def register(app: typer.Typer) -> None:
             None, "--marker", help="Each occurrence of this string starts a segment (repeatable)."
         ),
         separator: str | None = typer.Option(None, "--separator", help="Segments: the passages between these."),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Explain a prediction: each token's score for the target, per method; with segments (--chat, --span,
         --marker, --separator) also each segment's score (the sum of its tokens' scores): ranked in the table, in the
         JSON and the HTML page, and drawn with the answer × segments heatmap by --format png."""
         from mixlens.commands.output import check_writable, progress
         from mixlens.explain import explain
-        from mixlens.lens import load
         from mixlens.result import atomic_write
 
         if fmt not in FORMATS:
@@ -109,7 +111,7 @@ def register(app: typer.Typer) -> None:
         if out is not None or fmt in DEFAULT_OUT:
             check_writable(out or DEFAULT_OUT[fmt])  # before any work
         messages = segment_request(text, chat, span, marker, separator, generate)
-        lens = load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
+        lens = runtime.load(model, gguf_file=gguf_file, head=pick_model_head(model_head, head))
         if messages is not None:
             from mixlens.explain.segments import chat as chat_segments
 
@@ -202,6 +204,7 @@ def register(app: typer.Typer) -> None:
         ),
         batch_size: int = typer.Option(8, "--batch-size", min=1),
         seed: int = typer.Option(0, "--seed", help="Seed of the random baseline, samplers and bootstrap."),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Measure how faithful each explanation method is (comprehensiveness, sufficiency, AOPC, agreement).
         Ctrl-C keeps the finished examples in DIR/evaluation.json (saved there every minute too, so a killed run
@@ -224,7 +227,7 @@ def register(app: typer.Typer) -> None:
             dest = out or Path("mixlens-evaluation")
             check_writable(dest, directory=True)
             evaluate_context_cmd(
-                data, model, gguf_file, pick_model_head(model_head, head), method, skip, limit, seed, dest, fmt
+                data, model, gguf_file, pick_model_head(model_head, head), method, skip, limit, seed, dest, fmt, runtime
             )
             return
         if task not in evidence.TASKS:
@@ -244,7 +247,7 @@ def register(app: typer.Typer) -> None:
                 checkpoint.check_replace(saved, dest / checkpoint.FILE, run)
             model_head = pick_model_head(model_head, head)
             args = (model, gguf_file, model_head, text_column, method, skip, limit, removal, batch_size, seed)
-            _evaluate_data(data, task, *args, dest, fmt, saved, run)
+            _evaluate_data(data, task, *args, dest, fmt, saved, run, runtime)
 
 
 def _evaluate_data(
@@ -264,16 +267,16 @@ def _evaluate_data(
     fmt: str,
     saved: dict | None,
     run: dict[str, object],
+    runtime: Runtime,
 ) -> None:
     """`evaluate`'s work once its folder is held: the data read, the model loaded, the run and its files."""
     from mixlens.corpus.readers import iter_examples
     from mixlens.explain import evidence
-    from mixlens.lens import load
 
     skipped: list[str] = []
     if task != "faithfulness":
         rows = evidence.check_rows(data, skip, limit)  # a bad file fails before the model loads (read, not kept)
-        lens = load(model, gguf_file=gguf_file, head=head)
+        lens = runtime.load(model, gguf_file=gguf_file, head=head)
         left_out: dict[str, dict[str, int]] = {}  # filled as the rows stream through the tokenizer, in chunks
         pairs = evidence.stream(lens.tokenizer, evidence.iter_rows(data, skip, limit), lens.max_length, left_out)
         first = next(pairs, None)
@@ -310,7 +313,7 @@ def _evaluate_data(
         raise MixlensError("evaluate takes single texts, not sentence pairs")
     if not texts:
         raise MixlensError(f"no examples to evaluate in '{data}'" + (f" after skipping {skip}" if skip else ""))
-    lens = load(model, gguf_file=gguf_file, head=head)
+    lens = runtime.load(model, gguf_file=gguf_file, head=head)
     _evaluate_and_write(lens, texts, method, removal, batch_size, seed, dest, skipped, fmt, saved, run)
 
 

@@ -8,6 +8,8 @@ import typer
 
 from mixlens import catalog
 from mixlens.commands.options import (
+    NO_RUNTIME,
+    Runtime,
     allow_random_head_option,
     batch_size_option,
     deprecated_head_option,
@@ -49,9 +51,9 @@ def register(app: typer.Typer) -> None:
             Path("local-global.json"), "--out", "-o", help="JSON with all per-head numbers.", callback=writable_file
         ),
         figure: Path | None = typer.Option(None, "--figure", help="Also write a PNG/SVG figure here."),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Compare what each head attends to (attention) with which inputs its output depends on (gradients)."""
-        from mixlens.lens import load
         from mixlens.methods.gradients import MODES
         from mixlens.result import atomic_write
         from mixlens.stats.agreement import compare_local_global
@@ -66,7 +68,7 @@ def register(app: typer.Typer) -> None:
             if path is not None and path.is_dir():
                 raise MixlensError(f"cannot write '{path}': it is a directory; give a file name")
         texts = [ex.text for ex in read_examples(str(data), text_column, pair_column, limit or None)]
-        lens = load(model, gguf_file=gguf_file)
+        lens = runtime.load(model, gguf_file=gguf_file)
         with progress(len(texts), f"compare-local-global ({mode})") as step:
             res = compare_local_global(
                 lens,
@@ -109,13 +111,13 @@ def register(app: typer.Typer) -> None:
         reduction: str = typer.Option("l2", "--reduction", help="l2, l1 or sum over hidden dims."),
         steps: int = typer.Option(50, "--steps", help="Integrated-gradients steps."),
         baseline: str = typer.Option("zero", "--baseline", help="Integrated-gradients baseline: zero or pad."),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Per-token attribution of one output scalar (class logit or token logit) to the word embeddings."""
-        from mixlens.lens import load
         from mixlens.methods.saliency import output_attribution
 
         tgt: int | str = int(target) if target.lstrip("-").isdigit() else target
-        lens = load(
+        lens = runtime.load(
             model, gguf_file=gguf_file, head=pick_model_head(model_head, head), allow_random_head=allow_random_head
         )
         enc = lens.encode(text)

@@ -8,7 +8,9 @@ from pathlib import Path
 import typer
 
 from mixlens.commands.options import (
+    NO_RUNTIME,
     Dataset,
+    Runtime,
     check_view,
     dataset_command,
     figures_option,
@@ -37,6 +39,7 @@ def heads(
     cluster_limit: int = typer.Option(200, "--cluster-limit", min=1, help="Inputs used for JS distances."),
     figures: bool = figures_option("Also write PNG figures (heatmaps, MDS maps) to --out."),
     no_figures: bool = typer.Option(False, "--no-figures", hidden=True, help="Deprecated: figures are now opt-in."),
+    runtime: Runtime = NO_RUNTIME,
 ) -> None:
     """Per-head token-type masses, Kovaleva column maxima and entropy on attention and norm views."""
     from mixlens.stats.clustering import BEHAVIOURS, classical_mds, dominant_behaviour, js_distance
@@ -46,7 +49,7 @@ def heads(
 
     views = [check_view(v) for v in view] if view else list(VIEWS)
     texts = ds.texts()
-    lens = ds.load()
+    lens = ds.load(runtime)
     with progress(len(texts), "heads") as step:
         rep = head_statistics(
             lens,
@@ -100,17 +103,17 @@ def head_diff(
     fmt: TableFormat = table_format_option(),
     out: Path = out_dir_option("mixlens-head-diff", "Directory for table and heatmap."),
     figures: bool = figures_option("Also write the heatmap head_diff.png to --out."),
+    runtime: Runtime = NO_RUNTIME,
 ) -> None:
     """Per (layer, head) cosine similarity of the attention maps of two checkpoints (fine-tuning change)."""
     import pandas as pd
 
-    from mixlens.lens import load
     from mixlens.stats.heads import attention_similarity
     from mixlens.viz.heads import layer_head_heatmap
     from mixlens.viz.terminal import print_frame
 
     texts = ds.texts()
-    a, b = ds.load(), load(other)
+    a, b = ds.load(runtime), runtime.load(other)
     with progress(len(texts), "head-diff") as step:
         sim = attention_similarity(a, b, texts, batch_size=ds.batch_size, on_batch=step)  # [layer, head]
     df = pd.DataFrame(

@@ -10,7 +10,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -99,12 +99,45 @@ def family_option() -> Any:
     )
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """How a command's models load (its `--dtype`, `--device`, `--family`; None: `mixlens.load`'s defaults). The
+    command loads every model through `runtime.load(...)`, which passes them to `mixlens.load` as explicit
+    arguments, as a Python caller does."""
+
+    dtype: str | None = None
+    device: str | None = None
+    family: str | None = None
+
+    def checked(self) -> Runtime:
+        """These settings checked before any model loads (one `MixlensError` line), the device resolved."""
+        from mixlens.adapters import family_named
+        from mixlens.loading import dtype_name, resolve_device
+
+        if self.dtype is not None:
+            dtype_name(self.dtype)
+        device = None if self.device is None else resolve_device(self.device)
+        if self.family is not None:
+            family_named(self.family)
+        return replace(self, device=device)
+
+    def load(self, model: str | None, **kwargs: Any) -> Any:
+        """`mixlens.load(model, **kwargs)` with these settings as its explicit `dtype`, `device` and `family`."""
+        from mixlens.lens import load
+
+        return load(model, dtype=self.dtype, device=self.device, family=self.family, **kwargs)
+
+
+NO_RUNTIME = Runtime()  # a command called without `runtime_options`: `mixlens.load`'s defaults
+
+
 def runtime_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`command` with `--dtype`, `--device` and `--family` added after its own options: every model it loads
-    (`mixlens.load`) runs in that dtype on that device, read under that family's layout. All are checked before the
+    """`command` with `--dtype`, `--device` and `--family` added after its own options, given to it as
+    `runtime` (a `Runtime`): it loads every model through `runtime.load(...)` (explicit `dtype`, `device`, `family`),
+    which then runs in that dtype on that device, read under that family's layout. All are checked before the
     command starts (an unknown dtype or family, a CUDA device this machine lacks: one line, exit code 2)."""
     keyword = inspect.Parameter.KEYWORD_ONLY
-    own = list(inspect.signature(command, eval_str=True).parameters.values())
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "runtime"]
     added = [
         inspect.Parameter("dtype", keyword, default=dtype_option(), annotation=str | None),
         inspect.Parameter("device", keyword, default=device_option(), annotation=str | None),
@@ -116,10 +149,7 @@ def runtime_options(command: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any, dtype: str | None = None, device: str | None = None, family: str | None = None, **kwargs: Any
     ) -> Any:
         check_fast(kwargs)  # mistakes found before torch is imported (seconds on a small machine)
-        from mixlens.lens import runtime
-
-        with runtime(dtype, device, family):
-            return command(*args, **kwargs)
+        return command(*args, runtime=Runtime(dtype, device, family).checked(), **kwargs)
 
     signature = inspect.Signature([*own, *added])
     del run.__wrapped__  # typer reads this signature, not the command's
@@ -219,10 +249,8 @@ class Dataset:
         """The text (or sentence pair) of each of the first --limit examples."""
         return [ex.text for ex in read_examples(self.data, self.text_column, self.pair_column, check_limit(self.limit))]
 
-    def load(self) -> Any:
-        from mixlens.lens import load
-
-        return load(self.model, gguf_file=self.gguf_file)
+    def load(self, runtime: Runtime) -> Any:
+        return runtime.load(self.model, gguf_file=self.gguf_file)
 
 
 def dataset_command(command: Callable[..., Any]) -> Callable[..., Any]:

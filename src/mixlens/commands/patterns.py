@@ -7,7 +7,9 @@ from pathlib import Path
 import typer
 
 from mixlens.commands.options import (
+    NO_RUNTIME,
     Dataset,
+    Runtime,
     check_view,
     dataset_command,
     figures_option,
@@ -30,6 +32,7 @@ def patterns(
     fmt: TableFormat = table_format_option(),
     out: Path = out_dir_option("mixlens-patterns", "Directory for table and figure."),
     figures: bool = figures_option("Also write the figure patterns.png to --out."),
+    runtime: Runtime = NO_RUNTIME,
 ) -> None:
     """Share of each Kovaleva pattern type (vertical, diagonal, ...) per layer over a dataset."""
     import pandas as pd
@@ -40,7 +43,7 @@ def patterns(
 
     check_view(view)
     texts = ds.texts()
-    lens = ds.load()
+    lens = ds.load(runtime)
     with progress(len(texts), "patterns") as step:
         labels = classify_inputs(lens, texts, view=view, batch_size=ds.batch_size, on_batch=step)
     shares = pattern_shares(labels)  # [layer, pattern]

@@ -10,6 +10,8 @@ from typing import Any
 import typer
 
 from mixlens.commands.options import (
+    NO_RUNTIME,
+    Runtime,
     batch_size_option,
     check_limit,
     data_option,
@@ -58,11 +60,10 @@ def _examples(opts: SimpleNamespace) -> list[Any]:
     return read_examples(opts.data, opts.text_column, opts.pair_column, check_limit(opts.limit))
 
 
-def _lens(opts: SimpleNamespace) -> tuple[Any, str]:
-    """The model of a `TASK_OPTIONS` block and its metric (by default the one its head calls for)."""
-    from mixlens.lens import load
-
-    lens = load(opts.model, gguf_file=opts.gguf_file)
+def _lens(opts: SimpleNamespace, runtime: Runtime) -> tuple[Any, str]:
+    """The model of a `TASK_OPTIONS` block (loaded with `runtime`) and its metric (by default the one its head calls
+    for)."""
+    lens = runtime.load(opts.model, gguf_file=opts.gguf_file)
     return lens, opts.metric or metric_for(lens)
 
 
@@ -85,6 +86,7 @@ def prune_command(
     out: Path = typer.Option(
         Path("mixlens-prune"), "--out", "-o", help="Directory for the tables.", callback=writable_dir
     ),
+    runtime: Runtime = NO_RUNTIME,
 ) -> None:
     """Remove heads whose removal improves the metric on a selection split; confirm on a held-out split."""
     import json
@@ -103,7 +105,7 @@ def prune_command(
         check_save_target(save, src if local else None)
     examples = _examples(opts)
     sel_idx, held_idx = split_indices(len(examples), held_out, seed)
-    lens, metric = _lens(opts)
+    lens, metric = _lens(opts, runtime)
     base_off = parse_heads(disable or "", lens)
     selection, heldout = (_task(lens, metric, opts, [examples[i] for i in idx]) for idx in (sel_idx, held_idx))
     with (
@@ -208,6 +210,7 @@ def ablate_patterns_command(
     out: Path = typer.Option(
         Path("mixlens-ablate-patterns"), "--out", "-o", help="Directory for table, figure.", callback=writable_dir
     ),
+    runtime: Runtime = NO_RUNTIME,
 ) -> None:
     """Disable every head of one Kovaleva pattern type at once; compare with as many random heads."""
     import pandas as pd
@@ -224,7 +227,7 @@ def ablate_patterns_command(
     if mode not in MODES:
         raise MixlensError(f"unknown ablation mode '{mode}' for pattern ablation; valid: {', '.join(MODES)}")
     examples = _examples(opts)
-    lens, metric = _lens(opts)
+    lens, metric = _lens(opts, runtime)
     task = _task(lens, metric, opts, examples)
     texts = [t for e in examples for t in (e.text if metric == "sts" else (e.text,))]
     with disabled(lens, parse_heads(disable or "", lens)):

@@ -12,6 +12,8 @@ import typer
 
 from mixlens import catalog
 from mixlens.commands.options import (
+    NO_RUNTIME,
+    Runtime,
     allow_random_head_option,
     check_methods,
     gguf_file_option,
@@ -75,6 +77,7 @@ def _logit_layers(
     method: str,
     model_head: str | None,
     from_file: Path | None,
+    runtime: Runtime,
 ) -> None:
     """`plot --view logit-layers`: ALTI-Logit's per-layer view of a saved explanation (`explain -f json -o F`, or
     `Explanation.save`), or of TEXT explained here with alti_logit (or --method logit_attn)."""
@@ -99,11 +102,10 @@ def _logit_layers(
             typer.echo(f"drawing {chosen}, the method of {from_file} with per-layer rows", err=True)
     else:
         from mixlens.explain import explain
-        from mixlens.lens import load
 
         if not text:
             raise MixlensError("give one or more texts, or --from FILE")
-        lens = load(model, gguf_file=gguf_file, head=model_head or "causal-lm")
+        lens = runtime.load(model, gguf_file=gguf_file, head=model_head or "causal-lm")
         res = explain(lens, text, [chosen or catalog.defaults("logit-layers")[0]])
     if len(res.texts) > MAX_PANELS:
         raise MixlensError(f"{len(res.texts)} inputs: a logit-layers figure holds at most {MAX_PANELS} panels")
@@ -185,7 +187,7 @@ def analyze_for_view(
     report shows full maps (every target row)."""
     from mixlens.methods import get
 
-    kwargs.setdefault("targets", "all")
+    kwargs.setdefault("rows", "all")
     res = lens.analyze(texts, methods, **kwargs)
     with_heads = [m for m in res.attributions if get(m).head_dims]
     if not (heads and with_heads):
@@ -250,10 +252,10 @@ def register(app: typer.Typer) -> None:
         foil: str | None = typer.Option(
             None, "--foil", help="Contrast class / token (as --target): explain logit(target) − logit(foil)."
         ),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Write ONE self-contained HTML report (no network requests): heatmap, token links, mixing ratios,
         highlighted text for per-token methods (the report says what their scores explain)."""
-        from mixlens import lens as lens_module
         from mixlens.result import atomic_write
         from mixlens.viz.html import render_report
 
@@ -274,7 +276,7 @@ def register(app: typer.Typer) -> None:
             methods = check_methods(method)
             opts = parse_options(option)
             precheck_model(model, model_head, methods, text, max_length, gguf_file)
-            lens = lens_module.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+            lens = runtime.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
             opts, label = with_request(lens, methods, opts, target, foil)
             with method_progress(methods, len(text)) as step:
                 res, head_maps = analyze_for_view(
@@ -314,10 +316,10 @@ def register(app: typer.Typer) -> None:
         model_head: str | None = model_head_option(),
         allow_random_head: bool = allow_random_head_option(),
         from_file: Path | None = from_option(),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Save a publication figure (matplotlib) of the heatmap, bipartite or mixing-ratio view; per-token methods
         (saliency, decompx_classes, ...) are drawn as highlighted text."""
-        from mixlens import lens as lens_module
         from mixlens.methods import get
         from mixlens.viz import static
 
@@ -328,7 +330,7 @@ def register(app: typer.Typer) -> None:
             )
         head = attention_head
         if view is View.logit_layers:
-            _logit_layers(text, out, model, gguf_file, method, model_head, from_file)
+            _logit_layers(text, out, model, gguf_file, method, model_head, from_file, runtime)
             return
         if view is View.segments:
             _segments(text, out, from_file)
@@ -358,7 +360,7 @@ def register(app: typer.Typer) -> None:
                 raise MixlensError(f"{len(text)} texts: a {view.value} figure holds at most {MAX_PANELS} panels")
             opts = parse_options(option)
             precheck_model(model, model_head, methods, text, max_length, gguf_file)
-            lens = lens_module.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
+            lens = runtime.load(model, gguf_file=gguf_file, head=model_head, allow_random_head=allow_random_head)
             with method_progress(methods, len(text)) as step:
                 res = lens.analyze(
                     text,
@@ -367,7 +369,7 @@ def register(app: typer.Typer) -> None:
                     options=opts,
                     max_length=max_length,
                     on_batch=step,
-                    targets="all",  # figures of full maps
+                    rows="all",  # figures of full maps
                 )
         if view is not View.ratio and len(res.texts) > MAX_PANELS:
             raise MixlensError(
@@ -404,17 +406,17 @@ def register(app: typer.Typer) -> None:
         heads: bool = typer.Option(True, "--heads/--no-heads", help="Per-head maps for the head selector."),
         max_chars: int = typer.Option(1000, "--max-chars", min=1, help="Longest accepted input in characters."),
         max_tokens: int = typer.Option(128, "--max-tokens", min=2, help="Longest accepted input in tokens."),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Local viewer: type a sentence in the browser and get the report view."""
         import os
         import sys
 
-        from mixlens.lens import load
         from mixlens.viz.server import ViewerConfig, make_server, report_files
 
         methods = check_methods(method)
         given = report_files(files or [])
-        lens = load(model, gguf_file=gguf_file)
+        lens = runtime.load(model, gguf_file=gguf_file)
         try:
             cfg = ViewerConfig(ModelAnalyzer(lens, methods, heads), max_chars, max_tokens, given)
             server = make_server(cfg, host, port)

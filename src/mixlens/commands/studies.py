@@ -10,6 +10,8 @@ from typing import Any
 import typer
 
 from mixlens.commands.options import (
+    NO_RUNTIME,
+    Runtime,
     batch_size_option,
     check_wordfreq_lang,
     data_option,
@@ -25,15 +27,14 @@ from mixlens.errors import MixlensError
 from mixlens.viz.labels import model_label
 
 
-def _texts_and_lens(inputs: SimpleNamespace) -> tuple[list[str], Any]:
-    """The texts of the data file of a `TEXT_STUDY` block, and the model they go through."""
+def _texts_and_lens(inputs: SimpleNamespace, runtime: Runtime) -> tuple[list[str], Any]:
+    """The texts of the data file of a `TEXT_STUDY` block, and the model they go through (loaded with `runtime`)."""
     from mixlens.commands.options import check_limit, read_examples
-    from mixlens.lens import load
 
     examples = read_examples(inputs.data, inputs.text_column, None, check_limit(inputs.limit))
     if not examples:
         raise MixlensError(f"{inputs.data} holds no texts")
-    return [ex.text for ex in examples], load(inputs.model, gguf_file=inputs.gguf_file, head="base")
+    return [ex.text for ex in examples], runtime.load(inputs.model, gguf_file=inputs.gguf_file, head="base")
 
 
 def _write(
@@ -97,6 +98,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(
             Path("mixlens-relations"), "--out", "-o", help="Directory for table and figure.", callback=writable_dir
         ),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Per head and relation: mean weight between related words vs. pairs at the same distance."""
         from mixlens.bertology.relations import (
@@ -109,7 +111,6 @@ def register(app: typer.Typer) -> None:
         )
         from mixlens.commands.options import check_limit
         from mixlens.commands.output import check_writable, progress
-        from mixlens.lens import load
 
         if (data is None) == (from_conllu is None):
             raise MixlensError("give exactly one of --data (relation JSONL) and --from-conllu")
@@ -122,7 +123,7 @@ def register(app: typer.Typer) -> None:
             records = conllu_records(from_conllu, list(relation) if relation else UD_RELATIONS, check_limit(limit))
         if save_pairs is not None:
             check_writable(save_pairs)  # written only once the study succeeded, but refused before the work
-        lens = load(model, gguf_file=gguf_file, head="base")
+        lens = runtime.load(model, gguf_file=gguf_file, head="base")
         with progress(len(records), "relations") as step:
             rep = relation_heads(
                 lens, records, n_permutations=permutations, seed=seed, batch_size=batch_size, on_batch=step
@@ -148,13 +149,14 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(
             Path("mixlens-frequency"), "--out", "-o", help="Directory for tables and figure.", callback=writable_dir
         ),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Spearman ρ per layer between word frequency (wordfreq) and ResLN-N mixing / own / context norms."""
         from mixlens.bertology.frequency import frequency_figure, frequency_study
         from mixlens.commands.output import progress
 
         check_wordfreq_lang(lang)
-        texts, lens = _texts_and_lens(inputs)
+        texts, lens = _texts_and_lens(inputs, runtime)
         with progress(len(texts), "frequency") as step:
             rep = frequency_study(lens, texts, lang=lang, batch_size=inputs.batch_size, on_batch=step)
         tables = {"frequency_rho.csv": rep.rho, "frequency_tokens.csv": rep.tokens}
@@ -178,12 +180,13 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(
             Path("mixlens-identify"), "--out", "-o", help="Directory for table and figure.", callback=writable_dir
         ),
+        runtime: Runtime = NO_RUNTIME,
     ) -> None:
         """Share of tokens whose input token is recovered from each layer's hidden state (Brunner 2020)."""
         from mixlens.bertology.identifiability import PROBES, identifiability, identifiability_figure
         from mixlens.commands.output import progress
 
-        texts, lens = _texts_and_lens(inputs)
+        texts, lens = _texts_and_lens(inputs, runtime)
         with progress(len(texts), "hidden states") as step:
             rep = identifiability(
                 lens,

@@ -10,6 +10,8 @@ from typing import Any
 import typer
 
 from mixlens.commands.options import (
+    NO_RUNTIME,
+    Runtime,
     batch_size_option,
     check_limit,
     data_option,
@@ -56,13 +58,13 @@ def sweep_command(
     out: Path = typer.Option(
         Path("mixlens-sweep"), "--out", "-o", help="Directory for table and heatmap.", callback=writable_dir
     ),
+    runtime: Runtime = NO_RUNTIME,
 ) -> None:
     """Disable every single head and every whole layer; report the change of a task metric."""
     import pandas as pd
 
     from mixlens.bertology.sweep import sweep, sweep_steps
     from mixlens.interventions import MODES, disabled, parse_heads
-    from mixlens.lens import load
     from mixlens.result import atomic_write
     from mixlens.viz.heads import sweep_figure
     from mixlens.viz.terminal import print_sweep
@@ -72,7 +74,7 @@ def sweep_command(
     if metric is not None and metric not in METRICS:
         raise MixlensError(f"unknown metric '{metric}'; valid: {', '.join(METRICS)}")
     examples = read_examples(data, text_column, pair_column, check_limit(limit))
-    lens = load(model, gguf_file=gguf_file)
+    lens = runtime.load(model, gguf_file=gguf_file)
     off = parse_heads(disable or "", lens)
     metric = metric or metric_for(lens)
     task = make_task(lens, metric, examples, score_column, label_column, batch_size)

@@ -7,6 +7,8 @@ from pathlib import Path
 import typer
 
 from mixlens.commands.options import (
+    NO_RUNTIME,
+    Runtime,
     batch_size_option,
     check_limit,
     check_view,
@@ -36,16 +38,16 @@ def syntax(
     min_count: int = typer.Option(20, "--min-count", help="Report relations with at least this many arcs."),
     fmt: TableFormat = table_format_option("Format of the best-head table (csv/json to stdout)."),
     out: Path = out_dir_option("mixlens-syntax", "Directory for tables."),
+    runtime: Runtime = NO_RUNTIME,
 ) -> None:
     """Dependency-head accuracy of every head per relation (both directions) with offset baselines."""
-    from mixlens.lens import load
     from mixlens.result import atomic_write
     from mixlens.stats.syntax import read_conllu, syntax_heads
     from mixlens.viz.terminal import print_frame
 
     check_view(view)
     sents = list(read_conllu(data, check_limit(limit)))
-    lens = load(model, gguf_file=gguf_file)
+    lens = runtime.load(model, gguf_file=gguf_file)
     with progress(len(sents), "syntax") as step:
         rep = syntax_heads(lens, sents, view=view, batch_size=batch_size, on_batch=step)
     best = rep.best(min_count)

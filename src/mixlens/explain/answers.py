@@ -14,7 +14,7 @@ the row of the predicting position p + a − 1 (docs/reference/answers.md).
 
 Cost: the decompositions read every row from the one traced forward; the gradient family runs one forward of
 prompt + answer and one backward per answer token (batched, `saliency.gradient_rows`); maps that compute target
-rows (`Method.target_rows`) build only the m answer rows, streamed layer by layer.
+rows (`Method.row_mode`) build only the m answer rows, streamed layer by layer.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def explain_answer(
     extras: dict[str, dict[str, np.ndarray]] | None = None,
 ) -> dict[str, np.ndarray]:
     """Each method's answer matrix [answer, source] (source: all len(ids) tokens of prompt + answer) for one input,
-    and `answer.logprobs` filled. Methods that build target rows (`Method.target_rows`) share one streamed forward
+    and `answer.logprobs` filled. Methods that build target rows (`Method.row_mode`) share one streamed forward
     that builds only the answer rows; every other method shares one traced forward (or, reading the inputs alone,
     none) whose rows it reads. `extras`, when given, receives each token-score method's per-row secondary outputs
     without a token axis (e.g. the decompositions' `remainder`), [answer, *axes]."""
@@ -170,14 +170,14 @@ def explain_answer(
     requests = row_requests(answer)
     n = len(ids)
     enc = lens.encode_ids([ids])
-    streamed = [m for m in methods if get(m).target_rows and get(m).dims != ("source",)]
+    streamed = [m for m in methods if get(m).row_mode and get(m).dims != ("source",)]
     others = [m for m in methods if m not in streamed]
     out: dict[str, np.ndarray] = {}
     if streamed:
-        rowed = lens.trace_for(enc, streamed, targets=rows)
+        rowed = lens.trace_for(enc, streamed, rows=rows)
         for name in streamed:
             t0 = time.perf_counter()
-            v = run_methods(rowed, [name], targets=rows).values[name]  # [1, layer, K, n]
+            v = run_methods(rowed, [name], rows=rows).values[name]  # [1, layer, K, n]
             out[name] = v[0, -1].float().cpu().numpy()
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
             if on_method:

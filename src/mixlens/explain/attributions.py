@@ -70,11 +70,11 @@ def _row(values: torch.Tensor, mask: torch.Tensor, ro: Readout) -> torch.Tensor:
     return last[torch.arange(last.shape[0]), pos.to(last.device)]
 
 
-def _target_rows(spec: Any, ro: Readout, trace: Trace) -> list[int] | None:
-    """The one target row an LM's map method (declaring `target_rows`) needs, as `run_methods` targets: the same
+def _explained_row(spec: Any, ro: Readout, trace: Trace) -> list[int] | None:
+    """The one target row an LM's map method (declaring `row_mode`) needs, as `run_methods` rows: the same
     position, or the same distance from the end, in every input ([p] or [p − n]); None otherwise (every row: the
     [layer, n, n] maps). A causal LM's last token is [−1], so its maps are [layer, 1, n], not [layer, n, n]."""
-    if not spec.target_rows or spec.dims in (("source",), ("class", "source")) or ro.kind not in ("causal", "masked"):
+    if not spec.row_mode or spec.dims in (("source",), ("class", "source")) or ro.kind not in ("causal", "masked"):
         return None
     pos = ro.position.cpu()
     from_end = pos - torch.tensor(trace.lengths)
@@ -123,7 +123,7 @@ def attribute(
     if resolved is not None:
         target, foil = resolved, None
     out: dict[str, torch.Tensor] = {}
-    one_row = {name: _target_rows(get(name), ro, trace) for name in methods}
+    one_row = {name: _explained_row(get(name), ro, trace) for name in methods}
     # the methods on every row first, then the reference, then those on the explained row only: a trace's memo
     # (shared gradients, norm passes) is kept while the rows stay the same
     order = [m for m in methods if one_row[m] is None] + [REFERENCE] * reference + [m for m in methods if one_row[m]]
@@ -139,7 +139,7 @@ def attribute(
             continue
         spec = get(name)
         t0 = time.perf_counter()
-        step = run_methods(trace, [name], options={name: options_for(name, target, foil, seed)}, targets=one_row[name])
+        step = run_methods(trace, [name], options={name: options_for(name, target, foil, seed)}, rows=one_row[name])
         v = step.values[name].float()
         if extras is not None:
             extras[name] = {k: x.detach().cpu() for k, x in step.extras.get(name, {}).items()}

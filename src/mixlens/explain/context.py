@@ -46,6 +46,7 @@ from mixlens.explain.evaluation import bootstrap
 from mixlens.explain.explain import explained_kind
 from mixlens.explain.segments import Segmentation, segmentation
 from mixlens.methods import get as get_method
+from mixlens.methods import registry
 from mixlens.targets import KIND_NAMES, token_label
 
 TASK = "context"
@@ -53,7 +54,6 @@ LOO = "leave_one_out"
 RANDOM = "random"
 EXPECTED = "random_expected"
 FIELDS = ("prompt", "answer", "gold", "passages")
-DEFAULT_METHODS = ("logit_attn", "alti_logit", "grad_x_input")
 
 
 # ------------------------------------------------------------------------------------------------------ the data
@@ -550,7 +550,8 @@ def evaluate_context(
     progress: Callable[[float], None] | None = None,
     on_resume: Callable[[int], object] | None = None,
 ) -> ContextEvaluation:
-    """Run the task on `prompts` with `methods` (default `DEFAULT_METHODS`, those the model's family supports).
+    """Run the task on `prompts` with `methods` (default: the ones the registry recommends for a causal LM, as
+    `explain` runs on a decoder, that the model's family supports).
     `resume`: an interrupted run of the same `run` identity and prompts: its examples are kept. `checkpoint(ev)` is
     called after every prompt (the CLI saves it); `progress(1)` after every prompt."""
     from mixlens import __version__
@@ -562,7 +563,7 @@ def evaluate_context(
     if methods:
         chosen = attr.check_methods(kind, list(methods), family)
     else:
-        chosen = [m for m in DEFAULT_METHODS if get_method(m).refusal(family) is None]
+        chosen = [m for m in registry.explainers(kind, recommended=True) if get_method(m).refusal(family) is None]
     prompts = list(prompts)
     tokens = [tokenize(lens.tokenizer, p, lens.max_length) for p in prompts]  # every line checked before any work
     ident = {

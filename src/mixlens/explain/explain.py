@@ -52,7 +52,7 @@ def explain(
     Answers (causal LMs; `explain.answers`): `answer` (one text for every input, or one per input) explains every
     token of that answer after each text at once; `generate` = N > 0 generates N tokens greedily and explains them
     as the answer. Each method's scores are then an [answer, source] matrix per input (an `Attribution` with axes
-    ("target", "source"), its target axis the answer tokens, `Attribution.targets[b]` their positions), the
+    ("target", "source"), its target axis the answer tokens, `Attribution.rows[b]` their positions), the
     answer-level scores their sum over the answer (`Explanation.inputs[b].scores`), and each input's target the
     answer (text, tokens, ids, first position, each token's log-probability)."""
     from mixlens.version import __version__
@@ -256,7 +256,7 @@ def as_explanation(
                 model,
                 dict(params),
                 extras=extras_of(m, ("target",)),
-                targets=[answer_rows(e.answer) for e in done],
+                rows=[answer_rows(e.answer) for e in done],
             )
             for m in methods
         }

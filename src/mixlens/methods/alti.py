@@ -18,7 +18,7 @@ import torch
 
 from mixlens.adapters import Layer
 from mixlens.methods import norms
-from mixlens.methods.attention import targets_of
+from mixlens.methods.attention import rows_of
 from mixlens.methods.engine import head_vectors, njit, parallel
 from mixlens.methods.memo import StreamLayer, gathered, memo_of
 from mixlens.methods.registry import Stream, register, vector_block
@@ -347,12 +347,12 @@ ALTI = "alti"  # memo key of the per-layer matrices, and the key of what the lay
 
 
 def alti_matrices(trace: Trace) -> torch.Tensor:
-    """Per-layer ALTI contributions, rows normalised: [B, L, n, n], or their target rows [B, L, K, n] in target-row
+    """Per-layer ALTI contributions, rows normalised: [B, L, n, n], or their target rows [B, L, K, n] in row
     mode (cached on the trace)."""
     memo = memo_of(trace)
 
     def make() -> torch.Tensor:
-        targets = targets_of(trace)
+        targets = rows_of(trace)
         kept, mats = memo.layer_rows.get(ALTI), kept_matrices(trace, ALTI)
         if kept is not None:  # streamed
             return torch.stack(kept, dim=1)
@@ -380,7 +380,7 @@ def stream_layer(s: StreamLayer, whole: bool) -> None:
         s.keep(ALTI, fn(s.rows))
 
 
-@register("alti", supports=vector_block, target_rows=True, stream=Stream(ALTI, stream_layer), default_in={"html": 4})
+@register("alti", supports=vector_block, row_mode=True, stream=Stream(ALTI, stream_layer), default_in={"html": 4})
 def alti(trace: Trace) -> torch.Tensor:
     """ALTI per layer (Ferrando 2022): max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁), rows normalised."""
     return alti_matrices(trace)
@@ -389,13 +389,13 @@ def alti(trace: Trace) -> torch.Tensor:
 @register(
     "alti_rollout",
     supports=vector_block,
-    target_rows=True,
+    row_mode=True,
     explains=True,
     stream=Stream(ALTI, stream_layer, whole=True),
 )
 def alti_rollout(trace: Trace) -> torch.Tensor:
     """ALTI global attribution: rollout of the per-layer ALTI matrices over layers 1..l."""
-    targets = targets_of(trace)
+    targets = rows_of(trace)
     if targets is not None:
         return rollout_rows(trace, kept_matrices(trace, ALTI) or (lambda m: _trace_layer(trace, m)), targets)
     return rollout(alti_matrices(trace))

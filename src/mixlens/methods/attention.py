@@ -11,8 +11,8 @@ from mixlens.trace import LayerTrace, Trace
 ALPHA_MEAN = "alpha_mean"  # memo key: the head-mean α [B, L, n, n] (also a by-product of the norm engine)
 
 
-def targets_of(trace: Trace) -> torch.Tensor | None:
-    """The target positions [batch, K] that methods compute rows for (`run_methods(targets=...)`); None: all rows."""
+def rows_of(trace: Trace) -> torch.Tensor | None:
+    """The target positions [batch, K] that methods compute rows for (`run_methods(rows=...)`); None: all rows."""
     return memo_of(trace).rows
 
 
@@ -27,15 +27,15 @@ def target_alpha(trace: Trace, index: int) -> torch.Tensor:
     kept = memo_of(trace).layer_rows.get("alpha")
     if kept is not None:
         return kept[index]
-    rows = targets_of(trace)
-    assert rows is not None, "target rows of a trace in target-row mode"
+    rows = rows_of(trace)
+    assert rows is not None, "target rows of a trace in row mode"
     return trace.layers[index].alpha_rows(rows)  # from α, or in row mode from q and K (no [B, H, n, n])
 
 
 def stacked_alpha(trace: Trace) -> torch.Tensor:
     """α of every layer, padded target rows zeroed: [batch, layer, head, target, source] (target: the rows of
-    `targets_of(trace)` when set)."""
-    rows = targets_of(trace)
+    `rows_of(trace)` when set)."""
+    rows = rows_of(trace)
     if rows is not None:
         return torch.stack([target_alpha(trace, i) for i in range(len(trace.layers))], dim=1)
     a = torch.stack([_full_alpha(trace, lt) for lt in trace.layers], dim=1).float()
@@ -53,7 +53,7 @@ def _full_alpha(trace: Trace, lt: LayerTrace) -> torch.Tensor:
 @register(
     "attention",
     head_dims=LHTS,
-    target_rows=True,
+    row_mode=True,
     explains=True,
     qk_rows=True,
     default_in={"analyze": 0},
@@ -66,7 +66,7 @@ def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     memo = memo_of(trace)
     kept: torch.Tensor | None = memo.get(ALPHA_MEAN)  # block_norms leaves it as a by-product of its pass over α
     if kept is None:
-        if targets_of(trace) is not None:
+        if rows_of(trace) is not None:
             return stacked_alpha(trace).mean(2)
         pair = trace.mask[:, :, None] & trace.mask[:, None, :]
         means = [_full_alpha(trace, lt).float().mean(1) * pair for lt in trace.layers]

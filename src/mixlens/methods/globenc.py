@@ -18,7 +18,7 @@ import torch
 from mixlens.adapters import Family, Layer
 from mixlens.errors import ReconstructionError
 from mixlens.methods.alti import projected_head_vectors
-from mixlens.methods.attention import alpha_rows, targets_of
+from mixlens.methods.attention import alpha_rows, rows_of
 from mixlens.methods.engine import attn_sum, block_norms, head_vectors, pair_rows, quad_norm, tolerance
 from mixlens.methods.memo import RowsFn, StreamLayer, gathered, memo_of
 from mixlens.methods.registry import Option, Stream, register, vector_block
@@ -112,12 +112,12 @@ GLOBENC = "globenc"  # memo key of the per-layer N-Enc matrices, and the key of 
 
 @torch.no_grad()
 def n_enc(trace: Trace) -> torch.Tensor:
-    """Per-layer N-Enc matrices [B, L, n, n], or their target rows [B, L, K, n] in target-row mode (cached on the
+    """Per-layer N-Enc matrices [B, L, n, n], or their target rows [B, L, K, n] in row mode (cached on the
     trace)."""
     memo = memo_of(trace)
     mats: torch.Tensor | None = memo.get(GLOBENC)
     if mats is None:
-        targets = targets_of(trace)
+        targets = rows_of(trace)
         kept, streamed = memo.layer_rows.get(GLOBENC), kept_matrices(trace, GLOBENC)
         if targets is not None and kept is not None:
             mats = torch.stack(kept, dim=1)
@@ -175,7 +175,7 @@ def _post_ln(family: Family) -> bool:
     "globenc",
     needs_ffn=True,
     supports=vector_block,
-    target_rows=True,
+    row_mode=True,
     stream=Stream(GLOBENC, stream_layer, norm_run=_pre_ln, capture=_post_ln),
     default_in={"html": 3},
 )
@@ -188,7 +188,7 @@ def globenc(trace: Trace) -> torch.Tensor:
     "globenc_rollout",
     needs_ffn=True,
     supports=vector_block,
-    target_rows=True,
+    row_mode=True,
     explains=True,
     unnormalised=True,
     stream=Stream(GLOBENC, stream_layer, whole=True, norm_run=_pre_ln, capture=_post_ln),
@@ -196,7 +196,7 @@ def globenc(trace: Trace) -> torch.Tensor:
 )
 def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:
     """GlobEnc global attribution: rollout of N-Enc over layers 1..l (normalize=true: rows to 1 first)."""
-    targets = targets_of(trace)
+    targets = rows_of(trace)
     if targets is not None:
         layer_rows = kept_matrices(trace, GLOBENC) or (lambda m: _layer_rows(trace, m))
         return rollout_rows(trace, layer_rows, targets, normalize=normalize)

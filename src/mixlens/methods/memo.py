@@ -30,7 +30,7 @@ def gathered(mat: torch.Tensor) -> LayerRowsFactory:
 @dataclass
 class Memo:
     """What methods share on one trace, computed once. `rows`: the positions [B, K] of row mode
-    (`run_methods(targets=)`; None: every row). A streamed trace (`pipeline.stream_trace`) also holds what its layer
+    (`run_methods(rows=)`; None: every row). A streamed trace (`pipeline.stream_trace`) also holds what its layer
     sinks kept: `streamed` (the methods they served; α is gone), `layer_rows` (quantity → per layer [B, K, n] rows;
     `alpha`: [B, H, K, n]) and `layer_fns` (quantity → per layer a factory of the function positions [B, K'] →
     rows [B, K', n] of the matrix a rollout propagates through); `progress(phase, done, total)` as layers finish.

@@ -31,7 +31,7 @@ from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods import _compiled, _torch_passes
 from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, TokenResults, kernel_args
 from mixlens.methods._torch_passes import quad_norm, quad_norms
-from mixlens.methods.attention import ALPHA_MEAN, target_alpha, targets_of
+from mixlens.methods.attention import ALPHA_MEAN, rows_of, target_alpha
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
@@ -86,7 +86,7 @@ class BlockNorms:
     """All norm-based quantities of a trace. B=batch, L=layer, H=head, n=tokens, d=hidden; padding is 0."""
 
     f_norm: torch.Tensor  # [B, L, H, n(source)]  ‖f^h(x_j)‖
-    n: torch.Tensor  # [B, L, K(target), n(source)]  ‖u_ij‖; K = n, or the rows of `targets_of(trace)`
+    n: torch.Tensor  # [B, L, K(target), n(source)]  ‖u_ij‖; K = n, or the rows of `rows_of(trace)`
     n_res: torch.Tensor  # [B, L, K, n]  ‖t_ij‖
     n_resln: torch.Tensor  # [B, L, K, n]  ‖g_i(t_ij)‖
     ratio: dict[str, torch.Tensor]  # variant → [B, L, n(target)] context-mixing ratio r_i (every token)
@@ -351,7 +351,7 @@ def _check(
 @dataclass
 class NormRun:
     """The norm engine on one forward pass: all layers at once (`block_norms`) or one layer at a time as the forward
-    pass produces them (`stream_layer`, target-row streaming), then `finish`."""
+    pass produces them (`stream_layer`, row streaming), then `finish`."""
 
     adapter: Adapter
     tok: RealTokens
@@ -445,7 +445,7 @@ class NormRun:
 def stream_layer(
     run: NormRun, lt: LayerTrace, index: int, every_row: bool = False
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """Both passes of one layer, inside the forward pass (target-row streaming): writes layer `index` of the maps
+    """Both passes of one layer, inside the forward pass (row streaming): writes layer `index` of the maps
     (its target rows) and keeps only the pass results the check needs, not α. `every_row`: also returns the rows of
     the layer's N-Res matrix, positions [B, K'] → [B, K', n] (padding 0; what a rollout propagates through): from the
     whole matrix, computed here, or in row mode (`lt.qk`) computed when asked from q and K, with no n × n held."""
@@ -479,22 +479,22 @@ def stream_layer(
 
 BLOCK_NORMS = "block_norms"  # memo keys: the engine's result,
 NORM_RUN = "norm_run"  # a streamed trace's passes (run during the forward pass),
-NORM_STATES = "norm_states"  # target-row mode: the per-layer state, for `pair_rows`
+NORM_STATES = "norm_states"  # row mode: the per-layer state, for `pair_rows`
 
 
 @torch.no_grad()
 def block_norms(trace: Trace) -> BlockNorms:
     """Compute (once per trace, then cached) every norm-based quantity of every layer, and check each layer's
     decomposition against the real attention output, norm input and norm output (`ReconstructionError`). In
-    target-row mode (`targets_of(trace)` [B, K]) the pair maps hold only those rows and the check covers their
+    row mode (`rows_of(trace)` [B, K]) the pair maps hold only those rows and the check covers their
     attention rows; the per-token quantities (ratios, scale, f_norm) cover every token. A trace streamed in
-    target-row mode (`pipeline.stream_trace`) had its passes run during the forward pass: only the check is left."""
+    row mode (`pipeline.stream_trace`) had its passes run during the forward pass: only the check is left."""
     memo = memo_of(trace)
     done: BlockNorms | None = memo.get(BLOCK_NORMS)
     if done is None:
         run: NormRun | None = memo.get(NORM_RUN)
         if run is None:
-            targets = targets_of(trace)
+            targets = rows_of(trace)
             run = NormRun.start(trace.adapter, trace.mask, targets)
             layers = [
                 LayerState.of(lt, lay, run.tok, i)
@@ -514,11 +514,11 @@ def block_norms(trace: Trace) -> BlockNorms:
 @torch.no_grad()
 def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     """Rows at positions `rows` [B, K'] (padding positions give zero rows) of layer `index`'s pair maps, from the
-    token pass kept by `block_norms` in target-row mode: a Maps whose n, n_res, n_resln, alpha_mean are
+    token pass kept by `block_norms` in row mode: a Maps whose n, n_res, n_resln, alpha_mean are
     [B, 1, K', n] (other fields: the whole call's)."""
     block_norms(trace)
     states: tuple[list[LayerState], NormRun] | None = memo_of(trace).get(NORM_STATES)
-    assert states is not None, "pair_rows needs a (not streamed) trace in target-row mode"
+    assert states is not None, "pair_rows needs a (not streamed) trace in row mode"
     layers, run = states
     return run.rows(layers[index], run.tok.with_targets(rows))
 
@@ -527,7 +527,7 @@ def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     "norm",
     head_dims=LHTS,
     engine=True,
-    target_rows=True,
+    row_mode=True,
     default_in={"analyze": 1, "html": 2, "ratio": 0},
     group="mixing-ratio",
 )
@@ -536,7 +536,7 @@ def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     bn = block_norms(trace)
     if not heads:
         return bn.n
-    rows = targets_of(trace)
+    rows = rows_of(trace)
     if rows is not None:
         post = [None if lt.post_scale is None else lt.post_scale.gather(1, rows) for lt in trace.layers]  # [B, K]
         alpha = torch.stack(
@@ -547,7 +547,7 @@ def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     return alpha * bn.f_norm[:, :, :, None, :] * trace.mask[:, None, None, :, None]
 
 
-@register("norm_res", engine=True, target_rows=True, default_in={"analyze": 2, "html": 1}, group="mixing-ratio")
+@register("norm_res", engine=True, row_mode=True, default_in={"analyze": 2, "html": 1}, group="mixing-ratio")
 def norm_res(trace: Trace) -> torch.Tensor:
     """‖t_ij‖: attention plus residual (Kobayashi 2021, N-Res)."""
     return block_norms(trace).n_res
@@ -556,7 +556,7 @@ def norm_res(trace: Trace) -> torch.Tensor:
 @register(
     "norm_resln",
     engine=True,
-    target_rows=True,
+    row_mode=True,
     default_in={"analyze": 3, "html": 0, "plot": 0},
     group="mixing-ratio",
 )

@@ -307,7 +307,7 @@ class Method:
     # token or an encoder's pooled embedding), 'classifier' or 'causal'
     explains: bool = False  # gives one score per source token for a target: ('source',) or ('class', 'source')
     # methods read their target; a map [layer, target, source] is read at its last layer's target row
-    target_rows: bool = False  # computes only requested target rows, streamed layer by layer (`run_methods(targets=)`)
+    row_mode: bool = False  # computes only requested target rows, streamed layer by layer (`run_methods(rows=)`)
     inputs_only: bool = False  # runs its own passes from the inputs: reads nothing of the captured forward pass
     engine: bool = False  # runs the norm engine (`norms.block_norms`, with its per-run exactness check)
     slow: bool = False  # far slower than a forward pass: left out of default method sets, progress shown
@@ -318,7 +318,7 @@ class Method:
     # for it keeps q, K and the softmax normaliser instead of α [B, H, n, n] (`mixlens.rowattn`)
     recommended: tuple[str, ...] = ()  # model kinds whose explanations it is recommended for (measured: docs/
     # evaluate.md); `explain` runs only these by default where a kind has any
-    stream: Stream | None = None  # its layer sink in a streamed trace (methods with `target_rows` that keep more
+    stream: Stream | None = None  # its layer sink in a streamed trace (methods with `row_mode` that keep more
     # than the target rows of α or what the norm engine streams)
     explain_options: Mapping[str, object] = field(default_factory=dict)  # options `explain` runs it with (its
     # signed form, e.g. reduction='sum')
@@ -409,7 +409,7 @@ def register(
     supports: Callable[[Family], str | None] = any_family,
     head: str | None = None,
     explains: bool = False,
-    target_rows: bool = False,
+    row_mode: bool = False,
     inputs_only: bool = False,
     engine: bool = False,
     slow: bool = False,
@@ -447,10 +447,10 @@ def register(
             raise RuntimeError(f"method '{name}' is recommended for explanations but explains no target")
         if explains and dims[-1] != "source":
             raise RuntimeError(f"method '{name}' explains a target but its last axis is not 'source': {dims}")
-        if inputs_only and (needs_ffn or engine or target_rows):
+        if inputs_only and (needs_ffn or engine or row_mode):
             raise RuntimeError(f"method '{name}': a method that reads only the inputs cannot need the trace")
-        if stream is not None and not target_rows:
-            raise RuntimeError(f"method '{name}' streams its layers but does not declare target_rows")
+        if stream is not None and not row_mode:
+            raise RuntimeError(f"method '{name}' streams its layers but does not declare row_mode")
         for key in (*(explain_options or {}), *(reference.options if reference else {})):
             if key not in declared:
                 raise RuntimeError(f"method '{name}': explain option '{key}' is not one of its options")
@@ -470,7 +470,7 @@ def register(
             supports,
             head,
             explains,
-            target_rows,
+            row_mode,
             inputs_only,
             engine,
             slow,
@@ -542,17 +542,17 @@ def refused_by(family: Family) -> list[str]:
     return [m.name for m in REGISTRY.values() if m.refusal(family) is not None]
 
 
-def with_target_rows() -> list[str]:
-    """The methods that compute requested target rows only (`Method.target_rows`)."""
-    return [m.name for m in REGISTRY.values() if m.target_rows]
+def with_row_mode() -> list[str]:
+    """The methods that compute requested rows only (`Method.row_mode`)."""
+    return [m.name for m in REGISTRY.values() if m.row_mode]
 
 
-def check_target_rows(methods: Sequence[str]) -> None:
-    """Refuse, in one line, methods that cannot compute target rows only."""
-    refused = [m for m in methods if not get(m).target_rows]
+def check_row_mode(methods: Sequence[str]) -> None:
+    """Refuse, in one line, methods that cannot compute requested rows only (`run_methods(rows=)`)."""
+    refused = [m for m in methods if not get(m).row_mode]
     if refused:
         raise MixlensError(
-            f"method '{refused[0]}' cannot compute target rows only; with targets use {', '.join(with_target_rows())}"
+            f"method '{refused[0]}' cannot compute some rows only; with rows use {', '.join(with_row_mode())}"
         )
 
 

@@ -16,7 +16,7 @@ from scipy.sparse.csgraph import maximum_flow
 
 from mixlens.errors import MixlensError
 from mixlens.memory import release
-from mixlens.methods.attention import alpha_rows, stacked_alpha, targets_of
+from mixlens.methods.attention import alpha_rows, rows_of, stacked_alpha
 from mixlens.methods.memo import StreamLayer, gathered, memo_of
 from mixlens.methods.registry import Planned, Stream, register
 from mixlens.trace import Trace
@@ -180,10 +180,10 @@ def stream_layer(s: StreamLayer, whole: bool) -> None:
         s.keep_fn(ROLLOUT, gathered(residual_rows(s.lt.alpha, mask, None)))
 
 
-@register("attention_rollout", target_rows=True, explains=True, stream=Stream(ROLLOUT, stream_layer, whole=True))
+@register("attention_rollout", row_mode=True, explains=True, stream=Stream(ROLLOUT, stream_layer, whole=True))
 def attention_rollout(trace: Trace) -> torch.Tensor:
     """Attention rollout (Abnar & Zuidema 2020): product of 0.5·mean attention + 0.5·I over layers 1..l."""
-    targets = targets_of(trace)
+    targets = rows_of(trace)
     if targets is not None:
         layer_rows = kept_matrices(trace, ROLLOUT) or (
             lambda m: lambda rows: residual_rows(trace.layers[m].alpha, trace.mask, rows)

@@ -146,7 +146,7 @@ class Analysis:
         """`path.safetensors` (every per-batch block: methods `method.NAME.`, their extras `extra.NAME.KEY.`,
         ratios `ratio.VARIANT.`, `bias.`, each as `values.k` / `index.k`; `reconstruction_error`) + `path.json`
         (manifest). No pickles; atomic writes; reload with `Analysis.load`."""
-        rowed = [name for name, a in self.attributions.items() if a.targets is not None]
+        rowed = [name for name, a in self.attributions.items() if a.rows is not None]
         if rowed:
             raise MixlensError(
                 f"saving an analysis of target rows ({', '.join(rowed)}) is not supported; save each "

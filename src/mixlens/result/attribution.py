@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from mixlens.result.files import (
     write_store,
 )
 from mixlens.result.rows import TOKEN_AXES, InputRows
-from mixlens.result.validation import checked_dims, checked_field, checked_targets, checked_tokens, checked_words
+from mixlens.result.validation import checked_dims, checked_field, checked_rows, checked_tokens, checked_words
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -35,7 +36,8 @@ class Attribution:
     every input to the longest one) — `input(b)`, `sel`, `mean`, `to_words`, `to_dataframe`, `save` never build it.
     `extra_store[name]` holds the method's secondary outputs (e.g. `delta` of integrated gradients) per input;
     `extras[name]` is the padded [batch, *axes] array.
-    In target-row mode `targets[b]` lists the token positions of input b's rows on the `target` axis (None: all).
+    In row mode `rows[b]` lists the token positions of input b's rows on the `target` axis (None: all rows);
+    `targets` is its deprecated name.
     """
 
     def __init__(
@@ -48,10 +50,10 @@ class Attribution:
         params: dict[str, Any] | None = None,
         words: list[list[int | None]] | None = None,
         extras: dict[str, InputRows] | None = None,
-        targets: list[list[int]] | None = None,
+        rows: list[list[int]] | None = None,
     ):
         self.dims = tuple(dims)
-        self.targets = targets
+        self.rows = rows
         self.tokens = tokens
         self.method = method
         self.model = model
@@ -100,8 +102,14 @@ class Attribution:
             {**self.params, **params},
             self.words,
             extras,
-            self.targets if "target" in dims else None,
+            self.rows if "target" in dims else None,
         )
+
+    @property
+    def targets(self) -> list[list[int]] | None:
+        """Deprecated name of `rows` (the positions of the computed rows of the `target` axis)."""
+        warnings.warn("Attribution.targets is deprecated: use Attribution.rows", DeprecationWarning, stacklevel=2)
+        return self.rows
 
     def input(self, b: int) -> np.ndarray:
         """Values of input b without padding: axes `dims`."""
@@ -129,7 +137,7 @@ class Attribution:
 
         Special tokens stay as their own 'words'. Needs `target` and `source` as the last two axes.
         """
-        if self.words is None or self.dims[-2:] != ("target", "source") or self.targets is not None:
+        if self.words is None or self.dims[-2:] != ("target", "source") or self.rows is not None:
             raise MixlensError("word grouping needs token→word ids and [..., target, source] axes with every target")
         groups = [_word_groups(w) for w in self.words]
         parts = []
@@ -173,8 +181,8 @@ class Attribution:
             grid = np.indices(arr.shape).reshape(len(self.dims), -1)
             df = pd.DataFrame({d: grid[k] for k, d in enumerate(self.dims)})
             df.insert(0, "batch", b)
-            if self.targets is not None and "target" in df:  # row k → its token position
-                df["target"] = np.asarray(self.targets[b])[df["target"].to_numpy()]
+            if self.rows is not None and "target" in df:  # row k → its token position
+                df["target"] = np.asarray(self.rows[b])[df["target"].to_numpy()]
             for d in ("target", "source"):
                 if d in df:
                     df[f"{d}_token"] = np.asarray(self.tokens[b], dtype=object)[df[d].to_numpy()]
@@ -201,13 +209,13 @@ class Attribution:
         views.view("attribution.show")(self, inputs, layer=layer, head=head, max_tokens=max_tokens, console=console)
 
     def to_json_dict(self, b: int) -> dict[str, Any]:
-        """Input `b` as JSON: its axes, values without padding, extras and (when set) its target rows."""
+        """Input `b` as JSON: its axes, values without padding, extras and (when set) its rows' positions."""
         out = {
             "dims": list(self.dims),
             "values": self.input(b).tolist(),
             "extras": {k: {"dims": list(s.dims), "values": s.row(b).tolist()} for k, s in self.extra_store.items()},
         }
-        return out if self.targets is None else {**out, "targets": self.targets[b]}
+        return out if self.rows is None else {**out, "rows": self.rows[b]}
 
     def manifest(self) -> dict[str, Any]:
         """The JSON manifest saved next to the tensors: format, method, model, axes `[batch, *dims]`, tokens and
@@ -220,7 +228,7 @@ class Attribution:
             "tokens": self.tokens,
             "words": self.words,
             "params": self.params,
-            "targets": self.targets,
+            "rows": self.rows,
             "blocks": len(self.store.parts),
             "extras": {k: {"dims": list(s.dims), "blocks": len(s.parts)} for k, s in self.extra_store.items()},
         }
@@ -251,8 +259,8 @@ class Attribution:
         extras_man = man.get("extras", {})
         if not isinstance(extras_man, dict) or not all(isinstance(e, dict) for e in extras_man.values()):
             raise MixlensError(f"{man_path}: 'extras' must map names to their axes and block counts")
-        targets = checked_targets(man, tokens, man_path)
-        rows = None if targets is None else [len(r) for r in targets]
+        positions = checked_rows(man, tokens, man_path)
+        rows = None if positions is None else [len(r) for r in positions]
         tensors, meta = read_tensors(path.with_suffix(".safetensors"))
         check_save_id(man, meta, man_path)
         lengths = [len(t) for t in tokens]
@@ -273,7 +281,7 @@ class Attribution:
             )
             for k, e in extras_man.items()
         }
-        return cls(store, dims, tokens, method, model, params, words, extras, targets)
+        return cls(store, dims, tokens, method, model, params, words, extras, positions)
 
 
 def _word_groups(words: list[int | None]) -> list[list[int]]:

@@ -20,7 +20,7 @@ from mixlens.result.validation import (
     checked_dims,
     checked_explained,
     checked_field,
-    checked_json_targets,
+    checked_json_rows,
     checked_tokens,
     checked_words,
 )
@@ -111,7 +111,7 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
     dims: dict[str, tuple[str, ...]] = {}
     extra_dims: dict[tuple[str, str], tuple[str, ...]] = {}
     means: dict[str, list[np.ndarray]] = {}
-    rows: dict[str, list[list[int] | None]] = {}  # target-row mode (`analyze --targets`): positions per input
+    rows: dict[str, list[list[int] | None]] = {}  # row mode (`analyze --rows`): positions per input
     explained: list[Any] = []  # `explain`'s JSON: each input's target
     for b, inp in enumerate(obj["inputs"]):
         at = f"{where}: input {b + 1}"
@@ -134,7 +134,7 @@ def from_json(cls: type[Analysis], obj: object, where: str = "the JSON") -> Anal
             d = checked_dims(m.get("dims"), Path(where), f"the axes of '{name}'")
             if dims.setdefault(name, d) != d:
                 raise MixlensError(f"{at}: '{name}' has other axes than in input 1")
-            pos = checked_json_targets(m.get("targets"), d, len(toks), f"{at}: '{name}'")
+            pos = checked_json_rows(m, d, len(toks), f"{at}: '{name}'")
             if b and (pos is None) != (rows[name][0] is None):
                 raise MixlensError(f"{at}: '{name}' gives target rows for some inputs only")
             rows.setdefault(name, []).append(pos)

@@ -37,7 +37,7 @@ def check_rows(
 ) -> None:
     """Per-input rows from untrusted arrays (a loaded file), before they are stored (`InputRows.checked`): every input
     exactly once, float values with one row per input number, token axes as long as the block's longest input (the
-    `target` axis of target-row mode: its inputs' most `rows`), other axes equal in every block."""
+    `target` axis of row mode: its inputs' most `rows`), other axes equal in every block."""
     seen = np.zeros(len(lengths), bool)
     sizes: dict[int, int] = {}
     for k, (i, a) in enumerate(parts):
@@ -55,7 +55,7 @@ def check_rows(
             raise MixlensError(f"{what}: an input appears in more than one row")
         seen[i] = True
         longest = max(lengths[b] for b in i.tolist())
-        most_rows = longest if rows is None else max(rows[b] for b in i.tolist())  # target-row mode
+        most_rows = longest if rows is None else max(rows[b] for b in i.tolist())  # row mode
         for ax, d in enumerate(dims):
             size = a.shape[ax + 1]
             if d == "target" and rows is not None:
@@ -112,21 +112,23 @@ def checked_dims(value: object, path: Path, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def checked_targets(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int]] | None:
-    """The target positions of target-row mode from a manifest, checked against the tokens (None: every row)."""
-    targets = man.get("targets")
-    if targets is None:
+def checked_rows(man: dict[str, Any], tokens: list[list[str]], path: Path) -> list[list[int]] | None:
+    """The row positions of row mode from a manifest, checked against the tokens (None: every row). Files of
+    earlier versions name them 'targets'."""
+    key = "rows" if "rows" in man else "targets"
+    rows = man.get(key)
+    if rows is None:
         return None
     if (
-        not isinstance(targets, list)
-        or len(targets) != len(tokens)
+        not isinstance(rows, list)
+        or len(rows) != len(tokens)
         or not all(
             isinstance(r, list) and all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(t) for p in r)
-            for r, t in zip(targets, tokens, strict=True)
+            for r, t in zip(rows, tokens, strict=True)
         )
     ):
-        raise MixlensError(f"{path}: 'targets' must list, per input, token positions inside that input")
-    return targets
+        raise MixlensError(f"{path}: '{key}' must list, per input, token positions inside that input")
+    return rows
 
 
 def checked_answer(value: object, what: str) -> None:
@@ -215,7 +217,7 @@ def checked_explained(value: object, n: int, where: str) -> list[dict[str, Any]]
 
 def checked_array(value: object, dims: tuple[str, ...], n: int, what: str, rows: int | None = None) -> np.ndarray:
     """Nested lists of numbers → a float32 array with one axis per name in `dims`, token axes of length n (the
-    `target` axis of target-row mode: `rows`). Only numbers are accepted (not strings, booleans or null)."""
+    `target` axis of row mode: `rows`). Only numbers are accepted (not strings, booleans or null)."""
     if isinstance(value, (str, bytes)):
         raise MixlensError(f"{what}: values are not a regular array of numbers")
     try:
@@ -268,7 +270,7 @@ def _check_extras(attributions: Mapping[str, Attribution], where: str) -> None:
     for name, a in attributions.items():
         for k, st in a.extra_store.items():
             want = declared.get(name, {}).get(k)
-            if want is not None and a.dims == ("target", "source") and a.targets is not None:
+            if want is not None and a.dims == ("target", "source") and a.rows is not None:
                 want = ["target", *want]  # an explained answer: one row per answer token (`explain(answer=)`)
             if want is not None and tuple(want) != st.dims:
                 raise MixlensError(
@@ -285,20 +287,21 @@ def _check_extras(attributions: Mapping[str, Attribution], where: str) -> None:
                     )
 
 
-def checked_json_targets(value: object, dims: tuple[str, ...], n: int, what: str) -> list[int] | None:
-    """The `targets` of one method of one input in analyze's JSON (target-row mode): distinct integer positions
-    inside the input's n tokens, for a method with a `target` axis; None when absent."""
+def checked_json_rows(m: dict[str, Any], dims: tuple[str, ...], n: int, what: str) -> list[int] | None:
+    """The `rows` of one method `m` of one input in analyze's JSON (row mode; 'targets' in files of earlier
+    versions): distinct integer positions inside the input's n tokens, for a method with a `target` axis; None
+    when absent."""
+    key = "rows" if "rows" in m else "targets"
+    value = m.get(key)
     if value is None:
         return None
     if "target" not in dims:
-        raise MixlensError(f"{what}: 'targets' given for a method without a 'target' axis")
+        raise MixlensError(f"{what}: '{key}' given for a method without a 'target' axis")
     if (
         not isinstance(value, list)
         or not value
         or not all(is_int(p) and 0 <= p < n for p in value)
         or len(set(value)) != len(value)
     ):
-        raise MixlensError(
-            f"{what}: 'targets' must list distinct integer token positions inside the input ({n} tokens)"
-        )
+        raise MixlensError(f"{what}: '{key}' must list distinct integer token positions inside the input ({n} tokens)")
     return value

@@ -125,7 +125,7 @@ def build_payload(
         if a.dims[-1] == "source" and a.dims[-2:] != ("target", "source"):
             scores.append(_scores_entry(name, a, shown))
             continue
-        if a.dims[-2:] == ("target", "source") and a.targets is not None:
+        if a.dims[-2:] == ("target", "source") and a.rows is not None:
             rowed.append((name, a))
             continue
         if a.dims[-2:] != ("target", "source"):
@@ -167,7 +167,7 @@ def build_payload(
             continue
         used += size(a) + (0 if per_head is None else size(per_head) * n_heads(per_head))
         methods.append(_method_entry(name, a, per_head, shown))
-    for name, a in rowed:  # target-row mode (`analyze --targets`): each computed row as per-token scores
+    for name, a in rowed:  # row mode (`analyze --rows`): each computed row as per-token scores
         rows = sum(
             int(np.prod([s for s, d in zip(a.input(b).shape, a.dims, strict=True) if d not in ("head", "source")])) * n
             for b, n in enumerate(shown)
@@ -176,7 +176,7 @@ def build_payload(
             dropped.append(name)
             continue
         used += rows
-        scores.append(_target_rows_entry(name, a, shown, tokens))
+        scores.append(_rows_entry(name, a, shown, tokens))
         notes.append(f"'{name}' holds only target rows: each row is shown as per-token scores (below the view)")
     if dropped:
         notes.append(
@@ -257,10 +257,10 @@ def _has_negative(v: np.ndarray) -> bool:
     return bool(np.any(np.isfinite(v) & (v < 0)))
 
 
-def _target_rows_entry(name: str, a: Attribution, shown: list[int], tokens: list[list[str]]) -> dict[str, Any]:
-    """A map of target rows only ([*lead, K, source], `Attribution.targets`) as per-token score rows: one row per
+def _rows_entry(name: str, a: Attribution, shown: list[int], tokens: list[list[str]]) -> dict[str, Any]:
+    """A map of target rows only ([*lead, K, source], `Attribution.rows`) as per-token score rows: one row per
     leading index (heads averaged) and computed target, labelled with its position and token."""
-    assert a.targets is not None
+    assert a.rows is not None
     rows = []
     for b, n in enumerate(shown):
         v = a.input(b)[..., :n]
@@ -272,7 +272,7 @@ def _target_rows_entry(name: str, a: Attribution, shown: list[int], tokens: list
         for k, block in enumerate(flat):
             where = np.unravel_index(k, v.shape[:-2]) if lead else ()
             at = "".join(f", {d} {int(i)}" for d, i in zip(lead, where, strict=True))
-            for r, pos in enumerate(a.targets[b]):
+            for r, pos in enumerate(a.rows[b]):
                 label = f"input {b + 1}{at}, target {pos} \u201c{tokens[b][pos]}\u201d"
                 rows.append({"label": label, "input": b, "values": _flat(block[r])})
     return {"name": name, "rows": rows}

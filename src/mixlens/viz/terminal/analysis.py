@@ -58,7 +58,7 @@ def _last_layer_map(attr: Any, b: int) -> tuple[Any, str]:
 
 
 def print_top_sources(attr: Any) -> None:
-    """For each token of each input (or each computed target row, with --targets), its strongest sources (by
+    """For each token of each input (or each computed row, with --rows), its strongest sources (by
     |value|) in the method's last-layer map."""
     import numpy as np
 
@@ -68,16 +68,14 @@ def print_top_sources(attr: Any) -> None:
         toks = [token_text(t) for t in raw]
         m, where = _last_layer_map(attr, b)
         m, scaled = display_rows(attr.method, m)
-        targets = list(range(len(toks))) if attr.targets is None else attr.targets[b]
+        targets = list(range(len(toks))) if attr.rows is None else attr.rows[b]
         rows = []
         for i, pos in enumerate(targets):  # row i of the map is token `pos`
             order = np.argsort(-np.abs(m[i]), kind="stable")[:TOP_SOURCES]
-            label = toks[pos] if attr.targets is None else f"{pos}: {toks[pos]}"
+            label = toks[pos] if attr.rows is None else f"{pos}: {toks[pos]}"
             rows.append([label, "  ".join(f"{toks[j]} {m[i, j]:.2f}" for j in order)])
         what = f"{attr.method}: top {TOP_SOURCES} sources of " + (
-            "each token"
-            if attr.targets is None
-            else f"target row{'s' if len(targets) > 1 else ''} {_positions(targets)}"
+            "each token" if attr.rows is None else f"target row{'s' if len(targets) > 1 else ''} {_positions(targets)}"
         )
         what += f" ({where})" if where else ""
         print_table(what + (f" — input {b + 1}" if len(attr.tokens) > 1 else ""), ["token", "sources"], rows, left=(1,))
