@@ -145,7 +145,11 @@ def _layer_miss(adapter: Adapter, k: int, lt: Any, lay: Any, limit: float) -> Mi
 
 def _values(lt: Any, lay: Any) -> torch.Tensor:
     """v = LN_in(x) W_V + b_V (pre-LN; x itself without a norm before the attention) → [B, H_kv, n, d_h]."""
-    src = lay.ln_in.module(lt.x).float() if lay.ln_in is not None else lt.x.float()
+    if lay.ln_in is not None:
+        weight = next(lay.ln_in.module.parameters(), None)  # the norm runs in its own dtype (bfloat16 models)
+        src = lay.ln_in.module(lt.x if weight is None else lt.x.to(weight.dtype)).float()
+    else:
+        src = lt.x.float()
     v = src @ lay.w_v.float() + (lay.b_v.float() if lay.b_v is not None else 0)  # [B, n, H_kv·d_h]
     return v.unflatten(-1, (lay.n_kv_heads, lay.d_head)).transpose(1, 2)
 

@@ -86,6 +86,15 @@ def test_a_forced_family_is_probed(tokenizer, capsys):
         mixlens.Lens(llama, tokenizer, family="llama3")
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_forced_family_fits_its_own_bfloat16_model(family, tokenizer):
+    """A model forced to its own layout in bfloat16 (a LayerNorm before the values: GPT-2): the probe runs each norm
+    in the model's dtype (it failed with 'mixed dtype' on GPT-2)."""
+    model = random_lens(family, tokenizer).model.to(torch.bfloat16)
+    lens = mixlens.Lens(model, tokenizer, family=family)
+    assert lens.adapter.family.name == family and lens.family_note is None
+
+
 def test_the_probe_sees_each_piece(tokenizer):
     """The probe is not vacuous: a wrong W_V, W_O or FFN reading fails at that piece of that layer."""
     from mixlens.layouts import probe
