@@ -87,11 +87,12 @@ def test_a_forced_family_is_probed(tokenizer, capsys):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_a_forced_family_fits_its_own_bfloat16_model(family, tokenizer):
-    """A model forced to its own layout in bfloat16 (a LayerNorm before the values: GPT-2): the probe runs each norm
-    in the model's dtype (it failed with 'mixed dtype' on GPT-2)."""
-    model = random_lens(family, tokenizer).model.to(torch.bfloat16)
-    lens = mixlens.Lens(model, tokenizer, family=family)
+def test_a_forced_family_fits_its_own_bfloat16_model(family, tokenizer, tmp_path):
+    """A model loaded in bfloat16 and forced to its own layout (a LayerNorm before the values: GPT-2): the probe runs
+    each norm in the model's dtype (it failed with 'mixed dtype' on GPT-2)."""
+    random_lens(family, tokenizer, head="AutoModelForCausalLM").model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    lens = mixlens.load(str(tmp_path), dtype="bfloat16", family=family)
     assert lens.adapter.family.name == family and lens.family_note is None
 
 
