@@ -200,7 +200,7 @@ class LayerStream:
         self.memo = Memo(rows=rows, streamed=frozenset(s.name for s in specs), progress=on_layer)
         if any(s.engine for s in specs) or any(st.norm_run(family) for st in streams):
             self.memo.put(NORM_RUN, NormRun.start(adapter, mask, rows))
-        self.every_row = any(st.whole and st.norm_run(family) for st in streams)  # N-Res of every row, for a sink
+        self.every_row = any(st.whole and st.norm_run(family) for st in streams)  # pair maps of any row, for a sink
 
     def __call__(self, index: int, lt: LayerTrace) -> None:
         """Take layer `index`'s trace: keep the target rows' attention, run the norm engine's layer step when
@@ -209,7 +209,7 @@ class LayerStream:
         layer.keep("alpha", lt.alpha_rows(self.rows))
         run = self.memo.get(NORM_RUN)
         if run is not None:
-            layer.n_res = stream_layer(run, lt, index, self.every_row)
+            layer.pairs = stream_layer(run, lt, index, self.every_row)
         for sink, whole in self.sinks.values():
             sink(layer, whole)
         release(self.mask.shape[1])

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from mixlens.errors import MixlensError
+import mixlens.methods.norms as norms
 from mixlens.explain import explain
 from mixlens.methods.reference import decompose
 from mixlens.methods.registry import refused_by
-from mixlens.pipeline import run_methods
+from mixlens.pipeline import resolve_targets, run_methods, stream_trace
 from tests.conftest import SENTENCES, random_lens
 
 ROLLOUTS = {"norm_rollout": "n", "norm_res_rollout": "n_res", "norm_resln_rollout": "n_resln"}
@@ -54,10 +54,38 @@ def test_norm_res_rollout_differs_from_norm_rollout(bundled):
     assert np.abs(a - b).max() > 0.1 * np.abs(b).max()
 
 
-def test_target_row_mode_is_refused(bundled):
-    tr = bundled.trace(bundled.encode(SENTENCES[:1]))
-    with pytest.raises(MixlensError, match="norm_rollout"):
-        run_methods(tr, ["norm_rollout"], targets=[1])
+ROW_FAMILIES = ["bert", "gpt2", "llama", "mpnet", "gemma3_text", "bloom", "falcon"]  # post-LN, pre-LN LayerNorm and
+# RMS, sandwich, ALiBi, parallel multi-query
+
+
+def _assert_rows_equal(got: torch.Tensor, full: torch.Tensor, rows: torch.Tensor, name: str) -> None:
+    """got [B, L, K, n] equals rows [B, K] of full [B, L, n, n] to 1e-6 of each row's largest value (float32)."""
+    want = full.gather(2, rows[:, None, :, None].expand(-1, full.shape[1], -1, full.shape[-1]))
+    assert got.shape == want.shape, name
+    scale = want.abs().amax(-1, keepdim=True)
+    err = ((got - want).abs() / torch.where(scale > 0, scale, 1.0)).max()
+    assert err <= 1e-6, (name, float(err))
+    assert want.abs().amax() > 0, name
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("family", ROW_FAMILIES)
+def test_target_rows_equal_the_rows_of_the_full_maps(family, compiled, tokenizer, monkeypatch):
+    """Row mode (the rows propagated down the layers from each layer's map rows) equals the full product's rows, on a
+    full trace (rows from the engine's token pass) and a streamed one (causal LMs: from q and K, no n × n)."""
+    monkeypatch.setattr(norms, "COMPILED", compiled)
+    lens = random_lens(family, tokenizer)
+    names = [m for m in ROLLOUTS if m not in refused_by(lens.adapter.family)]
+    enc = lens.encode(SENTENCES)  # three lengths: a padded batch
+    full = run_methods(lens.trace(enc), names).values
+    for spec in ("last", [0, -1, 2]):
+        streamed = stream_trace(lens.adapter, lens.model, enc.inputs, names, spec, lens.tokenizer)
+        assert all(lt.alpha.numel() == 0 for lt in streamed.layers)
+        for tr in (lens.trace(enc), streamed):
+            rows = resolve_targets(spec, tr.lengths)
+            got = run_methods(tr, names, targets=spec).values
+            for name in names:
+                _assert_rows_equal(got[name], full[name], rows, name)
 
 
 def test_explain_reads_the_cls_row_of_the_last_layer(tokenizer):
