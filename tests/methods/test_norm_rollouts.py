@@ -97,3 +97,28 @@ def test_explain_reads_the_cls_row_of_the_last_layer(tokenizer):
             want = res[name].input(b)[-1, 0]  # [CLS] row of the last layer
             np.testing.assert_allclose(e.scores[name], want, rtol=1e-5, atol=1e-7, err_msg=name)
             assert torch.isfinite(torch.as_tensor(e.scores[name])).all()
+
+
+def test_target_rows_of_a_deep_model_are_the_full_rows_up_to_one_factor(tokenizer):
+    """30 layers: the plain products leave [2⁻⁶⁴, 2⁶⁴], so full mode divides each layer, row mode each row, by a power
+    of two (`rollout.in_range`). The streamed rows stay finite with their largest value in range, and each is the full
+    map's row times one positive factor (compared where the values are within 2⁻⁶⁰ of the row's largest: N, with no
+    residual, spans more than float32 within one row)."""
+    lens = random_lens("llama", tokenizer, num_hidden_layers=30)
+    names = list(ROLLOUTS)
+    enc = lens.encode(SENTENCES[:2])
+    full = run_methods(lens.trace(enc), names).values
+    tr = stream_trace(lens.adapter, lens.model, enc.inputs, names, [1, -1], lens.tokenizer)
+    got = run_methods(tr, names, targets=[1, -1]).values
+    rows = resolve_targets([1, -1], tr.lengths)
+    for name in names:
+        want = full[name].gather(2, rows[:, None, :, None].expand(-1, 30, -1, full[name].shape[-1])).double()
+        have = got[name].double()
+        assert torch.isfinite(have).all(), name
+        top = have.amax(-1)
+        assert ((top >= 2.0**-64) & (top <= 2.0**64)).all(), name
+        big = want >= 2.0**-60 * want.amax(-1, keepdim=True)
+        ratio = torch.where(big, have / torch.where(big, want, 1.0), 0.0)
+        one = ratio.amax(-1, keepdim=True)  # the row's factor
+        assert (one > 0).all(), name
+        torch.testing.assert_close(ratio, torch.where(big, one, 0.0), rtol=1e-5, atol=0, msg=name)
