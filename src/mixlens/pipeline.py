@@ -226,11 +226,14 @@ def stream_trace(
     targets: Targets,
     tokenizer: object | None = None,
     on_layer: LayerProgress | None = None,
+    output: bool = False,
+    logit_at: torch.Tensor | None = None,
 ) -> Trace:
     """One forward pass in target-row streaming mode for `methods` (all declaring `target_rows`) and `targets` (not
     all rows): each layer is consumed by a `LayerStream` as soon as it is complete and its α dropped, so the trace
     never holds the layers' n × n attention maps. `run_methods(trace, methods, targets=targets)` then finishes
-    (rollout row propagation, the per-run check) from what the stream kept; other methods or targets are refused."""
+    (rollout row propagation, the per-run check) from what the stream kept; other methods or targets are refused.
+    `output`: the pass also runs the model head (`Trace.logits`; with `logit_at` [K], of those positions only)."""
     mask = inputs["attention_mask"].bool()
     rows = resolve_targets(targets, mask.sum(-1).tolist())
     if rows is None:
@@ -245,9 +248,10 @@ def stream_trace(
         inputs,
         ffn=capture,
         tokenizer=tokenizer,
-        to_output=capture,
+        to_output=capture or output,
         sink=stream,
         qk_rows=adapter.family.causal,
+        logit_at=logit_at if output else None,
     )
     trace.memo = stream.memo
     return trace
