@@ -290,7 +290,9 @@ class Lens:
         if trace is not True and (isinstance(trace, bool) or not needs_capture(trace)):
             return Trace(self.adapter, self.model, enc.inputs, [], None, self.tokenizer)  # inputs only, no forward
         if not isinstance(trace, bool) and streams(trace, rows):
-            return stream_trace(self.adapter, self.model, enc.inputs, trace, rows, self.tokenizer, on_layer)
+            return stream_trace(
+                self.adapter, self.model, enc.inputs, trace, rows, self.tokenizer, on_layer, output, logit_at
+            )
         qk_rows = not isinstance(trace, bool) and qk_trace(trace, self.adapter)
         head = output or isinstance(trace, bool) or any(method_registry.get(m).reads_head for m in trace)
         return self.trace(enc, ffn=ffn, to_output=to_output or output, qk_rows=qk_rows, head=head, logit_at=logit_at)

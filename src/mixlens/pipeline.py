@@ -211,7 +211,7 @@ class LayerStream:
         self.memo = Memo(rows=rows, streamed=frozenset(s.name for s in specs), progress=on_layer)
         if any(s.engine for s in specs) or any(st.norm_run(family) for st in streams):
             self.memo.put(NORM_RUN, NormRun.start(adapter, mask, rows))
-        self.every_row = any(st.whole and st.norm_run(family) for st in streams)  # N-Res of every row, for a sink
+        self.every_row = any(st.whole and st.norm_run(family) for st in streams)  # pair maps of any row, for a sink
 
     def __call__(self, index: int, lt: LayerTrace) -> None:
         """Take layer `index`'s trace: keep the target rows' attention, run the norm engine's layer step when
@@ -220,7 +220,7 @@ class LayerStream:
         layer.keep("alpha", lt.alpha_rows(self.rows))
         run = self.memo.get(NORM_RUN)
         if run is not None:
-            layer.n_res = stream_layer(run, lt, index, self.every_row)
+            layer.pairs = stream_layer(run, lt, index, self.every_row)
         for sink, whole in self.sinks.values():
             sink(layer, whole)
         release(self.mask.shape[1])
@@ -237,11 +237,14 @@ def stream_trace(
     rows: Rows,
     tokenizer: object | None = None,
     on_layer: LayerProgress | None = None,
+    output: bool = False,
+    logit_at: torch.Tensor | None = None,
 ) -> Trace:
     """One forward pass in row streaming mode for `methods` (all declaring `row_mode`) and `rows` (not
     all rows): each layer is consumed by a `LayerStream` as soon as it is complete and its α dropped, so the trace
     never holds the layers' n × n attention maps. `run_methods(trace, methods, rows=rows)` then finishes
-    (rollout row propagation, the per-run check) from what the stream kept; other methods or rows are refused."""
+    (rollout row propagation, the per-run check) from what the stream kept; other methods or rows are refused.
+    `output`: the pass also runs the model head (`Trace.logits`; with `logit_at` [K], of those positions only)."""
     mask = inputs["attention_mask"].bool()
     positions = resolve_rows(rows, mask.sum(-1).tolist())
     if positions is None:
@@ -256,9 +259,10 @@ def stream_trace(
         inputs,
         ffn=capture,
         tokenizer=tokenizer,
-        to_output=capture,
+        to_output=capture or output,
         sink=stream,
         qk_rows=adapter.family.causal,
+        logit_at=logit_at if output else None,
     )
     trace.memo = stream.memo
     return trace

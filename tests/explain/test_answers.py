@@ -22,7 +22,7 @@ from tests.conftest import random_lens
 PROMPT = "The keys to the cabinet"
 ANSWER = " are on the table"
 DECOMPOSITIONS = ["logit_attn", "alti_logit", "decompx_logit", "flow_routes_tokens"]
-MAPS = ["attention_rollout", "alti_rollout", "norm_res_rollout"]
+MAPS = ["attention_rollout", "alti_rollout", "norm_rollout", "norm_res_rollout", "norm_resln_rollout"]
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -283,3 +283,36 @@ def test_the_decompositions_trace_keeps_the_answer_rows_logits_only(causal, monk
     ex = explain(causal, [PROMPT], ["logit_attn"], answer=ANSWER)
     m = len(ex.explained[0]["answer"]["ids"])
     assert kept == [(1, m, causal.model.config.vocab_size)]  # [batch, answer rows, vocabulary], not every position
+
+
+def test_the_norm_rollouts_build_the_answer_rows_only(causal, answered, monkeypatch):
+    """The norm rollouts' answer rows come from their row mode: the full n × n product is never formed."""
+    import mixlens.methods.norm_rollouts as norm_rollouts
+
+    def full_product(*a, **k):
+        raise AssertionError("the full rollout ran")
+
+    monkeypatch.setattr(norm_rollouts, "rollout", full_product)
+    names = ["norm_rollout", "norm_res_rollout", "norm_resln_rollout"]
+    ex = explain(causal, [PROMPT], names, answer=ANSWER)
+    for name in names:
+        np.testing.assert_allclose(ex[name].input(0), answered[name].input(0), rtol=1e-6, atol=0, err_msg=name)
+
+
+def test_streamed_maps_alone_take_the_log_probabilities_from_their_one_pass(causal):
+    """With only streamed methods, the streamed pass also gives the answer's log-probabilities (the logits of the
+    answer positions): one forward pass of the model, no second plain one (eager attention at 8k: 6 GB)."""
+    calls: list[int] = []
+    hook = causal.adapter.layers[0].module.register_forward_hook(lambda *a: calls.append(1))  # every pass
+    try:
+        ex = explain(causal, [PROMPT], ["norm_rollout", "attention_rollout"], answer=ANSWER)
+    finally:
+        hook.remove()
+    assert len(calls) == 1
+    head = answer_prompt(causal, PROMPT)
+    answer = ex.explained[0]["answer"]
+    inputs = causal.encode_ids([head + answer["ids"]]).inputs
+    with torch.no_grad():
+        logp = causal.model(**inputs).logits[0].float().log_softmax(-1)
+    pos = [len(head) - 1 + r for r in range(len(answer["ids"]))]
+    np.testing.assert_allclose(answer["logprobs"], logp[pos, answer["ids"]].numpy(), rtol=1e-5)

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from mixlens.errors import MixlensError
+import mixlens.methods.norms as norms
 from mixlens.explain import explain
 from mixlens.methods.reference import decompose
 from mixlens.methods.registry import refused_by
-from mixlens.pipeline import run_methods
+from mixlens.pipeline import resolve_rows, run_methods, stream_trace
 from tests.conftest import SENTENCES, random_lens
 
 ROLLOUTS = {"norm_rollout": "n", "norm_res_rollout": "n_res", "norm_resln_rollout": "n_resln"}
@@ -54,10 +54,38 @@ def test_norm_res_rollout_differs_from_norm_rollout(bundled):
     assert np.abs(a - b).max() > 0.1 * np.abs(b).max()
 
 
-def test_target_row_mode_is_refused(bundled):
-    tr = bundled.trace(bundled.encode(SENTENCES[:1]))
-    with pytest.raises(MixlensError, match="norm_rollout"):
-        run_methods(tr, ["norm_rollout"], rows=[1])
+ROW_FAMILIES = ["bert", "gpt2", "llama", "mpnet", "gemma3_text", "bloom", "falcon"]  # post-LN, pre-LN LayerNorm and
+# RMS, sandwich, ALiBi, parallel multi-query
+
+
+def _assert_rows_equal(got: torch.Tensor, full: torch.Tensor, rows: torch.Tensor, name: str) -> None:
+    """got [B, L, K, n] equals rows [B, K] of full [B, L, n, n] to 1e-6 of each row's largest value (float32)."""
+    want = full.gather(2, rows[:, None, :, None].expand(-1, full.shape[1], -1, full.shape[-1]))
+    assert got.shape == want.shape, name
+    scale = want.abs().amax(-1, keepdim=True)
+    err = ((got - want).abs() / torch.where(scale > 0, scale, 1.0)).max()
+    assert err <= 1e-6, (name, float(err))
+    assert want.abs().amax() > 0, name
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("family", ROW_FAMILIES)
+def test_row_mode_equal_the_rows_of_the_full_maps(family, compiled, tokenizer, monkeypatch):
+    """Row mode (the rows propagated down the layers from each layer's map rows) equals the full product's rows, on a
+    full trace (rows from the engine's token pass) and a streamed one (causal LMs: from q and K, no n × n)."""
+    monkeypatch.setattr(norms, "COMPILED", compiled)
+    lens = random_lens(family, tokenizer)
+    names = [m for m in ROLLOUTS if m not in refused_by(lens.adapter.family)]
+    enc = lens.encode(SENTENCES)  # three lengths: a padded batch
+    full = run_methods(lens.trace(enc), names).values
+    for spec in ("last", [0, -1, 2]):
+        streamed = stream_trace(lens.adapter, lens.model, enc.inputs, names, spec, lens.tokenizer)
+        assert all(lt.alpha.numel() == 0 for lt in streamed.layers)
+        for tr in (lens.trace(enc), streamed):
+            rows = resolve_rows(spec, tr.lengths)
+            got = run_methods(tr, names, rows=spec).values
+            for name in names:
+                _assert_rows_equal(got[name], full[name], rows, name)
 
 
 def test_explain_reads_the_cls_row_of_the_last_layer(tokenizer):
@@ -69,3 +97,28 @@ def test_explain_reads_the_cls_row_of_the_last_layer(tokenizer):
             want = res[name].input(b)[-1, 0]  # [CLS] row of the last layer
             np.testing.assert_allclose(e.scores[name], want, rtol=1e-5, atol=1e-7, err_msg=name)
             assert torch.isfinite(torch.as_tensor(e.scores[name])).all()
+
+
+def test_target_rows_of_a_deep_model_are_the_full_rows_up_to_one_factor(tokenizer):
+    """30 layers: the plain products leave [2⁻⁶⁴, 2⁶⁴], so full mode divides each layer, row mode each row, by a power
+    of two (`rollout.in_range`). The streamed rows stay finite with their largest value in range, and each is the full
+    map's row times one positive factor (compared where the values are within 2⁻⁶⁰ of the row's largest: N, with no
+    residual, spans more than float32 within one row)."""
+    lens = random_lens("llama", tokenizer, num_hidden_layers=30)
+    names = list(ROLLOUTS)
+    enc = lens.encode(SENTENCES[:2])
+    full = run_methods(lens.trace(enc), names).values
+    tr = stream_trace(lens.adapter, lens.model, enc.inputs, names, [1, -1], lens.tokenizer)
+    got = run_methods(tr, names, rows=[1, -1]).values
+    rows = resolve_rows([1, -1], tr.lengths)
+    for name in names:
+        want = full[name].gather(2, rows[:, None, :, None].expand(-1, 30, -1, full[name].shape[-1])).double()
+        have = got[name].double()
+        assert torch.isfinite(have).all(), name
+        top = have.amax(-1)
+        assert ((top >= 2.0**-64) & (top <= 2.0**64)).all(), name
+        big = want >= 2.0**-60 * want.amax(-1, keepdim=True)
+        ratio = torch.where(big, have / torch.where(big, want, 1.0), 0.0)
+        one = ratio.amax(-1, keepdim=True)  # the row's factor
+        assert (one > 0).all(), name
+        torch.testing.assert_close(ratio, torch.where(big, one, 0.0), rtol=1e-5, atol=0, msg=name)

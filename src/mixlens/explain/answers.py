@@ -173,8 +173,12 @@ def explain_answer(
     streamed = [m for m in methods if get(m).row_mode and get(m).dims != ("source",)]
     others = [m for m in methods if m not in streamed]
     out: dict[str, np.ndarray] = {}
-    if streamed:
-        rowed = lens.trace_for(enc, streamed, rows=rows)
+    # the logits of the answer positions only (a vocabulary row per position is the largest part of a long trace)
+    at = torch.tensor(sorted(set(rows)), device=enc.inputs["input_ids"].device) if keeps_logits(lens.model) else None
+    if streamed:  # with no other method, this pass also gives the answer's log-probabilities
+        rowed = lens.trace_for(enc, streamed, rows=rows, output=not others, logit_at=at)
+        if not others:
+            answer.logprobs = logprobs(lens, rowed, ids, answer)
         for name in streamed:
             t0 = time.perf_counter()
             v = run_methods(rowed, [name], rows=rows).values[name]  # [1, layer, K, n]
@@ -183,8 +187,6 @@ def explain_answer(
             if on_method:
                 on_method(name)
         del rowed
-    # the logits of the answer positions only (a vocabulary row per position is the largest part of a long trace)
-    at = torch.tensor(sorted(set(rows)), device=enc.inputs["input_ids"].device) if keeps_logits(lens.model) else None
     trace = lens.trace_for(enc, others, output=True, logit_at=at) if others else None
     if trace is not None:
         gradient_rows(trace, [m for m in others if get(m).inputs_only], requests)
@@ -218,7 +220,8 @@ def explain_answer(
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
         if on_method:
             on_method(name)
-    answer.logprobs = logprobs(lens, trace, ids, answer)
+    if others or not streamed:
+        answer.logprobs = logprobs(lens, trace, ids, answer)
     return out
 
 

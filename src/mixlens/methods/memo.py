@@ -15,6 +15,7 @@ from mixlens.trace import LayerTrace, Trace
 
 if TYPE_CHECKING:
     from mixlens.adapters import Family, Layer
+    from mixlens.methods.norms import PairRows
 
 T = TypeVar("T")
 RowsFn = Callable[[torch.Tensor], torch.Tensor]  # positions [B, K'] → rows [B, K', n] of one layer's matrix
@@ -71,9 +72,10 @@ class StreamLayer:
     """What a method's layer sink (`registry.Stream.sink`) sees of layer `index` while the forward pass of a streamed
     trace runs (its tensors alive in `lt`): the model's `layer` and `family`, the real-token `mask` [B, n], the
     target `rows` [B, K], and, when a requested stream asked the norm engine for it (`Stream.norm_run` and
-    `whole`), the engine's N-Res rows of this layer (`n_res`). A sink keeps what its methods read afterwards with
-    `keep` (this layer's rows [B, K, n]) or `keep_fn` (a factory of any rows, for a rollout). A factory must not hold
-    `lt` or this object (the layer's tensors are freed after the sinks ran)."""
+    `whole`), the engine's N, N-Res and N-ResLN rows of this layer (`pairs`; N-Res alone: `n_res`). A sink keeps
+    what its methods read afterwards with `keep` (this layer's rows [B, K, n]) or `keep_fn` (a factory of any rows,
+    for a rollout). A factory must not hold `lt` or this object (the layer's tensors are freed after the sinks
+    ran)."""
 
     index: int
     lt: LayerTrace
@@ -82,7 +84,13 @@ class StreamLayer:
     mask: torch.Tensor
     rows: torch.Tensor
     memo: Memo
-    n_res: RowsFn | None = None
+    pairs: Callable[[torch.Tensor], PairRows] | None = None  # positions [B, K'] → the pair maps' rows
+
+    @property
+    def n_res(self) -> RowsFn | None:
+        """The rows of this layer's N-Res matrix (`pairs`), positions [B, K'] → [B, K', n]; None without `pairs`."""
+        pairs = self.pairs
+        return None if pairs is None else lambda rows: pairs(rows).n_res
 
     @property
     def row_mode(self) -> bool:

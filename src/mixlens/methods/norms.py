@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -441,14 +442,23 @@ class NormRun:
         )
 
 
+class PairRows(NamedTuple):
+    """Rows at positions [B, K'] of one layer's pair maps, each [B, K', n] (padding rows 0)."""
+
+    n: torch.Tensor  # ‖u_ij‖
+    n_res: torch.Tensor  # ‖t_ij‖
+    n_resln: torch.Tensor  # ‖g_i(t_ij)‖
+
+
 @torch.no_grad()
 def stream_layer(
     run: NormRun, lt: LayerTrace, index: int, every_row: bool = False
-) -> Callable[[torch.Tensor], torch.Tensor] | None:
+) -> Callable[[torch.Tensor], PairRows] | None:
     """Both passes of one layer, inside the forward pass (row streaming): writes layer `index` of the maps
     (its target rows) and keeps only the pass results the check needs, not α. `every_row`: also returns the rows of
-    the layer's N-Res matrix, positions [B, K'] → [B, K', n] (padding 0; what a rollout propagates through): from the
-    whole matrix, computed here, or in row mode (`lt.qk`) computed when asked from q and K, with no n × n held."""
+    the layer's N, N-Res and N-ResLN matrices, positions [B, K'] → `PairRows` (what a rollout propagates through):
+    from the whole matrices, computed here, or in row mode (`lt.qk`) computed when asked from q and K, with no n × n
+    held."""
     tok, maps = run.tok, run.maps
     lay = run.adapter.layers[index]
     st = LayerState.of(lt, lay, tok, index)
@@ -459,9 +469,10 @@ def stream_layer(
             return None
         small = lt.for_rows()
 
-        def rows_of(rows: torch.Tensor) -> torch.Tensor:
+        def rows_of(rows: torch.Tensor) -> PairRows:
             asked = tok.with_targets(rows)
-            return run.rows(LayerState.for_rows(small, lay, asked, index), asked).n_res[:, 0]
+            view = run.rows(LayerState.for_rows(small, lay, asked, index), asked)
+            return PairRows(view.n[:, 0], view.n_res[:, 0], view.n_resln[:, 0])
 
         return rows_of
     run.token_passes([st])
@@ -473,8 +484,8 @@ def stream_layer(
     rows = tok.layout.targets
     for out, full in zip(maps[3:], view[3:], strict=True):  # n, n_res, n_resln, alpha_mean
         out[:, index] = full[:, 0].gather(1, rows[:, :, None].expand(-1, -1, n))
-    mat = view.n_res[:, 0]
-    return lambda rows: mat.gather(1, rows[:, :, None].expand(-1, -1, n))
+    mats = PairRows(view.n[:, 0], view.n_res[:, 0], view.n_resln[:, 0])
+    return lambda rows: PairRows(*(m.gather(1, rows[:, :, None].expand(-1, -1, n)) for m in mats))
 
 
 BLOCK_NORMS = "block_norms"  # memo keys: the engine's result,

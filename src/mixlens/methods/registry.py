@@ -257,7 +257,7 @@ class Stream:
     (`StreamLayer.keep` / `keep_fn` under `key`). Methods that read the same quantity name the same `key` and `sink`:
     it runs once per layer, with `whole` true when one of them needs rows at any position (a rollout's backward
     row propagation), not only the target rows. `norm_run(family)`: the stream also needs the norm engine's passes
-    (`norms.stream_layer`), whose N-Res rows of every position reach the sink (`StreamLayer.n_res`) when `whole`;
+    (`norms.stream_layer`), whose pair-map rows of every position reach the sink (`StreamLayer.pairs`) when `whole`;
     `capture(family)`: the pass also captures the FFN and runs to each layer's output (else it stops after the last
     attention block)."""
 
