@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -15,7 +15,6 @@ from mixlens.trace import LayerTrace, Trace
 
 if TYPE_CHECKING:
     from mixlens.adapters import Family, Layer
-    from mixlens.methods.norms import PairRows
 
 T = TypeVar("T")
 RowsFn = Callable[[torch.Tensor], torch.Tensor]  # positions [B, K'] → rows [B, K', n] of one layer's matrix
@@ -26,6 +25,14 @@ Progress = Callable[[str, int, int], None]  # (phase, layers done, layers in the
 def gathered(mat: torch.Tensor) -> LayerRowsFactory:
     """The factory of the rows of a whole matrix [B, n, n] held in memory."""
     return lambda: lambda rows: mat.gather(1, rows[:, :, None].expand(-1, -1, mat.shape[-1]))
+
+
+class PairRows(NamedTuple):
+    """Rows at positions [B, K'] of one layer's pair maps (the norm engine's), each [B, K', n] (padding rows 0)."""
+
+    n: torch.Tensor  # ‖u_ij‖
+    n_res: torch.Tensor  # ‖t_ij‖
+    n_resln: torch.Tensor  # ‖g_i(t_ij)‖
 
 
 @dataclass

@@ -26,7 +26,7 @@ from mixlens.methods.rollout import LayerRows, kept_matrices, rollout, rollout_r
 from mixlens.trace import Trace
 
 NORM_MAPS = "norm_maps"  # the key of the norm rollouts' layer sink
-MAPS = ("n", "n_res", "n_resln")  # the engine's pair maps (`norms.PairRows` fields) the rollouts propagate through
+MAPS = ("n", "n_res", "n_resln")  # the engine's pair maps (`memo.PairRows` fields) the rollouts propagate through
 
 
 def _kept(name: str) -> str:

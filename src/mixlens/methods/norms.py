@@ -22,7 +22,6 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ from mixlens.methods import _compiled, _torch_passes
 from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, TokenResults, kernel_args
 from mixlens.methods._torch_passes import quad_norm, quad_norms
 from mixlens.methods.attention import ALPHA_MEAN, rows_of, target_alpha
-from mixlens.methods.memo import memo_of
+from mixlens.methods.memo import PairRows, memo_of
 from mixlens.methods.registry import LHTS, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
 
@@ -440,14 +439,6 @@ class NormRun:
             bias_terms=torch.stack(self.bias_terms),
             error_share=share,
         )
-
-
-class PairRows(NamedTuple):
-    """Rows at positions [B, K'] of one layer's pair maps, each [B, K', n] (padding rows 0)."""
-
-    n: torch.Tensor  # ‖u_ij‖
-    n_res: torch.Tensor  # ‖t_ij‖
-    n_resln: torch.Tensor  # ‖g_i(t_ij)‖
 
 
 @torch.no_grad()
