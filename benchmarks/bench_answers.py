@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
-from rss import HERE
+from rss import HERE, measured
 
 CODE = """
 import sys, time, torch
@@ -63,22 +61,10 @@ print(weights, base, peak_gib(), dt)
 
 def run(case: str, prompt: int, answer: int, dtype: str, threads: int, random: bool) -> dict:
     code = CODE.format(here=HERE, prompt=prompt, answer=answer, case=case, dtype=dtype, threads=threads, random=random)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if out.returncode:
-        lines = [x for x in out.stderr.splitlines() if "rror" in x] or [f"exit {out.returncode}"]
-        return {"case": case, "error": lines[-1][:300]}
-    weights, base, peak, dt = out.stdout.split()[-4:]
-    return {
-        "case": case,
-        "prompt": prompt,
-        "answer": answer,
-        "dtype": dtype,
-        "weights": weights,
-        "model_loaded_gib": round(float(base), 3),
-        "peak_gib": round(float(peak), 3),
-        "work_gib": round(float(peak) - float(base), 3),
-        "seconds": round(float(dt), 2),
-    }
+    res = measured(code)
+    if "error" in res:
+        return {"case": case, **res}
+    return {"case": case, "prompt": prompt, "answer": answer, "dtype": dtype, **res}
 
 
 def main() -> None:

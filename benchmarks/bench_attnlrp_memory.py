@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
-from rss import HERE
+from rss import HERE, measured
 
 CODE = """
 import sys, time, torch
@@ -104,20 +102,15 @@ def run(case: str, n: int, dtype: str, threads: int, device: str, random: bool, 
     code = CODE.format(
         here=HERE, n=n, case=case, dtype=dtype, threads=threads, device=device, random=random, layers=layers
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if out.returncode:
-        return {"case": case, "tokens": n, "error": out.stderr.strip().splitlines()[-1][:200]}
-    weights, base, peak, dt = out.stdout.split()[-4:]
+    res = measured(code)
+    if "error" in res:
+        return {"case": case, "tokens": n, **res}
     return {
         "case": case,
         "tokens": n,
         "dtype": dtype,
         "device": device,
-        "weights": weights,
-        "model_loaded_gib": round(float(base), 3),
-        "peak_gib": round(float(peak), 3),
-        "work_gib": round(float(peak) - float(base), 3),
-        "seconds": round(float(dt), 1),
+        **res,
         **({"layers": layers} if layers else {}),
     }
 

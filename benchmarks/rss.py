@@ -3,6 +3,8 @@ folder on `sys.path` and import it)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 HERE = str(Path(__file__).resolve().parent)  # this folder, for a spawned process's sys.path
@@ -13,3 +15,20 @@ def peak_gib() -> float:
     parent's peak)."""
     with Path("/proc/self/status").open() as fh:
         return int(next(x for x in fh if x.startswith("VmHWM")).split()[1]) / 2**20
+
+
+def measured(code: str) -> dict[str, object]:
+    """Run a benchmark's child `code` (which prints `weights base_gib peak_gib seconds` last) in a fresh process:
+    {weights, model_loaded_gib, peak_gib, work_gib, seconds}, or {error: the child's last error line}."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        lines = [x for x in out.stderr.splitlines() if "rror" in x] or out.stderr.strip().splitlines()
+        return {"error": (lines or [f"exit {out.returncode}"])[-1][:300]}
+    weights, base, peak, dt = out.stdout.split()[-4:]
+    return {
+        "weights": weights,
+        "model_loaded_gib": round(float(base), 3),
+        "peak_gib": round(float(peak), 3),
+        "work_gib": round(float(peak) - float(base), 3),
+        "seconds": round(float(dt), 2),
+    }
