@@ -398,7 +398,8 @@ def test_probes_log_one_line_each_and_no_traceback(probe, capsys):
 
 
 SERVE_WITHOUT_MODEL = """
-import contextlib, sys, time, types
+import contextlib, signal, sys, time, types
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal gives it, even under a runner that ignores it
 lens = types.ModuleType("mixlens.lens")  # no torch, no weights: a stand-in whose tokenizer takes 60 s
 lens.load = lambda *a, **k: types.SimpleNamespace(name="stand-in", tokenizer=lambda text: time.sleep(60))
 lens.runtime = lambda *a, **k: contextlib.nullcontext()  # --dtype / --device
