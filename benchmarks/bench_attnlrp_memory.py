@@ -36,27 +36,15 @@ CODE = """
 import sys, time, torch
 sys.path.insert(0, {here!r})
 from pathlib import Path
-from rss import peak_gib
+from rss import peak_gib, smollm2_lens
 from transformers.utils import logging
 logging.set_verbosity_error()
 import transformers as T, mixlens
 from mixlens.methods import attnlrp, get, saliency
 torch.set_num_threads(int({threads}))
 dtype = getattr(torch, {dtype!r})
-path = Path.home() / ".cache/mixlens/models/smollm2-135m-instruct"
 dev = {device!r}
-if (path / "config.json").is_file() and not {random}:
-    lens = mixlens.load(str(path), dtype={dtype!r}, device=dev)
-    weights = "real"
-else:
-    tok = T.AutoTokenizer.from_pretrained(mixlens.lens.default_model_path())
-    cfg = T.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                        num_key_value_heads=3, vocab_size=tok.vocab_size, max_position_embeddings=16384,
-                        tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(dtype).to(dev).eval()
-    lens = mixlens.Lens(model, tok, name="random-smollm2")
-    weights = "random"
+lens, weights = smollm2_lens({dtype!r}, dev, {random})
 layers = int({layers})
 if layers:  # the first `layers` layers of the model only (a quick look at one layer's cost at long inputs)
     lens.model.model.layers = lens.model.model.layers[:layers]

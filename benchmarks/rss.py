@@ -32,3 +32,30 @@ def measured(code: str) -> dict[str, object]:
         "work_gib": round(float(peak) - float(base), 3),
         "seconds": round(float(dt), 2),
     }
+
+
+def smollm2_lens(dtype: str = "float32", device: str = "cpu", random: bool = False) -> tuple[object, str]:
+    """(lens, 'real' | 'random'): SmolLM2-135M-Instruct from ~/.cache/mixlens/models when it is there (and not
+    `random`), else a random model of its shape on the bundled tokenizer; in `dtype`, on `device`."""
+    import torch
+    import transformers as T
+
+    import mixlens
+
+    path = Path.home() / ".cache/mixlens/models/smollm2-135m-instruct"
+    if (path / "config.json").is_file() and not random:
+        return mixlens.load(str(path), dtype=dtype, device=device), "real"
+    tok = T.AutoTokenizer.from_pretrained(mixlens.lens.default_model_path())
+    cfg = T.LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=tok.vocab_size,
+        max_position_embeddings=16384,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").to(getattr(torch, dtype))
+    return mixlens.Lens(model.to(device).eval(), tok, name="random-smollm2"), "random"
