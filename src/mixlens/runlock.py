@@ -10,6 +10,19 @@ from pathlib import Path
 from mixlens.errors import MixlensError
 
 
+def _holder(fd: int) -> str:
+    """The running holder's line (`pid N: command`). The holder writes it just after taking the lock, so a refusal
+    that lands in between waits for it a moment (up to 2 s) rather than naming no one."""
+    import time
+
+    deadline = time.monotonic() + 2.0
+    while True:
+        holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+        if holder or time.monotonic() > deadline:
+            return holder or "unknown process"
+        time.sleep(0.02)
+
+
 @contextlib.contextmanager
 def run_lock(out: Path, lock: str, command: str, what: str, written: Callable[[], bool]) -> Iterator[None]:
     """Hold an exclusive lock (flock on `out/lock`) for the whole run: a second run into the same folder is refused
@@ -32,7 +45,7 @@ def run_lock(out: Path, lock: str, command: str, what: str, written: Callable[[]
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown process"
+            holder = _holder(fd)
             raise MixlensError(
                 f"{out} is in use by another mixlens {what} run ({holder}); wait for it to finish or use another --out"
             ) from None
