@@ -24,6 +24,7 @@ from mixlens.methods.saliency import output_attribution
 from mixlens.pipeline import run_methods, streams
 from mixlens.viz.html import render_report
 from mixlens.viz.terminal.analysis import print_results
+from tests.cli.test_method_reference import generator
 from tests.conftest import SENTENCES, random_lens, random_model, run_cli
 
 ENGINE = Path(__file__).parents[2] / "docs" / "contributing.md"
@@ -175,7 +176,7 @@ def test_engine_doc_example_adds_a_method(tokenizer, capsys, tmp_path):
     here alone (no other source file knows it) runs through analyze (full maps; target rows on an ordinary trace;
     a streamed trace in row mode, where the trace never holds α and the method reads what its own sink kept),
     explain, the HTML report, the terminal tables and the CLI, equal to max_h α^h computed from the model's own
-    attention weights."""
+    attention weights; and the method reference page's generator writes its card from that one registration."""
     block = re.search(r"```python\n(.*?)\s*```", ENGINE.read_text().split("How to add a method", 1)[1], re.S)
     assert block is not None
     model = random_model("gpt2", tokenizer, head="AutoModelForCausalLM")
@@ -225,6 +226,22 @@ def test_engine_doc_example_adds_a_method(tokenizer, capsys, tmp_path):
         assert methods["attention_peak"]["rows"] == [len(tokenizer("the cat sat")["input_ids"]) - 1]
         with pytest.raises(MixlensError, match=r"attention_peak\.power must be a number ≥ 1, got 0"):
             parse_option("attention_peak", "power", "0")
+        # the reference page: its card, from the registration alone, beside the shipped methods' cards
+        gen = generator()
+        page = gen.render([*gen.shipped(), REGISTRY["attention_peak"]])
+        section = page.split("## `attention_peak`\n", 1)[1]
+        assert "| [`attention_peak`](#attention_peak) | [batch, layer, target, source] | — |" in page
+        for line in (
+            "**Definition.** P_ij = (max_h α^h_ij)^p, the largest attention weight over heads; extra row_sum_i = Σ_j",
+            "**Output.** [batch, layer, target, source]; extra `row_sum` [batch, layer, target].",
+            "| `power` | a number ≥ 1 | `1.0` | exponent of the peak weight |",
+            "computes the requested rows only (`--rows`)",
+            "**Cost.** One traced forward pass (shared with the other methods of the run), no backward.",
+            "**Official implementation.** none compared.",
+            "Background: [../contributing.md](../contributing.md) (how to add a method).",
+        ):
+            assert line in section, line
+        assert "attention_peak" not in gen.render()  # the shipped page lists the package's methods only
     finally:
         REGISTRY.pop("attention_peak", None)
 

@@ -21,7 +21,7 @@ from mixlens.methods import norms
 from mixlens.methods.attention import rows_of
 from mixlens.methods.engine import head_vectors, njit, parallel
 from mixlens.methods.memo import StreamLayer, gathered, memo_of
-from mixlens.methods.registry import Stream, register, vector_block
+from mixlens.methods.registry import ROLLOUT_MEMORY, TRACED, Card, Stream, register, vector_block
 from mixlens.methods.rollout import (
     kept_matrices,
     pair_mask,
@@ -31,6 +31,9 @@ from mixlens.methods.rollout import (
     row_pair_mask,
 )
 from mixlens.trace import LayerTrace, Trace, repeat_kv
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("global.md", "whole-layer and global attribution")
 
 ROW_CHUNK_ELEMENTS = 1 << 20  # torch: floats of T vectors held at once (4 MB: the chunk stays in cache)
 ROW_BLOCK = 0  # compiled: target rows per kernel call; 0: split evenly over torch's threads (each block reads P f once)
@@ -380,7 +383,21 @@ def stream_layer(s: StreamLayer, whole: bool) -> None:
         s.keep(ALTI, fn(s.rows))
 
 
-@register("alti", supports=vector_block, row_mode=True, stream=Stream(ALTI, stream_layer), default_in={"html": 4})
+@register(
+    "alti",
+    supports=vector_block,
+    row_mode=True,
+    stream=Stream(ALTI, stream_layer),
+    default_in={"html": 4},
+    card=Card(
+        definition="c_ij = max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁), rows normalised; T_i(x_j) = g_i(t_ij), y_i the real "
+        "LN1 output (pre-LN: t_ij and the residual sum) (Ferrando et al. 2022).",
+        passes=TRACED + ".",
+        memory="[L, n, n]; with --rows only the requested rows ([L, t, n]); T_i(x_j) built in 4 MB chunks of target "
+        "rows (CPU: only the sign-risky coordinates).",
+        background=BACKGROUND,
+    ),
+)
 def alti(trace: Trace) -> torch.Tensor:
     """ALTI per layer (Ferrando 2022): max(0, ‖y_i‖₁ − ‖y_i − T_i(x_j)‖₁), rows normalised."""
     return alti_matrices(trace)
@@ -392,6 +409,12 @@ def alti(trace: Trace) -> torch.Tensor:
     row_mode=True,
     explains=True,
     stream=Stream(ALTI, stream_layer, whole=True),
+    card=Card(
+        definition="R_l = C_l R_{l−1}, the product of the per-layer ALTI matrices over layers 1..l.",
+        passes=TRACED + ".",
+        memory=ROLLOUT_MEMORY + ".",
+        background=BACKGROUND,
+    ),
 )
 def alti_rollout(trace: Trace) -> torch.Tensor:
     """ALTI global attribution: rollout of the per-layer ALTI matrices over layers 1..l."""

@@ -39,10 +39,17 @@ from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.alti import ALTI, layer_fn
 from mixlens.methods.engine import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import TARGET_OPTIONS, MethodOutput, register
+from mixlens.methods.registry import TARGET_OPTIONS, TRACED, Card, MethodOutput, register
 from mixlens.methods.rollout import ROW_CHUNK
 from mixlens.targets import Spec, readout
 from mixlens.trace import LayerTrace, Trace, repeat_kv
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("global.md", "ALTI-Logit")
+ALTI_LOGIT_CHECK = (
+    "tests/methods/test_alti_logit.py::test_equals_the_authors_code_on_gpt2 (and "
+    "::test_equals_the_authors_code_on_opt_and_bloom); skipped unless MIXLENS_LOGIT_EXPLANATIONS names a checkout"
+)
 
 TOLERANCE = 1e-4  # max |Σ scores + remainder − logit| / max |logit at the target position|, float32 models
 ATTN_TOLERANCE = 1e-4  # max |rebuilt − real attention output| / max(1, max |real|), per layer, float32 models
@@ -261,6 +268,18 @@ def _check_sum(name: str, values: torch.Tensor, direct: torch.Tensor, trace: Tra
     explains=True,
     qk_rows=True,
     recommended=("causal",),  # level with attnlrp on BLiMP, one forward pass and exact (docs/findings/evaluate.md)
+    card=Card(
+        definition="score_j = Σ_l Δ^l_j, Δ^l_j = Σ_h α^h_pj (v^h_j W_O^h)·u: each layer's attention update at the "
+        "target position p split per source, on the logit direction u = C(γ_f ⊙ w)/s_f, w = W_U[target] (− "
+        "W_U[foil]) (Ferrando et al. 2023, no carry-back); Σ_j score_j + remainder = the model's logit (checked).",
+        passes=TRACED + " (a causal LM's logit at the target position).",
+        memory="[L, n] per-layer terms (extra), α read by rows (no [H, n, n] on a causal LM); output [n].",
+        official="mt-upc/logit-explanations (`src/contributions.py`, the authors' code)",
+        tolerance="asserted < 1e-4 relative to the largest direct term; measured 3.6e-7 per layer, 2.7e-7 per head "
+        "(GPT-2); ≤ 3.4e-7 on OPT and BLOOM (pairwise eps 0)",
+        check=ALTI_LOGIT_CHECK,
+        background=BACKGROUND,
+    ),
 )
 def logit_attn(
     trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None
@@ -285,6 +304,20 @@ def logit_attn(
     head="causal",
     explains=True,
     qk_rows=True,
+    card=Card(
+        definition="score_j = Σ_l (Δ^l C_{l−1} ⋯ C_0)_j: logit_attn's per-layer rows Δ^l carried back to the input "
+        "tokens through the ALTI matrices C_k of the layers below (Ferrando et al. 2023); Σ_j score_j + remainder = "
+        "the model's logit (checked).",
+        passes=TRACED + " (a causal LM's logit at the target position).",
+        memory="[L, n] per-layer terms (extra) plus one layer's ALTI matrix [n, n] at a time for the carry-back "
+        "(built in blocks of 256 rows); α read by rows; output [n].",
+        official="mt-upc/logit-explanations (`contributions.py` run unchanged; its normalisation, rollout and "
+        "carry-back restated in the test)",
+        tolerance="asserted < 1e-4 relative to the largest direct term; measured 6.9e-5 with the authors' pairwise "
+        "eps, 1.0e-6 per layer with it set to 0 (GPT-2); ≤ 9.1e-7 on OPT and BLOOM (pairwise eps 0)",
+        check=ALTI_LOGIT_CHECK,
+        background=BACKGROUND,
+    ),
 )
 def alti_logit(
     trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None

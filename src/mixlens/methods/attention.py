@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import LHTS, register
+from mixlens.methods.registry import LHTS, TRACED, Card, register
 from mixlens.trace import LayerTrace, Trace
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("api.md", "the Python API")
 
 ALPHA_MEAN = "alpha_mean"  # memo key: the head-mean α [B, L, n, n] (also a by-product of the norm engine)
 
@@ -58,6 +61,14 @@ def _full_alpha(trace: Trace, lt: LayerTrace) -> torch.Tensor:
     qk_rows=True,
     default_in={"analyze": 0},
     group="mixing-ratio",
+    card=Card(
+        definition="α^h_ij = softmax_j(q_i·k_j / √d_h + mask), the model's own attention probabilities; head mean "
+        "(1/H) Σ_h α^h_ij unless heads=True.",
+        passes=TRACED + ".",
+        memory="[L, H, n, n] while traced; on a causal LM read by rows from q, K and the softmax normaliser (row "
+        "mode, no [H, n, n]); output [L, n, n] or [L, H, n, n].",
+        background=BACKGROUND,
+    ),
 )
 def attention(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """Attention weights α (head mean unless heads=True)."""

@@ -43,10 +43,13 @@ from torch.overrides import TorchFunctionMode
 from mixlens.adapters import Adapter, Norm, get_path, linear_xw
 from mixlens.errors import MixlensError
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, dense_ffn, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, Card, MethodOutput, Option, dense_ffn, register
 from mixlens.methods.saliency import ROW_PASSES, Target, row_gradients, scalar_fn
 from mixlens.targets import Request
 from mixlens.trace import ForwardHook, Trace, recomputed_layers, scoped_hooks
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("attnlrp.md", "AttnLRP")
 
 IDENTITY_EPS = 1e-10  # the identity rule's out / (in + ε), as lxt
 NORM_RTOL = 1e-3  # a norm's surrogate must reproduce its output (else its form is not the one assumed)
@@ -211,6 +214,20 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
     supports=dense_ffn,
     recommended=("causal",),  # first or level with the first on BLiMP, every decoder tested (docs/findings/evaluate.md)
     **TARGET_SCORES,
+    card=Card(
+        definition="R_j = Σ_d e_j ⊙ ∂̃g/∂e_j, the gradient modified by the AttnLRP rules (Achtibat et al. 2024: "
+        "softmax, q·k and gates as in the paper; variant cp holds attention weights and gates constant); Σ_j R_j ≈ g "
+        "(conservation extra).",
+        passes="One forward and one modified backward pass of its own per batch, plus one more forward of the layers "
+        "(each layer recomputed in the backward).",
+        memory="Every layer's input (L·n·d) plus one layer's activations at a time; no [H, n, n] α kept (fused "
+        "attention kernels; Gemma 2 and MPNet stay eager); output [n].",
+        official="lxt 2.1 (the authors' package; `attnlrp` and `cp_LRP` on random GPT-2, Llama and Gemma 3)",
+        tolerance="asserted atol 1e-6·max|R| + 1e-7; measured largest difference 1.1e-7 (relevances up to 0.55)",
+        check="tests/methods/test_attnlrp.py::test_equals_lxt (skipped unless MIXLENS_LXT_PYTHON names a Python with "
+        "lxt and transformers < 5)",
+        background=BACKGROUND,
+    ),
 )
 def attnlrp(
     trace: Trace,

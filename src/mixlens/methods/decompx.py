@@ -33,8 +33,11 @@ from transformers.activations import ACT2FN
 from mixlens.adapters import Adapter, Layer, Norm, ffn_in_xw, ffn_out_xw, final_norm, final_proj, linear_xw
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import Option, Planned, register, vector_dense
+from mixlens.methods.registry import Card, Option, Planned, register, vector_dense
 from mixlens.trace import LayerTrace, Trace
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("global.md", "DecompX: the reference and its conventions")
 
 TOLERANCE = 1e-3  # max |Σ_k score − logit| / max |logit|
 CHUNK_ELEMENTS = 1 << 24  # floats per position-wise working tensor (64 MB)
@@ -294,6 +297,19 @@ def needs_classifier(plan: Planned) -> None:
     supports=vector_dense,
     head="classifier",
     precheck=needs_classifier,
+    card=Card(
+        definition="‖x^l_{i⇐k}‖: every hidden state is a sum of parts x_i = Σ_k x_{i⇐k} carried through attention, "
+        "residuals, norms and the FFN (activation linearised at the real pre-activation, biases shared by AbsDot) "
+        "(Modarressi et al. 2023).",
+        passes="One traced forward pass with the FFN captured, no backward.",
+        memory="Parts [n, n, d] per layer in 64 MB chunks of target rows; output [L, n, n]; no row mode.",
+        official="mohsenfayyaz/DecompX (`src/modeling_bert.py`, transcribed outside the repository)",
+        tolerance="measured 1.2e-6 relative (per-layer norms, 272 SST-2 sentences, value_bias=values)",
+        check="an uncommitted transcription of the official code, run by the command in global.md; no test in the "
+        "repository runs it (the official default convention is tested by "
+        "tests/methods/test_decompx.py::test_default_value_bias_is_the_official_one)",
+        background=BACKGROUND,
+    ),
 )
 def decompx(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     """DecompX per layer (Modarressi 2023; classification models): ‖x_{i⇐k}‖, part of layer-l output i from token k."""
@@ -315,6 +331,19 @@ def decompx(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     head="classifier",
     explains=True,
     precheck=needs_classifier,
+    card=Card(
+        definition="Score_{c,k} = the part of logit c from token k: the DecompX parts carried through the "
+        "classification head (pooler / head activations linearised); Σ_k score_{c,k} = logit c (checked, ≤ 1e-3 "
+        "relative).",
+        passes="One traced forward pass with the FFN captured, no backward.",
+        memory="Parts [n, n, d] per layer in 64 MB chunks of target rows; output [C, n].",
+        official="mohsenfayyaz/DecompX (`src/modeling_bert.py`, transcribed outside the repository)",
+        tolerance="measured 2.0e-6 relative (class scores, 272 SST-2 sentences, value_bias=values)",
+        check="an uncommitted transcription of the official code, run by the command in global.md; no test in the "
+        "repository runs it (the official default convention is tested by "
+        "tests/methods/test_decompx.py::test_default_value_bias_is_the_official_one)",
+        background=BACKGROUND,
+    ),
 )
 def decompx_classes(trace: Trace, *, value_bias: ValueBias = "values") -> torch.Tensor:
     """DecompX class scores (classification models): signed contribution of each token to each logit; sums = logits."""

@@ -16,9 +16,12 @@ from mixlens.adapters import logit_scale
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.decompx import TOLERANCE, final_parts, share
 from mixlens.methods.engine import tolerance
-from mixlens.methods.registry import TARGET_OPTIONS, register, vector_dense
+from mixlens.methods.registry import TARGET_OPTIONS, Card, register, vector_dense
 from mixlens.targets import Spec, readout
 from mixlens.trace import Trace
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("global.md", "whole-layer and global attribution")
 
 
 def _unembedding(trace: Trace) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,6 +76,15 @@ def logit_scores(
     supports=vector_dense,
     head="causal",
     explains=True,
+    card=Card(
+        definition="score_k = h_{⇐k} · (W_U[target] − W_U[foil]): the DecompX parts of the final hidden state at a "
+        "causal LM's target position through the unembedding (head bias shared by AbsDot); Σ_k score_k = the logit "
+        "(checked).",
+        passes="One traced forward pass with the FFN captured, no backward.",
+        memory="Parts [n, n, d] per layer in chunks of target rows; output [n].",
+        note="the official DecompX code covers BERT-style classifiers only",
+        background=BACKGROUND,
+    ),
 )
 def decompx_logit(
     trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None

@@ -48,9 +48,16 @@ import torch
 from mixlens.adapters import Family, Layer
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.engine import TOLERANCE, tolerance
-from mixlens.methods.registry import LHTS, MethodOutput, Option, register
+from mixlens.methods.registry import LHTS, TRACED, Card, MethodOutput, Option, register
 from mixlens.targets import model_kind, positions
 from mixlens.trace import LayerTrace, Trace, repeat_kv
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("global.md", "information-flow routes")
+FLOW_CHECK = (
+    "tests/methods/test_flow_routes.py::test_equals_the_authors_tool_end_to_end (the tool's stored output) and "
+    "::test_equals_the_authors_tool (live, when MIXLENS_LLM_TT names the tool)"
+)
 
 TAU = 0.04  # the contribution threshold of the authors' tool (its default) and of the paper's Llama 2 graphs
 EPS = 1e-5  # the smallest proximity, as the authors' tool clips it before normalising
@@ -395,6 +402,18 @@ def routes(
     extras=EXTRAS,
     supports=pre_ln_stream,
     qk_rows=True,
+    card=Card(
+        definition="Edge importance = max(ε, ‖y‖₁ − ‖e − y + δ‖₁) / Σ_k max(ε, ‖y‖₁ − ‖e_k − y + δ‖₁) for each edge "
+        "vector e of node y (per head and source, residual, FFN), kept above τ top-down from the prediction "
+        "(Ferrando & Voita 2024).",
+        passes=TRACED + " (keeping only the FFN output).",
+        memory="α read by rows; output [L, n, n] (per head [L, H, n, n]).",
+        official="facebookresearch/llm-transparency-tool (`routes/contributions.py`, `routes/graph.py`, run unchanged)",
+        tolerance="raw shares: measured 5.5e-6, asserted 1e-5; pruned graphs (τ 0.04 and 0.1): the same edges, "
+        "weights to 1e-5; live: atol 1e-5, rtol 1e-4",
+        check=FLOW_CHECK,
+        background=BACKGROUND,
+    ),
 )
 def flow_routes(
     trace: Trace,
@@ -444,6 +463,14 @@ def flow_routes(
     supports=pre_ln_stream,
     explains=True,
     qk_rows=True,
+    card=Card(
+        definition="Score_j = the total importance of the kept routes from input token j to the explained prediction "
+        "in the flow_routes graph.",
+        passes=TRACED + " (keeping only the FFN output).",
+        memory="α read by rows; output [n].",
+        note="the authors' tool gives no per-token score; the graph it sums is flow_routes', compared with the tool",
+        background=BACKGROUND,
+    ),
 )
 def flow_routes_tokens(
     trace: Trace,

@@ -21,9 +21,12 @@ from mixlens.methods.alti import projected_head_vectors
 from mixlens.methods.attention import alpha_rows, rows_of
 from mixlens.methods.engine import attn_sum, block_norms, head_vectors, pair_rows, quad_norm, tolerance
 from mixlens.methods.memo import RowsFn, StreamLayer, gathered, memo_of
-from mixlens.methods.registry import Option, Stream, register, vector_block
+from mixlens.methods.registry import ROLLOUT_MEMORY, Card, Option, Stream, register, vector_block
 from mixlens.methods.rollout import kept_matrices, pair_mask, rollout, rollout_rows, row_pair_mask
 from mixlens.trace import LayerTrace, Trace
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("global.md", "whole-layer and global attribution")
 
 
 def _maps(lt: LayerTrace, lay: Layer):
@@ -178,6 +181,15 @@ def _post_ln(family: Family) -> bool:
     row_mode=True,
     stream=Stream(GLOBENC, stream_layer, norm_run=_pre_ln, capture=_post_ln),
     default_in={"html": 3},
+    card=Card(
+        definition="N-Enc_ij = ‖g2_i(g1_i(t_ij))‖, LN1 then LN2 as linear maps at target i (Modarressi et al. 2022); "
+        "pre-LN models: ‖t_ij‖.",
+        passes="One traced forward pass with the FFN captured, no backward; every call checks that the decomposition "
+        "rebuilds the real layer output.",
+        memory="[L, n, n]; with --rows only the requested rows ([L, t, n]).",
+        note="the unnormalised scale follows the official code's, but no values were compared",
+        background=BACKGROUND,
+    ),
 )
 def globenc(trace: Trace) -> torch.Tensor:
     """GlobEnc N-Enc per layer: ‖LN2∘LN1 (attention + residual)‖ (Modarressi 2022); pre-LN models: ‖t_ij‖."""
@@ -193,6 +205,13 @@ def globenc(trace: Trace) -> torch.Tensor:
     unnormalised=True,
     stream=Stream(GLOBENC, stream_layer, whole=True, norm_run=_pre_ln, capture=_post_ln),
     options=(Option("normalize", bool, False, help="scale the rows of every layer's N-Enc to 1 before the product"),),
+    card=Card(
+        definition="R_l = N_l R_{l−1}, the plain product of the N-Enc matrices (normalize=true: each layer's rows "
+        "scaled to 1 first).",
+        passes="One traced forward pass with the FFN captured, no backward.",
+        memory=ROLLOUT_MEMORY + "; a layer is divided by a power of two only where it leaves [2⁻⁶⁴, 2⁶⁴].",
+        background=BACKGROUND,
+    ),
 )
 def globenc_rollout(trace: Trace, *, normalize: bool = False) -> torch.Tensor:
     """GlobEnc global attribution: rollout of N-Enc over layers 1..l (normalize=true: rows to 1 first)."""

@@ -21,9 +21,12 @@ from mixlens.adapters import Family
 from mixlens.methods.attention import rows_of
 from mixlens.methods.engine import block_norms, pair_rows
 from mixlens.methods.memo import LayerRowsFactory, RowsFn, StreamLayer
-from mixlens.methods.registry import Stream, register
+from mixlens.methods.registry import ROLLOUT_MEMORY, TRACED, Card, Stream, register
 from mixlens.methods.rollout import LayerRows, kept_matrices, rollout, rollout_rows, row_pair_mask
 from mixlens.trace import Trace
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("global.md", "whole-layer and global attribution")
 
 NORM_MAPS = "norm_maps"  # the key of the norm rollouts' layer sink
 MAPS = ("n", "n_res", "n_resln")  # the engine's pair maps (`memo.PairRows` fields) the rollouts propagate through
@@ -73,19 +76,58 @@ def _norm_rollout(trace: Trace, name: str) -> torch.Tensor:
     return rollout_rows(trace, layer_rows, rows)
 
 
-@register("norm_rollout", engine=True, explains=True, unnormalised=True, row_mode=True, stream=STREAM)
+@register(
+    "norm_rollout",
+    engine=True,
+    explains=True,
+    unnormalised=True,
+    row_mode=True,
+    stream=STREAM,
+    card=Card(
+        definition="R_l = N_l R_{l−1}, N = ‖Σ_h α^h_ij f^h(x_j)‖ (plain product, no residual).",
+        passes=TRACED + " (norm engine).",
+        memory=ROLLOUT_MEMORY + ".",
+        background=BACKGROUND,
+    ),
+)
 def norm_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N = ‖Σ_h α^h_ij f^h(x_j)‖ over layers 1..l (plain product, no residual): [B, L, n, n]."""
     return _norm_rollout(trace, "n")
 
 
-@register("norm_res_rollout", engine=True, explains=True, unnormalised=True, row_mode=True, stream=STREAM)
+@register(
+    "norm_res_rollout",
+    engine=True,
+    explains=True,
+    unnormalised=True,
+    row_mode=True,
+    stream=STREAM,
+    card=Card(
+        definition="R_l = N_l R_{l−1}, N = N-Res = ‖t_ij‖ (plain product).",
+        passes=TRACED + " (norm engine).",
+        memory=ROLLOUT_MEMORY + ".",
+        background=BACKGROUND,
+    ),
+)
 def norm_res_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N-Res = ‖t_ij‖ (attention plus residual) over layers 1..l (plain product): [B, L, n, n]."""
     return _norm_rollout(trace, "n_res")
 
 
-@register("norm_resln_rollout", engine=True, explains=True, unnormalised=True, row_mode=True, stream=STREAM)
+@register(
+    "norm_resln_rollout",
+    engine=True,
+    explains=True,
+    unnormalised=True,
+    row_mode=True,
+    stream=STREAM,
+    card=Card(
+        definition="R_l = N_l R_{l−1}, N = N-ResLN = ‖g_i(t_ij)‖ (plain product).",
+        passes=TRACED + " (norm engine).",
+        memory=ROLLOUT_MEMORY + ".",
+        background=BACKGROUND,
+    ),
+)
 def norm_resln_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N-ResLN = ‖g_i(t_ij)‖ (attention, residual, LayerNorm) over layers 1..l (plain product)."""
     return _norm_rollout(trace, "n_resln")

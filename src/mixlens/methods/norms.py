@@ -33,8 +33,11 @@ from mixlens.methods._kernels import LayerInputs, LayerWeights, Layout, Maps, To
 from mixlens.methods._torch_passes import quad_norm, quad_norms
 from mixlens.methods.attention import ALPHA_MEAN, rows_of, target_alpha
 from mixlens.methods.memo import PairRows, memo_of
-from mixlens.methods.registry import LHTS, register
+from mixlens.methods.registry import LHTS, TRACED, Card, register
 from mixlens.trace import LayerTrace, Trace, repeat_kv
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("api.md", "the Kobayashi methods")
 
 __all__ = [
     "ATTN_TOLERANCES",
@@ -532,6 +535,13 @@ def pair_rows(trace: Trace, index: int, rows: torch.Tensor) -> Maps:
     row_mode=True,
     default_in={"analyze": 1, "html": 2, "ratio": 0},
     group="mixing-ratio",
+    card=Card(
+        definition="N_ij = ‖Σ_h α^h_ij f^h(x_j)‖ (Kobayashi et al. 2020); per head ‖α^h_ij f^h(x_j)‖.",
+        passes=TRACED + "; the norm engine checks that the vectors rebuild the real attention output.",
+        memory="Gram matrices per head, no [H, n, n, d] tensor; output [L, n, n] (per head [L, H, n, n]); requested "
+        "rows only with --rows.",
+        background=BACKGROUND,
+    ),
 )
 def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     """‖α f(x)‖ (Kobayashi 2020): per head α^h_ij‖f^h(x_j)‖, or ‖Σ_h α^h_ij f^h(x_j)‖ head-summed."""
@@ -549,7 +559,19 @@ def norm(trace: Trace, *, heads: bool = False) -> torch.Tensor:
     return alpha * bn.f_norm[:, :, :, None, :] * trace.mask[:, None, None, :, None]
 
 
-@register("norm_res", engine=True, row_mode=True, default_in={"analyze": 2, "html": 1}, group="mixing-ratio")
+@register(
+    "norm_res",
+    engine=True,
+    row_mode=True,
+    default_in={"analyze": 2, "html": 1},
+    group="mixing-ratio",
+    card=Card(
+        definition="N-Res_ij = ‖t_ij‖, attention plus residual (Kobayashi et al. 2021).",
+        passes=TRACED + "; the norm engine checks its decomposition.",
+        memory="[L, n, n]; requested rows only with --rows.",
+        background=BACKGROUND,
+    ),
+)
 def norm_res(trace: Trace) -> torch.Tensor:
     """‖t_ij‖: attention plus residual (Kobayashi 2021, N-Res)."""
     return block_norms(trace).n_res
@@ -561,6 +583,13 @@ def norm_res(trace: Trace) -> torch.Tensor:
     row_mode=True,
     default_in={"analyze": 3, "html": 0, "plot": 0},
     group="mixing-ratio",
+    card=Card(
+        definition="N-ResLN_ij = ‖g_i(t_ij)‖, attention, residual and LayerNorm as the linear map g_i at target i "
+        "(Kobayashi et al. 2021).",
+        passes=TRACED + "; the norm engine checks its decomposition.",
+        memory="[L, n, n]; requested rows only with --rows.",
+        background=BACKGROUND,
+    ),
 )
 def norm_resln(trace: Trace) -> torch.Tensor:
     """‖g_i(t_ij)‖: attention, residual and LayerNorm (Kobayashi 2021, N-ResLN)."""

@@ -21,10 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, Option, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, Card, Option, register
 from mixlens.methods.saliency import Target, scalar_fn
 from mixlens.targets import model_kind
 from mixlens.trace import Trace
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("answers.md", "the scalar each method explains")
 
 MAX_SHAP_SAMPLES = 1024  # expected-gradient samples (chunked: memory flat; time grows with them)
 MAX_LIME_SAMPLES = 10_000  # LIME keeps every sample's subset and output for its ridge fit
@@ -67,7 +70,19 @@ def _masked(trace: Trace, scores: torch.Tensor) -> torch.Tensor:
     return scores.detach().float() * trace.mask.to(torch.float32)
 
 
-@register("occlusion", options=TARGET_OPTIONS, **TARGET_SCORES)
+@register(
+    "occlusion",
+    options=TARGET_OPTIONS,
+    **TARGET_SCORES,
+    card=Card(
+        definition="s_j = g(e) − g(e with e_j = 0), one token at a time (captum `Occlusion`, window one token, run "
+        "by mixlens).",
+        passes="n + 1 forward passes per input, no backward, in chunks of at most 4096 tokens.",
+        memory="One chunk's forward activations; output [n].",
+        note="captum's `Occlusion` computes it (mixlens supplies the scalar and the chunks); not compared separately",
+        background=BACKGROUND,
+    ),
+)
 def occlusion(trace: Trace, *, target: Target = "pred", foil: int | None = None, position: int | None = None):
     """Occlusion (captum): the drop of the explained scalar when one token's word embedding is zeroed."""
     from captum.attr import Occlusion
@@ -85,7 +100,19 @@ def occlusion(trace: Trace, *, target: Target = "pred", foil: int | None = None,
     return _masked(trace, a.mean(-1))  # each window's Δg is written to every element of the window
 
 
-@register("deeplift", options=TARGET_OPTIONS, **TARGET_SCORES)
+@register(
+    "deeplift",
+    options=TARGET_OPTIONS,
+    **TARGET_SCORES,
+    card=Card(
+        definition="DeepLIFT-rescale (captum `DeepLift`, run by mixlens) from zero word embeddings, summed over "
+        "hidden dims; the rule applies at the modules captum knows, the gradient elsewhere.",
+        passes="One forward (input and baseline) and one backward pass per batch.",
+        memory="The activations of one backward pass; output [n].",
+        note="captum's `DeepLift` computes it; not compared separately",
+        background=BACKGROUND,
+    ),
+)
 def deeplift(trace: Trace, *, target: Target = "pred", foil: int | None = None, position: int | None = None):
     """DeepLift (captum) from zero word embeddings, summed over hidden dims (see the module docstring)."""
     from captum.attr import DeepLift
@@ -104,6 +131,14 @@ def deeplift(trace: Trace, *, target: Target = "pred", foil: int | None = None, 
         SEED,
     ),
     **TARGET_SCORES,
+    card=Card(
+        definition="Expected gradients (captum `GradientShap`, run by mixlens) from the zero and the pad/mask-token "
+        "embeddings, samples seeded draws.",
+        passes="samples forward + backward passes, in chunks.",
+        memory="One chunk's activations; output [n].",
+        note="captum's `GradientShap` computes it, in chunks of samples; not compared separately",
+        background=BACKGROUND,
+    ),
 )
 def gradient_shap(
     trace: Trace,
@@ -148,6 +183,14 @@ def gradient_shap(
         SEED,
     ),
     **TARGET_SCORES,
+    card=Card(
+        definition="Weighted ridge fit (λ = 1) of g on samples seeded token subsets, exponential kernel on cosine "
+        "distance (captum `Lime`, run by mixlens, one input at a time).",
+        passes="samples forward passes per input, no backward, in chunks.",
+        memory="Every sample's subset and output ([samples, n]); output [n].",
+        note="captum's `Lime` computes it (mixlens supplies the closed-form ridge); not compared separately",
+        background=BACKGROUND,
+    ),
 )
 def lime(
     trace: Trace,

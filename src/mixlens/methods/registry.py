@@ -6,8 +6,10 @@ secondary outputs (`MethodOutput.extras`, declared with their axes in `register`
 types (`Option`) and checked here, in one place, before any model work: Python values by `Method.check`, the
 CLI's `METHOD.KEY=VALUE` strings by `parse_option`. A method's declaration is everything the rest of mixlens knows
 of it: its capabilities, its layer sink when it streams (`Stream`), its explain form (`explain_options`,
-`Reference`) and display hints (`default_in`, `group`). The pipeline, explain, the views, the commands and the
-corpus runner read these and name no method.
+`Reference`) and display hints (`default_in`, `group`), and its reference card (`Card`: definition, cost, the
+official implementation it equals and to what tolerance), from which `scripts/method_reference.py` writes
+docs/reference/methods.md. The pipeline, explain, the views, the commands, the corpus runner and the reference page
+read these and name no method.
 """
 
 from __future__ import annotations
@@ -277,6 +279,54 @@ class Reference:
     options: Mapping[str, object]
 
 
+NONE = "none compared"  # `Card.official` of a method that was not compared with an official implementation
+TRACED = "One traced forward pass (shared with the other methods of the run), no backward"  # a `Card.passes` phrase
+ROLLOUT_MEMORY = "[L, n, n]; with --rows only the requested rows, streamed layer by layer ([L, t, n])"  # `Card.memory`
+# of a rollout with a row mode
+
+
+@dataclass(frozen=True)
+class Card:
+    """A method's reference card, the hand-written part of its entry in docs/reference/methods.md (axes, options,
+    capabilities and refusals come from the rest of the declaration).
+
+    `definition`: the math in one or two lines, after the paper's quantities; `passes`: its forward/backward passes;
+    `memory`: the order of what it holds (e.g. [L, n, n]) and whether it has a row mode; `background`: (page, what it
+    covers), the long-form page behind the card, relative to docs/reference/; `official`: the official
+    implementation it was compared with, or `NONE`; `tolerance`: the tolerance that comparison measured and asserts
+    and `check`: the test or benchmark that measures it (`path::name`), both set exactly when `official` is;
+    `note`: an optional remark on the comparison (what was checked instead, why none exists). Only comparisons that
+    were measured are named. `register` refuses a card that lacks any of these (`problems`).
+
+    Notation: n tokens, L layers, H heads, d hidden size, t requested target rows, α^h_ij attention of head h,
+    f^h(x) = (x W_V^h + b_V^h) W_O^h, t_ij = Σ_h α^h_ij f^h(x_j) + [i=j] x_i (attention plus residual), g_i a norm as
+    the linear map at target i, g the explained scalar (a logit, a logit difference with a foil, or an encoder's
+    pooled projection), e_j the word embedding of token j.
+    """
+
+    definition: str
+    passes: str
+    memory: str
+    background: tuple[str, str]
+    official: str = NONE
+    tolerance: str = ""
+    check: str = ""
+    note: str = ""
+
+    def problems(self) -> list[str]:
+        """What the card lacks, in words (empty: complete): an empty required field, a tolerance or test without an
+        official comparison, or an official comparison without its tolerance and test."""
+        out = [f"empty {f}" for f in ("definition", "passes", "memory", "official") if not getattr(self, f).strip()]
+        if len(self.background) != 2 or not all(part.strip() for part in self.background):
+            out.append("empty background (page, what it covers)")
+        if self.official == NONE:
+            if self.tolerance.strip() or self.check.strip():
+                out.append("a tolerance or test without an official comparison")
+        elif not (self.tolerance.strip() and self.check.strip()):
+            out.append("an official comparison without its tolerance and test")
+        return out
+
+
 VIEWS = ("analyze", "html", "plot", "ratio", "routes", "logit-layers", "saliency")  # where a method can be a default:
 # analyze: the default method set (`Lens.analyze`, `mixlens analyze / report`); html: the report opens on the first
 # present; plot: `mixlens plot`'s default method; ratio / routes / logit-layers: the method a figure of that view
@@ -299,6 +349,7 @@ class Method:
     needs_ffn: bool | Literal["update"]  # FFN activations in the trace, or "update": only the FFN's output
     extra_passes: bool  # runs the model again (value zeroing, gradients, ablations)
     summary: str
+    card: Card  # its reference card (docs/reference/methods.md)
     options: tuple[Option, ...] = ()
     extras: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # secondary output name → axes after batch
     # Capabilities, declared once at registration (`register`); every other part of mixlens reads them from here.
@@ -422,10 +473,12 @@ def register(
     reference: Reference | None = None,
     default_in: Mapping[str, int] | None = None,
     group: str | None = None,
+    card: Card | None = None,
 ) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
     `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
-    axes after batch. The rest declares what the method can do (see the fields of `Method`)."""
+    axes after batch; `card` is its reference card (`Card`, required and complete). The rest declares what the
+    method can do (see the fields of `Method`)."""
 
     def deco(fn: F) -> F:
         if name in REGISTRY:
@@ -456,6 +509,16 @@ def register(
                 raise RuntimeError(f"method '{name}': explain option '{key}' is not one of its options")
         if not set(default_in or {}) <= set(VIEWS):
             raise RuntimeError(f"method '{name}': default_in views must be among {VIEWS}, got {dict(default_in or {})}")
+        if card is None:
+            raise RuntimeError(
+                f"method '{name}' has no reference card: declare register(..., card=Card(definition=, passes=, "
+                "memory=, background=, official=...)) (docs/contributing.md, how to add a method)"
+            )
+        lacks = card.problems()
+        if row_mode and "no row mode" in card.memory:
+            lacks.append("its memory says 'no row mode' but the method declares row_mode")
+        if lacks:
+            raise RuntimeError(f"method '{name}': its reference card is incomplete: {'; '.join(lacks)}")
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
         REGISTRY[name] = Method(
             name,
@@ -465,6 +528,7 @@ def register(
             needs_ffn,
             extra_passes,
             summary,
+            card,
             tuple(options),
             dict(extras or {}),
             supports,

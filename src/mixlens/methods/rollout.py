@@ -18,8 +18,11 @@ from mixlens.errors import MixlensError
 from mixlens.memory import release
 from mixlens.methods.attention import alpha_rows, rows_of, stacked_alpha
 from mixlens.methods.memo import StreamLayer, gathered, memo_of
-from mixlens.methods.registry import Planned, Stream, register
+from mixlens.methods.registry import ROLLOUT_MEMORY, TRACED, Card, Planned, Stream, register
 from mixlens.trace import Trace
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("global.md", "whole-layer and global attribution")
 
 FLOW_MAX_TOKENS = 32  # n² max-flows per layer on graphs of up to L·n² edges
 FLOW_SCALE = 1 << 24  # integer capacity of an edge of weight 1
@@ -180,7 +183,19 @@ def stream_layer(s: StreamLayer, whole: bool) -> None:
         s.keep_fn(ROLLOUT, gathered(residual_rows(s.lt.alpha, mask, None)))
 
 
-@register("attention_rollout", row_mode=True, explains=True, stream=Stream(ROLLOUT, stream_layer, whole=True))
+@register(
+    "attention_rollout",
+    row_mode=True,
+    explains=True,
+    stream=Stream(ROLLOUT, stream_layer, whole=True),
+    card=Card(
+        definition="R_l = Â_l R_{l−1}, Â = rows-normalised 0.5·mean_h α^h + 0.5·I (Abnar & Zuidema 2020); layer l in "
+        "terms of the input tokens.",
+        passes=TRACED + ".",
+        memory=ROLLOUT_MEMORY + ".",
+        background=BACKGROUND,
+    ),
+)
 def attention_rollout(trace: Trace) -> torch.Tensor:
     """Attention rollout (Abnar & Zuidema 2020): product of 0.5·mean attention + 0.5·I over layers 1..l."""
     targets = rows_of(trace)
@@ -224,7 +239,18 @@ def flow_limit(plan: Planned) -> None:
             )
 
 
-@register("attention_flow", slow=True, precheck=flow_limit)
+@register(
+    "attention_flow",
+    slow=True,
+    precheck=flow_limit,
+    card=Card(
+        definition="Entry (i, j) of layer l = max-flow from input token j to node (l, i) over the layered graph with "
+        "capacities Â_l[i, j], rows normalised (Abnar & Zuidema 2020).",
+        passes=TRACED + ", then n² max-flows per layer (scipy); limited to 32 tokens.",
+        memory="[L, n, n]; no row mode.",
+        background=BACKGROUND,
+    ),
+)
 def attention_flow(trace: Trace) -> torch.Tensor:
     """Attention flow (Abnar & Zuidema 2020): max-flow over 0.5·A+0.5·I layers, rows normalised; inputs ≤ 32 tokens."""
     lengths = trace.lengths

@@ -25,9 +25,12 @@ import torch
 from mixlens.errors import MixlensError
 from mixlens.memory import backward_bytes, check_fits
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, Reference, get, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, Card, MethodOutput, Option, Reference, get, register
 from mixlens.targets import Readout, Request, Spec, model_kind, positions, readout
 from mixlens.trace import Trace, hooked
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("gradients.md", "gradient attributions")
 
 MAX_STEPS = 1024  # integration steps: chunked (memory stays flat), but the time grows with them
 
@@ -300,7 +303,21 @@ TARGET = (
 )
 
 
-@register("saliency", options=TARGET, default_in={"saliency": 0}, **TARGET_SCORES)
+@register(
+    "saliency",
+    options=TARGET,
+    default_in={"saliency": 0},
+    **TARGET_SCORES,
+    card=Card(
+        definition="s_j = reduce_d ∂g/∂e_j (reduction l2 ‖·‖₂, l1 ‖·‖₁ or sum, the signed sum).",
+        passes="One forward and one backward pass of its own per batch (LM head at the target position only).",
+        memory="The activations of one backward pass; output [n].",
+        official="captum `Saliency(abs=False)`",
+        tolerance="asserted atol 1e-5, rtol 1e-3 (a benchmark, not a unit test)",
+        check="benchmarks/bench_gradients_vs_captum.py",
+        background=BACKGROUND,
+    ),
+)
 def saliency(
     trace: Trace,
     *,
@@ -321,6 +338,19 @@ def saliency(
     explain_options={"reduction": "sum"},  # explain reads the signed form
     reference=Reference("grad_x_input_l2", {"reduction": "l2"}),  # ‖∂g/∂e_j ⊙ e_j‖₂, the GlobEnc paper's reference
     **TARGET_SCORES,
+    card=Card(
+        definition="s_j = reduce_d (∂g/∂e_j ⊙ e_j) (reduction l2, l1 or sum).",
+        passes="One forward and one backward pass of its own per batch (LM head at the target position only).",
+        memory="The activations of one backward pass; output [n].",
+        official="inseq `input_x_gradient` (whole answers, SmolLM2-135M-Instruct; reduction sum = its `sum`, l2 = "
+        "its `vnorm`); captum `InputXGradient`",
+        tolerance="inseq: asserted ≤ 1e-5 of the largest |value| (measured 3.4e-6 signed sum, 4.2e-6 L2); captum: "
+        "asserted atol 1e-5, rtol 1e-3",
+        check="tests/explain/test_answers_vs_inseq.py::test_single_token_gradient_x_input_equals_inseq and "
+        "::test_answer_gradient_x_input_equals_inseq (skipped unless MIXLENS_INSEQ_PYTHON names a Python with "
+        "inseq); benchmarks/bench_gradients_vs_captum.py (captum)",
+        background=BACKGROUND,
+    ),
 )
 def grad_x_input(
     trace: Trace,
@@ -353,6 +383,18 @@ def grad_x_input(
             optional=True,
             help="input × step rows per captum chunk (default: about 2048 tokens), bounding memory",
         ),
+    ),
+    card=Card(
+        definition="IG_j = reduce_d (e_j − b_j) ⊙ (1/m) Σ_k ∂g/∂e_j at b + (k/m)(e − b), m = steps, baseline b zero "
+        "or [PAD] embeddings (captum's Gauss-Legendre points); extra delta = Σ_j IG_j − (g(e) − g(b)).",
+        passes="steps forward + backward passes (in chunks of internal_batch_size rows), plus forwards at the input "
+        "and the baseline.",
+        memory="The activations of one chunk (about 2048 tokens by default); output [n].",
+        official="captum `IntegratedGradients` (mixlens runs it; compared on f(e) = the full-logit model's target "
+        "logit)",
+        tolerance="torch.testing.assert_close float32 defaults (rtol 1.3e-6, atol 1e-5); delta atol 1e-5",
+        check="tests/methods/test_saliency.py::test_lm_logits_only_at_target",
+        background=BACKGROUND,
     ),
 )
 def integrated_gradients(

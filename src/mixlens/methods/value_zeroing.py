@@ -13,10 +13,13 @@ from __future__ import annotations
 import torch
 
 from mixlens.methods.memo import memo_of
-from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, register
+from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, Card, register
 from mixlens.methods.rollout import pair_mask, rollout, row_normalize
 from mixlens.targets import Spec, readout, trace_output
 from mixlens.trace import Trace, hooked
+
+# The long-form page behind this module's reference cards (in docs/reference/), and what it covers
+BACKGROUND = ("global.md", "whole-layer and global attribution")
 
 MAX_TOKENS_PER_CALL = 1 << 13  # examples·copies·n tokens in one layer call (activations stay near cache)
 
@@ -79,13 +82,34 @@ def value_zeroing_matrices(trace: Trace) -> torch.Tensor:
     return memo_of(trace).cached("value_zeroing", make)
 
 
-@register("value_zeroing", extra_passes=True)
+@register(
+    "value_zeroing",
+    extra_passes=True,
+    card=Card(
+        definition="VZ_ij = cosine distance between layer l's output at i and the same with value vector j zeroed in "
+        "every head, rows normalised (Mohebbi et al. 2023).",
+        passes="One traced forward pass, then n single-layer passes per layer (stacked, at most 8192 tokens a call); "
+        "no backward.",
+        memory="[L, n, n]; no row mode.",
+        background=BACKGROUND,
+    ),
+)
 def value_zeroing(trace: Trace) -> torch.Tensor:
     """Value zeroing (Mohebbi 2023): cosine distance of layer outputs when value j is zeroed, rows normalised."""
     return value_zeroing_matrices(trace)
 
 
-@register("value_zeroing_rollout", extra_passes=True, explains=True)
+@register(
+    "value_zeroing_rollout",
+    extra_passes=True,
+    explains=True,
+    card=Card(
+        definition="R_l = VZ_l R_{l−1}, the product of the per-layer value-zeroing matrices.",
+        passes="As value_zeroing: one traced forward pass and n single-layer passes per layer.",
+        memory="[L, n, n]; no row mode.",
+        background=BACKGROUND,
+    ),
+)
 def value_zeroing_rollout(trace: Trace) -> torch.Tensor:
     """Value-zeroing global attribution: rollout of the per-layer matrices over layers 1..l."""
     return rollout(value_zeroing_matrices(trace))
@@ -95,6 +119,13 @@ def value_zeroing_rollout(trace: Trace) -> torch.Tensor:
     "value_zeroing_logit",
     options=TARGET_OPTIONS,
     **TARGET_SCORES,
+    card=Card(
+        definition="s_j = g(x) − g(x with token j's value vectors zeroed in every layer).",
+        passes="n forward passes per input (token j's values zeroed), plus the unedited one (shared when traced); no "
+        "backward.",
+        memory="The n zeroed copies stacked on the batch axis, at most 8192 tokens a call; output [n].",
+        background=BACKGROUND,
+    ),
 )
 def value_zeroing_logit(
     trace: Trace, *, target: Spec = "pred", foil: int | None = None, position: int | None = None
