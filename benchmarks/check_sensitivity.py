@@ -1,7 +1,7 @@
 """How small a broken piece the per-run reconstruction check catches in row mode (docs/guides/your-model.md).
 
     python benchmarks/check_sensitivity.py [--family llama qwen2 gpt2] [--dtype float32 bfloat16]
-        [--tokens 256 1024 2048] [--piece W_O ...]
+        [--tokens 256 1024 2048] [--piece W_O ...]   (--dtype float16 too)
 
 For each random causal LM (`tests/engine/test_row_check.row_model`: the llama layout, qwen2's with value biases, the
 gpt2 layout), dtype and input length, `analyze(rows="last")` with the norm family runs once clean (its largest error
