@@ -230,3 +230,16 @@ def test_the_layout_probe_refuses_a_layout_with_w_o_ten_percent_off(dtype, token
     assert miss.error == pytest.approx(0.1, rel=0.05)
     with pytest.raises(mixlens.MixlensError, match="closest: llama \\(layer 1, attention output: differs by 0.1"):
         layouts.adapt(model, tokenizer)
+
+
+def test_a_padded_batch_is_checked_at_each_inputs_own_rows(tokenizer, monkeypatch):
+    """Inputs of different lengths in one right-padded batch: each input's check rows are among its real tokens
+    (padding is never checked, and never passes a wrong piece)."""
+    lens = _lens("llama", tokenizer, "bfloat16", monkeypatch)
+    texts = [long_text(256), long_text(60)]
+    res = lens.analyze(texts, ["norm"], max_length=256, rows="last", batch_size=2)
+    assert res.error_share is not None and float(res.error_share.max()) <= 0.5
+    assert res["norm"].rows == [[255], [len(res.tokens[1]) - 1]]
+    with broken(lens, "W_O"):
+        why = _refused(lambda: lens.analyze(texts, ["norm"], max_length=256, rows="last", batch_size=2))
+    assert why is not None and why.startswith("layer 1:"), why

@@ -406,7 +406,7 @@ def _check(
     tol = limit * results.check[:, 1]  # [L, T] per row
     bad = ~(err <= tol)  # NaN fails too
     share = err / tol.clamp_min(torch.finfo(torch.float32).tiny)  # [L, T]
-    row_abs, row_rel = rows.errors[:, 0], torch.where(rows.real, rows.errors[:, 1], 0)  # [L, B, R]
+    row_abs, row_rel = (torch.where(rows.real, e, 0) for e in rows.errors.unbind(1))  # [L, B, R] real rows only
     row_share = row_rel / row_limit
     own = None
     if attn_limit is not None:  # relative to the attention output's own size (floor: 0.1% of the stream's)
