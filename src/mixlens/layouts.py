@@ -3,10 +3,12 @@
 A `model_type` outside the family table (`mixlens.adapters.FAMILIES`) is read under each known layout whose module
 paths its layers have, in table order. A probe forward pass then rebuilds every piece of every layer from what the
 layout says — the value projection, the attention output, the attention residual sum, the norm after it and the FFN
-block — and compares it with what the model computed; the first layout under which every piece matches (the engine's
-tolerance for the model's dtype) is used, and the caller says which. If none matches, one line names the closest
-layout and the first layer and piece that failed. A family forced by name (`--family`, `load(family=...)`) is probed
-the same way. Every method still runs its own reconstruction check on every input afterwards.
+block — and compares it with what the model computed token by token, each token's error relative to that token's own
+size (the engine's per-row check, `norms.row_error`, and for the attention output its `attn_row_size`). The first
+layout under which every piece matches (the engine's tolerances for the model's dtype: `attn_tolerance` for the
+attention output, `tolerance` for the others) is used, and the caller says which. If none matches, one line names the
+closest layout and the first layer and piece that failed. A family forced by name (`--family`, `load(family=...)`) is
+probed the same way. Every method still runs its own reconstruction check on every input afterwards.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from mixlens.adapters import FAMILIES, Adapter, Family, family_named, get_path, known_family, resolve
 from mixlens.errors import MixlensError
-from mixlens.methods.engine import TOLERANCE, tolerance
+from mixlens.methods.engine import TOLERANCE, attn_row_size, attn_tolerance, row_error, run_dtype, tolerance
 from mixlens.trace import repeat_kv, run_traced
 
 PROBE = "The quick brown fox jumps over the lazy dog, and then it quietly runs away from the river."
@@ -92,9 +94,9 @@ def _hybrid(model: Any) -> str | None:
     return None
 
 
-def _rel(rebuilt: torch.Tensor, real: torch.Tensor) -> float:
-    err = float((rebuilt.float() - real.float()).abs().max())
-    return err / max(1.0, float(real.float().abs().max()))
+def _rel(rebuilt: torch.Tensor, real: torch.Tensor, size: torch.Tensor | None = None) -> float:
+    """The largest error of a token's row relative to that row's size (`row_error`; rows: the last axis)."""
+    return float(row_error(rebuilt, real, size).max())
 
 
 def probe(adapter: Adapter, model: Any, tokenizer: Any) -> Miss | None:
@@ -110,25 +112,31 @@ def probe(adapter: Adapter, model: Any, tokenizer: Any) -> Miss | None:
     except (RuntimeError, AttributeError, TypeError, ValueError, KeyError, MixlensError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         return Miss(name, 0, "value projection", f"the traced forward pass failed: {first}")
-    limit = tolerance(model, TOLERANCE)
+    limits = (tolerance(model, TOLERANCE), attn_tolerance(model))
     for k, (lt, lay) in enumerate(zip(tr.layers, adapter.layers, strict=True)):
-        miss = _layer_miss(adapter, k, lt, lay, limit)
+        miss = _layer_miss(adapter, k, lt, lay, limits, run_dtype(model))
         if miss is not None:
             return miss
     return None
 
 
-def _layer_miss(adapter: Adapter, k: int, lt: Any, lay: Any, limit: float) -> Miss | None:
-    """The first piece of layer k whose rebuilt value differs from the model's own (in `PIECES` order)."""
-    pieces = (
-        ("value projection", lambda: _values(lt, lay), lt.value),
-        ("attention output", lambda: _attention(lt, lay), lt.attn_out),
-        ("attention residual sum", lambda: lt.x.float() + lt.attn_out.float(), lt.mix_in),
-        ("norm after the sum", lambda: _linear_norm(lay.ln_mix, lt.mix_in), lt.mix_out),
-        ("FFN", lambda: _ffn_block(adapter, lt, lay), lt.out),
+def _layer_miss(
+    adapter: Adapter, k: int, lt: Any, lay: Any, limits: tuple[float, float], dtype: torch.dtype
+) -> Miss | None:
+    """The first piece of layer k whose rebuilt value differs from the model's own (in `PIECES` order): per token,
+    relative to the token's row (`limits`: the tolerance of every piece, and of the attention output, whose size is
+    the engine's `attn_row_size`)."""
+    limit, attn_limit = limits
+    pieces = (  # (piece, rebuilt, real [..., token, row], tolerance)
+        ("value projection", lambda: _token_rows(_values(lt, lay)), _token_rows(lt.value), limit),
+        ("attention output", lambda: _attention(lt, lay), lt.attn_out, attn_limit),
+        ("attention residual sum", lambda: lt.x.float() + lt.attn_out.float(), lt.mix_in, limit),
+        ("norm after the sum", lambda: _linear_norm(lay.ln_mix, lt.mix_in), lt.mix_out, limit),
+        ("FFN", lambda: _ffn_block(adapter, lt, lay), lt.out, limit),
     )
+    attn_size = attn_row_size(lt.attn_out, lay.b_o, lt.mix_in, dtype)
     name = adapter.family.name
-    for piece, rebuild, real in pieces:
+    for piece, rebuild, real, limit in pieces:
         try:
             with torch.no_grad():
                 rebuilt = rebuild()
@@ -137,7 +145,7 @@ def _layer_miss(adapter: Adapter, k: int, lt: Any, lay: Any, limit: float) -> Mi
             return Miss(name, k, piece, f"cannot be rebuilt: {first}")
         if rebuilt.shape != real.shape:
             return Miss(name, k, piece, f"shape {tuple(rebuilt.shape)} where the model has {tuple(real.shape)}")
-        err = _rel(rebuilt, real)
+        err = _rel(rebuilt, real, attn_size if piece == "attention output" else None)
         if not err <= limit:  # NaN fails too
             return Miss(name, k, piece, f"differs by {err:.3g} (relative; tolerance {limit:.3g})", err)
     return None
@@ -152,6 +160,11 @@ def _values(lt: Any, lay: Any) -> torch.Tensor:
         src = lt.x.float()
     v = src @ lay.w_v.float() + (lay.b_v.float() if lay.b_v is not None else 0)  # [B, n, H_kv·d_h]
     return v.unflatten(-1, (lay.n_kv_heads, lay.d_head)).transpose(1, 2)
+
+
+def _token_rows(v: torch.Tensor) -> torch.Tensor:
+    """Value vectors [B, H_kv, n, d_h] as one row per token [B, n, H_kv·d_h]."""
+    return v.transpose(1, 2).flatten(2)
 
 
 def _attention(lt: Any, lay: Any) -> torch.Tensor:

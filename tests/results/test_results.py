@@ -320,3 +320,24 @@ def test_blocks_checked_accepts_what_analyze_wrote(res):
     s = res["norm"].store
     again = InputRows.checked(s.parts, s.dims, s.lengths, "x")
     np.testing.assert_array_equal(again.full(), s.full())
+
+
+def test_concat_keeps_the_row_positions_of_row_mode(tokenizer, tmp_path):
+    """Row mode (`rows=`): the concatenation keeps each input's row positions (`Attribution.rows`), equal to one
+    call's, in its JSON and saved and loaded again; mixing a row-mode analysis with a full one is refused."""
+    lens = random_lens("gpt2", tokenizer)
+    texts, rows = [SENTENCES[0], "Short one.", SENTENCES[1]], [0, -1]
+    methods = ["norm", "attention"]
+    one = lens.analyze(texts, methods, rows=rows)
+    both = Analysis.concat([lens.analyze(texts[:1], methods, rows=rows), lens.analyze(texts[1:], methods, rows=rows)])
+    assert one["norm"].rows == [[0, 11], [0, 4], [0, 12]]  # -1: each input's last token
+    for m in methods:
+        assert both[m].rows == one[m].rows
+        for k in range(len(texts)):
+            np.testing.assert_allclose(both[m].input(k), one[m].input(k), rtol=1e-5, atol=1e-6)
+    got = [i["methods"]["norm"]["rows"] for i in both.to_json()["inputs"]]
+    assert got == [i["methods"]["norm"]["rows"] for i in one.to_json()["inputs"]]
+    both["attention"].save(tmp_path / "attention")
+    assert Attribution.load(tmp_path / "attention").rows == one["attention"].rows
+    with pytest.raises(MixlensError, match="rows"):
+        Analysis.concat([one, lens.analyze(texts[:1], ["norm", "attention"])])

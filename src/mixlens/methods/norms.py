@@ -46,7 +46,9 @@ __all__ = [
     "TOLERANCES",
     "BlockNorms",
     "NormRun",
+    "attn_row_size",
     "attn_sum",
+    "attn_tolerance",
     "block_norms",
     "head_vectors",
     "norm",
@@ -55,6 +57,7 @@ __all__ = [
     "pair_rows",
     "quad_norm",
     "quad_norms",
+    "row_error",
     "stream_layer",
     "tolerance",
 ]
@@ -68,6 +71,10 @@ TOLERANCES = {torch.float32: TOLERANCE, torch.bfloat16: 2e-2, torch.float16: 2.5
 # dwarfs a wrong attention output: W_O scaled by 1.1 moves the check above by less than bfloat16's rounding)
 ATTN_TOLERANCES = {torch.bfloat16: 5e-2, torch.float16: 6e-3}
 PROBES = 4  # random directions of the per-run decomposition check
+CHECK_ROWS = 4  # seeded random rows per input that the per-row attention check adds to the computed target rows
+CHECK_SEED = 0  # their seed (the same rows for the same lengths)
+ROW_FLOOR = 1e-6  # the per-row checks' denominator floor, as a share of the row's residual stream
+ROUNDINGS = 5  # the model's rounding of its attention output allowed in the per-row check, in roundoffs of its dtype
 TOKEN_BLOCK = 128  # tokens per block of head vectors C f (compiled: per job, its C f stays in one core's cache)
 COMPILED = True  # CPU: the numba passes of `_kernels`; False (and other devices): the plain torch passes
 
@@ -82,6 +89,64 @@ def tolerance(model: torch.nn.Module, float32: float = TOLERANCE) -> float:
     a float32 model, else the larger of it and the rounding tolerance of the model's dtype (`TOLERANCES`)."""
     dtype = run_dtype(model)
     return float32 if dtype == torch.float32 else max(float32, TOLERANCES.get(dtype, TOLERANCES[torch.float16]))
+
+
+def attn_tolerance(model: torch.nn.Module) -> float:
+    """The tolerance of the per-row attention-output check on a forward pass of `model`, relative to each row's own
+    size: `TOLERANCE` for a float32 model, else the attention tolerance of its dtype (`ATTN_TOLERANCES`)."""
+    dtype = run_dtype(model)
+    return TOLERANCE if dtype == torch.float32 else ATTN_TOLERANCES.get(dtype, ATTN_TOLERANCES[torch.float16])
+
+
+def row_error(rebuilt: torch.Tensor, real: torch.Tensor, size: torch.Tensor | None = None) -> torch.Tensor:
+    """‖rebuilt − real‖ / size per row (the last axis): [..., d] → [...]; `size` [...] defaults to ‖real‖. The
+    relative error of each row against its own size, never against the largest row (a NaN anywhere gives NaN, which
+    fails a check)."""
+    size = real.float().norm(dim=-1) if size is None else size
+    return (rebuilt.float() - real.float()).norm(dim=-1) / size.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def attn_row_size(
+    real: torch.Tensor, b_o: torch.Tensor | None, stream: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The size [...] an attention output's row error is measured against, from the real output [..., d]: its part
+    the decomposition gives to tokens, ‖o_i − b_O‖; at least `ROUNDINGS` roundoffs of `dtype` (the model's
+    rounding is of the whole output, b_O included) per tolerance times ‖o_i‖; at least `ROW_FLOOR` of the row's
+    residual stream [..., d]."""
+    real = real.float()
+    own = real.norm(dim=-1)
+    attributed = own if b_o is None else (real - b_o.float()).norm(dim=-1)
+    unit = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
+    tol = TOLERANCE if dtype == torch.float32 else ATTN_TOLERANCES.get(dtype, ATTN_TOLERANCES[torch.float16])
+    floor = ROW_FLOOR * stream.float().norm(dim=-1)
+    return torch.maximum(torch.maximum(attributed, ROUNDINGS * unit / tol * own), floor)
+
+
+def check_positions(mask: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    """The rows [B, R] (int64) the per-row attention check covers: the target rows (row mode) or the last real token
+    (full maps), then `CHECK_ROWS` positions per input drawn with a fixed seed among its real tokens."""
+    lengths = mask.sum(-1).cpu()  # [B]
+    gen = torch.Generator().manual_seed(CHECK_SEED)
+    drawn = (torch.rand(len(lengths), CHECK_ROWS, generator=gen) * lengths[:, None]).long()  # [B, S] in [0, len)
+    first = (lengths - 1).clamp_min(0)[:, None] if targets is None else targets.long().cpu()
+    return torch.cat([first, drawn], 1).to(mask.device)
+
+
+@torch.no_grad()
+def attention_row_errors(lt: LayerTrace, lay: Layer, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The attention output rebuilt from the decomposition's pieces — α's rows (÷ s^post with a sandwich norm), v,
+    W_O, b_O — at positions rows [B, R], against the model's own (run in `dtype`): [2, B, R] max abs error and error
+    relative to the row's size (`attn_row_size`). Costs R rows of attention: α's rows (from q and K in row mode),
+    R·H·n·d_h for Σ_j α v and R·d² for W_O per input."""
+    alpha = lt.alpha_rows(rows, mix=True)  # [B, H, R, n]
+    z = torch.matmul(alpha, repeat_kv(lt.value, lay.n_heads).float())  # [B, H, R, d_h]
+    rebuilt = z.transpose(1, 2).flatten(2) @ lay.w_o.float()  # [B, R, d]
+    if lay.b_o is not None:
+        rebuilt = rebuilt + lay.b_o.float()
+    at = rows[:, :, None].expand(-1, -1, rebuilt.shape[-1])
+    real = lt.attn_out.float().gather(1, at)
+    size = attn_row_size(real, lay.b_o, lt.mix_in.float().gather(1, at), dtype)
+    return torch.stack([(rebuilt - real).abs().amax(-1), row_error(rebuilt, real, size)])
 
 
 @dataclass
@@ -322,33 +387,87 @@ def _compiled_on(t: torch.Tensor) -> bool:
 
 
 def _check(
-    results: TokenResults, tok: RealTokens, limit: float = TOLERANCE, attn_limit: float | None = None
+    results: TokenResults,
+    tok: RealTokens,
+    rows: RowCheck,
+    limit: float = TOLERANCE,
+    attn_limit: float | None = None,
+    row_limit: float = TOLERANCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raise `ReconstructionError` naming the first layer whose decomposition misses the real outputs by more than
-    `limit` (relative to max(1, |real output|)), or (`attn_limit`) whose attention output's decomposition misses it
-    by more than `attn_limit` of its own size; else the max abs error per input and layer [B, L] and that error as
-    a share of the layer's tolerance [B, L] (the larger of the two checks' shares; ≤ 1)."""
+    """Raise `ReconstructionError` naming the first layer (and where) a piece of the decomposition misses the model's
+    own tensors; else the max abs error per input and layer [B, L] and the largest error as a share of its tolerance
+    [B, L] (≤ 1: passed). Each error is relative to the size of the row it is in, never to the largest row:
+
+    - every token: the residual sum x_i + attention output and the norm after it (γ, β, s_i) against the model's
+      norm input and output, and the probe sums of the computed rows, within `limit` of the row's largest value;
+    - the check rows of `rows`: the attention output rebuilt from α's rows, v, W_O and b_O, within `row_limit` of
+      the row's norm;
+    - bfloat16 / float16 (`attn_limit`): the probe sums of every computed row within `attn_limit` of the largest
+      probed attention output of the input (the first check's rounding share alone cannot see a wrong attention
+      output under the stream)."""
     err = torch.maximum(results.check[:, 0], results.probe_err)  # [L, T]
-    tol = limit * results.check[:, 1].amax(1).clamp_min(1.0)  # [L]
-    worst = err.amax(1)
-    for index, (e, t) in enumerate(zip(worst.tolist(), tol.tolist(), strict=True)):
-        if not e <= t:  # NaN fails too
-            raise ReconstructionError(
-                f"layer {index}: the decomposition differs from the real attention-block output by {e:.3g} "
-                f"(tolerance {t:.3g}); the adapter for this architecture does not match the model"
-            )
-    share = err / tol[:, None]  # [L, T]
+    tol = limit * results.check[:, 1]  # [L, T] per row
+    bad = ~(err <= tol)  # NaN fails too
+    share = err / tol.clamp_min(torch.finfo(torch.float32).tiny)  # [L, T]
+    row_abs, row_rel = (torch.where(rows.real, e, 0) for e in rows.errors.unbind(1))  # [L, B, R] real rows only
+    row_share = row_rel / row_limit
+    own = None
     if attn_limit is not None:  # relative to the attention output's own size (floor: 0.1% of the stream's)
-        own = torch.maximum(results.total_r.abs().amax(2).amax(1), 1e-3 * tol / limit)
+        top = limit * results.check[:, 1].amax(1).clamp_min(1.0)  # [L]
+        own = torch.maximum(results.total_r.abs().amax(2).amax(1), 1e-3 * top / limit)
         share = torch.maximum(share, results.probe_err / (attn_limit * own[:, None]))
-        for index, r in enumerate((results.probe_err.amax(1) / own).tolist()):
+    for index in range(len(err)):
+        if bool(bad[index].any()):
+            t = int(bad[index].nonzero()[0, 0])
+            offsets = tok.layout.offsets.cpu()
+            b = int(torch.searchsorted(offsets, torch.tensor(t), right=True)) - 1
+            raise ReconstructionError(
+                f"layer {index}: the decomposition differs from the real attention-block output by "
+                f"{float(err[index, t]):.3g} at token {t - int(offsets[b])} of input {b + 1} (tolerance "
+                f"{float(tol[index, t]):.3g}, {limit:g} of that token's largest value); the adapter for this "
+                "architecture does not match the model"
+            )
+        worst = row_rel[index].nan_to_num(float("inf")).argmax()
+        b, k = divmod(int(worst), row_rel.shape[2])
+        r = float(row_rel[index, b, k])
+        if not r <= row_limit:
+            raise ReconstructionError(
+                f"layer {index}: the attention output rebuilt from the decomposition (α, v, W_O, b_O) differs from "
+                f"the real one by {r:.3g} of its size at token {int(rows.positions[b, k])} of input {b + 1} "
+                f"(tolerance {row_limit:.3g}); the adapter for this architecture does not match the model"
+            )
+        if own is not None and attn_limit is not None:
+            r = float(results.probe_err[index].amax() / own[index])
             if not r <= attn_limit:
                 raise ReconstructionError(
                     f"layer {index}: the decomposition of the attention output differs from the real one by {r:.3g} "
                     f"of its size (tolerance {attn_limit:.3g}); the adapter for this architecture does not match "
                     "the model"
                 )
-    return tok.scatter(err.T).amax(1), tok.scatter(share.T).amax(1)
+    error = torch.maximum(tok.scatter(err.T).amax(1), row_abs.amax(2).T)
+    return error, torch.maximum(tok.scatter(share.T).amax(1), row_share.amax(2).T)
+
+
+@dataclass
+class RowCheck:
+    """The per-row attention check of a run (`attention_row_errors`): its rows and, per layer, their errors."""
+
+    positions: torch.Tensor  # [B, R] int64: `check_positions`
+    real: torch.Tensor  # [B, R] bool: a real token (target rows of padding are not checked)
+    errors: torch.Tensor  # [L, 2, B, R] max abs error, error relative to the row's size (0 until the layer ran)
+    dtype: torch.dtype  # the forward pass's
+
+    @classmethod
+    def start(cls, adapter: Adapter, mask: torch.Tensor, targets: torch.Tensor | None) -> RowCheck:
+        positions = check_positions(mask, targets)
+        real = positions < mask.sum(-1, keepdim=True)
+        errors = torch.zeros(adapter.n_layers, 2, *positions.shape, device=mask.device)
+        return cls(positions, real, errors, run_dtype(adapter.base))
+
+    def layer(self, lt: LayerTrace, lay: Layer, index: int) -> None:
+        """Check layer `index` (its complete trace `lt`: during the forward pass when streamed)."""
+        rows = self.positions.clamp_max(lt.x.shape[1] - 1)
+        self.errors[index] = attention_row_errors(lt, lay, rows, self.dtype)
 
 
 @dataclass
@@ -363,6 +482,7 @@ class NormRun:
     compiled: _compiled.RunArgs | None  # the compiled kernels' view of tok, results and maps (None: torch passes)
     done: list[int]  # layers whose passes ran, in order
     bias_terms: list[torch.Tensor]  # their [2, d] P(b_O), β
+    row_check: RowCheck  # the per-row attention check (`RowCheck.layer` of every layer before `finish`)
     sandwich: bool = False  # a layer had a sandwich norm: the head mean of α is not in `maps.alpha_mean`
 
     @classmethod
@@ -382,7 +502,7 @@ class NormRun:
         )
         results = _results(adapter.n_layers, heads, t_len, compiled, tok.all_rows, mask.device)
         args = _compiled.RunArgs.of(tok.layout, results, maps, adapter.family.causal) if compiled else None
-        return cls(adapter, tok, maps, results, args, [], [])
+        return cls(adapter, tok, maps, results, args, [], [], RowCheck.start(adapter, mask, targets))
 
     def passes(self, layers: list[LayerState]) -> None:
         """Token and attention passes of `layers` (compiled: in one parallel region)."""
@@ -428,8 +548,15 @@ class NormRun:
         """The per-run exactness check over every layer, then the result."""
         if self.done != list(range(self.adapter.n_layers)):
             raise RuntimeError(f"the norm engine ran layers {self.done} of {self.adapter.n_layers}")
-        dtype = run_dtype(self.adapter.base)
-        error, share = _check(self.results, self.tok, tolerance(self.adapter.base), ATTN_TOLERANCES.get(dtype))
+        model = self.adapter.base
+        error, share = _check(
+            self.results,
+            self.tok,
+            self.row_check,
+            tolerance(model),
+            ATTN_TOLERANCES.get(run_dtype(model)),
+            attn_tolerance(model),
+        )
         maps = self.maps
         return BlockNorms(
             f_norm=maps.f_norm,
@@ -455,6 +582,7 @@ def stream_layer(
     held."""
     tok, maps = run.tok, run.maps
     lay = run.adapter.layers[index]
+    run.row_check.layer(lt, lay, index)
     st = LayerState.of(lt, lay, tok, index)
     if not every_row or lt.qk is not None:
         run.passes([st])
@@ -508,6 +636,7 @@ def block_norms(trace: Trace) -> BlockNorms:
             run.passes(layers)
             for i, lt in enumerate(trace.layers):
                 run.weight_ratios(lt, i)
+                run.row_check.layer(lt, trace.adapter.layers[i], i)
             if targets is not None:  # kept for `pair_rows` (rollouts propagate through every row of each layer)
                 memo.put(NORM_STATES, (layers, run))
         if not run.sandwich:

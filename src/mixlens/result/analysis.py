@@ -221,6 +221,7 @@ class Analysis:
                         x.dims,
                         json.dumps(x.params, sort_keys=True, default=json_default),
                         {e: s.dims for e, s in x.extra_store.items()},
+                        x.rows is None,
                     )
                     for k, x in a.attributions.items()
                 },
@@ -240,7 +241,8 @@ class Analysis:
                 )
             if shape(a) != shape(first):
                 raise MixlensError(
-                    f"analysis {k} has other methods, options, extras, ratios or segments than analysis 1"
+                    f"analysis {k} has other methods, options, extras, ratios, segments or rows (row mode or every "
+                    "row) than analysis 1"
                 )
         tokens = [t for a in analyses for t in a.tokens]
         lengths = [len(t) for t in tokens]
@@ -262,6 +264,7 @@ class Analysis:
                 x.params,
                 words,
                 extras,
+                None if x.rows is None else [r for p in parts for r in p.rows or []],
             )
         ratios = {v: InputRows.concat([a.ratio_store[v] for a in analyses], lengths) for v in first.ratio_store}
         bias = (

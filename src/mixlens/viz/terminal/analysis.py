@@ -123,7 +123,7 @@ def print_ratios(res: Any, dtype: str = "float32") -> None:
 
 def error_line(error: float, share: Any, dtype: str) -> str:
     """'reconstruction error: max abs 5.4e+01 = 0.3× the bfloat16 tolerance (...)': the check's tolerance is relative
-    to max(1, |output|) per layer (`mixlens.methods.engine.TOLERANCES`), so the bare number means little alone."""
+    to each token's own size (`mixlens.methods.engine.TOLERANCES`), so the bare number means little alone."""
     from mixlens.methods.engine import TOLERANCES
 
     rel = {str(k).removeprefix("torch."): v for k, v in TOLERANCES.items()}.get(dtype)
@@ -132,5 +132,5 @@ def error_line(error: float, share: Any, dtype: str) -> str:
         return line
     return (  # two lines that fit 80 columns
         f"{line} = {float(share.max()):.2g}× the {dtype} tolerance\n"
-        f"  (each layer's sum vs the model's own output, to {rel:g} × max(1, |output|))"
+        f"  (every piece vs the model's own, token by token, to {rel:g} of each token's size)"
     )
