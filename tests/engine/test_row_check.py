@@ -26,8 +26,8 @@ from tests.conftest import _SMALL, random_model
 # (LayerNorm, fused q | k | v, output bias)
 EXTRA = {"qwen2": lambda: T.Qwen2Config(num_key_value_heads=2, **_SMALL)}
 PIECES = ("W_O", "W_V", "value bias", "LN weight", "residual", "b_O")
-_HELD: list[torch.Tensor] = []  # every wrong weight made, kept: the engine caches weights by address and version,
-# which a new tensor freed and made again at the same address would repeat
+_HELD: list[torch.Tensor] = []  # every wrong weight made, kept (the engine now also tells replaced tensors apart:
+# tests/engine/test_weight_cache.py)
 
 
 def row_model(family: str, tokenizer) -> torch.nn.Module:

@@ -8,6 +8,7 @@ block is wired (post-LN encoder or pre-LN decoder, LayerNorm or RMSNorm, Gemma's
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -463,9 +464,11 @@ def float32(t: torch.Tensor | None, cache: dict, name: str, shift: float = 0.0) 
         return t
     key = (t.data_ptr(), t._version, t.dtype, t.shape)
     hit = cache.get(name)
-    if hit is None or hit[0] != key:
-        hit = cache[name] = (key, t.detach().float() + shift if shift else t.detach().float())
-    return hit[1]
+    # the same tensor object (a weak reference: a replaced weight freed and reallocated at the same address with
+    # the same version is another tensor) at the same version
+    if hit is None or hit[0] != key or hit[1]() is not t:
+        hit = cache[name] = (key, weakref.ref(t), t.detach().float() + shift if shift else t.detach().float())
+    return hit[2]
 
 
 @dataclass

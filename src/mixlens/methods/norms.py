@@ -245,7 +245,8 @@ class Weights:
         return kernel_args(self.consts)
 
 
-_WEIGHTS: dict[int, tuple[weakref.ref, tuple, Weights]] = {}  # id(layer) → (the layer, weight version, Weights)
+_WEIGHTS: dict[int, tuple[weakref.ref, tuple, Weights, tuple[weakref.ref, ...]]] = {}
+# id(layer) → (the layer, weight version, Weights, the weight tensors it was built from)
 
 
 def _weights(lay: Layer, index: int) -> Weights:
@@ -255,8 +256,17 @@ def _weights(lay: Layer, index: int) -> Weights:
         index,
         *(None if t is None else (t.data_ptr(), t._version) for t in (w_o, norm.weight, norm.bias, lay.b_o)),
     )
+    sources = tuple(t for t in (w_o, norm.weight, norm.bias, lay.b_o) if t is not None)
     held = _WEIGHTS.get(id(lay))
-    if held is None or held[0]() is not lay or held[1] != key:
+    # a replaced weight freed and reallocated at the same address with the same version matches `key`: the weak
+    # references tell the tensor objects apart
+    if (
+        held is None
+        or held[0]() is not lay
+        or held[1] != key
+        or len(held[3]) != len(sources)
+        or any(r() is not t for r, t in zip(held[3], sources, strict=True))
+    ):
         h, d = lay.n_heads, w_o.shape[-1]
         w = w_o.detach().float().reshape(h, lay.d_head, d)  # [H, d_h, d]  W_O^h
         mean_w = w.new_empty(0, lay.d_head) if norm.rms else w.mean(-1)
@@ -282,7 +292,7 @@ def _weights(lay: Layer, index: int) -> Weights:
             consts=consts,
         )
         gone = functools.partial(_WEIGHTS.pop, id(lay), None)  # the entry leaves with its layer
-        held = (weakref.ref(lay, lambda _: gone()), key, weights)
+        held = (weakref.ref(lay, lambda _: gone()), key, weights, tuple(weakref.ref(t) for t in sources))
         _WEIGHTS[id(lay)] = held  # a new weight version replaces the stale one
     return held[2]
 
