@@ -27,7 +27,7 @@ from mixlens.memory import backward_bytes, check_fits
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, MethodOutput, Option, Reference, get, register
 from mixlens.targets import Readout, Request, Spec, model_kind, positions, readout
-from mixlens.trace import Trace, hooked
+from mixlens.trace import Trace, hooked, recomputed_layers
 
 MAX_STEPS = 1024  # integration steps: chunked (memory stays flat), but the time grows with them
 
@@ -36,6 +36,7 @@ KINDS = ("saliency", "grad_x_input", "integrated_gradients")
 BASELINES = ("zero", "pad")
 IG_TOKENS_PER_CHUNK = 2048  # default tokens per integrated-gradients chunk (input × step rows × tokens)
 FUSED_ATTENTION = True  # gradient passes through torch's fused attention (no [B, H, n, n] kept for the backward)
+RECOMPUTE_LAYERS = True  # each layer recomputed in the backward (False: every layer's activations kept; tests' oracle)
 Target = Spec
 
 
@@ -145,9 +146,10 @@ def gradient(
     if hit is not None:
         return hit
     check_backward(trace, trace.mask.shape[0], "a gradient pass")
-    _, x, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)  # one forward: 'pred' reads it
-    with torch.enable_grad():
-        (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
+    with recomputed():  # the backward inside: it reruns the layers
+        _, x, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)  # one forward: 'pred' reads it
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
     out = (grad, x.detach(), value.detach())
     if cacheable:
         memo.put(key, out)
@@ -203,9 +205,18 @@ def gradient_rows(trace: Trace, methods: Sequence[str], requests: Sequence[Reque
         fn(trace, requests)
 
 
+def recomputed() -> AbstractContextManager[Any]:
+    """The context of a plain gradient pass: each layer recomputed in its backward (`trace.recomputed_layers`:
+    the forward keeps every layer's input [B, n, d] only, the backward one layer's activations at a time; the
+    gradient is the same) when `RECOMPUTE_LAYERS`."""
+    return recomputed_layers() if RECOMPUTE_LAYERS else contextlib.nullcontext()
+
+
 def _plain_rows(trace: Trace, requests: Sequence[Request]) -> None:
     memo = memo_of(trace)
-    for req, hit in zip(requests, row_gradients(trace, requests), strict=True):
+    with recomputed():  # the backwards inside: they rerun the layers
+        grads = row_gradients(trace, requests)
+    for req, hit in zip(requests, grads, strict=True):
         memo.put(("gradient", req, None, None), hit)
 
 
@@ -220,7 +231,7 @@ def check_backward(trace: Trace, rows: int, what: str) -> None:
     need = backward_bytes(rows, n, trace.adapter.n_layers, d)
     check_fits(
         need,
-        f"{what} on {rows} × {n} tokens (its backward keeps every layer's activations)",
+        f"{what} on {rows} × {n} tokens (its backward keeps every layer's input and one layer's activations)",
         "use fewer or shorter inputs, or methods without gradients (explain: --method logit_attn or attention)",
         trace.mask.device,
     )
@@ -283,7 +294,7 @@ def output_attribution(
             raise MixlensError("baseline=pad needs a model with a pad token id")
         with torch.no_grad():
             base = trace.adapter.base.get_input_embeddings()(torch.full_like(trace.inputs["input_ids"], pad_id))
-    with torch.enable_grad():
+    with torch.enable_grad(), recomputed():  # each chunk's backward reruns the layers
         ig = IntegratedGradients(f).attribute(
             emb, baselines=base, additional_forward_args=args, n_steps=steps, internal_batch_size=chunk
         )
