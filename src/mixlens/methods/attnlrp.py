@@ -210,6 +210,7 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
     extras={"conservation": ()},
     supports=dense_ffn,
     recommended=("causal",),  # first or level with the first on BLiMP, every decoder tested (docs/findings/evaluate.md)
+    backward=True,
     **TARGET_SCORES,
 )
 def attnlrp(

@@ -85,7 +85,7 @@ def occlusion(trace: Trace, *, target: Target = "pred", foil: int | None = None,
     return _masked(trace, a.mean(-1))  # each window's Δg is written to every element of the window
 
 
-@register("deeplift", options=TARGET_OPTIONS, **TARGET_SCORES)
+@register("deeplift", options=TARGET_OPTIONS, backward=True, **TARGET_SCORES)
 def deeplift(trace: Trace, *, target: Target = "pred", foil: int | None = None, position: int | None = None):
     """DeepLift (captum) from zero word embeddings, summed over hidden dims (see the module docstring)."""
     from captum.attr import DeepLift
@@ -103,6 +103,7 @@ def deeplift(trace: Trace, *, target: Target = "pred", foil: int | None = None, 
         Option("samples", int, 16, min=1, max=MAX_SHAP_SAMPLES, help="samples of expected gradients"),
         SEED,
     ),
+    backward=True,
     **TARGET_SCORES,
 )
 def gradient_shap(

@@ -311,7 +311,7 @@ TARGET = (
 )
 
 
-@register("saliency", options=TARGET, default_in={"saliency": 0}, **TARGET_SCORES)
+@register("saliency", options=TARGET, default_in={"saliency": 0}, backward=True, **TARGET_SCORES)
 def saliency(
     trace: Trace,
     *,
@@ -331,6 +331,7 @@ def saliency(
     options=TARGET,
     explain_options={"reduction": "sum"},  # explain reads the signed form
     reference=Reference("grad_x_input_l2", {"reduction": "l2"}),  # ‖∂g/∂e_j ⊙ e_j‖₂, the GlobEnc paper's reference
+    backward=True,
     **TARGET_SCORES,
 )
 def grad_x_input(
@@ -351,6 +352,7 @@ def grad_x_input(
     "integrated_gradients",
     extras={"delta": ()},
     explain_options={"reduction": "sum"},  # explain reads the signed form
+    backward=True,
     **TARGET_SCORES,
     options=(
         *TARGET,
