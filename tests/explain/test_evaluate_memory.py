@@ -116,3 +116,52 @@ def test_the_streamed_trace_gives_the_kept_traces_scores(tokenizer, family, monk
                 torch.testing.assert_close(torch.tensor(a.scores[m]), torch.tensor(b.scores[m]), rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(torch.tensor(a.removed[m]), torch.tensor(b.removed[m]))
             torch.testing.assert_close(torch.tensor(a.reference), torch.tensor(b.reference))
+
+
+def test_the_faithfulness_file_streams(causal, tmp_path, monkeypatch, capsys):
+    """#45 item 13: the faithfulness task's file was read whole into a list before the first example. Its records
+    are now read as the batches ask for them: when the first batch of 2 is done, the run's own read of a 5,000-line
+    file has given a handful of records (after one counting pass that keeps none); the run's identity (the data's
+    hash) is kept, and a changed file is refused on resume."""
+    from mixlens.commands import explain as cmd
+    from mixlens.corpus import readers
+    from mixlens.explain import checkpoint
+
+    model_dir = tmp_path / "model"
+    causal.model.save_pretrained(model_dir)
+    causal.tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "big.txt"
+    data.write_text("".join(f"Line {k} of the file.\n" for k in range(5000)))
+    capsys.readouterr()
+    reads: list[int] = []  # records given by each read of the file
+    real_read, real_write = readers.iter_examples, cmd._write
+
+    def counted(*a, **k):
+        reads.append(0)
+        for ex in real_read(*a, **k):
+            reads[-1] += 1
+            yield ex
+
+    at_first_batch: list[list[int]] = []
+
+    def write(*a, **k):
+        if not at_first_batch:  # the first checkpoint, after the first batch: stop there (as Ctrl-C would)
+            at_first_batch.append(list(reads))
+            raise KeyboardInterrupt
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(readers, "iter_examples", counted)
+    monkeypatch.setattr(cmd, "_write", write)
+    monkeypatch.setattr(checkpoint, "CHECKPOINT_EVERY", 0)
+    out = tmp_path / "o"
+    args = ["evaluate", "--model", str(model_dir), "--data", str(data), "--method", "attention"]
+    args += ["--removal", "none", "--batch-size", "2", "-o", str(out)]
+    code, _, err = run_cli(args, capsys)
+    assert code == 130, err
+    assert at_first_batch[0][0] == 5000 and len(at_first_batch[0]) == 2  # the counting pass, then the run's read
+    assert at_first_batch[0][1] <= 8  # the first batch ran after a handful of records, not 5,000
+    saved = checkpoint.read_saved(out / checkpoint.FILE)
+    assert saved is not None and len(saved["examples"]) == 2 and saved["run"]["data"] == checkpoint.data_stamp(data)
+    data.write_text("".join(f"Line {k} of another file.\n" for k in range(5000)))  # changed data: refused
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "data" in err and len(err.strip().splitlines()) == 1
