@@ -10,8 +10,9 @@ the batch holds at once: its trace while the methods run, the methods' results, 
   (its logits and an eager layer's attention transients);
 - the results: `memory.result_bytes` (one target row for the methods computing the explained row only);
 - the passes: each gradient method's and the agreement reference's backward (`memory.backward_bytes`; integrated
-  gradients in their chunks, DeepLift with its baseline rows), each forward-only method's own forwards and the
-  perturbed forwards of the removal curves (an eager layer's attention transients of one chunk).
+  gradients in their chunks, DeepLift with its baseline rows), each forward-only method's own forwards (an eager
+  layer's attention transients) and the perturbed forwards of the removal curves (a causal LM's in fused attention:
+  one layer's activations of one chunk; other models' an eager layer's attention transients).
 
 A request over the memory available is one line naming the input, its length, the estimate and what is available
 (`MixlensError`, exit code 2), instead of the kernel's out-of-memory kill after minutes of work.
@@ -84,9 +85,10 @@ def batch_bytes(
             passes.append(eager)
     if reference:
         passes.append(backward_bytes(batch, n, layers, d))
-    if removal:
+    if removal:  # a causal LM's run in fused attention (`scoring.fused`): one layer's activations per chunk
         chunk = max(1, min(batch, forward_cells // (n * n)))
-        passes.append(attention_bytes(chunk, n, layers, heads, 0))
+        fused_ok = adapter.family.causal and getattr(model.config, "attn_logit_softcapping", None) is None
+        passes.append(backward_bytes(chunk, n, 0, d) if fused_ok else attention_bytes(chunk, n, layers, heads, 0))
     return {"trace": trace, "results": results, "pass": max(passes)}
 
 
