@@ -124,7 +124,8 @@ CARDS: dict[str, Card] = {
     "saliency": Card(
         "s_j = reduce_d ∂g/∂e_j (reduction l2 ‖·‖₂, l1 ‖·‖₁ or sum, the signed sum).",
         "One forward and one backward pass of its own per batch (LM head at the target position only).",
-        "The activations of one backward pass; output [n].",
+        "Every layer's input (layers · n · d floats) and one layer's activations at a time (each layer is "
+        "recomputed in the backward); output [n].",
         "captum `Saliency(abs=False)`",
         "asserted atol 1e-5, rtol 1e-3 (a benchmark, not a unit test)",
         "benchmarks/bench_gradients_vs_captum.py",
@@ -132,7 +133,8 @@ CARDS: dict[str, Card] = {
     "grad_x_input": Card(
         "s_j = reduce_d (∂g/∂e_j ⊙ e_j) (reduction l2, l1 or sum).",
         "One forward and one backward pass of its own per batch (LM head at the target position only).",
-        "The activations of one backward pass; output [n].",
+        "Every layer's input (layers · n · d floats) and one layer's activations at a time (each layer is "
+        "recomputed in the backward); output [n].",
         "inseq `input_x_gradient` (whole answers, SmolLM2-135M-Instruct; reduction sum = its `sum`, l2 = its "
         "`vnorm`); captum `InputXGradient`",
         "inseq: asserted ≤ 1e-5 of the largest |value| (measured 3.4e-6 signed sum, 4.2e-6 L2); captum: asserted "
@@ -146,7 +148,8 @@ CARDS: dict[str, Card] = {
         "embeddings (captum's Gauss-Legendre points); extra delta = Σ_j IG_j − (g(e) − g(b)).",
         "steps forward + backward passes (in chunks of internal_batch_size rows), plus forwards at the input and "
         "the baseline.",
-        "The activations of one chunk (about 2048 tokens by default); output [n].",
+        "Every layer's input and one layer's activations of one chunk (about 2048 tokens by default; each layer "
+        "is recomputed in the backward); output [n].",
         "captum `IntegratedGradients` (mixlens runs it; compared on f(e) = the full-logit model's target logit)",
         "torch.testing.assert_close float32 defaults (rtol 1.3e-6, atol 1e-5); delta atol 1e-5",
         "tests/methods/test_saliency.py::test_lm_logits_only_at_target",

@@ -60,6 +60,7 @@ from mixlens.explain.evaluation import (
 )
 from mixlens.explain.explain import explained_kind, read_targets, report_truncated
 from mixlens.explain.scoring import FORWARD_TOKENS, perturb, top_k
+from mixlens.memory import release
 from mixlens.methods import get as get_method
 from mixlens.methods.saliency import keeps_logits
 from mixlens.targets import KIND_NAMES
@@ -432,6 +433,7 @@ def run_batches(
                 )
             )
         del trace, inputs_only  # the perturbed passes read the readout only
+        release(n_max)  # a long input: what the trace and the gradient passes freed, back to the system first
         batch = []
         for b, x in enumerate(ids):
             sc = {m: res[m][b, : len(x)].numpy() for m in real}

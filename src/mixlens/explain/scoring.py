@@ -17,11 +17,12 @@ import torch
 
 from mixlens.explain.context import sdpa
 from mixlens.explain.evaluation import KS, LEVELS, NO_REMOVAL, Example
+from mixlens.memory import release
 from mixlens.methods.saliency import keeps_logits
 from mixlens.pipeline import plan_batches
 from mixlens.targets import score
 
-FORWARD_TOKENS = 8192  # tokens per forward pass of perturbed inputs
+FORWARD_TOKENS = 4096  # tokens per forward pass of perturbed inputs (a layer's transients: ~44 KB a token, SmolLM2)
 FORWARD_CELLS = 1 << 23  # and token pairs (inputs · n²): an eager layer's [B, H, n, n] attention stays bounded
 
 
@@ -106,6 +107,7 @@ def forward_f(
                 g, f = score(kind, pool, res, mask, index[own], fo, last, e0[own])
                 f = f if foil is None else g
             out[rows] = f.float().cpu().numpy()
+            release(max(len(seqs[i]) for i in rows))  # a long chunk's freed activations back to the system
     return out
 
 
