@@ -97,14 +97,15 @@ def test_the_command_line_refuses_in_one_line_with_exit_2(causal, tmp_path, monk
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_the_streamed_trace_gives_the_kept_traces_scores(tokenizer, family, monkeypatch):
+@pytest.mark.parametrize("methods", [["attention", "attention_rollout", "saliency"], ["saliency", "grad_x_input"]])
+def test_the_streamed_trace_gives_the_kept_traces_scores(tokenizer, family, methods, monkeypatch):
     """Row-mode methods on a causal LM read a streamed trace (no layer's tensors kept, the logits of the last
-    tokens only) beside an inputs-only one for the gradient methods: every score, f and removal curve equals the
-    kept trace's, on padded batches with and without contrasts."""
+    tokens only) beside an inputs-only one for the gradient methods; without a method reading a trace, the targets
+    come from one fused pass with the last tokens' logits: every score, f and removal curve equals the kept trace's
+    (a plain pass's), on padded batches with and without contrasts."""
     lens = random_lens(family, tokenizer, head="AutoModelForCausalLM")
     texts = [SHORT, LONG, "A dog", "Cats sleep on the mat all day"]
     cs = [Contrast("toy", 5 + k, 9 + k, "a", "b", "x", (1,)) for k in range(len(texts))]
-    methods = ["attention", "attention_rollout", "saliency"]
     for contrasts in (None, cs):
         runs = {}
         for stream in (True, False):

@@ -64,8 +64,10 @@ from mixlens.memory import release
 from mixlens.methods import get as get_method
 from mixlens.methods.saliency import keeps_logits
 from mixlens.targets import KIND_NAMES
+from mixlens.trace import f32
 
-STREAM = True  # a causal LM's row-mode methods read a streamed trace (False: a kept one; tests' oracle)
+STREAM = True  # a causal LM's row-mode methods read a streamed trace, and without a method that reads a trace its
+# targets come from one fused pass with the last tokens' logits (False: a kept trace, a plain pass; tests' oracle)
 
 __all__ = [
     "AOPC_KS",
@@ -396,10 +398,15 @@ def run_batches(
         parts = fits.batch_bytes(lens, real, b, n_max, streamed=streamed, one_row=one_row, removal=perturbed)
         where = f"input {offset + bt.index[longest] + 1}"
         fits.check_batch(lens, parts, where, n_max, None if contrast is None else contrast.group)  # before any pass
+        last = torch.unique(enc.inputs["attention_mask"].sum(-1) - 1) if keeps_logits(lens.model) else None
         if streamed:
-            last = torch.unique(enc.inputs["attention_mask"].sum(-1) - 1) if keeps_logits(lens.model) else None
             trace = lens.trace_for(enc, readers, rows=[-1], output=True, logit_at=last)  # logits of the last tokens
             inputs_only = lens.trace_for(enc, own_passes or [attr.REFERENCE_METHOD])  # no pass: the inputs
+        elif STREAM and not readers and kind == "causal" and last is not None:  # no method reads a trace
+            trace = inputs_only = lens.trace_for(enc, real)
+            with scoring.fused(lens.model, kind), torch.no_grad():  # one plain pass, the last tokens' logits
+                trace.logits = f32(lens.model(**enc.inputs, logits_to_keep=last).logits)
+            trace.logit_at = last
         else:
             trace = inputs_only = lens.trace_for(enc, real, output=True)
         ids = [enc.inputs["input_ids"][b, : len(t)].tolist() for b, t in enumerate(enc.tokens)]

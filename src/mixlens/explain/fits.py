@@ -7,7 +7,8 @@ the batch holds at once: its trace while the methods run, the methods' results, 
   `pipeline.stream_trace`) keeps the logits of the explained rows and one layer's activations; a kept one every layer's
   tensors, about `TRACE_FLOATS` · d per token and layer (q and K in row mode, α [B, H, n, n] per layer else:
   `memory.attention_bytes`) and the logits; without a method that reads it, the forward that reads the targets
-  (its logits and an eager layer's attention transients);
+  (a causal LM's in fused attention with the last tokens' logits; others' logits and an eager layer's attention
+  transients);
 - the results: `memory.result_bytes` (one target row for the methods computing the explained row only);
 - the passes: each gradient method's and the agreement reference's backward (`memory.backward_bytes`; integrated
   gradients in their chunks, DeepLift with its baseline rows), each forward-only method's own forwards (an eager
@@ -64,6 +65,8 @@ def batch_bytes(
         per_token = TRACE_FLOATS * d + (3 * d_ff if ffn is True else 0)
         trace = 4 * batch * n * layers * per_token + logits
         trace += one_layer if qk_trace(readers, adapter) else attention_bytes(batch, n, layers, heads, layers)
+    elif adapter.family.causal:  # the targets read from one plain pass in fused attention: the last tokens' logits
+        trace = 4 * batch * min(batch, n) * vocab + one_layer
     else:
         trace = logits + eager
     results = sum(
