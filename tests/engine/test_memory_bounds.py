@@ -151,7 +151,7 @@ def test_a_gradient_pass_too_large_is_refused_before_it_runs(tokenizer, monkeypa
     n, layers = len(lens.encode([text]).tokens[0]), lens.adapter.n_layers
     d = lens.model.get_input_embeddings().embedding_dim
     need = memory.backward_bytes(1, n, layers, d)
-    assert need == 4 * n * layers * memory.BACKWARD_FLOATS * d
+    assert need == 4 * n * d * (layers + memory.BACKWARD_FLOATS)  # each layer's input, one layer's activations
     explain(lens, text, ["saliency"])  # fits
     monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": need - 1)
     calls: list[int] = []

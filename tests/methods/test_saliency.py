@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch import nn
@@ -203,3 +205,61 @@ def test_lm_logits_only_at_target(tokenizer, family, per_row, monkeypatch):
             torch.testing.assert_close(ig.delta, delta, atol=1e-5, rtol=1e-4)
     finally:
         head.remove()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_recomputed_layers_give_the_kept_gradients(family, tokenizer, monkeypatch):
+    """Saliency, gradient × input, integrated gradients and the per-request row gradients with each layer recomputed
+    in the backward (the default) equal the pass that keeps every layer's activations, to 1e-6 of the largest
+    (float32), on a padded batch of a causal LM."""
+    from mixlens.methods import saliency
+    from mixlens.targets import Request
+
+    lens = random_lens(family, tokenizer, head="AutoModelForCausalLM")
+    got: dict[bool, list[torch.Tensor]] = {}
+    for recompute in (False, True):
+        monkeypatch.setattr(saliency, "RECOMPUTE_LAYERS", recompute)
+        tr = lens.trace(lens.encode(TEXTS))  # a fresh memo: nothing shared between the two
+        out = [output_attribution(tr, kind, reduction="sum").raw for kind in saliency.KINDS[:2]]
+        out.append(output_attribution(tr, "integrated_gradients", steps=4).raw)
+        one = lens.trace(lens.encode(TEXTS[:1]))
+        reqs = [Request((t,), (-1,), (p,)) for t, p in ((5, 2), (7, 3))]
+        out += [g for g, _, _ in saliency.row_gradients(one, reqs)] if not recompute else []
+        if recompute:
+            with saliency.recomputed():
+                out += [g for g, _, _ in saliency.row_gradients(one, reqs)]
+        got[recompute] = out
+    for a, b in zip(got[False], got[True], strict=True):
+        scale = float(a.abs().max())
+        assert scale > 0
+        assert float((b - a).abs().max()) / scale < 1e-6
+
+
+def test_recomputed_gradient_pass_keeps_no_layer_activations(tokenizer, monkeypatch):
+    """The plain gradient pass (saliency, gradient × input, evaluate's agreement reference) saves each layer's input
+    and nothing more of it for its backward (4 layers save two [B, n, d] more than 2); keeping every layer's
+    activations saves dozens of tensors a layer (its FFN's [B, n, d_ff] among them)."""
+    from mixlens.methods import saliency
+
+    saved: dict[tuple[bool, int], list[tuple[int, ...]]] = {}
+    for layers in (2, 4):
+        lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM", num_hidden_layers=layers)
+        for recompute in (False, True):
+            monkeypatch.setattr(saliency, "RECOMPUTE_LAYERS", recompute)
+            tr = lens.trace(lens.encode(TEXTS))
+            shapes: list[tuple[int, ...]] = []
+
+            def pack(t: torch.Tensor, shapes: list = shapes) -> torch.Tensor:
+                shapes.append(tuple(t.shape))
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                output_attribution(tr, "saliency")
+            saved[recompute, layers] = shapes
+    d_ff = lens.model.config.intermediate_size
+    assert any(s[-1:] == (d_ff,) for s in saved[False, 2])
+    assert not any(s[-1:] == (d_ff,) for s in saved[True, 2] + saved[True, 4])
+    more = {k: Counter(saved[k, 4]) - Counter(saved[k, 2]) for k in (False, True)}
+    assert more[False].total() > 10 * 2
+    b, n = tr.mask.shape
+    assert more[True] == Counter({(b, n, lens.model.config.hidden_size): 2})

@@ -7,7 +7,7 @@ import json
 import shlex
 import shutil
 import sys
-from collections.abc import Iterable, Sized
+from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
 
 import typer
@@ -270,6 +270,7 @@ def _evaluate_data(
     runtime: Runtime,
 ) -> None:
     """`evaluate`'s work once its folder is held: the data read, the model loaded, the run and its files."""
+    from mixlens.batching import has_visible
     from mixlens.corpus.readers import iter_examples
     from mixlens.explain import evidence
 
@@ -306,15 +307,22 @@ def _evaluate_data(
         skipped.append(f"{where} ({kind})")
         typer.echo(f"warning: {data}: {where}; record skipped", err=True)
 
-    examples = iter_examples(data, text_column=text_column, on_skip=dropped)
-    inputs = [ex.text for ex in itertools.islice(examples, skip, skip + limit if limit else None)]
-    texts = [t for t in inputs if isinstance(t, str)]
-    if len(texts) < len(inputs):
-        raise MixlensError("evaluate takes single texts, not sentence pairs")
-    if not texts:
+    def texts(on_skip=None) -> Iterator[str]:
+        """The file's texts, read record by record as they are asked for (never the file whole)."""
+        examples = iter_examples(data, text_column=text_column, on_skip=on_skip)
+        for k, ex in enumerate(itertools.islice(examples, skip, skip + limit if limit else None), 1):
+            if not isinstance(ex.text, str):
+                raise MixlensError("evaluate takes single texts, not sentence pairs")
+            if not has_visible(ex.text):
+                raise MixlensError(f"input {k} is empty or whitespace only")
+            yield ex.text
+
+    total = sum(1 for _ in texts())  # read once without keeping them: a bad file fails before the model loads
+    if not total:
         raise MixlensError(f"no examples to evaluate in '{data}'" + (f" after skipping {skip}" if skip else ""))
     lens = runtime.load(model, gguf_file=gguf_file, head=head)
-    _evaluate_and_write(lens, texts, method, removal, batch_size, seed, dest, skipped, fmt, saved, run)
+    stream = texts(dropped)  # read again as the batches ask for them: memory stays flat in the file's size
+    _evaluate_and_write(lens, stream, method, removal, batch_size, seed, dest, skipped, fmt, saved, run, total=total)
 
 
 def _evaluate_and_write(

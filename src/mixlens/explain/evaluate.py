@@ -39,7 +39,7 @@ from mixlens.batching import check_texts
 from mixlens.errors import MixlensError
 from mixlens.explain import attributions as attr
 from mixlens.explain import checkpoint as ckpt
-from mixlens.explain import scoring
+from mixlens.explain import fits, scoring
 from mixlens.explain.checkpoint import CHECKPOINT_EVERY, Interrupted
 from mixlens.explain.evaluation import (
     AOPC_KS,
@@ -60,8 +60,14 @@ from mixlens.explain.evaluation import (
 )
 from mixlens.explain.explain import explained_kind, read_targets, report_truncated
 from mixlens.explain.scoring import FORWARD_TOKENS, perturb, top_k
+from mixlens.memory import release
 from mixlens.methods import get as get_method
+from mixlens.methods.saliency import keeps_logits
 from mixlens.targets import KIND_NAMES
+from mixlens.trace import f32
+
+STREAM = True  # a causal LM's row-mode methods read a streamed trace, and without a method that reads a trace its
+# targets come from one fused pass with the last tokens' logits (False: a kept trace, a plain pass; tests' oracle)
 
 __all__ = [
     "AOPC_KS",
@@ -369,15 +375,40 @@ def run_batches(
     """The work of `evaluate_removals` over `items` (text, contrast or None; input numbers from `offset`), drawn
     one batch at a time: examples appended per batch, `batch_done()` after each."""
     steps = len(real) + 1 + len(removals)  # progress parts of a batch: each method, the reference, each removal
+    kind = explained_kind(lens.model)
+    readers = [m for m in real if not get_method(m).inputs_only]  # the methods that read the traced pass
+    own_passes = [m for m in real if m not in readers]  # those running their own passes from the inputs
+    # a causal LM's explained row is each input's last token: methods computing that row alone read a streamed
+    # trace (`pipeline.stream_trace`: no layer's tensors kept), the others an inputs-only one
+    streamed = STREAM and kind == "causal" and bool(readers) and all(get_method(m).row_mode for m in readers)
+    one_row = [m for m in real if get_method(m).row_mode] if kind in ("causal", "masked") else []
+    perturbed = any(r != NO_REMOVAL for r in removals)
     while group := list(itertools.islice(items, batch_size)):
         texts = [t for t, _ in group]
-        (bt,) = lens.batches(texts, batch_size, trace=real, output=True)  # one batch of the inputs drawn
+        (bt,) = lens.batches(texts, batch_size)  # one batch of the inputs drawn, tokenised: no pass has run
         for k, n in enumerate(bt.enc.truncated):
             if n:
                 cut.append(f"input {offset + bt.index[k] + 1} {n} → {len(bt.enc.tokens[k])} tokens")
         report_truncated(bt, offset)
-        assert bt.trace is not None  # trace=real
         enc, chunk = bt.enc, [texts[b] for b in bt.index]
+        n_max = int(enc.inputs["input_ids"].shape[1])
+        longest = max(range(len(enc.tokens)), key=lambda k: len(enc.tokens[k]))
+        contrast = group[bt.index[longest]][1]
+        b = len(bt.index)
+        parts = fits.batch_bytes(lens, real, b, n_max, streamed=streamed, one_row=one_row, removal=perturbed)
+        where = f"input {offset + bt.index[longest] + 1}"
+        fits.check_batch(lens, parts, where, n_max, None if contrast is None else contrast.group)  # before any pass
+        last = torch.unique(enc.inputs["attention_mask"].sum(-1) - 1) if keeps_logits(lens.model) else None
+        if streamed:
+            trace = lens.trace_for(enc, readers, rows=[-1], output=True, logit_at=last)  # logits of the last tokens
+            inputs_only = lens.trace_for(enc, own_passes or [attr.REFERENCE_METHOD])  # no pass: the inputs
+        elif STREAM and not readers and kind == "causal" and last is not None:  # no method reads a trace
+            trace = inputs_only = lens.trace_for(enc, real)
+            with scoring.fused(lens.model, kind), torch.no_grad():  # one plain pass, the last tokens' logits
+                trace.logits = f32(lens.model(**enc.inputs, logits_to_keep=last).logits)
+            trace.logit_at = last
+        else:
+            trace = inputs_only = lens.trace_for(enc, real, output=True)
         ids = [enc.inputs["input_ids"][b, : len(t)].tolist() for b, t in enumerate(enc.tokens)]
         share = len(bt.index) / steps
 
@@ -391,18 +422,25 @@ def run_batches(
         request: tuple[attr.Request, attr.Foil] = (
             ("pred", None) if mine is None else (tuple(c.target for c in mine), tuple(c.foil for c in mine))
         )
-        targets, ro, f0 = read_targets(lens, bt.trace, *request)
-        res = attr.attribute(
-            bt.trace,
-            ro,
-            real,
-            target=request[0],
-            foil=request[1],
-            seed=seed,
-            reference=True,
-            timings=shared,
-            on_method=advance,
-        )
+        targets, ro, f0 = read_targets(lens, trace, *request)
+        res: dict[str, torch.Tensor] = {}
+        passes = [(trace, readers, False), (inputs_only, own_passes, True)] if streamed else [(trace, real, True)]
+        for tr, names, reference in passes:
+            res.update(
+                attr.attribute(
+                    tr,
+                    ro,
+                    names,
+                    target=request[0],
+                    foil=request[1],
+                    seed=seed,
+                    reference=reference,
+                    timings=shared,
+                    on_method=advance,
+                )
+            )
+        del trace, inputs_only  # the perturbed passes read the readout only
+        release(n_max)  # a long input: what the trace and the gradient passes freed, back to the system first
         batch = []
         for b, x in enumerate(ids):
             sc = {m: res[m][b, : len(x)].numpy() for m in real}

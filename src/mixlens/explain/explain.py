@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from mixlens.targets import (
     Target,
     logit_rows,
     model_kind,
+    positions,
     readout,
     resolve_index,
     score,
@@ -343,11 +345,18 @@ def read_targets(
     lens: LensLike, trace: Trace, target: attr.Request, foil: attr.Foil
 ) -> tuple[list[Target], Readout, torch.Tensor]:
     """The targets of a traced batch, read from its forward pass: (targets, readout, f(x) [B], or the contrast g(x)
-    when a foil is given)."""
-    out = trace_output(trace)
-    targets, ro = readout(lens.model, lens.tokenizer, out, trace.inputs, target, foil)
+    when a foil is given). A trace that kept the logits of some positions only (`Trace.logit_at`) is read there
+    when they hold each input's default target position (a causal LM's last token), else from a plain forward."""
+    out, row_at = None, None
+    if trace.logit_at is not None and trace.logits is not None:
+        pos = positions(model_kind(lens.model), trace.inputs, lens.tokenizer, None).to(trace.logit_at.device)
+        k = torch.searchsorted(trace.logit_at, pos).clamp_max(len(trace.logit_at) - 1)
+        if bool((trace.logit_at[k] == pos).all()):
+            out, row_at = SimpleNamespace(logits=trace.logits, last_hidden_state=None), k
+    out = trace_output(trace) if out is None else out
+    targets, ro = readout(lens.model, lens.tokenizer, out, trace.inputs, target, foil, row_at=row_at)
     index, fo, position, e0 = ro.tensors()
-    g, f = score(ro.kind, ro.pool, out, trace.inputs["attention_mask"], index, fo, position, e0, None, ro.logprob)
+    g, f = score(ro.kind, ro.pool, out, trace.inputs["attention_mask"], index, fo, position, e0, row_at, ro.logprob)
     return targets, ro, (g if foil is not None else f).detach().float().cpu()
 
 

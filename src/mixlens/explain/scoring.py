@@ -8,18 +8,21 @@ the unperturbed one (encoders), or with a foil (contrastive tasks) the logit dif
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
 import numpy as np
 import torch
 
+from mixlens.explain.context import sdpa
 from mixlens.explain.evaluation import KS, LEVELS, NO_REMOVAL, Example
+from mixlens.memory import release
 from mixlens.methods.saliency import keeps_logits
 from mixlens.pipeline import plan_batches
 from mixlens.targets import score
 
-FORWARD_TOKENS = 8192  # tokens per forward pass of perturbed inputs
+FORWARD_TOKENS = 4096  # tokens per forward pass of perturbed inputs (a layer's transients: ~44 KB a token, SmolLM2)
 FORWARD_CELLS = 1 << 23  # and token pairs (inputs · n²): an eager layer's [B, H, n, n] attention stays bounded
 
 
@@ -65,6 +68,14 @@ def last_token_f(
     return rows.softmax(-1).gather(1, index.to(rows.device)[:, None])[:, 0]
 
 
+def fused(model: torch.nn.Module, kind: str) -> contextlib.AbstractContextManager[None]:
+    """The perturbed forwards of a causal LM run in torch's fused attention (`context.sdpa`: no [B, H, n, n] per
+    layer, so a long input's passes take O(n) memory, not O(n²)) where its attention has no logit soft-cap (which the
+    fused kernels lack) and the model supports them; other models run as loaded."""
+    plain = getattr(model.config, "attn_logit_softcapping", None) is None and getattr(model, "_supports_sdpa", False)
+    return sdpa(model) if kind == "causal" and plain else contextlib.nullcontext()
+
+
 def forward_f(
     lens,
     kind: str,
@@ -82,10 +93,10 @@ def forward_f(
     start_id = next((t for t in (tok.bos_token_id, tok.eos_token_id, tok.cls_token_id) if t is not None), None)
     seqs = [s if s or start_id is None else (start_id,) for s in seqs]
     out = np.zeros(len(seqs))
-    for rows in plan_batches([len(x) for x in seqs], len(seqs), FORWARD_TOKENS, FORWARD_CELLS):  # by length
-        inputs = lens.encode_ids([seqs[i] for i in rows]).inputs
-        own = torch.tensor([owners[i] for i in rows])
-        with torch.no_grad():
+    with fused(lens.model, kind), torch.no_grad():
+        for rows in plan_batches([len(x) for x in seqs], len(seqs), FORWARD_TOKENS, FORWARD_CELLS):  # by length
+            inputs = lens.encode_ids([seqs[i] for i in rows]).inputs
+            own = torch.tensor([owners[i] for i in rows])
             if kind == "causal" and keeps_logits(lens.model):
                 f = last_token_f(lens.model, inputs, index[own], None if foil is None else foil[own])
             else:
@@ -95,7 +106,8 @@ def forward_f(
                 fo = torch.full((len(rows),), -1) if foil is None else foil[own]
                 g, f = score(kind, pool, res, mask, index[own], fo, last, e0[own])
                 f = f if foil is None else g
-        out[rows] = f.float().cpu().numpy()
+            out[rows] = f.float().cpu().numpy()
+            release(max(len(seqs[i]) for i in rows))  # a long chunk's freed activations back to the system
     return out
 
 

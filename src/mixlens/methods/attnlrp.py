@@ -213,6 +213,7 @@ def lrp_rules(adapter: Adapter, model: nn.Module, variant: str = "attnlrp") -> I
     extras={"conservation": ()},
     supports=dense_ffn,
     recommended=("causal",),  # first or level with the first on BLiMP, every decoder tested (docs/findings/evaluate.md)
+    backward=True,
     **TARGET_SCORES,
     card=Card(
         definition="R_j = Σ_d e_j ⊙ ∂̃g/∂e_j, the gradient modified by the AttnLRP rules (Achtibat et al. 2024: "

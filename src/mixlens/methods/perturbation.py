@@ -103,6 +103,7 @@ def occlusion(trace: Trace, *, target: Target = "pred", foil: int | None = None,
 @register(
     "deeplift",
     options=TARGET_OPTIONS,
+    backward=True,
     **TARGET_SCORES,
     card=Card(
         definition="DeepLIFT-rescale (captum `DeepLift`, run by mixlens) from zero word embeddings, summed over "
@@ -130,6 +131,7 @@ def deeplift(trace: Trace, *, target: Target = "pred", foil: int | None = None, 
         Option("samples", int, 16, min=1, max=MAX_SHAP_SAMPLES, help="samples of expected gradients"),
         SEED,
     ),
+    backward=True,
     **TARGET_SCORES,
     card=Card(
         definition="Expected gradients (captum `GradientShap`, run by mixlens) from the zero and the pad/mask-token "

@@ -377,6 +377,7 @@ class Method:
     default_in: Mapping[str, int] = field(default_factory=dict)  # view (`VIEWS`) → its rank among that view's
     # defaults (`defaults(view)`, lowest first)
     group: str | None = None  # display group: 'mixing-ratio' (the methods the mixing-ratio table describes)
+    backward: bool = False  # runs gradient passes (a backward through every layer: `memory.backward_bytes`)
 
     def refusal(self, family: Family) -> str | None:
         """Why this method refuses the family (one line), or None."""
@@ -474,6 +475,7 @@ def register(
     default_in: Mapping[str, int] | None = None,
     group: str | None = None,
     card: Card | None = None,
+    backward: bool = False,
 ) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
     `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
@@ -547,6 +549,7 @@ def register(
             reference,
             dict(default_in or {}),
             group,
+            backward,
         )
         return fn
 

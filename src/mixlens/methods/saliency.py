@@ -27,7 +27,7 @@ from mixlens.memory import backward_bytes, check_fits
 from mixlens.methods.memo import memo_of
 from mixlens.methods.registry import TARGET_OPTIONS, TARGET_SCORES, Card, MethodOutput, Option, Reference, get, register
 from mixlens.targets import Readout, Request, Spec, model_kind, positions, readout
-from mixlens.trace import Trace, hooked
+from mixlens.trace import Trace, hooked, recomputed_layers
 
 # The long-form page behind this module's reference cards (in docs/reference/), and what it covers
 BACKGROUND = ("gradients.md", "gradient attributions")
@@ -39,6 +39,7 @@ KINDS = ("saliency", "grad_x_input", "integrated_gradients")
 BASELINES = ("zero", "pad")
 IG_TOKENS_PER_CHUNK = 2048  # default tokens per integrated-gradients chunk (input × step rows × tokens)
 FUSED_ATTENTION = True  # gradient passes through torch's fused attention (no [B, H, n, n] kept for the backward)
+RECOMPUTE_LAYERS = True  # each layer recomputed in the backward (False: every layer's activations kept; tests' oracle)
 Target = Spec
 
 
@@ -148,9 +149,10 @@ def gradient(
     if hit is not None:
         return hit
     check_backward(trace, trace.mask.shape[0], "a gradient pass")
-    _, x, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)  # one forward: 'pred' reads it
-    with torch.enable_grad():
-        (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
+    with recomputed():  # the backward inside: it reruns the layers
+        _, x, _, value, _ = scalar_fn(trace, target, foil, position, grad=True)  # one forward: 'pred' reads it
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(value.sum(), x)  # inputs are independent: row b of grad is ∂g_b/∂e
     out = (grad, x.detach(), value.detach())
     if cacheable:
         memo.put(key, out)
@@ -206,9 +208,18 @@ def gradient_rows(trace: Trace, methods: Sequence[str], requests: Sequence[Reque
         fn(trace, requests)
 
 
+def recomputed() -> AbstractContextManager[Any]:
+    """The context of a plain gradient pass: each layer recomputed in its backward (`trace.recomputed_layers`:
+    the forward keeps every layer's input [B, n, d] only, the backward one layer's activations at a time; the
+    gradient is the same) when `RECOMPUTE_LAYERS`."""
+    return recomputed_layers() if RECOMPUTE_LAYERS else contextlib.nullcontext()
+
+
 def _plain_rows(trace: Trace, requests: Sequence[Request]) -> None:
     memo = memo_of(trace)
-    for req, hit in zip(requests, row_gradients(trace, requests), strict=True):
+    with recomputed():  # the backwards inside: they rerun the layers
+        grads = row_gradients(trace, requests)
+    for req, hit in zip(requests, grads, strict=True):
         memo.put(("gradient", req, None, None), hit)
 
 
@@ -223,7 +234,7 @@ def check_backward(trace: Trace, rows: int, what: str) -> None:
     need = backward_bytes(rows, n, trace.adapter.n_layers, d)
     check_fits(
         need,
-        f"{what} on {rows} × {n} tokens (its backward keeps every layer's activations)",
+        f"{what} on {rows} × {n} tokens (its backward keeps every layer's input and one layer's activations)",
         "use fewer or shorter inputs, or methods without gradients (explain: --method logit_attn or attention)",
         trace.mask.device,
     )
@@ -286,7 +297,7 @@ def output_attribution(
             raise MixlensError("baseline=pad needs a model with a pad token id")
         with torch.no_grad():
             base = trace.adapter.base.get_input_embeddings()(torch.full_like(trace.inputs["input_ids"], pad_id))
-    with torch.enable_grad():
+    with torch.enable_grad(), recomputed():  # each chunk's backward reruns the layers
         ig = IntegratedGradients(f).attribute(
             emb, baselines=base, additional_forward_args=args, n_steps=steps, internal_batch_size=chunk
         )
@@ -307,11 +318,13 @@ TARGET = (
     "saliency",
     options=TARGET,
     default_in={"saliency": 0},
+    backward=True,
     **TARGET_SCORES,
     card=Card(
         definition="s_j = reduce_d ∂g/∂e_j (reduction l2 ‖·‖₂, l1 ‖·‖₁ or sum, the signed sum).",
         passes="One forward and one backward pass of its own per batch (LM head at the target position only).",
-        memory="The activations of one backward pass; output [n].",
+        memory="Every layer's input (layers · n · d floats) and one layer's activations at a time (each layer is "
+        "recomputed in the backward); output [n].",
         official="captum `Saliency(abs=False)`",
         tolerance="asserted atol 1e-5, rtol 1e-3 (a benchmark, not a unit test)",
         check="benchmarks/bench_gradients_vs_captum.py",
@@ -337,11 +350,13 @@ def saliency(
     options=TARGET,
     explain_options={"reduction": "sum"},  # explain reads the signed form
     reference=Reference("grad_x_input_l2", {"reduction": "l2"}),  # ‖∂g/∂e_j ⊙ e_j‖₂, the GlobEnc paper's reference
+    backward=True,
     **TARGET_SCORES,
     card=Card(
         definition="s_j = reduce_d (∂g/∂e_j ⊙ e_j) (reduction l2, l1 or sum).",
         passes="One forward and one backward pass of its own per batch (LM head at the target position only).",
-        memory="The activations of one backward pass; output [n].",
+        memory="Every layer's input (layers · n · d floats) and one layer's activations at a time (each layer is "
+        "recomputed in the backward); output [n].",
         official="inseq `input_x_gradient` (whole answers, SmolLM2-135M-Instruct; reduction sum = its `sum`, l2 = "
         "its `vnorm`); captum `InputXGradient`",
         tolerance="inseq: asserted ≤ 1e-5 of the largest |value| (measured 3.4e-6 signed sum, 4.2e-6 L2); captum: "
@@ -370,6 +385,7 @@ def grad_x_input(
     "integrated_gradients",
     extras={"delta": ()},
     explain_options={"reduction": "sum"},  # explain reads the signed form
+    backward=True,
     **TARGET_SCORES,
     options=(
         *TARGET,
@@ -389,7 +405,8 @@ def grad_x_input(
         "or [PAD] embeddings (captum's Gauss-Legendre points); extra delta = Σ_j IG_j − (g(e) − g(b)).",
         passes="steps forward + backward passes (in chunks of internal_batch_size rows), plus forwards at the input "
         "and the baseline.",
-        memory="The activations of one chunk (about 2048 tokens by default); output [n].",
+        memory="Every layer's input and one layer's activations of one chunk (about 2048 tokens by default; each layer "
+        "is recomputed in the backward); output [n].",
         official="captum `IntegratedGradients` (mixlens runs it; compared on f(e) = the full-logit model's target "
         "logit)",
         tolerance="torch.testing.assert_close float32 defaults (rtol 1.3e-6, atol 1e-5); delta atol 1e-5",
