@@ -27,7 +27,6 @@ from mixlens import memory
 from mixlens.errors import MixlensError
 from mixlens.memory import attention_bytes, backward_bytes, result_bytes
 from mixlens.methods import get as get_method
-from mixlens.methods.saliency import IG_TOKENS_PER_CHUNK
 from mixlens.pipeline import qk_trace, trace_flags
 
 TRACE_FLOATS = 9  # floats per token, layer and hidden dim a kept trace holds (x, out, the attention block's
@@ -79,10 +78,7 @@ def batch_bytes(
     for m in methods:
         spec = get_method(m)
         if spec.backward:
-            rows = {
-                "integrated_gradients": min(batch * 50, max(batch, IG_TOKENS_PER_CHUNK // n // batch * batch)),
-                "deeplift": 2 * batch,
-            }.get(m, batch)
+            rows = batch if spec.backward_rows is None else spec.backward_rows(batch, n)
             passes.append(backward_bytes(rows, n, layers, d))
         elif spec.extra_passes:
             passes.append(eager)

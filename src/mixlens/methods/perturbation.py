@@ -104,6 +104,7 @@ def occlusion(trace: Trace, *, target: Target = "pred", foil: int | None = None,
     "deeplift",
     options=TARGET_OPTIONS,
     backward=True,
+    backward_rows=lambda b, n: 2 * b,  # each input with its baseline
     **TARGET_SCORES,
     card=Card(
         definition="DeepLIFT-rescale (captum `DeepLift`, run by mixlens) from zero word embeddings, summed over "

@@ -378,6 +378,8 @@ class Method:
     # defaults (`defaults(view)`, lowest first)
     group: str | None = None  # display group: 'mixing-ratio' (the methods the mixing-ratio table describes)
     backward: bool = False  # runs gradient passes (a backward through every layer: `memory.backward_bytes`)
+    backward_rows: Callable[[int, int], int] | None = None  # rows of its largest backward for B inputs of n tokens
+    # (memory estimates; default B)
 
     def refusal(self, family: Family) -> str | None:
         """Why this method refuses the family (one line), or None."""
@@ -476,6 +478,7 @@ def register(
     group: str | None = None,
     card: Card | None = None,
     backward: bool = False,
+    backward_rows: Callable[[int, int], int] | None = None,
 ) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
     `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
@@ -550,6 +553,7 @@ def register(
             dict(default_in or {}),
             group,
             backward,
+            backward_rows,
         )
         return fn
 

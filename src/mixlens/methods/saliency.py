@@ -256,6 +256,11 @@ def _chunk_rows(trace: Trace, steps: int, internal_batch_size: int | None) -> in
     if internal_batch_size is not None:  # checked by the registry (an integer ≥ 1)
         return internal_batch_size
     b, n = trace.mask.shape
+    return ig_rows(b, n, steps)
+
+
+def ig_rows(b: int, n: int, steps: int = 50) -> int:
+    """Rows (input × step) of one default integrated-gradients chunk for `b` inputs of `n` tokens."""
     return min(b * steps, max(b, IG_TOKENS_PER_CHUNK // n // b * b))
 
 
@@ -386,6 +391,7 @@ def grad_x_input(
     extras={"delta": ()},
     explain_options={"reduction": "sum"},  # explain reads the signed form
     backward=True,
+    backward_rows=ig_rows,
     **TARGET_SCORES,
     options=(
         *TARGET,
