@@ -143,8 +143,9 @@ def test_explain_and_evaluate_compute_only_the_explained_row(tokenizer, monkeypa
 def test_a_gradient_pass_too_large_is_refused_before_it_runs(tokenizer, monkeypatch):
     """#45 item 13: a BLiMP prompt of 8,105 tokens with `--method attention --removal none` passed every check and
     was killed (evaluate's agreement reference is a gradient: its backward keeps every layer's activations, 13 GB
-    on SmolLM2). The gradient pass is now estimated (`memory.backward_bytes`) and refused in one line first."""
-    from mixlens.explain import explain
+    on SmolLM2). The gradient pass is now estimated (`memory.backward_bytes`) and refused in one line first; explain
+    estimates each batch's trace, results and gradient pass (`explain.fits`) before any pass of it runs."""
+    from mixlens.explain import explain, fits
 
     lens = random_lens("llama", tokenizer, head="AutoModelForCausalLM")
     text = "The keys to the cabinet are"
@@ -153,10 +154,22 @@ def test_a_gradient_pass_too_large_is_refused_before_it_runs(tokenizer, monkeypa
     need = memory.backward_bytes(1, n, layers, d)
     assert need == 4 * n * d * (layers + memory.BACKWARD_FLOATS)  # each layer's input, one layer's activations
     explain(lens, text, ["saliency"])  # fits
-    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": need - 1)
+
+    def whole(methods: list[str]) -> int:
+        return sum(fits.batch_bytes(lens, methods, 1, n, streamed=False, reference=False, removal=False).values())
+
+    assert whole(["saliency"]) >= need  # the trace and results besides the gradient pass
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": whole(["saliency"]) - 1)
     calls: list[int] = []
     lens.model.register_forward_pre_hook(lambda m, a: calls.append(1))
-    with pytest.raises(MixlensError, match=r"a gradient pass on 1 × \d+ tokens .* needs about") as e:
+    with pytest.raises(MixlensError, match=rf"input 1 \({n} tokens\) needs about .* the largest pass") as e:
         explain(lens, text, ["saliency"])
-    assert "\n" not in str(e.value) and len(calls) == 1  # the traced pass ran; the gradient pass did not
-    explain(lens, text, ["attention"])  # no gradient: it runs
+    assert "\n" not in str(e.value) and not calls  # refused before any pass of the model
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": whole(["saliency"]))
+    explain(lens, text, ["saliency"])  # just fits: it runs
+    assert calls
+    # the methods' own check still holds where an estimate passes: the gradient pass alone over the memory
+    monkeypatch.setattr(fits, "check_batch", lambda *a, **k: None)
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": need - 1)
+    with pytest.raises(MixlensError, match=r"a gradient pass on 1 × \d+ tokens .* needs about"):
+        explain(lens, text, ["saliency"])

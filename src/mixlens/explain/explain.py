@@ -14,6 +14,7 @@ from mixlens.batching import Batch
 from mixlens.errors import MixlensError
 from mixlens.explain import answers as ans
 from mixlens.explain import attributions as attr
+from mixlens.explain import fits
 from mixlens.methods import get as get_method
 from mixlens.protocol import LensLike
 from mixlens.result import ANSWER_AXES, TOKEN_AXES, Attribution, Explained, Explanation, InputRows
@@ -86,19 +87,24 @@ def explain(
     request = request_of(lens, kind, target, foil)
     timings: dict[str, float] = {}
     done: list[Explained] = []
-    for batch in lens.batches(texts, batch_size, trace=methods, output=True):
+    one_row = [m for m in methods if get_method(m).row_mode] if kind in ("causal", "masked") else []
+    for batch in lens.batches(texts, batch_size):  # tokenised only: each batch's passes are estimated first
         report_truncated(batch)
         chunk = [texts[b] for b in batch.index]
         ids = [batch.enc.inputs["input_ids"][b, : len(t)].tolist() for b, t in enumerate(batch.enc.tokens)]
-        trace = batch.trace
         share = len(ids) / len(methods)  # inputs done per method
 
         def advance(_: str, share: float = share) -> None:
             if progress:
                 progress(share)
 
-        if trace is None:
-            trace = lens.trace_for(lens.encode_ids(ids), methods, output=True)
+        n_max = int(batch.enc.inputs["input_ids"].shape[1])
+        longest = max(range(len(ids)), key=lambda k: len(ids[k]))
+        parts = fits.batch_bytes(
+            lens, methods, len(ids), n_max, streamed=False, one_row=one_row, reference=False, removal=False
+        )
+        fits.check_batch(lens, parts, f"input {batch.index[longest] + 1}", n_max)  # before any pass
+        trace = lens.trace_for(batch.enc, methods, output=True)
         targets, ro, score = read_targets(lens, trace, *request)
         extras: dict[str, dict[str, torch.Tensor]] = {}
         res = attr.attribute(

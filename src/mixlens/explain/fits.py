@@ -1,4 +1,5 @@
-"""Whether a batch of `evaluate` fits the machine's memory, said before any pass of it runs (`check_batch`).
+"""Whether a batch of `evaluate` or `explain` fits the machine's memory, said before any pass of it runs
+(`check_batch`).
 
 The estimate (float32 bytes, batch B, n tokens, L layers, H heads, width d, vocabulary V; `mixlens.memory`) is what
 the batch holds at once: its trace while the methods run, the methods' results, plus the largest of its passes:
@@ -102,7 +103,7 @@ def check_batch(lens, parts: dict[str, int], where: str, n: int, group: str | No
         size = f"{'' if group is None else group + ', '}{n:,} tokens"
         raise MixlensError(
             f"{where} ({size}) needs about {_size(need)} ({detail}: the trace, the methods' results and the largest "
-            f"pass) but {_size(have)} are available; evaluate shorter inputs, or fewer or gradient-free methods"
+            f"pass) but {_size(have)} are available; use shorter inputs, or fewer or gradient-free methods"
         )
 
 
