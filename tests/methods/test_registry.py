@@ -288,3 +288,27 @@ def test_a_repeated_option_is_refused(monkeypatch, capsys):
     argv = ["analyze", "A text.", "--method", "hta", "--option", "hta.probes=4", "--option", "hta.probes=8"]
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and "hta.probes is given twice (4 and 8)" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_method_in_a_new_module_registers_with_no_import_line(tmp_path):
+    """Adding a method touches one source file: the "How to add a method" example of docs/contributing.md saved as a
+    new module of `mixlens.methods` (a folder added to the package's search path, in a fresh interpreter) is in the
+    registry once the package is imported, named nowhere else."""
+    import subprocess
+    import sys
+
+    block = re.search(r"```python\n(.*?)\s*```", ENGINE.read_text().split("How to add a method", 1)[1], re.S)
+    assert block is not None
+    (tmp_path / "attention_peak_demo.py").write_text(textwrap.dedent(block.group(1)), encoding="utf-8")
+    code = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.find_spec('mixlens.methods')\n"
+        f"spec.submodule_search_locations.append({str(tmp_path)!r})\n"
+        "m = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['mixlens.methods'] = m\n"
+        "spec.loader.exec_module(m)\n"
+        "assert 'attention_peak' in m.names(), m.names()\n"
+        "assert 'mixlens.methods.attention_peak_demo' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr

@@ -1,22 +1,12 @@
-"""Attribution methods; importing this package fills the registry."""
+"""Attribution methods; importing this package fills the registry: every public module of the package is imported
+(registration side effects), so a method in a new module is found without naming it here."""
 
-from mixlens.methods import (  # noqa: F401  (registration side effects)
-    alti,
-    alti_logit,
-    attention,
-    attnlrp,
-    decompx,
-    decompx_logit,
-    flow_routes,
-    globenc,
-    gradients,
-    norm_rollouts,
-    norms,
-    perturbation,
-    rollout,
-    saliency,
-    value_zeroing,
-)
+import importlib
+import pkgutil
+
 from mixlens.methods.registry import REGISTRY, Method, MethodOutput, Option, check_options, get, names, register
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
+    importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["REGISTRY", "Method", "MethodOutput", "Option", "check_options", "get", "names", "register"]
