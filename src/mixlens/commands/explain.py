@@ -192,7 +192,8 @@ def register(app: typer.Typer) -> None:
             "delete",
             "--removal",
             help="delete (drop the tokens), mask (mask token) or none (no perturbed passes: only the agreement "
-            "and, --task blimp, the alignment with the evidence; several times faster).",
+            "and, --task blimp, the alignment with the evidence; several times faster; --task context: without the "
+            "leave-one-passage-out reference).",
         ),
         fmt: str = typer.Option("table", "--format", "-f", help="table or json (json: evaluation.json on stdout)."),
         out: Path | None = typer.Option(
