@@ -4,7 +4,9 @@ against one plain forward of prompt + answer, on SmolLM2-135M (the real checkpoi
 RSS is the process's VmHWM (`rss.peak_gib`), reported whole and minus the loaded model.
 
 Cases: `forward` (the model's plain forward of prompt + answer, no gradient: the reference), and any explain
-method names, each alone (`logit_attn`, `alti_logit`, `grad_x_input`, `attnlrp`, `alti_rollout`, ...).
+method names, each alone (`logit_attn`, `alti_logit`, `grad_x_input`, `attnlrp`, `alti_rollout`, ...), or several
+methods explained together joined by `+` (`norm+norm_res+norm_resln+norm_rollout+norm_res_rollout+
+norm_resln_rollout+logit_attn`: one `explain_answer` call, as `explain --method ... --method ...` runs them).
 
 Targets (docs/performance.md): `logit_attn` ≤ 2× one forward at 1,024 + 64 tokens; 8,192 + 32 tokens with
 `logit_attn` < 4 GB peak RSS.
@@ -41,7 +43,7 @@ if case == "forward":
     with torch.no_grad():
         lens.model(**lens.encode_ids([ids]).inputs)
 else:
-    explain_answer(lens, ids, answer, [case])
+    explain_answer(lens, ids, answer, case.split("+"))
 dt = time.perf_counter() - t0
 print(weights, base, peak_gib(), dt)
 """
@@ -59,7 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--answer", type=int, default=64)
-    ap.add_argument("--cases", default="forward,logit_attn")
+    ap.add_argument("--cases", default="forward,logit_attn", help="comma-separated; methods together: a+b+c")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--random", action="store_true", help="a random SmolLM2-sized model even when the real one is here")

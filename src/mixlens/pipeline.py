@@ -18,7 +18,7 @@ from mixlens.methods import get as get_method
 from mixlens.methods.engine import BLOCK_NORMS, NORM_RUN, BlockNorms, NormRun, block_norms, stream_layer
 from mixlens.methods.memo import Memo, StreamLayer, memo_of
 from mixlens.methods.registry import Method, check_options, check_row_mode
-from mixlens.trace import FfnCapture, LayerTrace, Trace, run_traced
+from mixlens.trace import FfnCapture, LayerSink, LayerTrace, Trace, run_traced
 
 # which rows of a [layer, target, source] map to compute: "all" / None (full maps), "last", or positions
 # (negative: from the end)
@@ -239,12 +239,15 @@ def stream_trace(
     on_layer: LayerProgress | None = None,
     output: bool = False,
     logit_at: torch.Tensor | None = None,
+    also: LayerSink | None = None,
 ) -> Trace:
     """One forward pass in row streaming mode for `methods` (all declaring `row_mode`) and `rows` (not
     all rows): each layer is consumed by a `LayerStream` as soon as it is complete and its α dropped, so the trace
     never holds the layers' n × n attention maps. `run_methods(trace, methods, rows=rows)` then finishes
     (rollout row propagation, the per-run check) from what the stream kept; other methods or rows are refused.
-    `output`: the pass also runs the model head (`Trace.logits`; with `logit_at` [K], of those positions only)."""
+    `output`: the pass also runs the model head (`Trace.logits`; with `logit_at` [K], of those positions only).
+    `also(l, layer_trace)`: another sink, handed each complete layer after the stream (the whole forward pass then
+    runs, as with `output`)."""
     mask = inputs["attention_mask"].bool()
     positions = resolve_rows(rows, mask.sum(-1).tolist())
     if positions is None:
@@ -252,6 +255,13 @@ def stream_trace(
     check_row_mode(methods)
     stream = LayerStream(adapter, mask, methods, positions.to(mask.device), on_layer)
     capture = any(s.stream is not None and s.stream.capture(adapter.family) for s in map(get_method, methods))
+    output = output or also is not None
+
+    def both(index: int, lt: LayerTrace) -> None:
+        stream(index, lt)
+        if also is not None:
+            also(index, lt)
+
     # the sink is the only reader: FFN activations and layer outputs only for a stream that asks (GlobEnc's LN2)
     trace = run_traced(
         adapter,
@@ -260,7 +270,7 @@ def stream_trace(
         ffn=capture,
         tokenizer=tokenizer,
         to_output=capture or output,
-        sink=stream,
+        sink=both,
         qk_rows=adapter.family.causal,
         logit_at=logit_at if output else None,
     )

@@ -280,9 +280,46 @@ def test_the_decompositions_trace_keeps_the_answer_rows_logits_only(causal, monk
         return tr
 
     monkeypatch.setattr(causal, "trace_for", spy)
-    ex = explain(causal, [PROMPT], ["logit_attn"], answer=ANSWER)
+    ex = explain(causal, [PROMPT], ["alti_logit"], answer=ANSWER)
     m = len(ex.explained[0]["answer"]["ids"])
     assert kept == [(1, m, causal.model.config.vocab_size)]  # [batch, answer rows, vocabulary], not every position
+
+
+def test_logit_attn_adds_its_answer_rows_layer_by_layer(causal, answered, monkeypatch):
+    """`logit_attn` alone (or with the streamed maps, or the gradient methods): one forward pass whose layers are
+    dropped as soon as their terms are added, no layer kept; the rows, remainders and log-probabilities are those
+    of the whole trace (`answered`, where alti_logit reads the whole trace and logit_attn with it), which sum to
+    the model's logits (`test_decompositions_sum_to_the_real_logits`)."""
+    import mixlens.explain.answers as answers
+    import mixlens.pipeline as pipeline
+
+    passes = []
+    for module, name in ((answers, "run_traced"), (pipeline, "run_traced")):
+
+        def spy(*a, real=getattr(module, name), **k):
+            tr = real(*a, **k)
+            passes.append((k.get("sink") is not None, [lt.x.numel() for lt in tr.layers], tuple(tr.logits.shape)))
+            return tr
+
+        monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(causal, "trace_for", lambda *a, **k: pytest.fail("a whole trace was made"))
+    m = len(answered.explained[0]["answer"]["ids"])
+    for methods in (["logit_attn"], ["logit_attn", "norm_rollout", "attention_rollout"]):
+        passes.clear()
+        ex = explain(causal, [PROMPT], methods, answer=ANSWER)
+        assert passes == [(True, [0] * causal.adapter.n_layers, (1, m, causal.model.config.vocab_size))], methods
+        np.testing.assert_allclose(ex["logit_attn"].input(0), answered["logit_attn"].input(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            ex["logit_attn"].extra_store["remainder"].row(0),
+            answered["logit_attn"].extra_store["remainder"].row(0),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+        np.testing.assert_allclose(
+            ex.explained[0]["answer"]["logprobs"], answered.explained[0]["answer"]["logprobs"], rtol=1e-5
+        )
+        for name in methods[1:]:
+            np.testing.assert_allclose(ex[name].input(0), answered[name].input(0), rtol=1e-5, atol=1e-7)
 
 
 def test_the_norm_rollouts_build_the_answer_rows_only(causal, answered, monkeypatch):

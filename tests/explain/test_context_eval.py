@@ -265,6 +265,35 @@ def test_cli_end_to_end_resume_and_refusals(causal, model_dir, tmp_path, capsys,
     assert rc == 2 and "other data" in err and len(err.strip().splitlines()) == 1
 
 
+def test_removal_none_leaves_leave_one_out_out(causal, model_dir, tmp_path, capsys, monkeypatch):
+    """`--removal none`: no leave-one-out forward pass, no leave_one_out row or rank; the methods' scores are those
+    of a run with it, and the run is another one (a run with leave-one-out in that folder is not resumed)."""
+    rows = answered_rows(causal, 2)
+    data = tmp_path / "ctx.jsonl"
+    write(data, rows)
+    out = tmp_path / "out"
+    args = ["evaluate", "--task", "context", "--model", str(model_dir), "--data", str(data), "-o", str(out)]
+    args += ["--method", "logit_attn"]
+    with_loo = tmp_path / "with"
+    rc, stdout, err = run_cli([*args[:-4], "-o", str(with_loo), *args[-2:], "-f", "json"], capsys)
+    assert rc == 0, err
+    full = json.loads(stdout)
+    monkeypatch.setattr(C, "leave_one_out", lambda *a, **k: pytest.fail("leave-one-out ran"))
+    rc, stdout, err = run_cli([*args, "--removal", "none", "-f", "json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(stdout)
+    assert doc["run"]["leave_one_out"] is False and "leave_one_out" not in full["run"]
+    assert set(doc["metrics"]) == {"logit_attn", C.RANDOM, C.EXPECTED}
+    for a, b in zip(doc["examples"], full["examples"], strict=True):
+        assert a["leave_one_out"] is None and C.LOO not in a["ranks"] and C.LOO not in a["seconds"]
+        assert a["ranks"] == {k: v for k, v in b["ranks"].items() if k != C.LOO}
+        np.testing.assert_allclose(a["passage_scores"]["logit_attn"], b["passage_scores"]["logit_attn"], atol=1e-6)
+    rc, stdout, err = run_cli([*args, "--removal", "none"], capsys)  # the table: no leave-one-out row
+    assert rc == 0 and "| logit_attn |" in stdout and "leave_one_out" not in stdout
+    rc, _, err = run_cli([*args[:-4], "-o", str(with_loo), *args[-2:], "--removal", "none"], capsys)
+    assert rc == 2 and "other data" in err and len(err.strip().splitlines()) == 1
+
+
 def _ids(lens, row):
     tok = C.tokenize(lens.tokenizer, C._check_line(row, "row", 1))
     return tok.prompt, tok.answer

@@ -25,15 +25,19 @@ def evaluate_context_cmd(
     dest: Path,
     fmt: str,
     runtime: Runtime,
+    leave_one_out: bool = True,
 ) -> None:
     """The context task's run into `dest` (held by the lock; an interrupted run there resumes), its
-    evaluation.json and its table (or the JSON on stdout)."""
+    evaluation.json and its table (or the JSON on stdout). `leave_one_out=False` (`--removal none`): without the
+    leave-one-passage-out reference (its N + 1 forward passes)."""
     from mixlens.commands.output import progress, write_stdout
     from mixlens.explain import checkpoint
     from mixlens.explain import context as C
 
     prompts = C.read_prompts(data, skip, limit)  # a bad file fails before the model loads
-    run = {"data": checkpoint.data_stamp(data), "skip": skip}
+    run: dict[str, object] = {"data": checkpoint.data_stamp(data), "skip": skip}
+    if not leave_one_out:
+        run["leave_one_out"] = False
     command = shlex.join(["mixlens", *INVOCATION])
     with checkpoint.locked(dest, command):
         saved = C.read_saved(dest / checkpoint.FILE)
@@ -42,10 +46,10 @@ def evaluate_context_cmd(
             ev, interrupted = saved
             if interrupted:
                 resume = ev
-            elif ev.run.get("data") != run["data"] or ev.run.get("skip") != skip:
+            elif any(ev.run.get(k) != v for k, v in run.items()):
                 raise MixlensError(
-                    f"{dest / checkpoint.FILE} holds a finished evaluation of other data; use another --out or "
-                    "delete it"
+                    f"{dest / checkpoint.FILE} holds a finished evaluation of other data (or another --removal); "
+                    "use another --out or delete it"
                 )
         lens = runtime.load(model, gguf_file=gguf_file, head=head)
         try:
@@ -56,6 +60,7 @@ def evaluate_context_cmd(
                     method or None,
                     seed=seed,
                     run=run,
+                    with_loo=leave_one_out,
                     resume=resume,
                     checkpoint=lambda part: _write(dest, part, interrupted=True),
                     progress=step,

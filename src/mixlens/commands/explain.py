@@ -192,7 +192,8 @@ def register(app: typer.Typer) -> None:
             "delete",
             "--removal",
             help="delete (drop the tokens), mask (mask token) or none (no perturbed passes: only the agreement "
-            "and, --task blimp, the alignment with the evidence; several times faster).",
+            "and, --task blimp, the alignment with the evidence; several times faster; --task context: without the "
+            "leave-one-passage-out reference).",
         ),
         fmt: str = typer.Option("table", "--format", "-f", help="table or json (json: evaluation.json on stdout)."),
         out: Path | None = typer.Option(
@@ -218,16 +219,28 @@ def register(app: typer.Typer) -> None:
         if removal not in REMOVALS:
             raise MixlensError(f"unknown removal '{removal}'; valid: {', '.join(REMOVALS)}")
         if task == "context":  # its own data, run and output (`commands.context`)
-            if text_column is not None or removal != "delete":
+            if text_column is not None or removal == "mask":
                 raise MixlensError(
-                    "--task context reads its own JSONL fields and removes no tokens; drop --text-column and --removal"
+                    "--task context reads its own JSONL fields and removes whole passages (leave-one-out) or nothing: "
+                    "drop --text-column; --removal delete (the default) or none"
                 )
             from mixlens.commands.context import evaluate_context_cmd
 
             dest = out or Path("mixlens-evaluation")
             check_writable(dest, directory=True)
             evaluate_context_cmd(
-                data, model, gguf_file, pick_model_head(model_head, head), method, skip, limit, seed, dest, fmt, runtime
+                data,
+                model,
+                gguf_file,
+                pick_model_head(model_head, head),
+                method,
+                skip,
+                limit,
+                seed,
+                dest,
+                fmt,
+                runtime,
+                leave_one_out=removal == "delete",
             )
             return
         if task not in evidence.TASKS:

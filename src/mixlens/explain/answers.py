@@ -32,14 +32,18 @@ import torch
 from mixlens.errors import MixlensError
 from mixlens.explain.attributions import options_for
 from mixlens.methods import get
+from mixlens.methods.alti_logit import LogitTerms
 from mixlens.methods.saliency import gradient_rows, keeps_logits
-from mixlens.pipeline import run_methods
+from mixlens.pipeline import run_methods, stream_trace
 from mixlens.protocol import LensLike
 from mixlens.result import TOKEN_AXES
 from mixlens.targets import Request, token_label
+from mixlens.trace import run_traced
 
 KIND = "answer"  # the `Target.kind` of an explained answer
 PHRASE = "phrase"  # the `Target.kind` of a multi-token target (and foil) of a causal LM
+LAYERED = ("logit_attn",)  # decompositions whose answer rows are added up layer by layer during the forward pass
+# (`alti_logit.LogitTerms`): no layer of the trace is kept
 
 
 @dataclass
@@ -162,9 +166,11 @@ def explain_answer(
 ) -> dict[str, np.ndarray]:
     """Each method's answer matrix [answer, source] (source: all len(ids) tokens of prompt + answer) for one input,
     and `answer.logprobs` filled. Methods that build target rows (`Method.row_mode`) share one streamed forward
-    that builds only the answer rows; every other method shares one traced forward (or, reading the inputs alone,
-    none) whose rows it reads. `extras`, when given, receives each token-score method's per-row secondary outputs
-    without a token axis (e.g. the decompositions' `remainder`), [answer, *axes]."""
+    that builds only the answer rows; `logit_attn` (`LAYERED`) adds its answer rows' terms up in that pass too,
+    layer by layer (`alti_logit.LogitTerms`), unless another method reads the whole trace; every other method
+    shares one traced forward (or, reading the inputs alone, none) whose rows it reads. `extras`, when given,
+    receives each token-score method's per-row secondary outputs without a token axis (e.g. the decompositions'
+    `remainder`), [answer, *axes]."""
     timings = timings if timings is not None else {}
     rows = answer.positions
     requests = row_requests(answer)
@@ -172,13 +178,37 @@ def explain_answer(
     enc = lens.encode_ids([ids])
     streamed = [m for m in methods if get(m).row_mode and get(m).dims != ("source",)]
     others = [m for m in methods if m not in streamed]
+    # logit_attn's rows stream too (its terms added layer by layer), unless another method reads the whole trace
+    layered = [m for m in others if m in LAYERED] if all(get(m).inputs_only for m in others if m not in LAYERED) else []
+    others = [m for m in others if m not in layered]
     out: dict[str, np.ndarray] = {}
+    filled = False  # answer.logprobs
+    dev = enc.inputs["input_ids"].device
     # the logits of the answer positions only (a vocabulary row per position is the largest part of a long trace)
-    at = torch.tensor(sorted(set(rows)), device=enc.inputs["input_ids"].device) if keeps_logits(lens.model) else None
-    if streamed:  # with no other method, this pass also gives the answer's log-probabilities
-        rowed = lens.trace_for(enc, streamed, rows=rows, output=not others, logit_at=at)
-        if not others:
-            answer.logprobs = logprobs(lens, rowed, ids, answer)
+    at = torch.tensor(sorted(set(rows)), device=dev) if keeps_logits(lens.model) else None
+    if streamed or layered:  # with no other method, this pass also gives the answer's log-probabilities
+        terms = LogitTerms(lens.adapter, lens.model, 0, torch.tensor(rows, device=dev), answer.ids)
+        sink = terms.add if layered else None
+        if streamed:
+            rowed = stream_trace(
+                lens.adapter, lens.model, enc.inputs, streamed, rows, lens.tokenizer, None, not others, at, sink
+            )
+        else:
+            with torch.no_grad():
+                rowed = run_traced(
+                    lens.adapter, lens.model, enc.inputs, tokenizer=lens.tokenizer, sink=sink, qk_rows=True, logit_at=at
+                )
+        if rowed.logits is not None:
+            answer.logprobs, filled = logprobs(lens, rowed, ids, answer), True
+        for name in layered:
+            t0 = time.perf_counter()
+            d = terms.finish(rowed.logit_rows(torch.tensor(rows), 0), lens.model, name, "the answer")
+            out[name] = d.heads.sum((1, 2)).cpu().numpy()  # [answer, source]
+            if extras is not None:
+                extras[name] = {"mlp": d.mlp.cpu().numpy(), "remainder": d.remainder.cpu().numpy()}
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+            if on_method:
+                on_method(name)
         for name in streamed:
             t0 = time.perf_counter()
             v = run_methods(rowed, [name], rows=rows).values[name]  # [1, layer, K, n]
@@ -186,7 +216,7 @@ def explain_answer(
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
             if on_method:
                 on_method(name)
-        del rowed
+        del rowed, terms
     trace = lens.trace_for(enc, others, output=True, logit_at=at) if others else None
     if trace is not None:
         gradient_rows(trace, [m for m in others if get(m).inputs_only], requests)
@@ -220,7 +250,7 @@ def explain_answer(
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
         if on_method:
             on_method(name)
-    if others or not streamed:
+    if not filled:  # the streamed pass gave no logits: the full trace's, else a plain forward
         answer.logprobs = logprobs(lens, trace, ids, answer)
     return out
 

@@ -346,6 +346,11 @@ class Example:
     seconds: dict[str, float] = field(default_factory=dict)  # wall clock, per method, leave_one_out and total
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds of this process, the same keys
 
+    @property
+    def references(self) -> list[str]:
+        """The references this prompt has: leave-one-out (unless the run left it out) and random."""
+        return [LOO, RANDOM] if self.loo is not None else [RANDOM]
+
     def ranked(self, method: str) -> np.ndarray:
         """The passages' scores a ranking uses: summed over the answer tokens (methods), or the reference's [N]."""
         if method == LOO:
@@ -370,7 +375,7 @@ class Example:
             "passage_scores": {m: v.tolist() for m, v in self.scores.items()},
             "leave_one_out": None if self.loo is None else self.loo.tolist(),
             "random": None if self.random is None else self.random.tolist(),
-            "ranks": {m: gold_rank(self.ranked(m), self.gold) for m in [*self.scores, LOO, RANDOM]}
+            "ranks": {m: gold_rank(self.ranked(m), self.gold) for m in [*self.scores, *self.references]}
             if self.correct
             else {},
             "seconds": self.seconds,
@@ -420,12 +425,17 @@ class ContextEvaluation:
     def scored(self) -> list[Example]:
         return [e for e in self.examples if e.correct]
 
+    @property
+    def references(self) -> list[str]:
+        """Leave-one-out (unless the run left it out: `--removal none`) and random."""
+        return [LOO, RANDOM] if self.run.get("leave_one_out", True) else [RANDOM]
+
     def metrics(self) -> dict[str, dict[str, object]]:
         """Per method and reference: MRR and top-1 over the scored prompts with their 95 % bootstrap intervals, and
         the mean seconds per scored prompt; the random ranking's exact expectation under `EXPECTED`."""
         ex = self.scored
         out: dict[str, dict[str, object]] = {}
-        for m in [*self.methods, LOO, RANDOM]:
+        for m in [*self.methods, *self.references]:
             rr = np.array([1.0 / gold_rank(e.ranked(m), e.gold) for e in ex])
             top = (rr == 1.0).astype(float)
             secs = [e.seconds.get(m, float("nan")) for e in ex]
@@ -523,7 +533,7 @@ class ContextEvaluation:
             return "–" if not math.isfinite(x) else f"{x:.2f}"
 
         order = sorted(self.methods, key=lambda m: -np.nan_to_num(float(met[m]["mrr"]), nan=-np.inf))  # type: ignore[arg-type]
-        for m in [*order, LOO, RANDOM]:
+        for m in [*order, *self.references]:
             r: Any = met[m]
             lines.append(
                 f"| {m} | {num(r['mrr'])} | [{num(r['ci95']['mrr'][0])}, {num(r['ci95']['mrr'][1])}] | "
@@ -549,11 +559,13 @@ def evaluate_context(
     checkpoint: Callable[[ContextEvaluation], object] | None = None,
     progress: Callable[[float], None] | None = None,
     on_resume: Callable[[int], object] | None = None,
+    with_loo: bool = True,
 ) -> ContextEvaluation:
     """Run the task on `prompts` with `methods` (default: the ones the registry recommends for a causal LM, as
     `explain` runs on a decoder, that the model's family supports).
     `resume`: an interrupted run of the same `run` identity and prompts: its examples are kept. `checkpoint(ev)` is
-    called after every prompt (the CLI saves it); `progress(1)` after every prompt."""
+    called after every prompt (the CLI saves it); `progress(1)` after every prompt. `with_loo=False`: without
+    that reference (its N + 1 forward passes per scored prompt: the costly part at long contexts)."""
     from mixlens import __version__
 
     kind = explained_kind(lens.model)
@@ -575,6 +587,8 @@ def evaluate_context(
         "seed": seed,
         "scores": "answer API, each method alone",  # explain_answer's scalars; per-method timings
     }
+    if not with_loo:
+        ident["leave_one_out"] = False  # `ContextEvaluation.references`
     examples: list[Example] = []
     if resume is not None:
         diff = [k for k in sorted(set(resume.run) | set(ident)) if resume.run.get(k) != ident.get(k)]
@@ -617,9 +631,10 @@ def evaluate_context(
             c0 = time.process_time()
             scores = token_scores(lens, tok.prompt, tok.answer, chosen, seed=seed, timings=timings, cpu=cpu)
             ex.scores = {m: passage_scores(tok, v) for m, v in scores.items()}
-            t1, c1 = time.perf_counter(), time.process_time()
-            ex.loo = leave_one_out(lens, p, tok, float(logp.sum()))
-            timings[LOO], cpu[LOO] = time.perf_counter() - t1, time.process_time() - c1
+            if with_loo:
+                t1, c1 = time.perf_counter(), time.process_time()
+                ex.loo = leave_one_out(lens, p, tok, float(logp.sum()))
+                timings[LOO], cpu[LOO] = time.perf_counter() - t1, time.process_time() - c1
             ex.random = rng.random(len(p.passages))
             timings["total"], cpu["total"] = time.perf_counter() - t0, time.process_time() - c0
             ex.seconds, ex.cpu = timings, cpu

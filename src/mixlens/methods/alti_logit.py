@@ -31,10 +31,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
-from mixlens.adapters import Family, Layer, Norm, final_norm, final_proj, linear_xw, logit_scale
+from mixlens.adapters import Adapter, Family, Layer, Norm, final_norm, final_proj, linear_xw, logit_scale
 from mixlens.errors import MixlensError, ReconstructionError
 from mixlens.methods.alti import ALTI, layer_fn
 from mixlens.methods.engine import ATTN_TOLERANCES, attn_sum, run_dtype, tolerance
@@ -89,14 +90,19 @@ def _check_head(trace: Trace, name: str) -> tuple[torch.Tensor, torch.Tensor | N
 
 def _final_norm(trace: Trace) -> Norm:
     """The norm between the last layer and the unembedding (GPT-2's ln_f, Llama's and Gemma's norm)."""
-    norm = final_norm(trace.adapter)
+    return _final_norm_of(trace.adapter)
+
+
+def _final_norm_of(adapter: Adapter) -> Norm:
+    norm = final_norm(adapter)
     if norm is None:
-        raise MixlensError(f"cannot find the final norm of {type(trace.adapter.base).__name__}")
+        raise MixlensError(f"cannot find the final norm of {type(adapter.base).__name__}")
     return norm
 
 
-def _softcap(trace: Trace) -> float | None:
-    cap = getattr(trace.model.config, "final_logit_softcapping", None)
+def _softcap_of(model: torch.nn.Module) -> float | None:
+    """Gemma 2's final logit soft cap c (None without one)."""
+    cap = getattr(model.config, "final_logit_softcapping", None)
     return float(cap) if cap else None
 
 
@@ -124,71 +130,116 @@ def rebuilt_attention(alpha: torch.Tensor, values: torch.Tensor, lay: Layer) -> 
     return out + lay.b_o.float() if lay.b_o is not None else out
 
 
+class LogitTerms:
+    """The direct logit terms of R readouts of input `b`, accumulated one layer at a time (`add`, layers in order),
+    so that a layer's tensors can be dropped once added (a streamed trace: `run_traced(sink=)`). Readout r is the
+    logit of token ids[r] at position positions[r] (the unembedding row w_r, times the logit scale, through a final
+    projection). The final norm's scale s_f of the real last state h_L[p_r] is known only after the last layer, and
+    every term through the norm is linear in u_r = C(γ ⊙ w_r) / s_f: the layers add their terms with
+    u⁰_r = C(γ ⊙ w_r) and `finish` divides by s_f.
+
+    Memory: R · layers · heads · n floats (the per-head terms) plus R · d per layer; no layer tensor is kept."""
+
+    @torch.no_grad()
+    def __init__(self, adapter: Adapter, model: Any, b: int, positions: torch.Tensor, ids: list[int]):
+        head = model.get_output_embeddings()
+        w_u, b_u = head.weight, getattr(head, "bias", None)
+        norm, proj, head_scale = _final_norm_of(adapter), final_proj(adapter), logit_scale(adapter)
+        self.adapter, self.norm, self.b, self.ids = adapter, norm, b, list(ids)
+        self.positions = positions  # [R]
+        dev = positions.device
+        w = w_u[self.ids].float().to(dev) * head_scale  # [R, d]
+        if proj is not None:  # a linear map between the final norm and the unembedding (OPT's project_out)
+            w = w @ linear_xw(proj)[0].float().T.to(dev)
+        self.u0 = norm.center(norm.weight.to(dev) * w)  # [R, d]: u_r · s_f
+        self.fixed = (norm.shift().to(dev) * w).sum(-1)  # [R]: β_f · w (+ b_U), no s_f in it
+        if b_u is not None:
+            self.fixed = self.fixed + b_u[self.ids].float().to(dev) * head_scale
+        r, n_layers, n_heads = len(self.ids), adapter.n_layers, adapter.n_heads
+        self.heads: torch.Tensor | None = None  # [R, L, H, n] once the first layer gives n
+        self.mlp = torch.zeros(r, n_layers, device=dev)  # [R, L] (times s_f until `finish`)
+        self.linear = torch.zeros(r, device=dev)  # [R] embedding path + output biases (times s_f until `finish`)
+        self.last: torch.Tensor | None = None  # [R, d] h_L at the readout positions
+        self.n_heads = n_heads
+
+    @torch.no_grad()
+    def add(self, m: int, lt: LayerTrace) -> None:
+        """Layer m's terms, from its trace (α's rows at the readout positions, v, the residual sums there)."""
+        lay, b, pos, u0 = self.adapter.layers[m], self.b, self.positions, self.u0
+        n = lt.value.shape[-2]
+        if self.heads is None:
+            self.heads = torch.zeros(len(self.ids), self.adapter.n_layers, self.n_heads, n, device=u0.device)
+        alpha = lt.alpha_rows(pos, mix=True, b=b).transpose(0, 1)  # [R, H, n]
+        alpha = alpha * (torch.arange(n, device=pos.device) <= pos[:, None])[:, None, :]  # causal: j ≤ p_r
+        v = repeat_kv(lt.value[b : b + 1], self.n_heads)[0].float()  # [H, n, d_h]
+        g = torch.einsum("hkd,rd->rhk", lay.w_o.float().reshape(self.n_heads, lay.d_head, -1), u0)  # W_O^h u⁰
+        self.heads[:, m] = alpha * torch.einsum("hjk,rhk->rhj", v, g)
+        if lay.b_o is not None:
+            self.linear += u0 @ lay.b_o.float()
+        if m == 0:
+            self.linear += (lt.x[b, pos].float() * u0).sum(-1)
+        out = lt.out
+        assert out is not None  # a full trace (the method reads the head: `Method.needs_output`)
+        self.mlp[:, m] = ((out[b, pos].float() - lt.mix_in[b, pos].float()) * u0).sum(-1)
+        if m == self.adapter.n_layers - 1:
+            self.last = out[b, pos].float()
+
+    @torch.no_grad()
+    def finish(self, logits: torch.Tensor, model: torch.nn.Module, name: str, where: str) -> Direct:
+        """The terms of every readout, divided by s_f: `Direct` with heads [R, L, H, n], mlp [R, L] and remainder [R]
+        (one readout a row, not summed); checked against the model's logits at the readout positions [R, V]
+        (`ReconstructionError` on a miss, `where` names the input)."""
+        assert self.heads is not None and self.last is not None, "every layer must be added first"
+        s_f = self.norm.scale(self.last)  # [R]
+        heads = self.heads.div_(s_f[:, None, None, None])
+        mlp = self.mlp / s_f[:, None]
+        rest = mlp.sum(1) + self.linear / s_f + self.fixed
+        z = heads.sum((1, 2, 3)) + rest  # [R] the logits before any soft cap
+        cap = _softcap_of(model)
+        rebuilt = cap * torch.tanh(z / cap) if cap else z
+        rows = logits.float().to(z.device)
+        real = rows[torch.arange(len(self.ids), device=z.device), torch.tensor(self.ids, device=z.device)]
+        scale = rows.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
+        err = ((rebuilt - real).abs() / scale).max().item()
+        limit = tolerance(model, TOLERANCE)
+        if not err <= limit:  # NaN fails too
+            raise ReconstructionError(
+                f"{where}: {name} terms differ from the logit by {err:.3g} (relative; tolerance {limit})"
+            )
+        return Direct(heads, mlp, rest, self.positions)
+
+
 @torch.no_grad()
 def direct_terms(trace: Trace, name: str, target: Spec, foil: int | None, position: int | None) -> Direct:
     """Per-layer, per-head, per-source logit (difference) terms at each input's target position, with the
     remainder; checks the sum against the model's logits (`ReconstructionError` on a miss)."""
-    w_u, b_u = _check_head(trace, name)
+    _check_head(trace, name)
     if callable(target) and not isinstance(target, str):
         raise MixlensError(f"{name} decomposes a logit: give a token id or 'pred' as target, not a function")
     assert trace.logits is not None
     _, ro = readout(
         trace.model, trace.tokenizer, SimpleNamespace(logits=trace.logits), trace.inputs, target, foil, position
     )
-    norm, cap, proj, head_scale = (
-        _final_norm(trace),
-        _softcap(trace),
-        final_proj(trace.adapter),
-        logit_scale(trace.adapter),
-    )
-    layers, adapter = trace.layers, trace.adapter
-    last = layers[-1].out
-    assert last is not None  # a full trace (the method reads the head: `Method.needs_output`)
+    _final_norm(trace)
+    layers = trace.layers
+    assert layers[-1].out is not None  # a full trace (the method reads the head: `Method.needs_output`)
     bsz, n = trace.mask.shape
-    n_layers, n_heads = len(layers), adapter.n_heads
-    dev = last.device
-    heads = torch.zeros(bsz, n_layers, n_heads, n, device=dev)
-    mlp = torch.zeros(bsz, n_layers, device=dev)
+    dev = layers[-1].out.device
+    heads = torch.zeros(bsz, len(layers), trace.adapter.n_heads, n, device=dev)
+    mlp = torch.zeros(bsz, len(layers), device=dev)
     rest = torch.zeros(bsz, device=dev)
-    gamma, beta = norm.weight.float(), norm.shift().float()
-    limit = tolerance(trace.model, TOLERANCE)
     for b in range(bsz):
         p = int(ro.position[b])
         ids = [int(ro.index[b])] + ([int(ro.foil[b])] if int(ro.foil[b]) >= 0 else [])
-        w = w_u[ids].float().to(dev) * head_scale  # [c, d]: the target's row (and the foil's), times the logit scale
-        if proj is not None:  # a linear map between the final norm and the unembedding (OPT's project_out)
-            w = w @ linear_xw(proj)[0].float().T.to(dev)
-        h = last[b, p].float()
-        u = norm.center(gamma * w) / norm.scale(h)  # [c, d]: h · u = (γ ⊙ C(h) / s_f) · w
-        parts = torch.zeros(len(ids), n_layers, n_heads, p + 1, device=dev)  # per direction
-        other = layers[0].x[b, p].float() @ u.T + beta @ w.T  # [c]: embedding path + final-norm bias
-        if b_u is not None:
-            other = other + b_u[ids].float().to(dev) * head_scale
-        mlp_c = torch.zeros(len(ids), n_layers, device=dev)
-        for m, (lt, lay) in enumerate(zip(layers, adapter.layers, strict=True)):
-            alpha = lt.alpha_rows(torch.tensor([p], device=dev), mix=True, b=b)[:, 0, : p + 1]  # [H, j]
-            v = repeat_kv(lt.value[b : b + 1, :, : p + 1], n_heads)[0].float()  # [H, j, d_h]
-            g = torch.einsum("hkd,cd->chk", lay.w_o.float().reshape(n_heads, lay.d_head, -1), u)  # W_O^h u
-            parts[:, m] = alpha * torch.einsum("hjk,chk->chj", v, g)
-            if lay.b_o is not None:
-                other = other + lay.b_o.float() @ u.T
-            out = lt.out
-            assert out is not None
-            mlp_c[:, m] = (out[b, p].float() - lt.mix_in[b, p].float()) @ u.T
-        z = parts.sum((1, 2, 3)) + mlp_c.sum(1) + other  # [c] the logits before any soft cap
-        real_row = trace.logit_rows(torch.tensor([p]), b)[0].float()
-        real = real_row[ids]
-        rebuilt = cap * torch.tanh(z / cap) if cap else z
-        scale = max(real_row.abs().max().item(), torch.finfo(torch.float32).tiny)
-        err = (rebuilt - real).abs().max().item() / scale
-        if not err <= limit:  # NaN fails too
-            raise ReconstructionError(
-                f"input {b + 1}: {name} terms differ from the logit by {err:.3g} (relative; tolerance {limit})"
-            )
+        at = torch.full((len(ids),), p, device=dev)  # the target's logit (and the foil's) at p
+        terms = LogitTerms(trace.adapter, trace.model, b, at, ids)
+        for m, lt in enumerate(layers):
+            terms.add(m, lt)
+        d = terms.finish(trace.logit_rows(at, b), trace.model, name, f"input {b + 1}")
         sign = torch.tensor([1.0, -1.0][: len(ids)], device=dev)
-        heads[b, :, :, : p + 1] = torch.einsum("c,clhj->lhj", sign, parts)
-        mlp[b] = sign @ mlp_c
-        rest[b] = sign @ (mlp_c.sum(1) + other)
+        heads[b] = torch.einsum("c,clhj->lhj", sign, d.heads)
+        mlp[b] = sign @ d.mlp
+        rest[b] = sign @ d.remainder
     return Direct(heads, mlp, rest, ro.position)
 
 
