@@ -42,8 +42,6 @@ from mixlens.trace import run_traced
 
 KIND = "answer"  # the `Target.kind` of an explained answer
 PHRASE = "phrase"  # the `Target.kind` of a multi-token target (and foil) of a causal LM
-LAYERED = ("logit_attn",)  # decompositions whose answer rows are added up layer by layer during the forward pass
-# (`alti_logit.LogitTerms`): no layer of the trace is kept
 
 
 @dataclass
@@ -166,8 +164,8 @@ def explain_answer(
 ) -> dict[str, np.ndarray]:
     """Each method's answer matrix [answer, source] (source: all len(ids) tokens of prompt + answer) for one input,
     and `answer.logprobs` filled. Methods that build target rows (`Method.row_mode`) share one streamed forward
-    that builds only the answer rows; `logit_attn` (`LAYERED`) adds its answer rows' terms up in that pass too,
-    layer by layer (`alti_logit.LogitTerms`), unless another method reads the whole trace; every other method
+    that builds only the answer rows; a method declaring `Method.layered_rows` adds its answer rows' terms up in that
+    pass too, layer by layer (`alti_logit.LogitTerms`), unless another method reads the whole trace; every other method
     shares one traced forward (or, reading the inputs alone, none) whose rows it reads. `extras`, when given,
     receives each token-score method's per-row secondary outputs without a token axis (e.g. the decompositions'
     `remainder`), [answer, *axes]."""
@@ -179,7 +177,9 @@ def explain_answer(
     streamed = [m for m in methods if get(m).row_mode and get(m).dims != ("source",)]
     others = [m for m in methods if m not in streamed]
     # logit_attn's rows stream too (its terms added layer by layer), unless another method reads the whole trace
-    layered = [m for m in others if m in LAYERED] if all(get(m).inputs_only for m in others if m not in LAYERED) else []
+    layered = [m for m in others if get(m).layered_rows]
+    if not all(get(m).inputs_only for m in others if m not in layered):
+        layered = []
     others = [m for m in others if m not in layered]
     out: dict[str, np.ndarray] = {}
     filled = False  # answer.logprobs

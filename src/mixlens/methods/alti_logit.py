@@ -311,6 +311,7 @@ def _check_sum(name: str, values: torch.Tensor, direct: torch.Tensor, trace: Tra
 
 @register(
     "logit_attn",
+    layered_rows=True,
     dims=("source",),
     options=TARGET_OPTIONS,
     extras={**EXTRAS, "heads": ("layer", "head", "source")},

@@ -380,6 +380,8 @@ class Method:
     backward: bool = False  # runs gradient passes (a backward through every layer: `memory.backward_bytes`)
     backward_rows: Callable[[int, int], int] | None = None  # rows of its largest backward for B inputs of n tokens
     # (memory estimates; default B)
+    layered_rows: bool = False  # explaining an answer, its rows are added up layer by layer during the forward pass
+    # (`alti_logit.LogitTerms`): no layer of the trace is kept
 
     def refusal(self, family: Family) -> str | None:
         """Why this method refuses the family (one line), or None."""
@@ -479,6 +481,7 @@ def register(
     card: Card | None = None,
     backward: bool = False,
     backward_rows: Callable[[int, int], int] | None = None,
+    layered_rows: bool = False,
 ) -> Callable[[F], F]:
     """Register `fn` under `name`. `options` must declare exactly the function's keyword-only parameters (besides
     `heads`), with the same defaults; `extras` names the secondary outputs the function may return, with their
@@ -554,6 +557,7 @@ def register(
             group,
             backward,
             backward_rows,
+            layered_rows,
         )
         return fn
 
