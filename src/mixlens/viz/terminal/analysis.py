@@ -132,5 +132,5 @@ def error_line(error: float, share: Any, dtype: str) -> str:
         return line
     return (  # two lines that fit 80 columns
         f"{line} = {float(share.max()):.2g}× the {dtype} tolerance\n"
-        f"  (every piece vs the model's own, token by token, to {rel:g} of each token's size)"
+        f"  (every piece vs the model's own, per token, to {rel:g} of its size)"
     )
