@@ -106,4 +106,4 @@ def test_reconstruction_error_is_said_against_the_dtypes_tolerance(bundled, dtyp
     assert code == 0, errs
     line = next(ln for ln in out.splitlines() if ln.startswith("reconstruction error"))
     assert f"× the {dtype} tolerance" in line
-    assert f"to {TOLERANCES[getattr(torch, dtype)]:g} of each token's size" in out
+    assert f"to {TOLERANCES[getattr(torch, dtype)]:g} of its size" in out
