@@ -15,6 +15,8 @@ from the token pass `block_norms` kept (`norms.pair_rows`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mixlens.adapters import Family
@@ -76,58 +78,37 @@ def _norm_rollout(trace: Trace, name: str) -> torch.Tensor:
     return rollout_rows(trace, layer_rows, rows)
 
 
-@register(
-    "norm_rollout",
-    engine=True,
-    explains=True,
-    unnormalised=True,
-    row_mode=True,
-    stream=STREAM,
-    card=Card(
-        definition="R_l = N_l R_{l−1}, N = ‖Σ_h α^h_ij f^h(x_j)‖ (plain product, no residual).",
-        passes=TRACED + " (norm engine).",
-        memory=ROLLOUT_MEMORY + ".",
-        background=BACKGROUND,
-    ),
-)
+def _declared(definition: str) -> dict[str, Any]:
+    """What the three norm rollouts declare alike (norm engine, explain, unnormalised, row mode streamed layer by
+    layer), with the card's `definition`."""
+    return {
+        "engine": True,
+        "explains": True,
+        "unnormalised": True,
+        "row_mode": True,
+        "stream": STREAM,
+        "card": Card(
+            definition=definition,
+            passes=TRACED + " (norm engine).",
+            memory=ROLLOUT_MEMORY + ".",
+            background=BACKGROUND,
+        ),
+    }
+
+
+@register("norm_rollout", **_declared("R_l = N_l R_{l−1}, N = ‖Σ_h α^h_ij f^h(x_j)‖ (plain product, no residual)."))
 def norm_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N = ‖Σ_h α^h_ij f^h(x_j)‖ over layers 1..l (plain product, no residual): [B, L, n, n]."""
     return _norm_rollout(trace, "n")
 
 
-@register(
-    "norm_res_rollout",
-    engine=True,
-    explains=True,
-    unnormalised=True,
-    row_mode=True,
-    stream=STREAM,
-    card=Card(
-        definition="R_l = N_l R_{l−1}, N = N-Res = ‖t_ij‖ (plain product).",
-        passes=TRACED + " (norm engine).",
-        memory=ROLLOUT_MEMORY + ".",
-        background=BACKGROUND,
-    ),
-)
+@register("norm_res_rollout", **_declared("R_l = N_l R_{l−1}, N = N-Res = ‖t_ij‖ (plain product)."))
 def norm_res_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N-Res = ‖t_ij‖ (attention plus residual) over layers 1..l (plain product): [B, L, n, n]."""
     return _norm_rollout(trace, "n_res")
 
 
-@register(
-    "norm_resln_rollout",
-    engine=True,
-    explains=True,
-    unnormalised=True,
-    row_mode=True,
-    stream=STREAM,
-    card=Card(
-        definition="R_l = N_l R_{l−1}, N = N-ResLN = ‖g_i(t_ij)‖ (plain product).",
-        passes=TRACED + " (norm engine).",
-        memory=ROLLOUT_MEMORY + ".",
-        background=BACKGROUND,
-    ),
-)
+@register("norm_resln_rollout", **_declared("R_l = N_l R_{l−1}, N = N-ResLN = ‖g_i(t_ij)‖ (plain product)."))
 def norm_resln_rollout(trace: Trace) -> torch.Tensor:
     """Rollout of N-ResLN = ‖g_i(t_ij)‖ (attention, residual, LayerNorm) over layers 1..l (plain product)."""
     return _norm_rollout(trace, "n_resln")
