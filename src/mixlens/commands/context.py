@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from mixlens.commands.options import INVOCATION, Runtime
+from mixlens.commands.options import interrupted as stopped
 from mixlens.errors import MixlensError
 
 
@@ -69,12 +70,7 @@ def evaluate_context_cmd(
                     ),
                 )
         except KeyboardInterrupt:
-            typer.echo(
-                f"mixlens: interrupted; the prompts finished so far are in {dest / checkpoint.FILE}. Resume with "
-                f"the same command: {command}",
-                err=True,
-            )
-            raise typer.Exit(130) from None
+            raise stopped(f"the prompts finished so far are in {dest / checkpoint.FILE}") from None
         payload = _write(dest, ev, interrupted=False)
     if fmt == "json":
         write_stdout(payload + "\n")

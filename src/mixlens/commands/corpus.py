@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -152,14 +151,9 @@ def register(app: typer.Typer) -> None:
                 allow_random_head=allow_random_head,
             )
         except KeyboardInterrupt:
-            from mixlens.commands.options import INVOCATION
+            from mixlens.commands.options import interrupted
 
-            typer.echo(
-                f"mixlens: interrupted; finished shards in {out} are kept. Resume with the same command: "
-                f"{shlex.join(['mixlens', *INVOCATION])}",
-                err=True,
-            )
-            raise typer.Exit(130) from None
+            raise interrupted(f"finished shards in {out} are kept") from None
         c = res.manifest["counts"]
         if not quiet:
             from mixlens.viz.terminal import print_corpus_summary

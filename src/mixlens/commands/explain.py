@@ -18,6 +18,7 @@ from mixlens.commands.options import (
     Runtime,
     deprecated_head_option,
     gguf_file_option,
+    interrupted,
     model_head_option,
     model_option,
     pick_model_head,
@@ -404,12 +405,9 @@ def _evaluate_and_write(
             typer.echo("mixlens: interrupted before the first batch finished; nothing was written", err=True)
         else:
             _write(dest, part, skipped, interrupted=stop.total)
-            typer.echo(
-                f"mixlens: interrupted; kept {len(part.examples)} of {stop.total} examples in "
-                f"{dest / 'evaluation.json'}. Resume with the same command: "
-                f"{shlex.join(['mixlens', *INVOCATION])}",
-                err=True,
-            )
+            raise interrupted(
+                f"kept {len(part.examples)} of {stop.total} examples in {dest / 'evaluation.json'}"
+            ) from None
         raise typer.Exit(130) from None
     payload = _write(dest, ev, skipped)
     if fmt == "json":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -437,6 +438,15 @@ def precheck_model(
 
 
 INVOCATION: list[str] = []  # the command line of this run (set by `mixlens.cli.main`), e.g. to say how to resume
+
+
+def interrupted(kept: str) -> typer.Exit:
+    """Say on stderr, in one line, that a resumable run was interrupted, what it kept (`kept`) and how to resume it
+    (this run's command line); the exit (code 130) to raise."""
+    typer.echo(
+        f"mixlens: interrupted; {kept}. Resume with the same command: {shlex.join(['mixlens', *INVOCATION])}", err=True
+    )
+    return typer.Exit(130)
 
 
 def quiet_libraries() -> None:
