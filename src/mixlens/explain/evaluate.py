@@ -381,7 +381,7 @@ def run_batches(
     # a causal LM's explained row is each input's last token: methods computing that row alone read a streamed
     # trace (`pipeline.stream_trace`: no layer's tensors kept), the others an inputs-only one
     streamed = STREAM and kind == "causal" and bool(readers) and all(get_method(m).row_mode for m in readers)
-    one_row = [m for m in real if get_method(m).row_mode] if kind in ("causal", "masked") else []
+    one_row = fits.row_only(real, kind)
     perturbed = any(r != NO_REMOVAL for r in removals)
     while group := list(itertools.islice(items, batch_size)):
         texts = [t for t, _ in group]

@@ -87,7 +87,7 @@ def explain(
     request = request_of(lens, kind, target, foil)
     timings: dict[str, float] = {}
     done: list[Explained] = []
-    one_row = [m for m in methods if get_method(m).row_mode] if kind in ("causal", "masked") else []
+    one_row = fits.row_only(methods, kind)
     for batch in lens.batches(texts, batch_size):  # tokenised only: each batch's passes are estimated first
         report_truncated(batch)
         chunk = [texts[b] for b in batch.index]

@@ -34,6 +34,12 @@ TRACE_FLOATS = 9  # floats per token, layer and hidden dim a kept trace holds (x
 # in- and outputs, v; q and K in row mode): 1.2 GB at 2,015 tokens on SmolLM2, besides its logits
 
 
+def row_only(methods: Sequence[str], kind: str) -> list[str]:
+    """The methods that compute only the explained row for a model of this kind (`Method.row_mode` on causal and
+    masked LMs, whose explained row is one position)."""
+    return [m for m in methods if get_method(m).row_mode] if kind in ("causal", "masked") else []
+
+
 def batch_bytes(
     lens,
     methods: Sequence[str],
