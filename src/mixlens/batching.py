@@ -3,7 +3,6 @@ into right-padded batches (`Encoded`), and the `Batch` that `Lens.batches` yield
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ import numpy as np
 import torch
 
 from mixlens.errors import MixlensError
+from mixlens.texts import has_visible
 from mixlens.trace import Trace
 
 Text = str | tuple[str, str]  # a single text or a sentence pair
@@ -143,13 +143,6 @@ class Tokenized:
 def text_of(t: Text | list[str]) -> str:
     """An input as one text (a pair joined by [PAIR], words by spaces)."""
     return t if isinstance(t, str) else " [PAIR] ".join(t) if isinstance(t, tuple) else " ".join(t)
-
-
-def has_visible(s: str) -> bool:
-    """Has a character that is neither whitespace nor a control / zero-width format character."""
-    if s.strip() and s.isprintable():
-        return True
-    return any(not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf") for c in s)
 
 
 def check_texts(texts: Sequence[Text | list[str]]) -> list[Text | list[str]]:

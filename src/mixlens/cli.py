@@ -109,7 +109,7 @@ def terminate_as_interrupt() -> Iterator[None]:
 def interrupted_note() -> str:
     """What a command stopped by Ctrl-C kept: the files it had completed, or that nothing was written (every file
     is written whole, by a rename, or not at all)."""
-    written = getattr(sys.modules.get("mixlens.result"), "WRITTEN", [])  # not imported: nothing was written
+    written = getattr(sys.modules.get("mixlens.atomic"), "WRITTEN", [])  # not imported: nothing was written
     if not written:
         return "nothing was written (results are written only when the command finishes)"
     done = list(dict.fromkeys(str(p) for p in written))
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = list(sys.argv[1:] if argv is None else argv)
     options.INVOCATION[:] = args
-    if "mixlens.result" in sys.modules:  # in-process calls (tests, notebooks): count only this command's files
-        sys.modules["mixlens.result"].WRITTEN.clear()
+    if "mixlens.atomic" in sys.modules:  # in-process calls (tests, notebooks): count only this command's files
+        sys.modules["mixlens.atomic"].WRITTEN.clear()
     shown = warnings.showwarning
     warnings.showwarning = one_line_warning  # a library's warning (numpy, scipy, transformers): one line, no source
     try:

@@ -72,7 +72,7 @@ def test_out_is_a_directory(argv, tmp_path, capsys, no_model):
 
 @pytest.mark.parametrize("eno, reason", [(errno.EROFS, "Read-only file system"), (errno.ENOSPC, "No space left")])
 def test_atomic_write_failing_filesystem(eno, reason, tmp_path, monkeypatch):
-    from mixlens.result import files
+    from mixlens import atomic as files
 
     def fail(*args, **kwargs):
         raise OSError(eno, os.strerror(eno))
@@ -88,7 +88,7 @@ def test_atomic_write_failing_filesystem(eno, reason, tmp_path, monkeypatch):
 
 
 def test_analyze_on_read_only_filesystem(tmp_path, monkeypatch, capsys):
-    from mixlens.result import files
+    from mixlens import atomic as files
 
     def fail(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))

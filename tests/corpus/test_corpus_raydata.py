@@ -152,6 +152,13 @@ def same_numbers(a, b) -> None:
     assert a.manifest["counts"] == b.manifest["counts"]
 
 
+def full_shards(manifest: dict, size: int = 8) -> bool:
+    """Every shard of a one-file run holds `size` examples but the last: Ray Data's block shaping (which cuts and
+    joins blocks by bytes) did not split shards into pieces."""
+    sizes = [s["examples"] for s in manifest["shards"]]
+    return sizes == [size] * (N // size) + ([N % size] if N % size else [])
+
+
 @pytest.mark.slow  # a two-node Ray cluster
 def test_two_nodes_match_local(cluster, local, tiny_model, tmp_path):
     address, _ = cluster
@@ -160,6 +167,7 @@ def test_two_nodes_match_local(cluster, local, tiny_model, tmp_path):
                      backend="ray-data", address=address, workers=2)  # fmt: skip
     assert res.manifest["complete"] and res.manifest["ray"]["actors"] == 2
     assert res.manifest["job"]["layout"] == "index"
+    assert full_shards(res.manifest) and not res.manifest["ray"]["tokenize_stage"]  # the actors tokenised
     same_numbers(loc, res)
     before = _shard_files(tmp_path / "rd")
     again = run_corpus(data, tmp_path / "rd", METHODS, model=tiny_model, shard_size=8, store="full",
@@ -239,7 +247,9 @@ def test_filesystem_folder_out_resumes_with_a_tokenizing_cpu(cluster, local, tin
     kw = {"model": tiny_model, "shard_size": 8, "store": "full", "backend": "ray-data", "address": address}
     res = run_corpus(data, out, METHODS, workers=1, tokenize_cpus=1, **kw)
     assert res.manifest["ray"]["actors"] == 1 and res.manifest["ray"]["tokenize_cpus"] == 1
+    assert res.manifest["ray"]["tokenize_stage"]
     assert sum(res.manifest["ray"]["nodes"].values()) == N
+    assert full_shards(res.manifest)
     same_numbers(loc, res)
     folder = tmp_path / "st" / "run"
     before = _shard_files(folder)
@@ -408,7 +418,7 @@ def test_tokenizing_stage_gives_the_shard_the_compute_step_gives(tiny_model, pai
     from mixlens.batching import Tokenized
     from mixlens.corpus.compute import compute_shard
     from mixlens.corpus.job import Job
-    from mixlens.corpus.raydata import _block, tokenize_block
+    from mixlens.corpus.raydata import shard_examples, shard_row, tokenize_block
     from mixlens.corpus.readers import Example
     from mixlens.lens import load
 
@@ -419,10 +429,10 @@ def test_tokenizing_stage_gives_the_shard_the_compute_step_gives(tiny_model, pai
         tiny_model, "tiny", "d", None, "a", "b" if pair else None, ("norm_resln", "attention_rollout"),
         store="full", max_length=12, batch_size=4,
     )  # fmt: skip
-    rows = tokenize_block(_block(examples, pair), job).to_pydict()
-    assert max(rows["n_tokens"]) == 12 and max(rows["truncated_from"]) > 12  # some inputs were cut to the limit
-    types = rows["types"] if all(x is not None for x in rows["types"]) else None
-    tok = Tokenized.restore(rows["ids"], types, rows["words"], rows["truncated_from"])
+    (row,) = tokenize_block(shard_row(examples, pair), job).to_pylist()
+    assert shard_examples(row) == examples  # the shard row carries its examples whole, in order
+    assert max(row["n_tokens"]) == 12 and max(row["truncated_from"]) > 12  # some inputs were cut to the limit
+    tok = Tokenized.restore(row["ids"], row["types"], row["words"], row["truncated_from"])
     lens = load(tiny_model)
     staged, info = compute_shard(lens, job, 10, examples, tokenized=tok)
     inline, info2 = compute_shard(lens, job, 10, examples)
@@ -430,3 +440,29 @@ def test_tokenizing_stage_gives_the_shard_the_compute_step_gives(tiny_model, pai
     a, b = pq.read_table(pa.BufferReader(staged)), pq.read_table(pa.BufferReader(inline))
     assert a.equals(b)
     assert json.loads(a.schema.metadata[b"mixlens.sums"]) == json.loads(b.schema.metadata[b"mixlens.sums"])
+
+
+def test_read_tasks_import_no_torch(tmp_path):
+    """A read task (on a CPU node of a cluster, maybe without torch's threads to spare) parses its part into shard
+    rows and writes its bad-record counts without importing torch, transformers or the model code."""
+    data = synth(tmp_path / "d.tsv", 20)
+    code = f"""
+import json, sys
+import numpy as np
+from mixlens.corpus import raydata
+from mixlens.corpus.outdir import OutDir
+from mixlens.corpus.readers import FsFile
+import pyarrow.fs as pafs
+out = OutDir.of({str(tmp_path / "out")!r})
+out.mkdir(raydata.SKIP_DIR)
+path = {str(data)!r}
+part = raydata.Part(0, FsFile(pafs.LocalFileSystem(), path, path, {data.stat().st_size}))
+rows = [r for t in raydata.read_part(part, "tsv", "sentence", None, False, np.array([3]), out, 8) for r in t.to_pylist()]
+print(json.dumps([[len(r["index"]) for r in rows], rows[0]["index"][:4], sorted(m for m in ("torch", "transformers",
+      "mixlens.lens") if m in sys.modules)]))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    sizes, first, heavy = json.loads(res.stdout.strip().splitlines()[-1])
+    assert sizes == [8, 8, 3] and first == [0, 1, 2, 4]  # shard rows of 8 examples; index 3 was already claimed
+    assert heavy == []
+    assert (tmp_path / "out" / "skipped" / "part-00000.json").exists()

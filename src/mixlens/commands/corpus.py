@@ -99,8 +99,8 @@ def register(app: typer.Typer) -> None:
         tokenize_cpus: float | None = typer.Option(
             None,
             "--tokenize-cpus",
-            help="ray-data: CPUs each tokenising task asks for (default 0: they run beside the read tasks; give "
-            "them CPUs when the actors leave some free, e.g. GPU actors).",
+            help="ray-data: tokenise in a stage of CPU tasks of T CPUs each, not in the actors (default: a stage of "
+            "0-CPU tasks with GPU actors, none with CPU actors); give CPUs when the actors leave some free.",
         ),
         model_head: str | None = model_head_option(),
         head: str | None = deprecated_head_option(),

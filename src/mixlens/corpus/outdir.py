@@ -19,8 +19,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from mixlens.atomic import atomic_write
 from mixlens.errors import MixlensError
-from mixlens.result import atomic_write
 
 OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})  # filesystems where one upload is already atomic
 

@@ -3,13 +3,18 @@ the books.
 
     read     one Ray Data read task per file, or per range of Parquet row groups (a file or folder, local or any
              pyarrow filesystem URI, or `hf:`), parsed by the mixlens readers: the same examples, source indexes and
-             bad-record counts as a local run; rows some finished shard already holds are dropped here
-    tokenise Ray Data tasks (fused with the read tasks) load the model's tokenizer and config once per worker
-             process, no weights, and add each row's token ids, types, word ids and lengths (`tokenize_block`)
+             bad-record counts as a local run; rows some finished shard already holds are dropped here. Each
+             Ray Data row is one shard (≤ `shard_size` examples as lists, `shard_row`) and each block one row, so
+             Ray Data's byte-sized block shaping never cuts or joins shards
+    tokenise only with GPU actors or `tokenize_cpus` > 0: Ray Data tasks (fused with the read tasks) load the
+             model's tokenizer and config once per worker process, no weights, and add each example's token ids,
+             types, word ids and lengths (`tokenize_block`); otherwise the actors tokenise (CPU actors that hold
+             every core gain nothing from a separate stage: it would load a tokenizer in another process and
+             compete with them for the same cores)
     compute  an actor pool (`concurrency` actors, `num_cpus` / `num_gpus` each): every actor loads the job's model
-             once and turns each batch of ≤ `shard_size` examples into one shard with `compute_shard` (the local
-             path: the same `Lens`, methods and statistics, packing the given token ids as it packs texts),
-             written straight to DIR/shards/shard-<first index>
+             once and turns each shard row into one shard with `compute_shard` (the local path: the same `Lens`,
+             methods and statistics, packing the given token ids as it packs texts), written straight to
+             DIR/shards/shard-<first index>
     driver   streams the shards' small info rows (manifest, progress), then merges the partial sums exactly as a
              local run does
 
@@ -36,9 +41,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mixlens.batching import Tokenized
 from mixlens.corpus import shards as sh
-from mixlens.corpus.compute import compute_shard
 from mixlens.corpus.job import Job
 from mixlens.corpus.outdir import OutDir
 from mixlens.corpus.readers import (
@@ -153,20 +156,32 @@ def plan_parts(files: list[FsFile], fmt: str) -> list[Part]:
     return parts
 
 
-def _block(examples: list[Example], pair: bool) -> pa.Table:
-    cols: dict[str, Any] = {"index": pa.array([e.index for e in examples], pa.int64())}
-    cols["text"] = pa.array([e.text[0] if isinstance(e.text, tuple) else e.text for e in examples], pa.string())
+def shard_row(examples: list[Example], pair: bool) -> pa.Table:
+    """One Ray Data row that is one shard: the examples' source `index`, `text` (and `text_pair`) and JSON `fields`,
+    each a list over the examples."""
+
+    def one(values: list, kind: pa.DataType) -> pa.Array:
+        return pa.array([values], pa.list_(kind))
+
+    cols: dict[str, Any] = {"index": one([e.index for e in examples], pa.int64())}
+    cols["text"] = one([e.text[0] if isinstance(e.text, tuple) else e.text for e in examples], pa.string())
     if pair:
-        cols["text_pair"] = pa.array([e.text[1] for e in examples], pa.string())
-    cols["fields"] = pa.array([json.dumps(e.fields, default=str, ensure_ascii=False) for e in examples], pa.string())
+        cols["text_pair"] = one([e.text[1] for e in examples], pa.string())
+    cols["fields"] = one([json.dumps(e.fields, default=str, ensure_ascii=False) for e in examples], pa.string())
     return pa.table(cols)
+
+
+def shard_examples(row: dict[str, Any]) -> list[Example]:
+    """The examples of one shard row (as `Table.to_pylist` gives it), in source order."""
+    texts = list(zip(row["text"], row["text_pair"], strict=True)) if "text_pair" in row else row["text"]
+    return [Example(i, t, json.loads(f)) for i, t, f in zip(row["index"], texts, row["fields"], strict=True)]
 
 
 def read_part(
     part: Part, fmt: str, tcol: str, pcol: str | None, strict: bool, done: Any, out: OutDir, block_rows: int
 ) -> Iterator[pa.Table]:
-    """One read task: the part's examples not yet in a shard, as blocks of `block_rows` (one shard each, so that
-    every block is one task of the actor pool); its bad-record counts go to DIR/skipped."""
+    """One read task: the part's examples not yet in a shard, as shard rows of `block_rows` examples (each its own
+    block, so one task of the actor pool); its bad-record counts go to DIR/skipped."""
     import ray
 
     claimed: np.ndarray = ray.get(done) if isinstance(done, ray.ObjectRef) else done  # sorted source indexes
@@ -182,10 +197,10 @@ def read_part(
             continue
         buf.append(e)
         if len(buf) == block_rows:
-            yield _block(buf, pcol is not None)
+            yield shard_row(buf, pcol is not None)
             buf = []
     if buf:
-        yield _block(buf, pcol is not None)
+        yield shard_row(buf, pcol is not None)
     counts = {k: v for k, v in stats.as_dict().items() if k != "read"}
     out.write(f"{SKIP_DIR}/part-{part.pid:05d}.json", json.dumps(counts).encode())
 
@@ -218,25 +233,29 @@ def _tokenizer(model: str | None, gguf_file: str | None, max_length: int | None)
 
 
 def tokenize_block(batch: pa.Table, job: Job) -> pa.Table:
-    """The tokenizing stage (CPU tasks): each text row gains its token ids as the model's batching makes them
-    (`ids`, `types` when the tokenizer has token types, `words`), `n_tokens` after truncation and `truncated_from`
-    (its length before, 0 if not cut); the compute actors pack and pad these without tokenizing again."""
+    """The tokenizing stage (CPU tasks): each shard row gains, per example, its token ids as the model's batching
+    makes them (`ids`, `types` when the tokenizer has token types, `words`), `n_tokens` after truncation and
+    `truncated_from` (its length before, 0 if not cut); the compute actors pack and pad these without tokenizing
+    again."""
     from mixlens.batching import Tokenized, check_texts
 
     tok, limit = _tokenizer(job.model, job.gguf_file, job.max_length)
-    first = batch["text"].to_pylist()
-    pairs = batch["text_pair"].to_pylist() if "text_pair" in batch.column_names else None
-    texts = list(zip(first, pairs, strict=True)) if pairs is not None else first
-    t = Tokenized(tok, check_texts(texts), limit, True, limit)
-    cols = {
-        "ids": pa.array(t.ids, pa.list_(pa.int64())),
-        "types": pa.array(t.types if t.types is not None else [None] * len(t.ids), pa.list_(pa.int64())),
-        "words": pa.array(t.words, pa.list_(pa.int64())),
-        "n_tokens": pa.array(t.lengths, pa.int64()),
-        "truncated_from": pa.array(t.truncated, pa.int64()),
-    }
-    for name, col in cols.items():
-        batch = batch.append_column(name, col)
+    cols: dict[str, list] = {k: [] for k in ("ids", "types", "words", "n_tokens", "truncated_from")}
+    for row in batch.to_pylist():
+        texts = list(zip(row["text"], row["text_pair"], strict=True)) if "text_pair" in row else row["text"]
+        t = Tokenized(tok, check_texts(texts), limit, True, limit)
+        for name, value in (
+            ("ids", t.ids),
+            ("types", t.types),
+            ("words", t.words),
+            ("n_tokens", t.lengths),
+            ("truncated_from", t.truncated),
+        ):
+            cols[name].append(value)
+    nested = pa.list_(pa.list_(pa.int64()))
+    kinds = {"ids": nested, "types": nested, "words": nested, "n_tokens": pa.list_(pa.int64())}
+    for name, values in cols.items():
+        batch = batch.append_column(name, pa.array(values, kinds.get(name, pa.list_(pa.int64()))))
     return batch
 
 
@@ -259,19 +278,23 @@ class ShardWriter:
             self.lens = e
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """`batch`: shard rows (one, as a rule); returns one info row per shard written."""
+        from mixlens.batching import Tokenized
+        from mixlens.corpus.compute import compute_shard
+
         if isinstance(self.lens, MixlensError):
             raise self.lens
-        rows = batch.sort_by("index").to_pydict()
-        texts = list(zip(rows["text"], rows["text_pair"], strict=True)) if "text_pair" in rows else rows["text"]
-        examples = [Example(i, t, json.loads(f)) for i, t, f in zip(rows["index"], texts, rows["fields"], strict=True)]
-        shard_id = examples[0].index
-        tokenized = None
-        if "ids" in rows:  # tokenized by the CPU stage
-            types = rows["types"] if all(x is not None for x in rows["types"]) else None
-            tokenized = Tokenized.restore(rows["ids"], types, rows["words"], rows["truncated_from"])
-        payload, info = compute_shard(self.lens, self.job, shard_id, examples, tokenized=tokenized)
-        self.out.write(sh.shard_file(shard_id), payload)
-        return pa.table({"info": [json.dumps(info)], "node": [self.node]})
+        infos = []
+        for row in batch.to_pylist():
+            examples = shard_examples(row)
+            shard_id = examples[0].index
+            tokenized = None
+            if "ids" in row:  # tokenized by the CPU stage
+                tokenized = Tokenized.restore(row["ids"], row["types"], row["words"], row["truncated_from"])
+            payload, info = compute_shard(self.lens, self.job, shard_id, examples, tokenized=tokenized)
+            self.out.write(sh.shard_file(shard_id), payload)
+            infos.append(json.dumps(info))
+        return pa.table({"info": infos, "node": [self.node] * len(infos)})
 
 
 def claimed_indexes(out: OutDir, done: dict[int, dict]) -> np.ndarray:
@@ -373,6 +396,12 @@ def missing_ranges(claimed: np.ndarray, total: int, most: int = 4) -> tuple[int,
     return int(missing.size), ", ".join(ranges[:most]) + more
 
 
+def staged(tokenize_cpus: float, gpus: float) -> bool:
+    """Whether tokenizing is a stage of CPU tasks of its own: when it is given CPUs, or the actors compute on GPUs;
+    CPU actors that take every core tokenize their shards themselves."""
+    return tokenize_cpus > 0 or gpus > 0
+
+
 def check_resources(ray: Any, actors: int, cpus: float, gpus: float, tokenize_cpus: float) -> None:
     """Fail with one line on a pool the cluster cannot place (Ray Data would wait for it for ever): an actor or a
     tokenising task larger than every node, or actors that leave no CPU for the tokenising tasks that ask for some."""
@@ -391,10 +420,12 @@ def check_resources(ray: Any, actors: int, cpus: float, gpus: float, tokenize_cp
 
 
 @contextlib.contextmanager
-def _data_context(block_bytes: int) -> Iterator[None]:
+def _data_context() -> Iterator[None]:
     """Ray Data's settings for one run (restored after): nothing of its own on the terminal, no progress bars, INFO
     lines or error tracebacks (ours counts examples and a failure is one line; its log file keeps everything), and
-    blocks of `block_bytes`."""
+    one row per block: a row is a shard, and Ray Data cuts a block larger than its byte target into pieces (or
+    joins smaller ones) whatever its rows, so with any larger target a shard would reach an actor in pieces of a few
+    examples each."""
     import logging
     import warnings
 
@@ -403,7 +434,7 @@ def _data_context(block_bytes: int) -> Iterator[None]:
     ctx = DataContext.get_current()
     log = logging.getLogger("ray.data")
     saved = (ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size, log.level)
-    ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size = False, False, block_bytes
+    ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.target_max_block_size = False, False, 1
     consoles = [  # the terminal's handler, not the session's log file
         h for h in log.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
     ]
@@ -472,8 +503,7 @@ def run(
     # the first readable example, before the model and --out: empty files, unknown columns fail here
     columns, records = open_records(data if is_hf else files[0], fmt)
     tcol, pcol = resolve_columns(columns, text_column, pair_column, data)
-    head = list(itertools.islice(examples_from(records, tcol, pcol, strict, None, data), 256))
-    row_bytes = _block(head, pcol is not None).nbytes / len(head)
+    list(itertools.islice(examples_from(records, tcol, pcol, strict, None, data), 1))
     stamp = [{"file": str(f), "size": f.size, "mtime_ns": f.fs.get_file_info(f.path).mtime_ns} for f in files]
     job = replace(
         job,
@@ -524,6 +554,7 @@ def run(
                         "num_cpus": cpus,
                         "num_gpus": gpus,
                         "tokenize_cpus": cluster.tokenize_cpus,
+                        "tokenize_stage": staged(cluster.tokenize_cpus, gpus),
                         "logs": logs,
                     }
                 )
@@ -553,20 +584,21 @@ def run(
                             for p in parts
                         ]
 
-                # blocks of about one shard: each is one task of the actor pool, spread over actors and nodes
-                with _data_context(max(256, int(job.shard_size * row_bytes))), bar or contextlib.nullcontext():
+                # one block per shard: each is one task of the actor pool, spread over actors and nodes
+                with _data_context(), bar or contextlib.nullcontext():
                     ds = ray.data.read_datasource(_Source(), override_num_blocks=len(parts), num_cpus=0)
-                    ds = ds.map_batches(  # CPU tasks: one block (≤ one shard) at a time, tokenizer cached per worker
-                        tokenize_block,
-                        fn_args=(job,),
-                        batch_size=None,
-                        batch_format="pyarrow",
-                        num_cpus=cluster.tokenize_cpus,
-                    )
+                    if staged(cluster.tokenize_cpus, gpus):
+                        ds = ds.map_batches(  # CPU tasks: one shard at a time, tokenizer cached per worker
+                            tokenize_block,
+                            fn_args=(job,),
+                            batch_size=None,
+                            batch_format="pyarrow",
+                            num_cpus=cluster.tokenize_cpus,
+                        )
                     ds = ds.map_batches(
                         ShardWriter,
                         fn_constructor_args=(job, out, max(1, int(cpus or 1))),
-                        batch_size=job.shard_size,
+                        batch_size=None,
                         batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(size=n),
                         num_cpus=cpus,

@@ -20,7 +20,7 @@ from typing import Any
 
 from mixlens import jsonio
 from mixlens.errors import MixlensError
-from mixlens.lens import has_visible
+from mixlens.texts import has_visible
 
 Text = str | tuple[str, str]
 FORMATS = ("tsv", "csv", "jsonl", "parquet", "text")

@@ -8,10 +8,11 @@ The package, by role:
 - `validation`, `loading`: checking untrusted loaded data (a saved file, analyze's JSON) before any value is used.
 """
 
+from mixlens.atomic import WRITTEN, atomic_write
 from mixlens.result.analysis import Analysis
 from mixlens.result.attribution import Attribution
 from mixlens.result.explanation import ANSWER_AXES, Explained, Explanation
-from mixlens.result.files import ANALYSIS_FORMAT, ATTRIBUTION_FORMAT, MAX_HEADER, SAVE_ID, WRITTEN, atomic_write
+from mixlens.result.files import ANALYSIS_FORMAT, ATTRIBUTION_FORMAT, MAX_HEADER, SAVE_ID
 from mixlens.result.rows import TOKEN_AXES, InputBiasRows, InputRows
 
 __all__ = [
