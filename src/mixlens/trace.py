@@ -656,7 +656,9 @@ def hooked(
             release(n)  # the previous layer's freed transients back to the system (a long input)
 
             def contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-                return nullcontext(), _recomputing(s, layer, n, extra)
+                # a fresh `_recomputing` each time the backward enters it: several backward passes through one
+                # forward (retain_graph, an answer's batches of rows) each recompute the layer
+                return nullcontext(), _EachTime(lambda: _recomputing(s, layer, n, extra))
 
             return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
@@ -784,6 +786,23 @@ def _recomputing(
     finally:
         s.layer = before
         _SESSION.reset(token)
+
+
+class _EachTime(AbstractContextManager[None]):
+    """A context manager that may be entered many times, nested or not: each entry enters a fresh one of `make()`
+    (a generator-based one may be entered once)."""
+
+    def __init__(self, make: Callable[[], AbstractContextManager[Any]]) -> None:
+        self.make = make
+        self.entered: list[AbstractContextManager[Any]] = []
+
+    def __enter__(self) -> None:
+        cm = self.make()
+        cm.__enter__()
+        self.entered.append(cm)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.entered.pop().__exit__(*exc)
 
 
 def f32(t: torch.Tensor | None) -> Any:

@@ -356,3 +356,15 @@ def test_streamed_maps_alone_take_the_log_probabilities_from_their_one_pass(caus
         logp = causal.model(**inputs).logits[0].float().log_softmax(-1)
     pos = [len(head) - 1 + r for r in range(len(answer["ids"]))]
     np.testing.assert_allclose(answer["logprobs"], logp[pos, answer["ids"]].numpy(), rtol=1e-5)
+
+
+def test_more_answer_tokens_than_one_batched_backward(causal, answered, monkeypatch):
+    """An answer longer than `ROWS_PER_BACKWARD` tokens takes several backward passes through the one forward, each
+    recomputing the layers (activation checkpointing): every pass gives the rows one batched backward gives."""
+    import mixlens.methods.saliency as saliency
+
+    monkeypatch.setattr(saliency, "ROWS_PER_BACKWARD", 1)
+    ex = explain(causal, [PROMPT], ["grad_x_input", "attnlrp"], answer=ANSWER)
+    assert len(ex.explained[0]["answer"]["ids"]) > 1
+    for m in ("grad_x_input", "attnlrp"):
+        np.testing.assert_allclose(ex[m].input(0), answered[m].input(0), rtol=1e-5, atol=1e-7, err_msg=m)
