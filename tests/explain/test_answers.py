@@ -368,3 +368,19 @@ def test_more_answer_tokens_than_one_batched_backward(causal, answered, monkeypa
     assert len(ex.explained[0]["answer"]["ids"]) > 1
     for m in ("grad_x_input", "attnlrp"):
         np.testing.assert_allclose(ex[m].input(0), answered[m].input(0), rtol=1e-5, atol=1e-7, err_msg=m)
+
+
+@pytest.mark.parametrize("how", ["answer", "generate"])
+def test_no_forward_unembeds_every_position(causal, how):
+    """The gradient methods' pass, the answer's log-probabilities and greedy generation unembed the positions they
+    read only: never [n, vocabulary] (4 GB at 4k tokens with gemma-3's 262k vocabulary, 34 GB at 32k)."""
+    widths = []
+    hook = causal.model.register_forward_hook(lambda mod, args, out: widths.append(out.logits.shape[1]))
+    kw = {"answer": ANSWER} if how == "answer" else {"generate": 3}
+    try:
+        ex = explain(causal, [PROMPT], ["grad_x_input"], **kw)
+    finally:
+        hook.remove()
+    m = len(ex.explained[0]["answer"]["ids"])
+    n = len(answer_prompt(causal, PROMPT)) + m
+    assert widths and max(widths) <= m < n

@@ -535,8 +535,11 @@ def warn_unspaced(lens, text: str, target: str | None, foil: str | None) -> None
         if len(ids) != 1 or len(spaced) != 1 or ids == spaced:
             continue
         enc = tok(text, return_tensors="pt", truncation=True, max_length=lens.max_length)
+        from mixlens.methods.saliency import keeps_logits
+
+        last = {"logits_to_keep": 1} if keeps_logits(lens.model) else {}  # the last position only, not [n, vocabulary]
         with torch.no_grad():
-            logits = lens.model(**{k: v.to(lens.device) for k, v in enc.items()}).logits[0, -1]
+            logits = lens.model(**{k: v.to(lens.device) for k, v in enc.items()}, **last).logits[0, -1]
         p = logits.float().softmax(-1)
         p_word, p_spaced = float(p[ids[0]]), float(p[spaced[0]])
         if p_spaced > SPACE_ODDS * p_word:

@@ -463,8 +463,8 @@ class Cluster:
     concurrency: int | None = None
     num_cpus: float | None = None
     num_gpus: float | None = None
-    # CPUs each tokenizing task asks for: 0 by default, since the default actor pool takes every cluster CPU (the
-    # tasks then run next to the read tasks, Ray Data fuses the two); give them CPUs when the pool leaves some free
+    # CPUs each tokenizing task asks for. Above 0 (or with GPU actors) the tokenizing is a stage of tasks of its own
+    # (`staged`); at 0 with CPU actors, the default, the actors tokenize: the default pool takes every cluster CPU
     tokenize_cpus: float = 0.0
 
 

@@ -130,7 +130,10 @@ def generated(lens: LensLike, ids: list[int], n: int) -> list[int]:
     new: list[int] = []
     for _ in range(n):
         mask = torch.ones(1, len(ids) + len(new), dtype=torch.long, device=lens.device)
-        out = model(input_ids=x, attention_mask=mask, use_cache=True, **({key: past} if past is not None else {}))
+        last = {"logits_to_keep": 1} if keeps_logits(model) else {}  # the prompt's step: not [n, vocabulary]
+        out = model(
+            input_ids=x, attention_mask=mask, use_cache=True, **last, **({key: past} if past is not None else {})
+        )
         past = getattr(out, key, None)
         tok = int(out.logits[0, -1].argmax())
         new.append(tok)
@@ -261,6 +264,8 @@ def logprobs(lens: LensLike, trace: Any, ids: list[int], answer: Answer) -> list
     pos = torch.tensor(answer.positions)
     if trace is not None and trace.logits is not None:
         rows = trace.logit_rows(pos.to(trace.logits.device), 0).float().log_softmax(-1)
+    elif keeps_logits(lens.model):  # the answer's positions only, not [n, vocabulary] (262k wide on gemma-3)
+        rows = lens.model(**lens.encode_ids([ids]).inputs, logits_to_keep=pos).logits[0].float().log_softmax(-1)
     else:
         rows = lens.model(**lens.encode_ids([ids]).inputs).logits[0, pos].float().log_softmax(-1)
     return rows[torch.arange(len(answer.ids)), torch.tensor(answer.ids, device=rows.device)].cpu().tolist()
