@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -182,14 +183,25 @@ def row_gradients(
         with rules if rules is not None else contextlib.nullcontext():
             emb = trace.adapter.base.get_input_embeddings()(trace.inputs["input_ids"]).detach().requires_grad_(True)
             out = _forward(trace, emb, trace.inputs, kwargs)
-        values = []
-        for a, req in enumerate(requests):
-            _, ro = readout(trace.model, trace.tokenizer, out, trace.inputs, req)
-            values.append(ro.g(out, trace.inputs, row_at=None if at is None else at[a : a + 1]))
-        g = torch.cat(values)  # [R]
+        readouts = [readout(trace.model, trace.tokenizer, out, trace.inputs, req)[1] for req in requests]
+        values: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         for s in range(0, len(requests), ROWS_PER_BACKWARD):
-            part = g[s : s + ROWS_PER_BACKWARD]
+            chunk = range(s, min(s + ROWS_PER_BACKWARD, len(requests)))
+            # each chunk reads its own logit rows (one slice of the kept logits) and its own scalars: reading every
+            # request from the whole logits, or slicing all R scalars, would make each chunk's backward run through
+            # all R readouts (zero gradients the size of the kept logits): R² work in all
+            if at is not None and all(readouts[a].fn is None for a in chunk):
+                rows, where = torch.unique(at[s : chunk.stop], return_inverse=True)
+                view = SimpleNamespace(logits=out.logits[:, rows])  # [1, rows, V]
+                part = torch.cat(
+                    [readouts[a].g(view, trace.inputs, row_at=where[k : k + 1]) for k, a in enumerate(chunk)]
+                )
+            else:
+                part = torch.cat(
+                    [readouts[a].g(out, trace.inputs, row_at=None if at is None else at[a : a + 1]) for a in chunk]
+                )
+            values += [part[k : k + 1] for k in range(len(chunk))]
             try:
                 eye = torch.eye(len(part), dtype=part.dtype, device=part.device)
                 (batched,) = torch.autograd.grad(part, emb, grad_outputs=eye, is_grads_batched=True, retain_graph=True)
@@ -197,7 +209,7 @@ def row_gradients(
             except RuntimeError:  # an operation without a batching rule: one backward per request
                 grads += [torch.autograd.grad(v, emb, retain_graph=True)[0] for v in part]
     x = emb.detach()
-    return [(gr.detach(), x, v.detach()[None]) for gr, v in zip(grads, g, strict=True)]
+    return [(gr.detach(), x, v.detach()) for gr, v in zip(grads, values, strict=True)]
 
 
 def gradient_rows(trace: Trace, methods: Sequence[str], requests: Sequence[Request]) -> None:
