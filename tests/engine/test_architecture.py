@@ -11,7 +11,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "mixlens"
 LAYERS = (  # lowest first; a module belongs to the layer of its longest listed prefix
-    ("errors", "version", "lazy", "jsonio", "memory", "catalog", "runlock"),
+    ("errors", "version", "lazy", "jsonio", "memory", "catalog", "runlock", "atomic", "texts"),
     ("adapters",),
     ("inplace", "rowattn", "trace"),
     ("targets",),  # the scalar being explained (`Request`, `Readout`), which the registry's options carry
