@@ -457,7 +457,8 @@ out = OutDir.of({str(tmp_path / "out")!r})
 out.mkdir(raydata.SKIP_DIR)
 path = {str(data)!r}
 part = raydata.Part(0, FsFile(pafs.LocalFileSystem(), path, path, {data.stat().st_size}))
-rows = [r for t in raydata.read_part(part, "tsv", "sentence", None, False, np.array([3]), out, 8) for r in t.to_pylist()]
+blocks = raydata.read_part(part, "tsv", "sentence", None, False, np.array([3]), out, 8)
+rows = [r for t in blocks for r in t.to_pylist()]
 print(json.dumps([[len(r["index"]) for r in rows], rows[0]["index"][:4], sorted(m for m in ("torch", "transformers",
       "mixlens.lens") if m in sys.modules)]))
 """
