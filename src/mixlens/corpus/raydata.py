@@ -173,8 +173,12 @@ def shard_row(examples: list[Example], pair: bool) -> pa.Table:
 
 def shard_examples(row: dict[str, Any]) -> list[Example]:
     """The examples of one shard row (as `Table.to_pylist` gives it), in source order."""
-    texts = list(zip(row["text"], row["text_pair"], strict=True)) if "text_pair" in row else row["text"]
-    return [Example(i, t, json.loads(f)) for i, t, f in zip(row["index"], texts, row["fields"], strict=True)]
+    return [Example(i, t, json.loads(f)) for i, t, f in zip(row["index"], row_texts(row), row["fields"], strict=True)]
+
+
+def row_texts(row: dict[str, Any]) -> list:
+    """The texts of one shard row: strings, or (text, pair) tuples when it has a `text_pair` column."""
+    return list(zip(row["text"], row["text_pair"], strict=True)) if "text_pair" in row else row["text"]
 
 
 def read_part(
@@ -242,8 +246,7 @@ def tokenize_block(batch: pa.Table, job: Job) -> pa.Table:
     tok, limit = _tokenizer(job.model, job.gguf_file, job.max_length)
     cols: dict[str, list] = {k: [] for k in ("ids", "types", "words", "n_tokens", "truncated_from")}
     for row in batch.to_pylist():
-        texts = list(zip(row["text"], row["text_pair"], strict=True)) if "text_pair" in row else row["text"]
-        t = Tokenized(tok, check_texts(texts), limit, True, limit)
+        t = Tokenized(tok, check_texts(row_texts(row)), limit, True, limit)
         for name, value in (
             ("ids", t.ids),
             ("types", t.types),
